@@ -1,0 +1,26 @@
+# The two commands a user needs (see README): `make run` and `make test`.
+SHELL := /bin/bash
+CTL := .venv/control/bin
+export PYTHONPATH := $(CURDIR)
+export PIPELINE_MODEL_PYTHON := $(CURDIR)/.venv/model/bin/python
+export PATH := $(CURDIR)/$(CTL):$(PATH)
+
+.PHONY: setup run test test-fast services-down airflow lock
+
+setup:            ## create/reuse the pinned control-plane and model-plane environments
+	@bash scripts/setup_envs.sh
+
+run: setup        ## set up, start local services, run the pipeline with DVC, print where things are
+	@bash scripts/run_pipeline.sh
+
+test: setup       ## set up and run the whole test suite (unit, integration with real services, DAG, notebooks)
+	@bash scripts/run_tests.sh
+
+test-fast: setup  ## unit tests only (no services)
+	@$(CTL)/python -m pytest -q
+
+airflow: setup    ## start `airflow standalone` on loopback with this repo's DAGs; prints UI URL + login
+	@$(CTL)/python -m pipeline services up airflow
+
+services-down:    ## stop every local service this project started
+	@$(CTL)/python -m pipeline services down all

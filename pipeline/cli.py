@@ -1,0 +1,55 @@
+"""``python -m pipeline <command>``: the one entry point shared by dvc.yaml, the DAG and users.
+
+Command modules are imported only when chosen, so ``python -m pipeline ingest`` does not pay for
+great-expectations or vLLM imports. Each module defines ``add_arguments(parser)`` and
+``main(args, params) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "ingest": ("pipeline.stages.ingest", "load PubMedQA PQA-L, normalise, split train/val/test"),
+    "validate": ("pipeline.stages.validate", "great-expectations suite over the task table"),
+    "materialize-model": ("pipeline.stages.materialize_model", "GGUF/hub/S3 checkpoint -> HF folder under models/"),
+    "serve": ("pipeline.serving.worker", "start/stop/list vLLM workers, hot-load LoRA adapters"),
+    "route": ("pipeline.serving.routing", "apply|status|rollback the proxy's versioned routing"),
+    "proxy": ("pipeline.serving.proxy", "start/stop the role-routing LiteLLM proxy"),
+    "build-index": ("pipeline.stages.build_index", "BM25 literature index over the PubMedQA corpus"),
+    "rollouts": ("pipeline.stages.rollouts", "run the research society over train shards, write traces"),
+    "services": ("pipeline.services.cli", "start/stop local MLflow and Airflow"),
+    "run": ("pipeline.runs", "open/close the MLflow parent run of a pipeline run"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default=None, help="params file (default: $PIPELINE_PARAMS or params.yaml)")
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+    for name, (_module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top, rest = build_parser().parse_known_args(argv)
+    module = importlib.import_module(COMMANDS[top.command][0])
+    sub = argparse.ArgumentParser(prog=f"python -m pipeline {top.command}", description=module.__doc__)
+    module.add_arguments(sub)
+    args = sub.parse_args(rest)
+
+    from pipeline.config import ParamsError, load_params
+
+    try:
+        params = load_params(top.params)
+    except ParamsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.params_path = top.params
+    return int(module.main(args, params) or 0)

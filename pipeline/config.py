@@ -1,0 +1,231 @@
+"""Typed view of ``params.yaml``.
+
+One file drives DVC (``params:`` deps), the Airflow DAG and the CLI, so a typo must fail loudly
+before any stage touches data: every section forbids unknown keys and pydantic names the key path.
+
+Environment overrides use ``PIPELINE__<SECTION>__<KEY>=value`` (value parsed as YAML), e.g.
+``PIPELINE__SPLIT__SEED=7``. They are meant for one-off runs and CI; DVC does not see them, so a
+value you want versioned belongs in ``params.yaml``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "PIPELINE__"
+DEFAULT_PARAMS = Path("params.yaml")
+
+
+class ParamsError(ValueError):
+    """Raised for a params file that does not match the schema; the message names each key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Bounds(_Strict):
+    min: int = Field(ge=0)
+    max: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Bounds":
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
+        return self
+
+
+class DataParams(_Strict):
+    source: str = Field(description="local path, hf://<dataset id>[:<config>], http(s):// URL or s3:// URI")
+    test_ids: str = Field(description="JSON mapping PMID -> label of the official 500-question test split")
+    hf_split: str = "train"
+    out_dir: str = "data/tasks"
+
+
+class SplitParams(_Strict):
+    val_fraction: float = Field(gt=0.0, lt=1.0)
+    seed: int = 42
+
+
+class ValidateParams(_Strict):
+    labels: list[str] = ["yes", "no", "maybe"]
+    question_chars: Bounds
+    context_chars: Bounds
+    split_rows: dict[Literal["train", "val", "test"], Bounds]
+    label_tolerance: float = Field(gt=0.0, lt=1.0, description="max |split share - overall share| per label")
+    quarantine: bool = False
+    out_dir: str = "data/validated"
+    report_dir: str = "reports/validation"
+
+
+class MlflowParams(_Strict):
+    tracking_uri: str | None = Field(None, description="remote server; empty starts the local one")
+    host: str = "127.0.0.1"
+    port: int = 5000
+    home: str = ".mlflow"
+    experiment: str = "society-retraining"
+
+
+class BaseModelParams(_Strict):
+    source: str = Field(description="gguf:<pypi package>/<file>, a local HF folder, hf://<repo id> or s3://")
+    out_dir: str = "models/base"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+
+class TestModelParams(_Strict):
+    out_dir: str = "models/test-tiny"
+    seed: int = 0
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 2
+    intermediate: int = 256
+
+
+class ModelsParams(_Strict):
+    base: BaseModelParams
+    test: TestModelParams = TestModelParams()
+
+
+class WorkerParams(_Strict):
+    name: str
+    model: str
+    port: int
+    served_name: str | None = None
+    lora_modules: dict[str, str] = {}
+    max_model_len: int = 2048
+    max_lora_rank: int = 16
+    kv_cache_gib: int = 1
+    enforce_eager: bool = True
+
+
+class ProxyParams(_Strict):
+    host: str = "127.0.0.1"
+    port: int = 4000
+    key_file: str = ".secrets/proxy_key"
+    request_timeout_s: float = 120.0
+
+
+class ServingParams(_Strict):
+    home: str = ".services"
+    workers: list[WorkerParams]
+    proxy: ProxyParams = ProxyParams()
+    routing_dir: str = "serving/routing"
+    roles: list[str] = ["junior_researcher", "supervisor", "senior_researcher", "review_board", "judge"]
+    verify_max_tokens: int = 4
+    startup_timeout_s: float = 300.0
+
+    @field_validator("workers")
+    @classmethod
+    def _unique_workers(cls, workers: list[WorkerParams]) -> list[WorkerParams]:
+        names = [w.name for w in workers]
+        ports = [w.port for w in workers]
+        if len(set(names)) != len(names) or len(set(ports)) != len(ports):
+            raise ValueError("worker names and ports must be unique")
+        return workers
+
+
+class JudgeWeights(_Strict):
+    novelty: float = Field(ge=0)
+    feasibility: float = Field(ge=0)
+    impact: float = Field(ge=0)
+    clarity: float = Field(ge=0)
+    groundedness: float = Field(ge=0)
+    efficiency: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _positive_total(self) -> "JudgeWeights":
+        if sum(self.model_dump().values()) <= 0:
+            raise ValueError("judge weights must not all be zero")
+        return self
+
+
+class AgentsParams(_Strict):
+    max_turns: int = Field(12, ge=1, description="LLM-call budget of one rollout before PI is forced")
+    max_review_rounds: int = Field(2, ge=0)
+    max_tool_calls: int = Field(2, ge=0, description="ReAct tool calls per junior")
+    max_tokens: int = 256
+    temperature: float = 0.7
+    json_retries: int = Field(2, ge=0, description="repair attempts for invalid structured output")
+    epsilon: float = Field(0.1, ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
+    search_top_k: int = 3
+
+
+class JudgeParams(_Strict):
+    weights: JudgeWeights
+    max_tokens: int = 256
+    failure_score: float = 0.0
+
+
+class RolloutsParams(_Strict):
+    shards: int = Field(2, ge=1)
+    limit: int | None = Field(None, ge=1, description="cap on train tasks (CPU runs); null = all")
+    concurrency: int = Field(2, ge=1)
+    timeout_s: float = 600.0
+    retries: int = Field(1, ge=0)
+    max_failure_rate: float = Field(0.5, ge=0.0, le=1.0)
+    out_dir: str = "data/rollouts"
+    index_dir: str = "data/index"
+
+
+class Params(_Strict):
+    data: DataParams
+    split: SplitParams
+    validate_: ValidateParams = Field(alias="validate")
+    mlflow: MlflowParams = MlflowParams()
+    models: ModelsParams
+    serving: ServingParams
+    agents: AgentsParams = AgentsParams()
+    judge: JudgeParams
+    rollouts: RolloutsParams = RolloutsParams()
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def _apply_env_overrides(raw: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
+    for name, value in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        keys = [k.lower() for k in name[len(ENV_PREFIX):].split("__") if k]
+        if not keys:
+            continue
+        node = raw
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ParamsError(f"{name}: '{key}' is not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(value)
+    return raw
+
+
+def _format_errors(path: Path, exc: ValidationError) -> str:
+    lines = [f"{path}: {exc.error_count()} invalid parameter(s)"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]).replace("validate_", "validate")
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r})"
+        lines.append(f"  - {key}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def load_params(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Params:
+    """Read, override from the environment, and validate; raise ParamsError naming bad keys."""
+    path = Path(path or os.environ.get("PIPELINE_PARAMS", DEFAULT_PARAMS))
+    if not path.exists():
+        raise ParamsError(f"{path}: params file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: top level must be a mapping")
+    raw = _apply_env_overrides(raw, dict(os.environ if environ is None else environ))
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as exc:
+        raise ParamsError(_format_errors(path, exc)) from None

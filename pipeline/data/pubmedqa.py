@@ -1,0 +1,130 @@
+"""PubMedQA PQA-L -> the task table every later stage reads.
+
+Both published layouts are accepted: the original ``ori_pqal.json`` (PMID -> record with upper-case
+keys) and the Hugging Face ``pqa_labeled`` rows (``pubid``, nested ``context``). Normalising never
+drops or repairs a row: a missing field becomes null and a bad value is kept as is, so that
+``validate`` can name it instead of it vanishing here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pipeline.data.sources import SourceError, read_bytes
+
+COLUMNS = ["id", "question", "contexts", "labels", "meshes", "long_answer", "final_decision", "year"]
+SPLITS = ("train", "val", "test")
+
+
+def _pairs_keep_duplicates(pairs: list[tuple[str, Any]]) -> Any:
+    # json.load keeps only the last of duplicate keys; keep them all so duplicates reach validate.
+    return pairs
+
+
+def _as_list(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def _str_or_none(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def normalise_record(pmid: str, rec: Mapping[str, Any]) -> dict[str, Any]:
+    """One row of the task table from either layout."""
+    ctx = rec.get("context")
+    if isinstance(ctx, Mapping):  # Hugging Face layout
+        contexts, labels, meshes = ctx.get("contexts"), ctx.get("labels"), ctx.get("meshes")
+    else:
+        contexts, labels, meshes = rec.get("CONTEXTS"), rec.get("LABELS"), rec.get("MESHES")
+    return {
+        "id": str(pmid),
+        "question": _str_or_none(rec.get("QUESTION", rec.get("question"))),
+        "contexts": _as_list(contexts),
+        "labels": _as_list(labels),
+        "meshes": _as_list(meshes),
+        "long_answer": _str_or_none(rec.get("LONG_ANSWER", rec.get("long_answer"))),
+        "final_decision": _str_or_none(rec.get("final_decision")),
+        "year": _str_or_none(rec.get("YEAR", rec.get("year"))),
+    }
+
+
+def _records_from_json(raw: bytes, origin: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    try:
+        doc = json.loads(raw, object_pairs_hook=_pairs_keep_duplicates)
+    except json.JSONDecodeError as exc:
+        raise SourceError(f"{origin}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from exc
+    if isinstance(doc, list) and all(isinstance(p, tuple) for p in doc):  # top-level object
+        for n, (pmid, rec) in enumerate(doc):
+            if not isinstance(rec, list):
+                raise SourceError(f"{origin}: entry #{n} (id {pmid}) is not an object")
+            yield pmid, _deep_dict(rec) if rec else {}
+        return
+    if isinstance(doc, list):  # list of HF-style rows
+        for n, rec in enumerate(doc):
+            rec = _deep_dict(rec) if isinstance(rec, list) else rec
+            if not isinstance(rec, dict) or "pubid" not in rec:
+                raise SourceError(f"{origin}: row #{n} has no 'pubid'")
+            yield str(rec["pubid"]), rec
+        return
+    raise SourceError(f"{origin}: expected an object of PMID -> record or a list of rows")
+
+
+def _deep_dict(value: Any) -> Any:
+    if isinstance(value, list) and value and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        return {k: _deep_dict(v) for k, v in value}
+    if isinstance(value, list):
+        return [_deep_dict(v) for v in value]
+    return value
+
+
+def load_tasks(source: str, hf_split: str = "train") -> pd.DataFrame:
+    """Read PQA-L from any supported source into the (unsplit) task table."""
+    if source.startswith("hf://"):
+        rows = _load_hf(source[len("hf://"):], hf_split)
+    else:
+        rows = [normalise_record(pmid, rec) for pmid, rec in _records_from_json(read_bytes(source), source)]
+    if not rows:
+        raise SourceError(f"{source}: no records")
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _load_hf(spec: str, split: str) -> list[dict[str, Any]]:
+    import datasets
+
+    name, _, config = spec.partition(":")
+    ds = datasets.load_dataset(name, config or None, split=split)
+    return [normalise_record(str(r["pubid"]), r) for r in ds]
+
+
+def load_test_ids(uri: str) -> dict[str, str]:
+    doc = json.loads(read_bytes(uri))
+    if not isinstance(doc, dict):
+        raise SourceError(f"{uri}: expected an object of PMID -> label")
+    return {str(k): str(v) for k, v in doc.items()}
+
+
+def split_tasks(tasks: pd.DataFrame, test_ids: Mapping[str, str], val_fraction: float, seed: int) -> pd.DataFrame:
+    """Add ``split``: official test ids -> test; the rest split train/val stratified by label.
+
+    Stratification is done per label on sorted ids with one seeded generator, so the split depends
+    only on the data, the fraction and the seed (not on input order).
+    """
+    out = tasks.copy()
+    out["split"] = np.where(out["id"].isin(set(test_ids)), "test", "train")
+    rng = np.random.default_rng(seed)
+    rest = out[out["split"] != "test"]
+    for _label, group in sorted(rest.groupby(rest["final_decision"].fillna("<null>")), key=lambda kv: kv[0]):
+        ids = np.array(sorted(group["id"].unique()))
+        rng.shuffle(ids)
+        n_val = int(round(len(ids) * val_fraction))
+        out.loc[out["id"].isin(set(ids[:n_val])) & (out["split"] != "test"), "split"] = "val"
+    return out

@@ -1,0 +1,48 @@
+"""Where the two planes' interpreters live.
+
+The control plane (Airflow, DVC, MLflow, agents) and the CPU model plane (vLLM, torch, TRL) pin
+libraries that cannot share a venv, so stages that need torch re-run themselves under the model
+plane's interpreter. ``scripts/setup_envs.sh`` creates both and links them under ``.venv/``;
+production images set ``PIPELINE_MODEL_PYTHON`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def model_python() -> str:
+    explicit = os.environ.get("PIPELINE_MODEL_PYTHON")
+    if explicit:
+        return explicit
+    linked = REPO_ROOT / ".venv" / "model" / "bin" / "python"
+    if linked.exists():
+        return str(linked)
+    raise RuntimeError(
+        "model-plane interpreter not found: run `make setup` (creates .venv/model) "
+        "or set PIPELINE_MODEL_PYTHON to a Python with vllm/torch/transformers"
+    )
+
+
+def in_model_plane() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_in_model_plane(argv: Sequence[str]) -> int:
+    """Re-run ``python -m pipeline <argv>`` under the model-plane interpreter (streams output)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.call([model_python(), "-m", "pipeline", *argv], env=env)  # noqa: S603
+
+
+def this_python() -> str:
+    return sys.executable

@@ -1,0 +1,75 @@
+"""Atomic file writes: a failed or killed step never leaves a half-written output behind.
+
+Everything is written to a temp file in the destination directory (same filesystem, so the final
+``os.replace`` is atomic) and fsync'ed before the rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | Path, suffix: str = "") -> Iterator[Path]:
+    """Yield a temp path beside ``dest``; rename it onto ``dest`` only if the block succeeds."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=suffix or ".tmp", dir=dest.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, dest)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_open(dest: str | Path, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
+    with atomic_path(dest) as tmp:
+        kwargs = {} if "b" in mode else {"encoding": encoding}
+        with open(tmp, mode, **kwargs) as fh:
+            yield fh
+
+
+def write_json(dest: str | Path, obj: Any) -> None:
+    with atomic_open(dest) as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        fh.write("\n")
+
+
+def write_text(dest: str | Path, text: str) -> None:
+    with atomic_open(dest) as fh:
+        fh.write(text)
+
+
+def write_parquet(dest: str | Path, frame: Any) -> None:
+    with atomic_path(dest, suffix=".parquet") as tmp:
+        frame.to_parquet(tmp, index=False)
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: str | Path) -> Iterator[Path]:
+    """Build a directory beside ``dest`` and swap it in whole, so readers never see a mix."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    old = dest.with_name(f".{dest.name}.old")
+    try:
+        yield tmp
+        shutil.rmtree(old, ignore_errors=True)
+        if dest.exists():
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,77 @@
+"""MLflow runs for stages: one child run per stage under one parent run per pipeline run.
+
+The pipeline run id comes from ``PIPELINE_RUN_ID`` (set by ``make run`` and by the DAG to Airflow's
+run id), so stages started as separate processes by DVC or Airflow land under the same parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from pipeline.config import Params
+
+RUN_ID_ENV = "PIPELINE_RUN_ID"
+RUN_TAG = "pipeline.run_id"
+
+
+def pipeline_run_id() -> str:
+    run_id = os.environ.get(RUN_ID_ENV)
+    if not run_id:
+        run_id = f"adhoc-{uuid.uuid4().hex[:8]}"
+        os.environ[RUN_ID_ENV] = run_id
+    return run_id
+
+
+def setup(params: Params) -> str:
+    """Point the MLflow client at the tracking server (starting the local one) and the experiment."""
+    import mlflow
+
+    from pipeline.services import mlflow_server
+
+    uri = mlflow_server.ensure(params)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(params.mlflow.experiment)
+    return uri
+
+
+def parent_run(params: Params) -> str:
+    """Find or create the parent run of the current pipeline run; returns its MLflow run id."""
+    import mlflow
+
+    setup(params)
+    run_key = pipeline_run_id()
+    exp = mlflow.get_experiment_by_name(params.mlflow.experiment)
+    found = mlflow.search_runs(
+        [exp.experiment_id],
+        filter_string=f"tags.`{RUN_TAG}` = '{run_key}' and tags.`pipeline.kind` = 'parent'",
+        output_format="list",
+        max_results=1,
+    )
+    if found:
+        return found[0].info.run_id
+    client = mlflow.MlflowClient()
+    run = client.create_run(exp.experiment_id, run_name=f"pipeline-{run_key}", tags={RUN_TAG: run_key, "pipeline.kind": "parent"})
+    return run.info.run_id
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, params: Params, tags: dict[str, str] | None = None) -> Iterator[Any]:
+    """Open the stage's child run; the parent is only referenced, never ended, by a stage."""
+    import mlflow
+
+    parent_id = parent_run(params)
+    run_tags = {RUN_TAG: pipeline_run_id(), "pipeline.kind": "stage", "pipeline.stage": stage,
+                "mlflow.parentRunId": parent_id, **(tags or {})}
+    with mlflow.start_run(run_name=stage, tags=run_tags) as run:
+        yield run
+
+
+def finish_parent(params: Params, status: str = "FINISHED") -> None:
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    client.set_terminated(parent_run(params), status=status)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create (or reuse) the two pinned environments and link them as .venv/control and .venv/model.
+#
+# Each venv lives in a cache keyed by the hash of its lock file and interpreter, so a fresh clone
+# (CI) on a machine that already built them links in seconds, and changing a lock builds anew
+# without touching the old one. Override the cache with PIPELINE_VENV_ROOT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROOT="${PIPELINE_VENV_ROOT:-$HOME/.cache/pubmedqa-society/venvs}"
+PY312="${PIPELINE_PY312:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versions/3.12.1/bin/python}"
+PY311="${PIPELINE_PY311:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versions/3.11.7/bin/python}"
+mkdir -p "$ROOT" .venv
+
+build() {  # name python lockfile
+  local name=$1 py=$2 lock=$3
+  [ -x "$py" ] || { echo "setup: interpreter $py for '$name' not found (set PIPELINE_PY312/PIPELINE_PY311)" >&2; exit 1; }
+  local key
+  key=$( (cat "$lock"; "$py" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+  local dir="$ROOT/$name-$key"
+  if [ ! -f "$dir/.complete" ]; then
+    echo "setup: building $name environment in $dir (first time only)"
+    rm -rf "$dir"
+    "$py" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --upgrade pip
+    # The lock is a full resolution: --no-deps installs exactly it, with no resolver surprises.
+    "$dir/bin/python" -m pip install -q --no-deps -r "$lock"
+    touch "$dir/.complete"
+  fi
+  ln -sfn "$dir" ".venv/$name"
+  echo "setup: $name -> $dir"
+}
+
+build control "$PY312" requirements/control.lock.txt
+build model "$PY311" requirements/model-cpu.lock.txt
