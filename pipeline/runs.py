@@ -1,0 +1,31 @@
+"""Open and close the MLflow parent run of one pipeline run (``make run`` and the DAG use this).
+
+``open`` prints the pipeline run id to export as ``PIPELINE_RUN_ID`` so that every stage process
+logs its child run under the same parent; ``close`` marks the parent finished or failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pipeline.config import Params
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["open", "close"])
+    parser.add_argument("--run-id", default=None, help="pipeline run id (default: $PIPELINE_RUN_ID or a new one)")
+    parser.add_argument("--status", default="FINISHED", choices=["FINISHED", "FAILED", "KILLED"])
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    from pipeline import tracking
+
+    if args.run_id:
+        os.environ[tracking.RUN_ID_ENV] = args.run_id
+    run_key = tracking.pipeline_run_id()
+    mlflow_run = tracking.parent_run(params)
+    if args.action == "close":
+        tracking.finish_parent(params, args.status)
+    print(f"{run_key} {mlflow_run}")
+    return 0

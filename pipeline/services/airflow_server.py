@@ -1,0 +1,54 @@
+"""``airflow standalone`` for the embedded default: this repo's dags/, SQLite, loopback only.
+
+Airflow reads its settings from the environment, so every command that talks to this instance
+(tests, ``airflow dags test``) uses ``airflow_env()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from pipeline.envs import REPO_ROOT
+from pipeline.services.process import Service, start, stop
+
+HOST, PORT = "127.0.0.1", 8080
+
+
+def airflow_home() -> Path:
+    return Path(os.environ.get("AIRFLOW_HOME", REPO_ROOT / ".airflow")).resolve()
+
+
+def airflow_env(home: Path | None = None, port: int = PORT) -> dict[str, str]:
+    home = home or airflow_home()
+    return {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://{HOST}:{port}/execution/",
+        "AIRFLOW__API__HOST": HOST,
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
+def up(port: int = PORT) -> dict[str, str]:
+    home = airflow_home()
+    home.mkdir(parents=True, exist_ok=True)
+    airflow = shutil.which("airflow") or str(Path(os.sys.executable).with_name("airflow"))
+    service = Service("airflow", home)
+    start(service, [airflow, "standalone"], f"http://{HOST}:{port}/api/v2/monitor/health",
+          env=airflow_env(home, port), timeout_s=240, cwd=REPO_ROOT)
+    password_file = home / "simple_auth_manager_passwords.json.generated"
+    password = ""
+    if password_file.exists():
+        password = json.loads(password_file.read_text()).get("admin", "")
+    return {"url": f"http://{HOST}:{port}", "user": "admin", "password": password, "password_file": str(password_file),
+            "log": str(service.log_file)}
+
+
+def down() -> bool:
+    return stop(Service("airflow", airflow_home()), grace_s=30)
