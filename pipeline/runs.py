@@ -27,5 +27,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
     mlflow_run = tracking.parent_run(params)
     if args.action == "close":
         tracking.finish_parent(params, args.status)
-    print(f"{run_key} {mlflow_run}")
+    import mlflow
+
+    experiment = mlflow.get_experiment_by_name(params.mlflow.experiment)
+    print(f"{run_key} {mlflow_run} {experiment.experiment_id}")
     return 0

@@ -1,0 +1,110 @@
+"""Retraining loop of the PubMedQA research society.
+
+Each task calls the same CLI entry point as ``dvc.yaml`` (``python -m pipeline <stage>``) in the
+project checkout, under one MLflow parent run named after the Airflow run id. A failed
+expectation in ``validate`` fails the run without retries (it is not transient) and nothing
+downstream runs. The last task records the outputs with DVC (commit + push) so an Airflow run is
+versioned exactly like ``dvc repro``: stages themselves never touch DVC, because DVC's repo lock
+forbids concurrent DVC commands in one checkout.
+
+Only the standard library and ``airflow.sdk`` are imported at parse time.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pendulum
+from airflow.sdk import Param, dag, task
+
+PROJECT_ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent))
+
+DEFAULT_ARGS = {
+    "owner": "ml-platform",
+    "retries": 2,
+    "retry_delay": timedelta(seconds=30),
+    "retry_exponential_backoff": True,
+    "execution_timeout": timedelta(hours=2),
+}
+
+
+def _run_stage(stage: str, *extra: str) -> None:
+    """Run one pipeline stage in-process through the CLI, from the project root."""
+    import re
+
+    from airflow.sdk.exceptions import AirflowFailException
+    from airflow.sdk import get_current_context
+
+    ctx = get_current_context()
+    os.chdir(PROJECT_ROOT)
+    os.environ["PIPELINE_RUN_ID"] = re.sub(r"[^A-Za-z0-9_.-]", "_", ctx["run_id"])
+    source = ctx["params"].get("data_source")
+    if source:
+        os.environ["PIPELINE__DATA__SOURCE"] = source
+    from pipeline.cli import main
+
+    rc = main(["--params", ctx["params"]["params_file"], stage, *extra])
+    if rc == 1 and stage == "validate":
+        raise AirflowFailException("validation failed: see the task log and reports/validation/")
+    if rc != 0:
+        raise RuntimeError(f"stage {stage} exited with {rc}")
+
+
+@dag(
+    dag_id="agent_retraining",
+    description="Self-improvement loop of the PubMedQA research society",
+    schedule="@weekly",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    default_args=DEFAULT_ARGS,
+    doc_md=__doc__,
+    tags=["society", "retraining", "pubmedqa"],
+    params={
+        "params_file": Param("params.yaml", type="string", description="params file, relative to the project root"),
+        "data_source": Param(None, type=["null", "string"],
+                             description="override data.source: path, hf://id, http(s):// or s3:// (empty = params.yaml)"),
+    },
+)
+def agent_retraining() -> None:
+    @task
+    def open_run() -> str:
+        _run_stage("run", "open")
+        return os.environ["PIPELINE_RUN_ID"]
+
+    @task
+    def ingest() -> None:
+        _run_stage("ingest")
+
+    @task
+    def validate() -> None:
+        _run_stage("validate")
+
+    @task(retries=1)
+    def version_outputs() -> None:
+        """Record the stage outputs in dvc.lock and push them to the DVC remote."""
+        import subprocess
+        import sys
+
+        dvc = [sys.executable, "-m", "dvc"]
+        subprocess.run([*dvc, "commit", "--force", "ingest", "validate"], cwd=PROJECT_ROOT, check=True)
+        subprocess.run([*dvc, "push"], cwd=PROJECT_ROOT, check=True)
+
+    @task(trigger_rule="all_done")
+    def close_run() -> None:
+        """Mark the MLflow parent run FINISHED or FAILED, whatever happened upstream."""
+        from airflow.sdk import get_current_context
+
+        ctx = get_current_context()
+        failed = ctx["ti"].get_ti_count(dag_id=ctx["dag"].dag_id, run_ids=[ctx["run_id"]],
+                                        states=["failed", "upstream_failed"])
+        _run_stage("run", "close", "--status", "FAILED" if failed else "FINISHED")
+
+    run = open_run()
+    versioned = version_outputs()
+    run >> ingest() >> validate() >> versioned >> close_run()
+
+
+agent_retraining()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: local MLflow server, `dvc repro` of the whole loop under one
+# MLflow parent run, outputs pushed to the local DVC remote, then a summary of where things are.
+# Called by `make run` (which has set up the environments and PATH).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export PIPELINE_RUN_ID="${PIPELINE_RUN_ID:-run-$(date -u +%Y%m%dT%H%M%SZ)}"
+python -m pipeline services up mlflow
+read -r _ PARENT EXPERIMENT < <(python -m pipeline run open | tail -n 1)
+
+status=FINISHED
+if ! dvc repro; then status=FAILED; fi
+python -m pipeline run close --status "$status" > /dev/null
+[ "$status" = FINISHED ] && dvc push -q
+
+URI="${MLFLOW_TRACKING_URI:-$(python -c 'from pipeline.config import load_params; from pipeline.services.mlflow_server import tracking_uri; print(tracking_uri(load_params()))')}"
+cat <<EOT
+
+pipeline run ${PIPELINE_RUN_ID}: ${status}
+  data            data/tasks/ (ingested splits), data/validated/ (validated splits + quarantine.parquet)
+  reports         reports/ingest.json, reports/validation.json, reports/validation/ (GX results, Data Docs: reports/validation/data_docs/index.html)
+  mlflow UI       ${URI}/#/experiments/${EXPERIMENT}/runs/${PARENT}
+  mlflow CLI      MLFLOW_TRACKING_URI=${URI} .venv/control/bin/mlflow runs list --experiment-id ${EXPERIMENT}
+  dvc             dvc.lock; remote 'local' -> dvc-remote/ ; \`dvc status\`, \`dvc metrics show\`
+  services        stop with: make services-down
+EOT
+[ "$status" = FINISHED ]

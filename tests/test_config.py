@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ParamsError, load_params
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _write(tmp_path: Path, mutate) -> Path:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    mutate(params)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def test_repo_params_load() -> None:
+    params = load_params(ROOT / "params.yaml", environ={})
+    assert params.split.val_fraction == pytest.approx(0.2)
+    assert params.validate_.labels == ["yes", "no", "maybe"]
+    assert set(params.serving.roles) >= {"junior_researcher", "supervisor", "senior_researcher", "review_board", "judge"}
+
+
+def test_unknown_key_is_named(tmp_path: Path) -> None:
+    path = _write(tmp_path, lambda p: p["split"].update(sed=1))
+    with pytest.raises(ParamsError, match=r"split\.sed: unknown key"):
+        load_params(path, environ={})
+
+
+def test_wrong_type_is_named(tmp_path: Path) -> None:
+    path = _write(tmp_path, lambda p: p["split"].update(val_fraction="a lot"))
+    with pytest.raises(ParamsError, match=r"split\.val_fraction"):
+        load_params(path, environ={})
+
+
+def test_unquoted_yes_no_labels_are_rejected(tmp_path: Path) -> None:
+    path = _write(tmp_path, lambda p: p["validate"].update(labels=[True, False, "maybe"]))
+    with pytest.raises(ParamsError, match=r"validate\.labels\.0"):
+        load_params(path, environ={})
+
+
+def test_bounds_must_be_ordered(tmp_path: Path) -> None:
+    path = _write(tmp_path, lambda p: p["validate"].update(question_chars={"min": 10, "max": 5}))
+    with pytest.raises(ParamsError, match=r"validate\.question_chars"):
+        load_params(path, environ={})
+
+
+def test_env_override_typed() -> None:
+    params = load_params(ROOT / "params.yaml", environ={"PIPELINE__SPLIT__SEED": "7", "PIPELINE__VALIDATE__QUARANTINE": "true"})
+    assert params.split.seed == 7
+    assert params.validate_.quarantine is True
+
+
+def test_env_override_unknown_key_fails() -> None:
+    with pytest.raises(ParamsError, match=r"split\.seeed: unknown key"):
+        load_params(ROOT / "params.yaml", environ={"PIPELINE__SPLIT__SEEED": "7"})
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "nope.yaml", environ={})

@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import json
+import threading
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipeline.config import load_params
+from pipeline.data.pubmedqa import load_tasks, split_tasks
+from pipeline.data.sources import SourceError
+from pipeline.stages import ingest
+from tests.conftest import SOURCE, TEST_IDS, set_param
+
+
+def _splits(root: Path) -> dict[str, pd.DataFrame]:
+    return {s: pd.read_parquet(root / "data" / "tasks" / f"{s}.parquet") for s in ("train", "val", "test")}
+
+
+def test_ingest_official_test_split_and_stratified_val(project: Path) -> None:
+    result = ingest.run(load_params())
+    frames = _splits(project)
+    test_ids = set(json.loads(TEST_IDS.read_text()))
+    assert set(frames["test"]["id"]) == test_ids
+    assert len(frames["train"]) == 400 and len(frames["val"]) == 100
+    assert result["val"]["rows"] == 100
+    pool = pd.concat([frames["train"], frames["val"]])
+    for label in ("yes", "no", "maybe"):
+        share = (pool["final_decision"] == label).mean()
+        assert abs((frames["val"]["final_decision"] == label).mean() - share) < 0.02
+    row = frames["train"].iloc[0]
+    assert isinstance(row["question"], str) and len(row["contexts"]) >= 1 and len(row["meshes"]) >= 1
+    assert json.loads((project / "reports" / "ingest.json").read_text())["rows"] == 1000
+
+
+def test_split_is_seeded_and_order_independent(pubmedqa: dict) -> None:
+    tasks = load_tasks(str(SOURCE))
+    test_ids = json.loads(TEST_IDS.read_text())
+    a = split_tasks(tasks, test_ids, 0.2, seed=1).set_index("id")["split"]
+    b = split_tasks(tasks.sample(frac=1.0, random_state=3), test_ids, 0.2, seed=1).set_index("id")["split"]
+    c = split_tasks(tasks, test_ids, 0.2, seed=2).set_index("id")["split"]
+    assert a.sort_index().equals(b.sort_index())
+    assert not a.sort_index().equals(c.sort_index())
+
+
+def test_duplicate_ids_are_kept_for_validate(tmp_path: Path, pubmedqa: dict) -> None:
+    first = next(iter(pubmedqa))
+    body = json.dumps(pubmedqa)[:-1] + f', "{first}": {json.dumps(pubmedqa[first])}}}'
+    path = tmp_path / "dup.json"
+    path.write_text(body)
+    tasks = load_tasks(str(path))
+    assert len(tasks) == 1001
+    assert (tasks["id"] == first).sum() == 2
+
+
+def test_hugging_face_row_layout(tmp_path: Path, pubmedqa: dict) -> None:
+    rows = [{"pubid": int(k), "question": v["QUESTION"], "context": {"contexts": v["CONTEXTS"], "labels": v["LABELS"],
+             "meshes": v["MESHES"]}, "long_answer": v["LONG_ANSWER"], "final_decision": v["final_decision"]}
+            for k, v in list(pubmedqa.items())[:5]]
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(rows))
+    tasks = load_tasks(str(path))
+    assert list(tasks["id"]) == list(pubmedqa)[:5]
+    assert tasks.iloc[0]["contexts"] == pubmedqa[tasks.iloc[0]["id"]]["CONTEXTS"]
+
+
+def test_bad_sources_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="nope.json: file not found"):
+        load_tasks(str(tmp_path / "nope.json"))
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"1": {"QUESTION": ')
+    with pytest.raises(SourceError, match=r"broken.json: not valid JSON \(line 1"):
+        load_tasks(str(broken))
+    with pytest.raises(SourceError, match="unsupported scheme 'ftp'"):
+        load_tasks("ftp://host/x.json")
+
+
+def test_failed_ingest_keeps_previous_outputs(project: Path) -> None:
+    ingest.run(load_params())
+    before = (project / "data" / "tasks" / "train.parquet").read_bytes()
+    set_param(project, "data.source", str(project / "missing.json"))
+    with pytest.raises(SourceError):
+        ingest.run(load_params())
+    assert (project / "data" / "tasks" / "train.parquet").read_bytes() == before
+
+
+def test_http_source(project: Path) -> None:
+    handler = partial(SimpleHTTPRequestHandler, directory=str(SOURCE.parent))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        set_param(project, "data.source", f"{base}/{SOURCE.name}")
+        set_param(project, "data.test_ids", f"{base}/{TEST_IDS.name}")
+        assert ingest.run(load_params())["rows"] == 1000
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow
+def test_s3_source_against_moto_server(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """boto3 against a real S3 API (moto's server mode on loopback), as with MinIO in infra/."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from pipeline.services.process import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    try:
+        for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+                           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(key, value)
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="pubmedqa")
+        s3.upload_file(str(SOURCE), "pubmedqa", "pqal/ori_pqal.json")
+        s3.upload_file(str(TEST_IDS), "pubmedqa", "pqal/test_ground_truth.json")
+        set_param(project, "data.source", "s3://pubmedqa/pqal/ori_pqal.json")
+        set_param(project, "data.test_ids", "s3://pubmedqa/pqal/test_ground_truth.json")
+        assert ingest.run(load_params())["test"]["rows"] == 500
+        set_param(project, "data.source", "s3://pubmedqa/pqal/absent.json")
+        with pytest.raises(SourceError, match="absent.json: S3 read failed"):
+            ingest.run(load_params())
+    finally:
+        server.stop()
