@@ -1,0 +1,115 @@
+"""End to end on the embedded default: real MLflow server, real DVC, real Airflow (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, copy_project
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture
+def clone(tmp_path: Path) -> Path:
+    """What a fresh clone looks like, with shared/ beside it as in CI."""
+    (tmp_path / "shared").symlink_to(ROOT.parent / "shared")
+    return copy_project(tmp_path / "proj")
+
+
+def _env(mlflow_uri: str, run_id: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "AIRFLOW"))}
+    env.update(PATH=f"{BIN}:{env['PATH']}", MLFLOW_TRACKING_URI=mlflow_uri, PIPELINE_RUN_ID=run_id, PYTHONPATH="", **extra)
+    return env
+
+
+def _runs(mlflow_uri: str, run_id: str) -> list:
+    import mlflow
+
+    client = mlflow.MlflowClient(mlflow_uri)
+    exp = client.get_experiment_by_name("society-retraining")
+    return client.search_runs([exp.experiment_id], filter_string=f"tags.`pipeline.run_id` = '{run_id}'")
+
+
+def _corrupt(dest: Path) -> Path:
+    data = json.loads((ROOT.parent / "shared/data/pubmedqa/ori_pqal.json").read_text())
+    test_ids = set(json.loads((ROOT.parent / "shared/data/pubmedqa/test_ground_truth.json").read_text()))
+    victim = next(k for k in data if k not in test_ids)
+    data[victim]["final_decision"] = "perhaps"
+    dest.write_text(json.dumps(data))
+    return dest
+
+
+def test_make_run_script_then_dvc_repro_is_a_noop(clone: Path, mlflow_server: str) -> None:
+    run_id = f"it-{uuid.uuid4().hex[:6]}"
+    env = _env(mlflow_server, run_id)
+    proc = subprocess.run(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"pipeline run {run_id}: FINISHED" in proc.stdout
+    for split in ("train", "val", "test"):
+        assert (clone / "data/validated" / f"{split}.parquet").exists()
+    assert any((clone / "dvc-remote").rglob("*")), "outputs were not pushed to the local DVC remote"
+
+    again = subprocess.run(["dvc", "repro"], cwd=clone, env=env, capture_output=True, text=True)
+    assert again.returncode == 0
+    assert "Data and pipelines are up to date" in again.stdout + again.stderr
+    assert "Running stage" not in again.stdout
+
+    runs = _runs(mlflow_server, run_id)
+    parent = [r for r in runs if r.data.tags.get("pipeline.kind") == "parent"]
+    children = {r.data.tags["pipeline.stage"]: r for r in runs if r.data.tags.get("pipeline.kind") == "stage"}
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    assert set(children) == {"ingest", "validate"}
+    assert all(r.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for r in children.values())
+    assert children["ingest"].data.metrics["val.rows"] == 100
+    assert children["validate"].data.metrics["failed_expectations"] == 0
+    import mlflow
+
+    artifacts = [a.path for a in mlflow.MlflowClient(mlflow_server).list_artifacts(children["validate"].info.run_id, "validation")]
+    assert "validation/gx_results.json" in artifacts and "validation/data_docs" in artifacts
+
+
+def test_corrupt_input_stops_dvc_pipeline(clone: Path, mlflow_server: str) -> None:
+    bad = _corrupt(clone.parent / "bad.json")
+    env = _env(mlflow_server, f"it-{uuid.uuid4().hex[:6]}", PIPELINE__DATA__SOURCE=str(bad))
+    proc = subprocess.run(["dvc", "repro"], cwd=clone, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "'perhaps'" in proc.stdout + proc.stderr
+    assert not (clone / "data/validated").exists()
+
+
+def _airflow(clone: Path, home: Path, mlflow_uri: str, run_id: str, *args: str) -> subprocess.CompletedProcess[str]:
+    from pipeline.services.airflow_server import airflow_env
+
+    env = _env(mlflow_uri, run_id, **{k: v for k, v in airflow_env(home).items() if k != "PYTHONPATH"})
+    env.update(AIRFLOW__CORE__DAGS_FOLDER=str(clone / "dags"), PIPELINE_ROOT=str(clone), PYTHONPATH=str(clone))
+    return subprocess.run([str(BIN / "airflow"), *args], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_airflow_dag_runs_stages_and_versions_outputs(clone: Path, mlflow_server: str, tmp_path: Path) -> None:
+    home = tmp_path / "airflow"
+    assert _airflow(clone, home, mlflow_server, "", "db", "migrate").returncode == 0
+    proc = _airflow(clone, home, mlflow_server, "", "dags", "test", "agent_retraining")
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    assert (clone / "data/validated/train.parquet").exists()
+    lock = (clone / "dvc.lock").read_text()
+    assert "data/validated" in lock
+    status = subprocess.run(["dvc", "status"], cwd=clone, env=_env(mlflow_server, ""), capture_output=True, text=True)
+    assert "up to date" in status.stdout
+
+    validated = (clone / "data/validated/train.parquet").read_bytes()
+    bad = _corrupt(tmp_path / "bad.json")
+    proc = _airflow(clone, home, mlflow_server, "", "dags", "test", "agent_retraining", "-c", json.dumps({"data_source": str(bad)}))
+    log = proc.stdout + proc.stderr
+    assert "validation failed" in log and "'perhaps'" in log
+    # nothing downstream ran: outputs and their DVC record are those of the good run
+    assert (clone / "dvc.lock").read_text() == lock
+    assert (clone / "data/validated/train.parquet").read_bytes() == validated
