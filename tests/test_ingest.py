@@ -128,3 +128,20 @@ def test_s3_source_against_moto_server(project: Path, monkeypatch: pytest.Monkey
             ingest.run(load_params())
     finally:
         server.stop()
+
+
+def test_hugging_face_dataset_source(tmp_path: Path, pubmedqa: dict) -> None:
+    """hf://<id> goes through datasets.load_dataset; a local dataset folder stands in for the hub id."""
+    rows = [{"pubid": int(k), "question": v["QUESTION"], "context": {"contexts": v["CONTEXTS"], "labels": v["LABELS"],
+             "meshes": v["MESHES"]}, "long_answer": v["LONG_ANSWER"], "final_decision": v["final_decision"]}
+            for k, v in list(pubmedqa.items())[:20]]
+    repo = tmp_path / "pubmedqa_hf" / "pqa_labeled"
+    repo.mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(repo / "train-00000-of-00001.parquet", index=False)
+    # the dataset card's config table, as on the hub (qiaojin/PubMedQA declares pqa_labeled this way)
+    (repo.parent / "README.md").write_text(
+        "---\nconfigs:\n- config_name: pqa_labeled\n  data_files:\n  - split: train\n    path: pqa_labeled/train-*\n---\n")
+    tasks = load_tasks(f"hf://{tmp_path / 'pubmedqa_hf'}:pqa_labeled", "train")
+    assert len(tasks) == 20
+    first = tasks.iloc[0]
+    assert first["contexts"] == pubmedqa[first["id"]]["CONTEXTS"] and first["final_decision"] == pubmedqa[first["id"]]["final_decision"]
