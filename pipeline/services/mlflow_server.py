@@ -47,7 +47,10 @@ def ensure(params: Params) -> str:
         "--host", params.mlflow.host, "--port", str(params.mlflow.port),
         "--workers", "1",
     ]
-    start(_service(params), cmd, f"{uri}/health", timeout_s=120, meta={"uri": uri})
+    # Server-side job execution (GenAI scorer jobs) spawns ~8 huey workers of ~400 MB each; the
+    # pipeline scores with its own judge, so the embedded default leaves it off.
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
+    start(_service(params), cmd, f"{uri}/health", env=env, timeout_s=120, meta={"uri": uri})
     return uri
 
 
