@@ -7,9 +7,14 @@ able to fill them within the token budget.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+# Every string is bounded, list items included: guided decoding enforces maxLength, and a small
+# model at low temperature can otherwise repeat inside one string until max_tokens cuts the JSON.
+Item = Annotated[str, StringConstraints(max_length=160)]
+Pmid = Annotated[str, StringConstraints(max_length=12)]
 
 
 class _Out(BaseModel):
@@ -22,9 +27,9 @@ class _Out(BaseModel):
 
 
 class Hypothesis(_Out):
-    hypothesis: str = Field(max_length=600)
-    rationale: str = Field(max_length=600)
-    evidence_pmids: list[str] = Field(default_factory=list, max_length=5)
+    hypothesis: str = Field(max_length=400)
+    rationale: str = Field(max_length=400)
+    evidence_pmids: list[Pmid] = Field(default_factory=list, max_length=5)
 
 
 class SupervisorChoice(_Out):
@@ -33,17 +38,17 @@ class SupervisorChoice(_Out):
 
 
 class Protocol(_Out):
-    title: str = Field(max_length=200)
-    objective: str = Field(max_length=500)
-    methods: list[str] = Field(min_length=1, max_length=6)
-    controls: list[str] = Field(default_factory=list, max_length=4)
-    outcome_measures: list[str] = Field(min_length=1, max_length=4)
+    title: str = Field(max_length=120)
+    objective: str = Field(max_length=300)
+    methods: list[Item] = Field(min_length=1, max_length=5)
+    controls: list[Item] = Field(default_factory=list, max_length=3)
+    outcome_measures: list[Item] = Field(min_length=1, max_length=3)
 
 
 class Review(_Out):
     severity: Literal["CRITICAL", "MAJOR", "MINOR", "APPROVE"]
-    issues: list[str] = Field(default_factory=list, max_length=4)
-    summary: str = Field(max_length=400)
+    issues: list[Item] = Field(default_factory=list, max_length=3)
+    summary: str = Field(max_length=300)
 
 
 class PIDecision(_Out):
