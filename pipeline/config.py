@@ -95,6 +95,7 @@ class WorkerParams(_Strict):
     name: str
     model: str
     port: int
+    host: str = Field("127.0.0.1", description="a remote GPU worker's host; `serve up` starts only loopback ones")
     served_name: str | None = None
     lora_modules: dict[str, str] = {}
     max_model_len: int = 2048

@@ -63,6 +63,7 @@ def atomic_dir(dest: str | Path) -> Iterator[Path]:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; the swapped-in output should read like any folder
     old = dest.with_name(f".{dest.name}.old")
     try:
         yield tmp

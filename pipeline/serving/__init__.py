@@ -1,0 +1,1 @@
+"""Serving plane: vLLM workers, the role-routing LiteLLM proxy, versioned routing."""

