@@ -82,6 +82,11 @@ def agent_retraining() -> None:
     def validate() -> None:
         _run_stage("validate")
 
+    @task(queue="gpu", pool_slots=1)
+    def materialize_model() -> None:
+        """Base checkpoint -> HF folder for the vLLM workers (model plane; `gpu` queue in production)."""
+        _run_stage("materialize-model")
+
     @task(retries=1)
     def version_outputs() -> None:
         """Record the stage outputs in dvc.lock and push them to the DVC remote."""
@@ -89,7 +94,7 @@ def agent_retraining() -> None:
         import sys
 
         dvc = [sys.executable, "-m", "dvc"]
-        subprocess.run([*dvc, "commit", "--force", "ingest", "validate"], cwd=PROJECT_ROOT, check=True)
+        subprocess.run([*dvc, "commit", "--force", "ingest", "validate", "materialize_model"], cwd=PROJECT_ROOT, check=True)
         subprocess.run([*dvc, "push"], cwd=PROJECT_ROOT, check=True)
 
     @task(trigger_rule="all_done")
@@ -105,6 +110,7 @@ def agent_retraining() -> None:
     run = open_run()
     versioned = version_outputs()
     run >> ingest() >> validate() >> versioned >> close_run()
+    run >> materialize_model() >> versioned
 
 
 agent_retraining()

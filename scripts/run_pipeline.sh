@@ -11,6 +11,8 @@ read -r _ PARENT EXPERIMENT < <(python -m pipeline run open | tail -n 1)
 
 status=FINISHED
 if ! dvc repro; then status=FAILED; fi
+# serving plane on the materialised model: vLLM worker(s), the role-routing proxy, routing verified
+if [ "$status" = FINISHED ] && ! python -m pipeline services up serving; then status=FAILED; fi
 python -m pipeline run close --status "$status" > /dev/null
 [ "$status" = FINISHED ] && dvc push -q
 
@@ -22,6 +24,9 @@ pipeline run ${PIPELINE_RUN_ID}: ${status}
   reports         reports/ingest.json, reports/validation.json, reports/validation/ (GX results, Data Docs: reports/validation/data_docs/index.html)
   mlflow UI       ${URI}/#/experiments/${EXPERIMENT}/runs/${PARENT}
   mlflow CLI      MLFLOW_TRACKING_URI=${URI} .venv/control/bin/mlflow runs list --experiment-id ${EXPERIMENT}
+  models          models/base (SmolLM2-135M-Instruct HF folder), models/test-tiny; reports/models.json
+  serving         LLM proxy http://127.0.0.1:4000/v1 (roles: junior_researcher supervisor senior_researcher review_board judge;
+                  key in .secrets/proxy_key), routing: python -m pipeline route status ; logs .services/
   dvc             dvc.lock; remote 'local' -> dvc-remote/ ; \`dvc status\`, \`dvc metrics show\`
   services        stop with: make services-down
 EOT

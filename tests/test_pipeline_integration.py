@@ -48,10 +48,19 @@ def _corrupt(dest: Path) -> Path:
 
 
 def test_make_run_script_then_dvc_repro_is_a_noop(clone: Path, mlflow_server: str) -> None:
+    from pipeline.services.process import free_port
+
     run_id = f"it-{uuid.uuid4().hex[:6]}"
-    env = _env(mlflow_server, run_id)
-    proc = subprocess.run(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, capture_output=True, text=True)
+    env = _env(mlflow_server, run_id, PIPELINE__SERVING__WORKERS=f"[{{name: base, model: models/base, port: {free_port()}}}]",
+               PIPELINE__SERVING__PROXY__PORT=str(free_port()))
+    try:
+        proc = subprocess.run(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, capture_output=True, text=True)
+        status = subprocess.run([sys.executable, "-m", "pipeline", "route", "status"], cwd=clone, env=env, capture_output=True, text=True)
+    finally:
+        subprocess.run([sys.executable, "-m", "pipeline", "services", "down", "serving"], cwd=clone, env=env, capture_output=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(status.stdout)["active"]["version"] == 1  # serving came up with routing verified
+    assert (clone / "models/base/model.safetensors").exists()
     assert f"pipeline run {run_id}: FINISHED" in proc.stdout
     for split in ("train", "val", "test"):
         assert (clone / "data/validated" / f"{split}.parquet").exists()
@@ -66,7 +75,7 @@ def test_make_run_script_then_dvc_repro_is_a_noop(clone: Path, mlflow_server: st
     parent = [r for r in runs if r.data.tags.get("pipeline.kind") == "parent"]
     children = {r.data.tags["pipeline.stage"]: r for r in runs if r.data.tags.get("pipeline.kind") == "stage"}
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"
-    assert set(children) == {"ingest", "validate"}
+    assert set(children) == {"ingest", "validate", "materialize_model"}
     assert all(r.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for r in children.values())
     assert children["ingest"].data.metrics["val.rows"] == 100
     assert children["validate"].data.metrics["failed_expectations"] == 0
@@ -79,7 +88,7 @@ def test_make_run_script_then_dvc_repro_is_a_noop(clone: Path, mlflow_server: st
 def test_corrupt_input_stops_dvc_pipeline(clone: Path, mlflow_server: str) -> None:
     bad = _corrupt(clone.parent / "bad.json")
     env = _env(mlflow_server, f"it-{uuid.uuid4().hex[:6]}", PIPELINE__DATA__SOURCE=str(bad))
-    proc = subprocess.run(["dvc", "repro"], cwd=clone, env=env, capture_output=True, text=True)
+    proc = subprocess.run(["dvc", "repro", "validate"], cwd=clone, env=env, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "'perhaps'" in proc.stdout + proc.stderr
     assert not (clone / "data/validated").exists()

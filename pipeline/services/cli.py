@@ -13,7 +13,7 @@ from pipeline.config import Params
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["up", "down", "status"])
-    parser.add_argument("service", choices=["mlflow", "airflow", "all"])
+    parser.add_argument("service", choices=["mlflow", "airflow", "serving", "all"])
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
@@ -21,6 +21,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
     from pipeline.services.process import http_ok
 
     names = ["mlflow", "airflow"] if args.service == "all" else [args.service]
+    if args.service == "serving":
+        return _serving(args.action, params)
     for name in names:
         if args.action == "up":
             if name == "mlflow":
@@ -36,6 +38,22 @@ def main(args: argparse.Namespace, params: Params) -> int:
             print(f"{name}: {'up' if http_ok(url) else 'down'} ({url})")
     if args.action == "down" and args.service == "all":
         _stop_serving(params)
+    return 0
+
+
+def _serving(action: str, params: Params) -> int:
+    from pipeline.serving import proxy, routing, stack
+    from pipeline.services.process import http_ok
+
+    if action == "up":
+        url, _ = stack.ensure(params)
+        live = routing.active(params)
+        print(f"serving: proxy {url} (key: {params.serving.proxy.key_file} or $LITELLM_MASTER_KEY), routing version {live and live['version']}")
+    elif action == "down":
+        stack.down(params)
+        print("serving: stopped")
+    else:
+        print(f"serving: proxy {'up' if http_ok(proxy.base_url(params) + '/health/liveliness') else 'down'}; routing {routing.active(params)}")
     return 0
 
 
