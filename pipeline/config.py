@@ -171,6 +171,8 @@ class RolloutsParams(_Strict):
     max_failure_rate: float = Field(0.5, ge=0.0, le=1.0)
     out_dir: str = "data/rollouts"
     index_dir: str = "data/index"
+    llm_base_url: str | None = Field(None, description="OpenAI-compatible endpoint; null = the local proxy (key: LLM_API_KEY or the proxy key)")
+    seed: int = 0
 
 
 class Params(_Strict):

@@ -67,3 +67,10 @@ class JudgeScores(_Out):
 
 
 REVIEW_SCHEMAS = {"review": Review, "protocol": Protocol}
+
+
+class ToolCall(_Out):
+    """One ReAct step of a junior: call a tool, or stop and write the hypothesis."""
+
+    tool: Literal["search_literature", "lookup_gene", "lookup_protein", "none"]
+    query: str = Field(max_length=80)

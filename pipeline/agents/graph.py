@@ -1,0 +1,186 @@
+"""The society as a LangGraph graph.
+
+START ─┬─ geneticist ─────┐
+       ├─ pharmacologist ─┼─► supervisor ─► refiner ─► designer ─► peer_reviewer ─► safety_officer ─┐
+       └─ neurologist ────┘                   ▲            ▲                                         │
+                                              └ CRITICAL ──┴── MAJOR ◄───── route by severity ◄───────┘
+                                                                    MINOR/APPROVE or budget ─► principal_investigator ─► END
+
+Juniors run ReAct loops inside their node: each step asks for a ``ToolCall``; the tool result goes
+back to the calling agent (recorded as ``sender`` on the tool span) until it answers with a
+``Hypothesis``. Every node catches its own errors into the state, so a rollout never raises.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from dataclasses import dataclass
+from typing import Annotated, Any, TypedDict
+
+from pipeline.agents.llm import LLMError, RoleClient
+from pipeline.agents.tools import Toolbox, timed_call
+from pipeline.config import AgentsParams
+from pipeline.schemas import Hypothesis, PIDecision, Protocol, Review, SupervisorChoice, ToolCall
+
+JUNIORS = {
+    "geneticist": "a geneticist: genes, variants, heritability",
+    "pharmacologist": "a pharmacologist: drugs, doses, mechanisms, interactions",
+    "neurologist": "a neurologist: nervous system, cognition, clinical neurology",
+}
+SEVERITY_RANK = {"APPROVE": 0, "MINOR": 1, "MAJOR": 2, "CRITICAL": 3}
+
+
+class SocietyState(TypedDict, total=False):
+    task: dict[str, Any]
+    hypotheses: Annotated[list[dict[str, Any]], operator.add]
+    selection: dict[str, Any]
+    refined: dict[str, Any]
+    protocol: dict[str, Any]
+    reviews: Annotated[list[dict[str, Any]], operator.add]
+    review_round: int
+    decision: dict[str, Any]
+    spans: Annotated[list[dict[str, Any]], operator.add]
+    errors: Annotated[list[str], operator.add]
+
+
+@dataclass
+class Society:
+    client: RoleClient
+    tools: Toolbox
+    cfg: AgentsParams
+    rng: random.Random
+
+    def _llm_calls(self, state: SocietyState) -> int:
+        return sum(1 for s in state.get("spans", []) if s["kind"] == "llm")
+
+    @staticmethod
+    def _question(state: SocietyState) -> str:
+        return state["task"]["question"]
+
+    def junior(self, name: str):
+        async def node(state: SocietyState) -> dict[str, Any]:
+            spans: list[dict[str, Any]] = []
+            system = (f"You are {JUNIORS[name]}. Research question: {self._question(state)}\n"
+                      "Tools: search_literature (PubMed abstracts), lookup_gene, lookup_protein. "
+                      "Call one tool at a time with a short query, or tool 'none' when ready.")
+            notes: list[str] = []
+            try:
+                for _ in range(self.cfg.max_tool_calls):
+                    messages = [{"role": "system", "content": system},
+                                {"role": "user", "content": "Tool results so far:\n" + ("\n".join(notes) or "none") + "\nNext step as JSON."}]
+                    call = await self.client.structured(name, "junior_researcher", messages, ToolCall, spans, max_tokens=64)
+                    if call is None or call.tool == "none":
+                        break
+                    result = timed_call(self.tools, name, call.tool, call.query, spans)
+                    notes.append(f"[{call.tool}({call.query})] {result.text[:600]}")
+                messages = [{"role": "system", "content": system},
+                            {"role": "user", "content": "Evidence:\n" + ("\n".join(notes) or "none")
+                             + "\nPropose one testable hypothesis with rationale and evidence PMIDs, as JSON."}]
+                hyp = await self.client.structured(name, "junior_researcher", messages, Hypothesis, spans)
+            except LLMError as exc:
+                return {"spans": spans, "errors": [str(exc)]}
+            if hyp is None:
+                return {"spans": spans, "errors": [f"{name}: no valid hypothesis"]}
+            return {"spans": spans, "hypotheses": [{"author": name, **hyp.model_dump()}]}
+
+        return node
+
+    async def supervisor(self, state: SocietyState) -> dict[str, Any]:
+        spans: list[dict[str, Any]] = []
+        candidates = sorted(state.get("hypotheses", []), key=lambda h: list(JUNIORS).index(h["author"]))
+        if not candidates:
+            return {"errors": ["supervisor: no hypotheses to choose from"]}
+        listing = "\n".join(f"{i}. ({h['author']}) {h['hypothesis']}" for i, h in enumerate(candidates))
+        messages = [{"role": "system", "content": "You are the research supervisor. Pick the most promising, testable hypothesis."},
+                    {"role": "user", "content": f"Question: {self._question(state)}\nCandidates:\n{listing}\nAnswer with JSON: chosen index and reason."}]
+        try:
+            choice = await self.client.structured("supervisor", "supervisor", messages, SupervisorChoice, spans, max_tokens=128)
+        except LLMError as exc:
+            return {"spans": spans, "errors": [str(exc)]}
+        k = len(candidates)
+        model_pick = choice.chosen if choice is not None and choice.chosen < k else 0
+        explored = self.rng.random() < self.cfg.epsilon
+        chosen = self.rng.randrange(k) if explored else model_pick
+        propensity = (1 - self.cfg.epsilon) * (chosen == model_pick) + self.cfg.epsilon / k
+        spans.append({"kind": "decision", "name": "supervisor", "data": {
+            "candidates": [h["author"] for h in candidates], "model_choice": model_pick, "chosen": chosen,
+            "explored": explored, "propensity": propensity, "epsilon": self.cfg.epsilon,
+            "context": self._question(state), "reason": choice.reason if choice else "invalid choice; defaulted to 0"}})
+        return {"spans": spans, "selection": {**candidates[chosen], "index": chosen, "propensity": propensity}}
+
+    async def _senior(self, agent: str, model: str, schema: type, prompt: str, state: SocietyState, key: str, tokens: int | None = None) -> dict[str, Any]:
+        spans: list[dict[str, Any]] = []
+        try:
+            obj = await self.client.structured(agent, model, [{"role": "user", "content": prompt}], schema, spans, max_tokens=tokens)
+        except LLMError as exc:
+            return {"spans": spans, "errors": [str(exc)]}
+        if obj is None:
+            return {"spans": spans, "errors": [f"{agent}: no valid {schema.__name__}"]}
+        return {"spans": spans, key: obj.model_dump()}
+
+    async def refiner(self, state: SocietyState) -> dict[str, Any]:
+        base = state.get("refined") or state.get("selection") or {}
+        critique = "\n".join(f"- {r['severity']}: {r['summary']}" for r in state.get("reviews", [])[-2:])
+        prompt = (f"You refine research hypotheses. Question: {self._question(state)}\nHypothesis: {base.get('hypothesis', '')}\n"
+                  f"Reviewer concerns:\n{critique or 'none'}\nReturn the sharpened hypothesis as JSON.")
+        return await self._senior("hypothesis_refiner", "senior_researcher", Hypothesis, prompt, state, "refined")
+
+    async def designer(self, state: SocietyState) -> dict[str, Any]:
+        hyp = (state.get("refined") or state.get("selection") or {}).get("hypothesis", "")
+        critique = "\n".join(f"- {r['severity']}: {'; '.join(r['issues'])}" for r in state.get("reviews", [])[-2:])
+        prompt = (f"You design experimental protocols. Hypothesis: {hyp}\nReviewer concerns:\n{critique or 'none'}\n"
+                  "Return a concise protocol as JSON (title, objective, methods, controls, outcome_measures).")
+        return await self._senior("protocol_designer", "senior_researcher", Protocol, prompt, state, "protocol", tokens=1024)
+
+    def reviewer(self, agent: str, focus: str):
+        async def node(state: SocietyState) -> dict[str, Any]:
+            prompt = (f"You are the {focus}. Review this protocol for the question '{self._question(state)}':\n"
+                      f"{state.get('protocol')}\nRate severity CRITICAL, MAJOR, MINOR or APPROVE with issues, as JSON.")
+            out = await self._senior(agent, "review_board", Review, prompt, state, "review", tokens=512)
+            if "review" in out:
+                out["reviews"] = [{"reviewer": agent, "round": state.get("review_round", 0), **out.pop("review")}]
+            return out
+
+        return node
+
+    async def close_round(self, state: SocietyState) -> dict[str, Any]:
+        return {"review_round": state.get("review_round", 0) + 1}
+
+    def route(self, state: SocietyState) -> str:
+        """CRITICAL -> refiner, MAJOR -> designer, otherwise (or out of budget) -> PI."""
+        if state.get("review_round", 0) > self.cfg.max_review_rounds or self._llm_calls(state) >= self.cfg.max_turns:
+            return "principal_investigator"
+        this_round = [r for r in state.get("reviews", []) if r["round"] == state.get("review_round", 1) - 1]
+        worst = max((SEVERITY_RANK[r["severity"]] for r in this_round), default=0)
+        return {3: "refiner", 2: "designer"}.get(worst, "principal_investigator")
+
+    async def principal_investigator(self, state: SocietyState) -> dict[str, Any]:
+        reviews = "\n".join(f"- {r['reviewer']}: {r['severity']}: {r['summary']}" for r in state.get("reviews", []))
+        prompt = (f"You are the principal investigator. Question: {self._question(state)}\nProtocol: {state.get('protocol')}\n"
+                  f"Reviews:\n{reviews or 'none'}\nDecide GO or NO-GO with a rationale, as JSON.")
+        return await self._senior("principal_investigator", "senior_researcher", PIDecision, prompt, state, "decision", tokens=256)
+
+    def compile(self) -> Any:
+        from langgraph.graph import END, START, StateGraph
+
+        g = StateGraph(SocietyState)
+        for name in JUNIORS:
+            g.add_node(name, self.junior(name))
+            g.add_edge(START, name)
+        g.add_node("supervisor", self.supervisor)
+        g.add_edge(list(JUNIORS), "supervisor")
+        g.add_node("refiner", self.refiner)
+        g.add_node("designer", self.designer)
+        g.add_node("peer_reviewer", self.reviewer("peer_reviewer", "peer reviewer (scientific rigour)"))
+        g.add_node("safety_officer", self.reviewer("safety_officer", "safety officer (ethics, biosafety, patient risk)"))
+        g.add_node("close_round", self.close_round)
+        g.add_node("principal_investigator", self.principal_investigator)
+        g.add_edge("supervisor", "refiner")
+        g.add_edge("refiner", "designer")
+        g.add_edge("designer", "peer_reviewer")
+        g.add_edge("peer_reviewer", "safety_officer")
+        g.add_edge("safety_officer", "close_round")
+        g.add_conditional_edges("close_round", self.route, ["refiner", "designer", "principal_investigator"])
+        g.add_edge("principal_investigator", END)
+        return g.compile()

@@ -1,0 +1,81 @@
+"""Role-aware chat client over the OpenAI-compatible proxy, recording every call as an llm span.
+
+Agents know only (base_url, key) and their logical model name. Structured outputs are requested
+with the schema's ``response_format`` and validated; an invalid answer is fed back with the
+validation error for a bounded number of repairs, then recorded as a failure (never raised).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class LLMError(RuntimeError):
+    pass
+
+
+class RoleClient:
+    def __init__(self, base_url: str, api_key: str, max_tokens: int = 256, temperature: float = 0.7,
+                 json_retries: int = 2, timeout_s: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.json_retries = json_retries
+        self._http = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def chat(self, agent: str, model: str, messages: list[dict[str, str]], spans: list[dict[str, Any]],
+                   response_format: dict[str, Any] | None = None, max_tokens: int | None = None) -> str:
+        body: dict[str, Any] = {"model": model, "messages": messages, "temperature": self.temperature,
+                                "max_tokens": max_tokens or self.max_tokens}
+        if response_format:
+            body["response_format"] = response_format
+        t0 = time.perf_counter()
+        span: dict[str, Any] = {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": messages}}
+        try:
+            resp = await self._http.post(f"{self.base_url}/chat/completions", json=body)
+        except httpx.HTTPError as exc:
+            span["data"].update(ok=False, error=f"{type(exc).__name__}: {exc}", latency_s=time.perf_counter() - t0)
+            spans.append(span)
+            raise LLMError(f"{agent}: {type(exc).__name__}: {exc}") from exc
+        latency = time.perf_counter() - t0
+        if resp.status_code != 200:
+            span["data"].update(ok=False, error=f"HTTP {resp.status_code}: {resp.text[:300]}", latency_s=latency)
+            spans.append(span)
+            raise LLMError(f"{agent}: HTTP {resp.status_code}: {resp.text[:200]}")
+        payload = resp.json()
+        output = payload["choices"][0]["message"].get("content") or ""
+        span["data"].update(ok=True, output=output, usage=payload.get("usage", {}), latency_s=latency,
+                            finish_reason=payload["choices"][0].get("finish_reason"),
+                            served_model=resp.headers.get("x-litellm-model-name", payload.get("model")),
+                            deployment=resp.headers.get("x-litellm-model-group"))
+        spans.append(span)
+        return output
+
+    async def structured(self, agent: str, model: str, messages: list[dict[str, str]], schema: type[T],
+                         spans: list[dict[str, Any]], max_tokens: int | None = None) -> T | None:
+        """Validated object, or None after ``json_retries`` repairs (each attempt is a span)."""
+        history = list(messages)
+        for attempt in range(self.json_retries + 1):
+            text = await self.chat(agent, model, history, spans, schema.response_format(), max_tokens)
+            try:
+                obj = schema.model_validate_json(text)
+            except ValidationError as exc:
+                problem = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+                spans.append({"kind": "reward", "name": f"{agent}.valid_output", "data": {
+                    "value": 0.0, "kind": "intermediate", "reason": f"attempt {attempt + 1}: invalid {schema.__name__}: {problem}"}})
+                history = [*messages, {"role": "assistant", "content": text[:1500]},
+                           {"role": "user", "content": f"That was not valid {schema.__name__} JSON ({problem}). Answer again with valid JSON only."}]
+                continue
+            spans.append({"kind": "reward", "name": f"{agent}.valid_output", "data": {
+                "value": 1.0, "kind": "intermediate", "reason": f"valid {schema.__name__} on attempt {attempt + 1}"}})
+            return obj
+        return None

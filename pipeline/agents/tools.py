@@ -1,0 +1,139 @@
+"""Offline tools of the junior researchers, backed by files the ``build-index`` stage writes.
+
+- ``search_literature``: BM25 over the PubMedQA abstracts of the train+val splits (test abstracts
+  are left out so evaluation never searches its own answers); returns PMIDs and passages.
+- ``lookup_gene`` / ``lookup_protein``: the MeSH vocabulary of the same abstracts, split into gene
+  and protein headings; a query returns matching headings, how many abstracts carry them, example
+  PMIDs and co-occurring headings. Real curated data that needs no network (UniProt/GO would need
+  downloads; see docs/agents.md).
+
+A tool never raises into the graph: errors come back as ``ok=False`` with a message for the agent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+TOKEN = re.compile(r"[a-z0-9]+")
+GENE_WORDS = re.compile(r"\b(genes?|genetic|genotype|allele|alleles|polymorphism|mutation|dna|rna|chromosom\w*|genom\w*|hla)\b", re.I)
+PROTEIN_WORDS = re.compile(r"(protein|receptor|enzyme|kinase|antibod|hormone|factor|peptide|insulin|collagen|cytokine|interleukin|ase\b|ases\b|globulin|antigen)", re.I)
+STOP = {"the", "of", "and", "in", "a", "to", "is", "for", "with", "on", "or", "by", "an", "as", "are", "be", "at", "does", "do", "was", "were"}
+
+
+def tokens(text: str) -> list[str]:
+    return [t for t in TOKEN.findall(text.lower()) if t not in STOP]
+
+
+@dataclass
+class ToolResult:
+    ok: bool
+    text: str
+    data: Any = None
+
+
+class Toolbox:
+    def __init__(self, index_dir: str | Path, top_k: int = 3) -> None:
+        self.index_dir = Path(index_dir)
+        self.top_k = top_k
+
+    @cached_property
+    def corpus(self) -> list[dict[str, Any]]:
+        path = self.index_dir / "corpus.jsonl"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: literature index missing; run `python -m pipeline build-index`")
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    @cached_property
+    def bm25(self) -> Any:
+        from rank_bm25 import BM25Okapi
+
+        return BM25Okapi([tokens(d["title"] + " " + d["text"]) for d in self.corpus])
+
+    @cached_property
+    def mesh(self) -> dict[str, Any]:
+        return json.loads((self.index_dir / "mesh.json").read_text())
+
+    def call(self, tool: str, query: str) -> ToolResult:
+        fn = {"search_literature": self.search_literature, "lookup_gene": self.lookup_gene,
+              "lookup_protein": self.lookup_protein}.get(tool)
+        if fn is None:
+            return ToolResult(False, f"unknown tool '{tool}'")
+        if not query.strip():
+            return ToolResult(False, f"{tool}: empty query")
+        try:
+            return fn(query)
+        except Exception as exc:  # noqa: BLE001 - a tool failure is a message to the agent, not a crash
+            return ToolResult(False, f"{tool} failed: {type(exc).__name__}: {exc}")
+
+    def search_literature(self, query: str) -> ToolResult:
+        scores = self.bm25.get_scores(tokens(query))
+        best = sorted(range(len(scores)), key=lambda i: -scores[i])[: self.top_k]
+        hits = [{"pmid": self.corpus[i]["pmid"], "score": round(float(scores[i]), 3), "passage": self.corpus[i]["text"][:300]}
+                for i in best if scores[i] > 0]
+        if not hits:
+            return ToolResult(True, f"no abstracts match '{query}'", [])
+        return ToolResult(True, "\n".join(f"PMID {h['pmid']}: {h['passage']}" for h in hits), hits)
+
+    def _lookup(self, kind: str, query: str) -> ToolResult:
+        table: dict[str, dict[str, Any]] = self.mesh[kind]
+        q = set(tokens(query))
+        ranked = sorted(((len(q & set(tokens(term))), entry["count"], term) for term, entry in table.items()), reverse=True)
+        found = [term for overlap, _, term in ranked if overlap][:3]
+        if not found:
+            return ToolResult(True, f"no {kind} heading matches '{query}'", [])
+        rows = [{"heading": t, **table[t]} for t in found]
+        text = "\n".join(f"{r['heading']}: in {r['count']} abstracts (e.g. PMID {', '.join(r['pmids'][:3])}); "
+                         f"co-occurs with {', '.join(r['cooccurs'][:3])}" for r in rows)
+        return ToolResult(True, text, rows)
+
+    def lookup_gene(self, query: str) -> ToolResult:
+        return self._lookup("genes", query)
+
+    def lookup_protein(self, query: str) -> ToolResult:
+        return self._lookup("proteins", query)
+
+
+def build_index(frames: list[Any], out_dir: Path) -> dict[str, int]:
+    """Write corpus.jsonl (one abstract per PMID) and mesh.json (gene/protein headings)."""
+    corpus, gene, protein = [], {}, {}
+    df: Counter = Counter(m for frame in frames for ms in frame["meshes"] if ms is not None for m in set(ms))
+    n_docs = sum(len(f) for f in frames)
+    common = {m for m, c in df.items() if c > 0.1 * n_docs}  # check tags (Humans, Male, Aged...) say nothing
+    for frame in frames:
+        for _, row in frame.iterrows():
+            pmid = str(row["id"])
+            corpus.append({"pmid": pmid, "title": str(row["question"]), "text": " ".join(row["contexts"])})
+            meshes = list(row["meshes"] if row["meshes"] is not None else [])
+            for term in meshes:
+                table = gene if GENE_WORDS.search(term) else protein if PROTEIN_WORDS.search(term) else None
+                if table is None:
+                    continue
+                entry = table.setdefault(term, {"count": 0, "pmids": [], "co": Counter()})
+                entry["count"] += 1
+                entry["pmids"].append(pmid)
+                entry["co"].update(m for m in meshes if m != term and m not in common)
+    mesh = {kind: {t: {"count": e["count"], "pmids": e["pmids"][:10], "cooccurs": [m for m, _ in e["co"].most_common(5)]}
+                   for t, e in sorted(table.items())} for kind, table in (("genes", gene), ("proteins", protein))}
+    from pipeline.io import atomic_dir
+
+    with atomic_dir(out_dir) as tmp:
+        (tmp / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
+        (tmp / "mesh.json").write_text(json.dumps(mesh, indent=1))
+    return {"abstracts": len(corpus), "gene_headings": len(gene), "protein_headings": len(protein)}
+
+
+def timed_call(box: Toolbox, sender: str, tool: str, query: str, spans: list[dict[str, Any]]) -> ToolResult:
+    t0 = time.perf_counter()
+    result = box.call(tool, query)
+    spans.append({"kind": "tool", "name": tool, "data": {"sender": sender, "args": {"query": query}, "ok": result.ok,
+                                                           "result": result.text[:1200], "latency_s": time.perf_counter() - t0}})
+    spans.append({"kind": "reward", "name": f"{sender}.tool_success", "data": {
+        "value": 1.0 if result.ok else 0.0, "kind": "intermediate", "reason": f"{tool}: {'ok' if result.ok else result.text[:200]}"}})
+    return result

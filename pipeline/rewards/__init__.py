@@ -1,0 +1,1 @@
+"""Reward of a rollout: LLM-judge criteria, their weighted sum, and decision alignment."""

@@ -1,0 +1,211 @@
+"""Run the society over shards of the validated train split and write one trace line per rollout.
+
+Shard ``i`` takes every ``shards``-th task of the sorted train ids (after ``rollouts.limit``), so a
+shard's content depends only on data and params, and the Airflow DAG can map one task per shard.
+Within a shard, rollouts run concurrently (bounded), each with a timeout and retries. Finished
+traces are appended to a journal (``.shard-XXXXX.jsonl.partial``, fsync per line); a crashed shard
+resumes from it without repeating finished rollouts (a truncated last line is ignored), and the
+final ``shard-XXXXX.jsonl`` is written atomically from the journal. Rerunning a finished shard
+replaces it whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pipeline.config import Params
+from pipeline.io import atomic_open, write_json
+
+METRICS_FILE = Path("reports/rollouts.json")
+
+
+class FailureRateExceeded(RuntimeError):
+    pass
+
+
+def shard_tasks(params: Params, shard: int) -> list[dict[str, Any]]:
+    frame = pd.read_parquet(Path(params.validate_.out_dir) / "train.parquet").sort_values("id")
+    if params.rollouts.limit:
+        frame = frame.head(params.rollouts.limit)
+    rows = frame.iloc[shard :: params.rollouts.shards]
+    return [{**r, "contexts": list(r["contexts"]), "meshes": list(r["meshes"]), "labels": list(r["labels"])} for r in rows.to_dict("records")]
+
+
+def shard_path(params: Params, shard: int) -> Path:
+    return Path(params.rollouts.out_dir) / f"shard-{shard:05d}.jsonl"
+
+
+def journal_path(params: Params, shard: int) -> Path:
+    final = shard_path(params, shard)
+    return final.with_name(f".{final.name}.partial")
+
+
+def read_journal(path: Path) -> dict[str, str]:
+    """rollout_id -> line, for every complete line (a line cut by a crash is dropped)."""
+    done: dict[str, str] = {}
+    if not path.exists():
+        return done
+    for line in path.read_text().splitlines():
+        try:
+            done[json.loads(line)["rollout_id"]] = line
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return done
+
+
+def _client_settings(params: Params) -> tuple[str, str, int | None]:
+    from pipeline.serving import proxy, routing
+
+    base = os.environ.get("PIPELINE__ROLLOUTS__LLM_BASE_URL") or params.rollouts.llm_base_url
+    if base:
+        return base, os.environ.get("LLM_API_KEY", "none"), None
+    url, key = proxy.client_settings(params)
+    live = routing.active(params)
+    return url, os.environ.get("LLM_API_KEY", key), live and live["version"]
+
+
+async def run_shard(params: Params, shard: int, run_id: str, progress: Any = None) -> list[dict[str, Any]]:
+    from pipeline.agents.llm import RoleClient
+    from pipeline.agents.rollout import run_rollout
+    from pipeline.agents.tools import Toolbox
+    from pipeline.traces.schema import Trace
+
+    tasks = shard_tasks(params, shard)
+    journal = journal_path(params, shard)
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    if shard_path(params, shard).exists() and not journal.exists():
+        journal.touch()  # a finished shard is being rerun: start a fresh journal, replace the shard at the end
+    done = read_journal(journal)
+    base_url, key, version = _client_settings(params)
+    cfg = params.rollouts
+    client = RoleClient(base_url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries, cfg.timeout_s)
+    tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
+    sem = asyncio.Semaphore(cfg.concurrency)
+    lock = asyncio.Lock()
+    # rewrite the journal without a possibly truncated tail before appending to it
+    with atomic_open(journal) as fh:
+        fh.writelines(line + "\n" for line in done.values())
+    todo = [t for t in tasks if f"{t['id']}-0" not in done]
+    if progress is not None:
+        progress.update(total=len(tasks), completed=len(tasks) - len(todo))
+
+    async def one(task: dict[str, Any]) -> None:
+        ids = {"run_id": run_id, "shard": shard, "task_id": str(task["id"]), "rollout_id": f"{task['id']}-0"}
+        trace = None
+        async with sem:
+            for attempt in range(cfg.retries + 1):
+                try:
+                    trace = await asyncio.wait_for(run_rollout(params, client, tools, task, ids, version), cfg.timeout_s)
+                except (asyncio.TimeoutError, TimeoutError):
+                    trace = Trace(**ids, status="failed", error=f"timed out after {cfg.timeout_s:.0f}s")
+                trace.attempts = attempt + 1
+                if trace.status == "ok":
+                    break
+        line = trace.model_dump_json()
+        async with lock:
+            with open(journal, "a") as fh:
+                fh.write(line + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            done[ids["rollout_id"]] = line
+        if progress is not None:
+            progress.advance()
+
+    try:
+        await asyncio.gather(*[one(t) for t in todo])
+    finally:
+        await client.aclose()
+    with atomic_open(shard_path(params, shard)) as fh:
+        fh.writelines(done[f"{t['id']}-0"] + "\n" for t in tasks)
+    journal.unlink()
+    return [json.loads(done[f"{t['id']}-0"]) for t in tasks]
+
+
+def summarise(traces: list[dict[str, Any]]) -> dict[str, float]:
+    ok = [t for t in traces if t["status"] == "ok"]
+    out: dict[str, float] = {"rollouts": len(traces), "success_rate": len(ok) / len(traces) if traces else 0.0}
+    for key in ("turns", "tokens", "latency_s"):
+        out[f"mean_{key}"] = statistics.fmean(t[key] for t in traces) if traces else 0.0
+    rewards = [t["reward"] for t in ok if t["reward"] is not None]
+    out["mean_reward"] = statistics.fmean(rewards) if rewards else 0.0
+    for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency", "aligned"):
+        vals = [t["rewards"][c] for t in ok if c in t["rewards"]]
+        if vals:
+            out[f"mean_{c}"] = statistics.fmean(vals)
+    out["maybe_labels"] = sum(1 for t in traces if t.get("label") == "maybe")
+    return out
+
+
+def run(params: Params, shards: list[int], run_id: str) -> dict[str, Any]:
+    from rich.progress import Progress
+
+    results: dict[str, Any] = {}
+    all_traces: list[dict[str, Any]] = []
+    with Progress(transient=False) as bar:
+        for shard in shards:
+            task_id = bar.add_task(f"rollouts shard {shard}", total=None)
+
+            class _P:
+                def update(self, **kw: Any) -> None:
+                    bar.update(task_id, **kw)
+
+                def advance(self) -> None:
+                    bar.advance(task_id)
+
+            traces = asyncio.run(run_shard(params, shard, run_id, _P()))
+            results[f"shard_{shard}"] = summarise(traces)
+            all_traces += traces
+    results["total"] = summarise(all_traces)
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shard", type=int, default=None, help="run one shard (default: all)")
+    parser.add_argument("--no-mlflow", action="store_true")
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    from pipeline import tracking
+
+    shards = [args.shard] if args.shard is not None else list(range(params.rollouts.shards))
+    if any(not 0 <= s < params.rollouts.shards for s in shards):
+        print(f"error: --shard must be in [0, {params.rollouts.shards})", file=sys.stderr)
+        return 2
+    run_id = tracking.pipeline_run_id()
+    if args.no_mlflow:
+        results = run(params, shards, run_id)
+    else:
+        with tracking.stage_run("rollouts" if args.shard is None else f"rollouts-shard-{args.shard}", params):
+            import mlflow
+
+            results = run(params, shards, run_id)
+            for scope, metrics in results.items():
+                mlflow.log_metrics({f"{scope}.{k}": float(v) for k, v in metrics.items()})
+            for s in shards:
+                mlflow.log_artifact(str(shard_path(params, s)), artifact_path="traces")
+    if args.shard is None:
+        write_json(METRICS_FILE, results)
+    total = results["total"]
+    failure_rate = 1 - total["success_rate"]
+    print(f"rollouts: {int(total['rollouts'])} rollouts, success {total['success_rate']:.0%}, mean reward {total['mean_reward']:.3f} "
+          f"-> {params.rollouts.out_dir}/")
+    if failure_rate > params.rollouts.max_failure_rate:
+        errors = {}
+        for s in shards:
+            for line in shard_path(params, s).read_text().splitlines():
+                t = json.loads(line)
+                if t["status"] == "failed":
+                    errors[t["error"][:160]] = errors.get(t["error"][:160], 0) + 1
+        print(f"error: failure rate {failure_rate:.0%} exceeds rollouts.max_failure_rate {params.rollouts.max_failure_rate:.0%}; "
+              f"reasons: {json.dumps(errors)}", file=sys.stderr)
+        return 1
+    return 0

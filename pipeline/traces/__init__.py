@@ -1,0 +1,1 @@
+"""Rollout traces: the one schema that datasets, trainers and the bandit read."""

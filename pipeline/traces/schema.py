@@ -1,0 +1,43 @@
+"""One JSON line per rollout with ordered spans (see docs/agents.md for the field list).
+
+Span kinds: ``llm`` (role, logical and served model, messages, output, usage, latency), ``tool``
+(name, args, result, ok/error, latency, sender), ``reward`` (value, kind, reason), ``decision``
+(candidates, chosen, propensity). Kept as plain dicts in state so LangGraph can merge them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+SpanKind = Literal["llm", "tool", "reward", "decision"]
+
+
+class Span(BaseModel):
+    kind: SpanKind
+    name: str
+    seq: int = 0
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class Trace(BaseModel):
+    run_id: str
+    shard: int
+    task_id: str
+    rollout_id: str
+    status: Literal["ok", "failed"]
+    error: str | None = None
+    routing_version: int | None = None
+    label: str | None = None
+    decision: str | None = None
+    reward: float | None = None
+    rewards: dict[str, float] = Field(default_factory=dict)
+    turns: int = 0
+    tokens: int = 0
+    latency_s: float = 0.0
+    attempts: int = 1
+    spans: list[Span] = Field(default_factory=list)
+
+    def roles_called(self) -> set[str]:
+        return {s.data.get("agent", s.name) for s in self.spans if s.kind == "llm"}

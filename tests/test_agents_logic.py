@@ -1,0 +1,90 @@
+"""Pure logic of the society, reward and rollout journal (no model calls)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipeline.agents.graph import Society
+from pipeline.agents.tools import Toolbox, build_index
+from pipeline.config import AgentsParams, load_params
+from pipeline.rewards.judge import alignment, weighted_reward
+from pipeline.stages.rollouts import read_journal, summarise
+from tests.conftest import ROOT, SOURCE
+
+
+def _society(**cfg) -> Society:
+    return Society(client=None, tools=None, cfg=AgentsParams(**cfg), rng=random.Random(0))  # type: ignore[arg-type]
+
+
+def _state(*severities: str, round_: int = 1, calls: int = 3) -> dict:
+    return {"review_round": round_, "reviews": [{"severity": s, "round": round_ - 1, "reviewer": f"r{i}"} for i, s in enumerate(severities)],
+            "spans": [{"kind": "llm"}] * calls}
+
+
+@pytest.mark.parametrize("severities, target", [
+    (("CRITICAL", "MINOR"), "refiner"), (("MAJOR", "APPROVE"), "designer"), (("MINOR", "APPROVE"), "principal_investigator"),
+    (("APPROVE", "APPROVE"), "principal_investigator"), (("MAJOR", "CRITICAL"), "refiner"), ((), "principal_investigator"),
+])
+def test_route_by_worst_severity(severities, target) -> None:
+    assert _society(max_review_rounds=2).route(_state(*severities)) == target
+
+
+def test_route_ends_loops_on_budget() -> None:
+    s = _society(max_review_rounds=1, max_turns=10)
+    assert s.route(_state("CRITICAL", round_=2)) == "principal_investigator"       # review rounds spent
+    assert s.route(_state("CRITICAL", round_=1, calls=10)) == "principal_investigator"  # LLM-call budget spent
+    assert s.route(_state("CRITICAL", round_=1, calls=9)) == "refiner"
+
+
+def test_only_the_latest_round_counts() -> None:
+    state = _state("MINOR", round_=2)
+    state["reviews"].insert(0, {"severity": "CRITICAL", "round": 0, "reviewer": "old"})
+    assert _society().route(state) == "principal_investigator"
+
+
+def test_weighted_reward_and_alignment() -> None:
+    weights = load_params(ROOT / "params.yaml", environ={}).judge.weights.model_dump()
+    assert weighted_reward({c: 1.0 for c in weights}, weights) == pytest.approx(1.0)
+    assert weighted_reward({"groundedness": 1.0}, weights) == pytest.approx(weights["groundedness"] / sum(weights.values()))
+    assert alignment("GO", "yes") == {"aligned": True, "maybe": False}
+    assert alignment("NO-GO", "yes") == {"aligned": False, "maybe": False}
+    assert alignment("GO", "maybe") == {"aligned": None, "maybe": True}
+    assert alignment(None, "no")["aligned"] is None
+
+
+def test_journal_drops_truncated_line_and_dedupes(tmp_path: Path) -> None:
+    path = tmp_path / "j"
+    a = json.dumps({"rollout_id": "1-0", "v": 1})
+    b = json.dumps({"rollout_id": "2-0", "v": 1})
+    a2 = json.dumps({"rollout_id": "1-0", "v": 2})
+    path.write_text(f"{a}\n{b}\n{a2}\n" + '{"rollout_id": "3-0", "v"')
+    done = read_journal(path)
+    assert set(done) == {"1-0", "2-0"} and json.loads(done["1-0"])["v"] == 2
+
+
+def test_summarise_counts_failures_and_components() -> None:
+    traces = [{"status": "ok", "turns": 10, "tokens": 100, "latency_s": 1.0, "reward": 0.5, "label": "yes", "rewards": {"novelty": 0.5, "aligned": 1.0}},
+              {"status": "failed", "turns": 0, "tokens": 0, "latency_s": 0.1, "reward": None, "label": "maybe", "rewards": {}}]
+    s = summarise(traces)
+    assert s["success_rate"] == 0.5 and s["mean_reward"] == 0.5 and s["mean_aligned"] == 1.0 and s["maybe_labels"] == 1
+
+
+def test_tools_offline(tmp_path: Path) -> None:
+    data = json.loads(SOURCE.read_text())
+    frame = pd.DataFrame([{"id": k, "question": v["QUESTION"], "contexts": v["CONTEXTS"], "meshes": v["MESHES"]} for k, v in list(data.items())[:200]])
+    stats = build_index([frame], tmp_path / "index")
+    assert stats["abstracts"] == 200 and stats["protein_headings"] > 0
+    box = Toolbox(tmp_path / "index", top_k=2)
+    first = frame.iloc[0]
+    hit = box.call("search_literature", first["question"])
+    assert hit.ok and hit.data[0]["pmid"] == first["id"]
+    assert box.call("lookup_protein", "receptor").ok
+    assert not box.call("fly", "x").ok and not box.call("lookup_gene", "  ").ok
+    broken = Toolbox(tmp_path / "missing")
+    result = broken.call("search_literature", "statins")
+    assert not result.ok and "build-index" in result.text  # an error message for the agent, not an exception
