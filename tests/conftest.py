@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+
+from pipeline.config import Params, load_params
+from pipeline.envs import model_python
+from pipeline.serving import proxy, stack, worker
+from pipeline.services.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBMEDQA = Path(os.environ.get("PUBMEDQA_DIR", ROOT.parent / "shared" / "data" / "pubmedqa"))
@@ -89,3 +96,53 @@ def copy_project(dest: Path) -> Path:
     subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"], cwd=dest, check=True)
     return dest
+
+
+# --- the real serving plane, shared by the serving and rollout integration tests (slow) ---
+
+ADAPTER = """
+import sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).save_pretrained(sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="session")
+def serving_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Materialise base + test models and a LoRA adapter through the project's stage."""
+    root = tmp_path_factory.mktemp("models")
+    env_params = {"PIPELINE__MODELS__BASE__OUT_DIR": str(root / "base"), "PIPELINE__MODELS__TEST__OUT_DIR": str(root / "tiny")}
+    subprocess.run([sys.executable, "-m", "pipeline", "materialize-model", "--no-mlflow"], cwd=ROOT, check=True,
+                   env={**_clean_env(), **env_params}, capture_output=True)
+    subprocess.run([model_python(), "-c", ADAPTER, str(root / "base"), str(root / "adapter-a")], check=True, capture_output=True)
+    return root
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")} | {"PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="session")
+def serving_stack(serving_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Params]:
+    """One vLLM worker (base model + adapter-a) behind the proxy; a second worker is never started."""
+    home = tmp_path_factory.mktemp("serving")
+    (home / "versions").mkdir()
+    (home / "versions" / "v1.yaml").write_text((ROOT / "serving/routing/v1.yaml").read_text())
+    base, down = free_port(), free_port()
+    workers = (f"[{{name: base, model: '{serving_models / 'base'}', port: {base}, lora_modules: {{adapter-a: '{serving_models / 'adapter-a'}'}}}},"
+               f" {{name: offline, model: '{serving_models / 'base'}', port: {down}}}]")
+    p = load_params(ROOT / "params.yaml", environ={
+        "PIPELINE__SERVING__WORKERS": workers, "PIPELINE__SERVING__HOME": str(home / "run"),
+        "PIPELINE__SERVING__ROUTING_DIR": str(home / "versions"), "PIPELINE__SERVING__PROXY__PORT": str(free_port()),
+        "PIPELINE__SERVING__PROXY__KEY_FILE": str(home / "secrets" / "key")})
+    worker.up(p, p.serving.workers[0])  # the "offline" worker is deliberately not started
+    proxy.up(p)
+    try:
+        yield p
+    finally:
+        stack.down(p)
+
+

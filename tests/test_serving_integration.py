@@ -6,70 +6,22 @@ started, to stand for a backend that is down.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from pipeline.config import Params, load_params
-from pipeline.envs import model_python
+from pipeline.config import Params
 from pipeline.schemas import Protocol, Review
-from pipeline.serving import proxy, routing, stack, worker
-from pipeline.services.process import free_port
-from tests.conftest import ROOT
+from pipeline.serving import proxy, routing, worker
 
 pytestmark = pytest.mark.slow
 
-ADAPTER = """
-import sys, torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).save_pretrained(sys.argv[2])
-"""
 
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Materialise base + test models and a LoRA adapter through the project's stage."""
-    root = tmp_path_factory.mktemp("models")
-    env_params = {"PIPELINE__MODELS__BASE__OUT_DIR": str(root / "base"), "PIPELINE__MODELS__TEST__OUT_DIR": str(root / "tiny")}
-    subprocess.run([sys.executable, "-m", "pipeline", "materialize-model", "--no-mlflow"], cwd=ROOT, check=True,
-                   env={**_clean_env(), **env_params}, capture_output=True)
-    subprocess.run([model_python(), "-c", ADAPTER, str(root / "base"), str(root / "adapter-a")], check=True, capture_output=True)
-    return root
-
-
-def _clean_env() -> dict[str, str]:
-    import os
-
-    return {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")} | {"PYTHONPATH": str(ROOT)}
-
-
-@pytest.fixture(scope="module")
-def params(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Params]:
-    home = tmp_path_factory.mktemp("serving")
-    (home / "versions").mkdir()
-    (home / "versions" / "v1.yaml").write_text((ROOT / "serving/routing/v1.yaml").read_text())
-    base, down = free_port(), free_port()
-    workers = (f"[{{name: base, model: '{models_dir / 'base'}', port: {base}, lora_modules: {{adapter-a: '{models_dir / 'adapter-a'}'}}}},"
-               f" {{name: offline, model: '{models_dir / 'base'}', port: {down}}}]")
-    p = load_params(ROOT / "params.yaml", environ={
-        "PIPELINE__SERVING__WORKERS": workers, "PIPELINE__SERVING__HOME": str(home / "run"),
-        "PIPELINE__SERVING__ROUTING_DIR": str(home / "versions"), "PIPELINE__SERVING__PROXY__PORT": str(free_port()),
-        "PIPELINE__SERVING__PROXY__KEY_FILE": str(home / "secrets" / "key")})
-    worker.up(p, p.serving.workers[0])  # the "offline" worker is deliberately not started
-    proxy.up(p)
-    try:
-        yield p
-    finally:
-        stack.down(p)
-
+@pytest.fixture
+def params(serving_stack: Params) -> Params:
+    return serving_stack
 
 def _chat(p: Params, model: str, **body) -> httpx.Response:
     url, key = proxy.client_settings(p)
@@ -77,16 +29,16 @@ def _chat(p: Params, model: str, **body) -> httpx.Response:
                       json={"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Name one gene."}], **body})
 
 
-def test_materialized_models(models_dir: Path) -> None:
+def test_materialized_models(serving_models: Path) -> None:
     import json
 
     for name in ("base", "tiny"):
-        folder = models_dir / name
+        folder = serving_models / name
         assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
         assert (folder / "chat_template.jinja").exists() or "chat_template" in (folder / "tokenizer_config.json").read_text()
-    tiny = json.loads((models_dir / "tiny" / "config.json").read_text())
+    tiny = json.loads((serving_models / "tiny" / "config.json").read_text())
     assert tiny["num_hidden_layers"] == 2 and tiny["hidden_size"] // tiny["num_attention_heads"] == 64
-    assert json.loads((models_dir / "base" / "materialized.json").read_text())["parameters"] > 100_000_000
+    assert json.loads((serving_models / "base" / "materialized.json").read_text())["parameters"] > 100_000_000
 
 
 def test_every_role_answers_through_the_proxy(params: Params) -> None:
@@ -147,9 +99,9 @@ def test_apply_rollback_and_failed_apply_keeps_live_version(params: Params) -> N
     assert [e["status"] for e in routing.history(params)][-1] == "failed"
 
 
-def test_hot_loaded_adapter_is_routable(params: Params, models_dir: Path) -> None:
+def test_hot_loaded_adapter_is_routable(params: Params, serving_models: Path) -> None:
     base = params.serving.workers[0]
-    worker.load_lora(base, "adapter-b", str(models_dir / "adapter-a"))
+    worker.load_lora(base, "adapter-b", str(serving_models / "adapter-a"))
     assert "adapter-b" in worker.models(base)
     v = routing.write_version(params, {**routing.load_version(params, 1)["roles"], "supervisor": "base/adapter-b"}, "hot-loaded")
     routing.apply(params, v)

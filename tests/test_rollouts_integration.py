@@ -1,0 +1,109 @@
+"""Rollouts for real: the society on SmolLM2 through the proxy (slow), and with the endpoint down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import Params, load_params
+from pipeline.stages import build_index, ingest, rollouts, validate
+from pipeline.services.process import free_port
+from tests.conftest import ROOT, set_param
+
+NINE_ROLES = {"geneticist", "pharmacologist", "neurologist", "supervisor", "hypothesis_refiner", "protocol_designer",
+              "peer_reviewer", "safety_officer", "principal_investigator"}
+SMALL = {"agents.max_review_rounds": 0, "agents.max_tool_calls": 1, "agents.max_tokens": 160, "rollouts.shards": 1,
+         "rollouts.concurrency": 1, "rollouts.retries": 0}
+
+
+@pytest.fixture
+def ready(project: Path) -> Path:
+    """Validated splits and the tools' index in a scratch project."""
+    for key, value in SMALL.items():
+        set_param(project, key, value)
+    ingest.run(load_params())
+    validate.run(load_params())
+    build_index.run(load_params())
+    return project
+
+
+def _with_stack(project: Path, stack: Params) -> dict[str, str]:
+    """Env overrides that point the scratch project at the session's serving stack."""
+    s = stack.serving
+    workers = "[" + ", ".join(f"{{name: {w.name}, model: '{w.model}', port: {w.port}}}" for w in s.workers) + "]"
+    return {"PIPELINE__SERVING__WORKERS": workers, "PIPELINE__SERVING__HOME": s.home, "PIPELINE__SERVING__ROUTING_DIR": s.routing_dir,
+            "PIPELINE__SERVING__PROXY__PORT": str(s.proxy.port), "PIPELINE__SERVING__PROXY__KEY_FILE": s.proxy.key_file}
+
+
+@pytest.mark.slow
+def test_one_rollout_runs_the_whole_society(ready: Path, serving_stack: Params, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.serving import routing
+
+    routing.apply(serving_stack, 1)
+    for key, value in _with_stack(ready, serving_stack).items():
+        monkeypatch.setenv(key, value)
+    set_param(ready, "rollouts.limit", 1)
+    traces = asyncio.run(rollouts.run_shard(load_params(), 0, "it"))
+    assert len(traces) == 1
+    trace = traces[0]
+    assert trace["status"] == "ok", trace["error"]
+    called = {s["data"]["agent"] for s in trace["spans"] if s["kind"] == "llm"}
+    assert NINE_ROLES <= called
+    logical = {s["data"]["agent"]: s["data"]["logical_model"] for s in trace["spans"] if s["kind"] == "llm"}
+    assert logical["geneticist"] == "junior_researcher" and logical["peer_reviewer"] == "review_board" and logical["judge"] == "judge"
+    assert any(s["kind"] == "tool" and s["data"]["sender"] in {"geneticist", "pharmacologist", "neurologist"} for s in trace["spans"])
+    judged = {s["name"] for s in trace["spans"] if s["kind"] == "reward" and s["data"]["kind"] == "judge"}
+    assert judged == {f"judge.{c}" for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")}
+    final = [s for s in trace["spans"] if s["kind"] == "reward" and s["data"]["kind"] == "final"]
+    assert len(final) == 1 and 0.0 <= trace["reward"] <= 1.0 and trace["decision"] in ("GO", "NO-GO")
+    decision = [s for s in trace["spans"] if s["kind"] == "decision"][0]["data"]
+    assert 0 < decision["propensity"] <= 1 and len(decision["candidates"]) >= 1
+    assert trace["routing_version"] == 1 and trace["tokens"] > 0
+
+
+@pytest.mark.slow
+def test_killed_shard_resumes_without_duplicates(ready: Path, serving_stack: Params) -> None:
+    set_param(ready, "rollouts.limit", 2)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}, **_with_stack(ready, serving_stack),
+           "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pipeline", "rollouts", "--shard", "0", "--no-mlflow"]
+    journal = ready / "data/rollouts/.shard-00000.jsonl.partial"
+    proc = subprocess.Popen(cmd, cwd=ready, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and not (journal.exists() and journal.read_text().count("\n") >= 1):
+        time.sleep(1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert journal.exists() and journal.read_text().count("\n") == 1, "expected exactly one finished rollout before the kill"
+    with open(journal, "a") as fh:
+        fh.write('{"rollout_id": "half-written')  # what a kill during a write leaves
+    done = subprocess.run(cmd, cwd=ready, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = (ready / "data/rollouts/shard-00000.jsonl").read_text().splitlines()
+    ids = [json.loads(line)["rollout_id"] for line in lines]
+    assert len(ids) == 2 and len(set(ids)) == 2
+    assert not journal.exists()
+
+
+def test_endpoint_down_records_failures_and_threshold_decides(ready: Path) -> None:
+    set_param(ready, "rollouts.limit", 2)
+    set_param(ready, "rollouts.llm_base_url", f"http://127.0.0.1:{free_port()}/v1")  # nothing listens there
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pipeline", "rollouts", "--no-mlflow"]
+    set_param(ready, "rollouts.max_failure_rate", 1.0)
+    ok = subprocess.run(cmd, cwd=ready, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    traces = [json.loads(line) for line in (ready / "data/rollouts/shard-00000.jsonl").read_text().splitlines()]
+    assert len(traces) == 2 and all(t["status"] == "failed" and "ConnectError" in t["error"] for t in traces)
+    set_param(ready, "rollouts.max_failure_rate", 0.5)
+    bad = subprocess.run(cmd, cwd=ready, env=env, capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "failure rate 100% exceeds rollouts.max_failure_rate 50%" in bad.stderr and "ConnectError" in bad.stderr
