@@ -87,6 +87,28 @@ def agent_retraining() -> None:
         """Base checkpoint -> HF folder for the vLLM workers (model plane; `gpu` queue in production)."""
         _run_stage("materialize-model")
 
+    @task
+    def build_index() -> None:
+        _run_stage("build-index")
+
+    @task
+    def shard_ids() -> list[int]:
+        from airflow.sdk import get_current_context
+
+        from pipeline.config import load_params
+
+        os.chdir(PROJECT_ROOT)
+        return list(range(load_params(get_current_context()["params"]["params_file"]).rollouts.shards))
+
+    @task(queue="gpu", max_active_tis_per_dagrun=2, map_index_template="shard {{ task.op_kwargs['shard'] }}")
+    def rollouts(shard: int) -> None:
+        """One shard of the train split; each mapped task writes only its own shard file."""
+        _run_stage("rollouts", "--shard", str(shard))
+
+    @task
+    def rollout_metrics() -> None:
+        _run_stage("rollouts", "--collect")
+
     @task(retries=1)
     def version_outputs() -> None:
         """Record the stage outputs in dvc.lock and push them to the DVC remote."""
@@ -94,7 +116,7 @@ def agent_retraining() -> None:
         import sys
 
         dvc = [sys.executable, "-m", "dvc"]
-        subprocess.run([*dvc, "commit", "--force", "ingest", "validate", "materialize_model"], cwd=PROJECT_ROOT, check=True)
+        subprocess.run([*dvc, "commit", "--force", "ingest", "validate", "materialize_model", "build_index", "rollouts"], cwd=PROJECT_ROOT, check=True)
         subprocess.run([*dvc, "push"], cwd=PROJECT_ROOT, check=True)
 
     @task(trigger_rule="all_done")
@@ -109,8 +131,11 @@ def agent_retraining() -> None:
 
     run = open_run()
     versioned = version_outputs()
-    run >> ingest() >> validate() >> versioned >> close_run()
-    run >> materialize_model() >> versioned
+    validated = run >> ingest() >> validate()
+    model = run >> materialize_model()
+    shards = rollouts.expand(shard=shard_ids())
+    [validated >> build_index(), model] >> shards
+    shards >> rollout_metrics() >> versioned >> close_run()
 
 
 agent_retraining()

@@ -46,7 +46,9 @@ def test_every_task_has_owner_and_retries(dagbag) -> None:
 def test_stages_in_order(dagbag) -> None:
     dag = dagbag.dags["agent_retraining"]
     assert dag.get_task("validate").upstream_task_ids == {"ingest"}
-    assert dag.get_task("version_outputs").upstream_task_ids == {"validate", "materialize_model"}
+    assert dag.get_task("build_index").upstream_task_ids == {"validate"}
+    assert dag.get_task("rollouts").upstream_task_ids == {"build_index", "materialize_model", "shard_ids"}
+    assert dag.get_task("version_outputs").upstream_task_ids == {"rollout_metrics"}
     assert dag.get_task("close_run").trigger_rule == "all_done"
 
 

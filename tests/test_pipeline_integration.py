@@ -26,8 +26,20 @@ def clone(tmp_path: Path) -> Path:
 
 def _env(mlflow_uri: str, run_id: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "AIRFLOW"))}
-    env.update(PATH=f"{BIN}:{env['PATH']}", MLFLOW_TRACKING_URI=mlflow_uri, PIPELINE_RUN_ID=run_id, PYTHONPATH="", **extra)
+    env.update(PATH=f"{BIN}:{env['PATH']}", MLFLOW_TRACKING_URI=mlflow_uri, PIPELINE_RUN_ID=run_id, PYTHONPATH="", **SMALL_LOOP, **extra)
     return env
+
+
+# the whole loop, but small: one task per shard, no review loop-back; serving on free ports
+SMALL_LOOP = {"PIPELINE__ROLLOUTS__LIMIT": "2", "PIPELINE__AGENTS__MAX_REVIEW_ROUNDS": "0", "PIPELINE__AGENTS__MAX_TOOL_CALLS": "1",
+              "PIPELINE__ROLLOUTS__MAX_FAILURE_RATE": "1.0"}
+
+
+def _serving_env() -> dict[str, str]:
+    from pipeline.services.process import free_port
+
+    return {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}}}]",
+            "PIPELINE__SERVING__PROXY__PORT": str(free_port())}
 
 
 def _runs(mlflow_uri: str, run_id: str) -> list:
@@ -48,11 +60,8 @@ def _corrupt(dest: Path) -> Path:
 
 
 def test_make_run_script_then_dvc_repro_is_a_noop(clone: Path, mlflow_server: str) -> None:
-    from pipeline.services.process import free_port
-
     run_id = f"it-{uuid.uuid4().hex[:6]}"
-    env = _env(mlflow_server, run_id, PIPELINE__SERVING__WORKERS=f"[{{name: base, model: models/base, port: {free_port()}}}]",
-               PIPELINE__SERVING__PROXY__PORT=str(free_port()))
+    env = _env(mlflow_server, run_id, **_serving_env())
     try:
         proc = subprocess.run(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, capture_output=True, text=True)
         status = subprocess.run([sys.executable, "-m", "pipeline", "route", "status"], cwd=clone, env=env, capture_output=True, text=True)
@@ -75,7 +84,9 @@ def test_make_run_script_then_dvc_repro_is_a_noop(clone: Path, mlflow_server: st
     parent = [r for r in runs if r.data.tags.get("pipeline.kind") == "parent"]
     children = {r.data.tags["pipeline.stage"]: r for r in runs if r.data.tags.get("pipeline.kind") == "stage"}
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"
-    assert set(children) == {"ingest", "validate", "materialize_model"}
+    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts"}
+    assert children["rollouts"].data.metrics["total.rollouts"] == 2
+    assert len((clone / "data/rollouts/shard-00000.jsonl").read_text().splitlines()) == 1
     assert all(r.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for r in children.values())
     assert children["ingest"].data.metrics["val.rows"] == 100
     assert children["validate"].data.metrics["failed_expectations"] == 0
@@ -94,10 +105,13 @@ def test_corrupt_input_stops_dvc_pipeline(clone: Path, mlflow_server: str) -> No
     assert not (clone / "data/validated").exists()
 
 
+SERVING = _serving_env()
+
+
 def _airflow(clone: Path, home: Path, mlflow_uri: str, run_id: str, *args: str) -> subprocess.CompletedProcess[str]:
     from pipeline.services.airflow_server import airflow_env
 
-    env = _env(mlflow_uri, run_id, **{k: v for k, v in airflow_env(home).items() if k != "PYTHONPATH"})
+    env = _env(mlflow_uri, run_id, **SERVING, **{k: v for k, v in airflow_env(home).items() if k != "PYTHONPATH"})
     env.update(AIRFLOW__CORE__DAGS_FOLDER=str(clone / "dags"), PIPELINE_ROOT=str(clone), PYTHONPATH=str(clone))
     return subprocess.run([str(BIN / "airflow"), *args], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
 
@@ -105,12 +119,17 @@ def _airflow(clone: Path, home: Path, mlflow_uri: str, run_id: str, *args: str) 
 def test_airflow_dag_runs_stages_and_versions_outputs(clone: Path, mlflow_server: str, tmp_path: Path) -> None:
     home = tmp_path / "airflow"
     assert _airflow(clone, home, mlflow_server, "", "db", "migrate").returncode == 0
-    proc = _airflow(clone, home, mlflow_server, "", "dags", "test", "agent_retraining")
+    try:
+        proc = _airflow(clone, home, mlflow_server, "", "dags", "test", "agent_retraining")
+    finally:
+        subprocess.run([sys.executable, "-m", "pipeline", "services", "down", "serving"], cwd=clone,
+                       env=_env(mlflow_server, "", **SERVING), capture_output=True)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     assert (clone / "data/validated/train.parquet").exists()
     lock = (clone / "dvc.lock").read_text()
-    assert "data/validated" in lock
+    assert "data/validated" in lock and "data/rollouts" in lock
+    assert len(list((clone / "data/rollouts").glob("shard-*.jsonl"))) == 2  # one file per mapped shard task
     status = subprocess.run(["dvc", "status"], cwd=clone, env=_env(mlflow_server, ""), capture_output=True, text=True)
     assert "up to date" in status.stdout
 

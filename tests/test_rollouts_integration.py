@@ -38,7 +38,8 @@ def ready(project: Path) -> Path:
 def _with_stack(project: Path, stack: Params) -> dict[str, str]:
     """Env overrides that point the scratch project at the session's serving stack."""
     s = stack.serving
-    workers = "[" + ", ".join(f"{{name: {w.name}, model: '{w.model}', port: {w.port}}}" for w in s.workers) + "]"
+    w = s.workers[0]  # only the running worker: `rollouts` brings up every configured one
+    workers = f"[{{name: {w.name}, model: '{w.model}', port: {w.port}}}]"
     return {"PIPELINE__SERVING__WORKERS": workers, "PIPELINE__SERVING__HOME": s.home, "PIPELINE__SERVING__ROUTING_DIR": s.routing_dir,
             "PIPELINE__SERVING__PROXY__PORT": str(s.proxy.port), "PIPELINE__SERVING__PROXY__KEY_FILE": s.proxy.key_file}
 

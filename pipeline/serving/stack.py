@@ -6,18 +6,29 @@ workers (production GPU hosts) are only health-checked, never started from here.
 
 from __future__ import annotations
 
+import fcntl
+from pathlib import Path
+
 from pipeline.config import Params
 from pipeline.serving import proxy, routing, worker
 
 
 def ensure(params: Params) -> tuple[str, str]:
-    """Workers + proxy running and a verified routing version live; returns (base_url, key)."""
-    for w in params.serving.workers:
-        worker.up(params, w)
-    proxy.up(params)
-    live = routing.active(params)
-    if live is None or routing.verify(params, live):
-        routing.apply(params, live["version"] if live else routing.versions(params)[-1])
+    """Workers + proxy running and a verified routing version live; returns (base_url, key).
+
+    Mapped Airflow tasks call this at the same time: a file lock lets one start the services
+    while the others wait and then find them healthy.
+    """
+    home = Path(params.serving.home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "stack.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for w in params.serving.workers:
+            worker.up(params, w)
+        proxy.up(params)
+        live = routing.active(params)
+        if live is None or routing.verify(params, live):
+            routing.apply(params, live["version"] if live else routing.versions(params)[-1])
     return proxy.client_settings(params)
 
 

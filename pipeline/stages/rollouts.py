@@ -168,8 +168,30 @@ def run(params: Params, shards: list[int], run_id: str) -> dict[str, Any]:
     return results
 
 
+def collect(params: Params) -> dict[str, Any]:
+    """Metrics over the shard files already written (after mapped per-shard runs)."""
+    results, every = {}, []
+    for shard in range(params.rollouts.shards):
+        path = shard_path(params, shard)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: shard {shard} has not run")
+        traces = [json.loads(line) for line in path.read_text().splitlines()]
+        results[f"shard_{shard}"] = summarise(traces)
+        every += traces
+    results["total"] = summarise(every)
+    return results
+
+
+def prune_stale_shards(params: Params) -> None:
+    """Shard files beyond ``rollouts.shards`` (from an earlier, wider run) would be read as current."""
+    for path in Path(params.rollouts.out_dir).glob("shard-*.jsonl"):
+        if int(path.stem.split("-")[1]) >= params.rollouts.shards:
+            path.unlink()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", type=int, default=None, help="run one shard (default: all)")
+    parser.add_argument("--collect", action="store_true", help="only compute metrics from existing shard files")
     parser.add_argument("--no-mlflow", action="store_true")
 
 
@@ -181,16 +203,24 @@ def main(args: argparse.Namespace, params: Params) -> int:
         print(f"error: --shard must be in [0, {params.rollouts.shards})", file=sys.stderr)
         return 2
     run_id = tracking.pipeline_run_id()
-    if args.no_mlflow:
+    if args.shard is None:
+        prune_stale_shards(params)
+    if not params.rollouts.llm_base_url and not os.environ.get("PIPELINE__ROLLOUTS__LLM_BASE_URL") and not args.collect:
+        from pipeline.serving import stack
+
+        stack.ensure(params)  # the embedded default's workers + proxy + verified routing
+    if args.collect:
+        results = collect(params)
+    elif args.no_mlflow:
         results = run(params, shards, run_id)
     else:
         with tracking.stage_run("rollouts" if args.shard is None else f"rollouts-shard-{args.shard}", params):
             import mlflow
 
-            results = run(params, shards, run_id)
+            results = collect(params) if args.collect else run(params, shards, run_id)
             for scope, metrics in results.items():
                 mlflow.log_metrics({f"{scope}.{k}": float(v) for k, v in metrics.items()})
-            for s in shards:
+            for s in ([] if args.collect else shards):
                 mlflow.log_artifact(str(shard_path(params, s)), artifact_path="traces")
     if args.shard is None:
         write_json(METRICS_FILE, results)
