@@ -24,6 +24,8 @@ pipeline run ${PIPELINE_RUN_ID}: ${status}
   reports         reports/ingest.json, reports/validation.json, reports/validation/ (GX results, Data Docs: reports/validation/data_docs/index.html)
   mlflow UI       ${URI}/#/experiments/${EXPERIMENT}/runs/${PARENT}
   mlflow CLI      MLFLOW_TRACKING_URI=${URI} .venv/control/bin/mlflow runs list --experiment-id ${EXPERIMENT}
+  tools index     data/index/ (BM25 + MeSH gene/protein headings)
+  rollout traces  data/rollouts/shard-*.jsonl ; metrics reports/rollouts.json (dvc metrics show)
   models          models/base (SmolLM2-135M-Instruct HF folder), models/test-tiny; reports/models.json
   serving         LLM proxy http://127.0.0.1:4000/v1 (roles: junior_researcher supervisor senior_researcher review_board judge;
                   key in .secrets/proxy_key), routing: python -m pipeline route status ; logs .services/

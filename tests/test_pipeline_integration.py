@@ -38,7 +38,8 @@ SMALL_LOOP = {"PIPELINE__ROLLOUTS__LIMIT": "2", "PIPELINE__AGENTS__MAX_REVIEW_RO
 def _serving_env() -> dict[str, str]:
     from pipeline.services.process import free_port
 
-    return {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}}}]",
+    # the random-weight test model keeps the loop fast; test_rollouts_integration runs the real one
+    return {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/test-tiny, port: {free_port()}}}]",
             "PIPELINE__SERVING__PROXY__PORT": str(free_port())}
 
 

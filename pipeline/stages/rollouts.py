@@ -220,8 +220,11 @@ def main(args: argparse.Namespace, params: Params) -> int:
             results = collect(params) if args.collect else run(params, shards, run_id)
             for scope, metrics in results.items():
                 mlflow.log_metrics({f"{scope}.{k}": float(v) for k, v in metrics.items()})
+            from pipeline.traces.mlflow_traces import log_traces
+
             for s in ([] if args.collect else shards):
                 mlflow.log_artifact(str(shard_path(params, s)), artifact_path="traces")
+                log_traces([json.loads(line) for line in shard_path(params, s).read_text().splitlines()])
     if args.shard is None:
         write_json(METRICS_FILE, results)
     total = results["total"]
