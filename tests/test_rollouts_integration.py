@@ -74,7 +74,7 @@ def test_one_rollout_runs_the_whole_society(ready: Path, serving_stack: Params, 
 def test_killed_shard_resumes_without_duplicates(ready: Path, serving_models: Path) -> None:
     """On the random-weight test model (fast; guided decoding still yields valid JSON), served by
     the stage itself on free ports, as `dvc repro` would."""
-    set_param(ready, "rollouts.limit", 3)
+    set_param(ready, "rollouts.limit", 2)
     stack_env = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: '{serving_models / 'tiny'}', port: {free_port()}}}]",
                  "PIPELINE__SERVING__PROXY__PORT": str(free_port()), "PIPELINE__SERVING__ROUTING_DIR": str(ROOT / "serving/routing")}
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}, **stack_env, "PYTHONPATH": str(ROOT)}
@@ -87,7 +87,7 @@ def test_killed_shard_resumes_without_duplicates(ready: Path, serving_models: Pa
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     finished = journal.read_text().count("\n") if journal.exists() else 0
-    assert 1 <= finished < 3, f"killed after {finished} finished rollouts; expected a partial shard"
+    assert finished == 1, f"killed after {finished} finished rollouts; expected a partial shard"
     with open(journal, "a") as fh:
         fh.write('{"rollout_id": "half-written')  # what a kill during a write leaves
     try:
@@ -97,7 +97,7 @@ def test_killed_shard_resumes_without_duplicates(ready: Path, serving_models: Pa
     assert done.returncode == 0, done.stderr[-2000:]
     lines = (ready / "data/rollouts/shard-00000.jsonl").read_text().splitlines()
     ids = [json.loads(line)["rollout_id"] for line in lines]
-    assert len(ids) == 3 and len(set(ids)) == 3
+    assert len(ids) == 2 and len(set(ids)) == 2
     assert not journal.exists()
 
 
