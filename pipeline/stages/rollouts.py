@@ -145,6 +145,19 @@ def summarise(traces: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+class _ShardBar:
+    """The two calls run_shard makes on its progress reporter, bound to one rich task."""
+
+    def __init__(self, bar: Any, task_id: Any) -> None:
+        self.bar, self.task_id = bar, task_id
+
+    def update(self, **kw: Any) -> None:
+        self.bar.update(self.task_id, **kw)
+
+    def advance(self) -> None:
+        self.bar.advance(self.task_id)
+
+
 def run(params: Params, shards: list[int], run_id: str) -> dict[str, Any]:
     from rich.progress import Progress
 
@@ -152,16 +165,7 @@ def run(params: Params, shards: list[int], run_id: str) -> dict[str, Any]:
     all_traces: list[dict[str, Any]] = []
     with Progress(transient=False) as bar:
         for shard in shards:
-            task_id = bar.add_task(f"rollouts shard {shard}", total=None)
-
-            class _P:
-                def update(self, **kw: Any) -> None:
-                    bar.update(task_id, **kw)
-
-                def advance(self) -> None:
-                    bar.advance(task_id)
-
-            traces = asyncio.run(run_shard(params, shard, run_id, _P()))
+            traces = asyncio.run(run_shard(params, shard, run_id, _ShardBar(bar, bar.add_task(f"rollouts shard {shard}", total=None))))
             results[f"shard_{shard}"] = summarise(traces)
             all_traces += traces
     results["total"] = summarise(all_traces)

@@ -96,12 +96,11 @@ def main(args: argparse.Namespace, params: Params) -> int:
             else:
                 from pipeline import tracking
 
-                with tracking.stage_run("validate", params) as mlrun:
+                with tracking.stage_run("validate", params):
                     try:
                         summary = run(params)
                     finally:
-                        log_to_mlflow(params, report_dir)
-                    del mlrun
+                        log_to_mlflow(params, report_dir)  # a failed validation is logged too
     except ValidationFailed as exc:
         console.print(f"[red]validate FAILED[/]: {len(exc.messages)} expectation(s) failed")
         for message in exc.messages:
