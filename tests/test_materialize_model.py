@@ -3,7 +3,6 @@ exercised by the session fixture ``serving_models`` and ``test_serving_integrati
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
