@@ -26,7 +26,11 @@ def clone(tmp_path: Path) -> Path:
 
 def _env(mlflow_uri: str, run_id: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "AIRFLOW"))}
-    env.update(PATH=f"{BIN}:{env['PATH']}", MLFLOW_TRACKING_URI=mlflow_uri, PIPELINE_RUN_ID=run_id, PYTHONPATH="", **SMALL_LOOP, **extra)
+    from pipeline.envs import model_python
+
+    # the copied project has no .venv/: point it at this checkout's model plane, as `make` does
+    env.update(PATH=f"{BIN}:{env['PATH']}", MLFLOW_TRACKING_URI=mlflow_uri, PIPELINE_RUN_ID=run_id, PYTHONPATH="",
+               PIPELINE_MODEL_PYTHON=model_python(), **SMALL_LOOP, **extra)
     return env
 
 
