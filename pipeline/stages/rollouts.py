@@ -65,7 +65,7 @@ def read_journal(path: Path) -> dict[str, str]:
 def _client_settings(params: Params) -> tuple[str, str, int | None]:
     from pipeline.serving import proxy, routing
 
-    base = os.environ.get("PIPELINE__ROLLOUTS__LLM_BASE_URL") or params.rollouts.llm_base_url
+    base = params.rollouts.llm_base_url  # load_params has already applied PIPELINE__ROLLOUTS__LLM_BASE_URL
     if base:
         return base, os.environ.get("LLM_API_KEY", "none"), None
     url, key = proxy.client_settings(params)
@@ -209,7 +209,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     run_id = tracking.pipeline_run_id()
     if args.shard is None:
         prune_stale_shards(params)
-    if not params.rollouts.llm_base_url and not os.environ.get("PIPELINE__ROLLOUTS__LLM_BASE_URL") and not args.collect:
+    if not params.rollouts.llm_base_url and not args.collect:
         from pipeline.serving import stack
 
         stack.ensure(params)  # the embedded default's workers + proxy + verified routing
