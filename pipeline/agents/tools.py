@@ -2,10 +2,10 @@
 
 - ``search_literature``: BM25 over the PubMedQA abstracts of the train+val splits (test abstracts
   are left out so evaluation never searches its own answers); returns PMIDs and passages.
-- ``lookup_gene`` / ``lookup_protein``: the MeSH vocabulary of the same abstracts, split into gene
-  and protein headings; a query returns matching headings, how many abstracts carry them, example
-  PMIDs and co-occurring headings. Real curated data that needs no network (UniProt/GO would need
-  downloads; see docs/agents.md).
+- ``lookup_gene`` / ``lookup_protein``: human genes and their Gene Ontology annotations (symbol,
+  alias, UniProt accession or name match; ``gene_ontology.py``), plus the MeSH gene/protein headings
+  of the same abstracts (how many abstracts carry them, example PMIDs, co-occurring headings), which
+  ties a gene to this corpus. Without GO data (``agents.knowledge.org_db: null``) only MeSH answers.
 
 A tool never raises into the graph: errors come back as ``ok=False`` with a message for the agent.
 """
@@ -60,6 +60,13 @@ class Toolbox:
     def mesh(self) -> dict[str, Any]:
         return json.loads((self.index_dir / "mesh.json").read_text())
 
+    @cached_property
+    def genes(self) -> Any:
+        from pipeline.agents.gene_ontology import GeneIndex
+
+        path = self.index_dir / "genes.jsonl"
+        return GeneIndex([json.loads(line) for line in path.open()]) if path.exists() else None
+
     def call(self, tool: str, query: str) -> ToolResult:
         fn = {"search_literature": self.search_literature, "lookup_gene": self.lookup_gene,
               "lookup_protein": self.lookup_protein}.get(tool)
@@ -81,27 +88,35 @@ class Toolbox:
             return ToolResult(True, f"no abstracts match '{query}'", [])
         return ToolResult(True, "\n".join(f"PMID {h['pmid']}: {h['passage']}" for h in hits), hits)
 
-    def _lookup(self, kind: str, query: str) -> ToolResult:
+    def _lookup(self, kind: str, query: str, aspects: tuple[str, ...]) -> ToolResult:
+        from pipeline.agents.gene_ontology import describe
+
+        lines, data = [], {"genes": [], "mesh": []}
+        if self.genes is not None:
+            for gene in self.genes.search(query, self.top_k):
+                lines.append(describe(gene, aspects))
+                data["genes"].append({**{k: gene[k] for k in ("symbol", "name", "entrez", "uniprot")},
+                                      **{a: [t["id"] for t in gene[a]] for a in aspects}})
         table: dict[str, dict[str, Any]] = self.mesh[kind]
         q = set(tokens(query))
         ranked = sorted(((len(q & set(tokens(term))), entry["count"], term) for term, entry in table.items()), reverse=True)
-        found = [term for overlap, _, term in ranked if overlap][:3]
-        if not found:
-            return ToolResult(True, f"no {kind} heading matches '{query}'", [])
-        rows = [{"heading": t, **table[t]} for t in found]
-        text = "\n".join(f"{r['heading']}: in {r['count']} abstracts (e.g. PMID {', '.join(r['pmids'][:3])}); "
-                         f"co-occurs with {', '.join(r['cooccurs'][:3])}" for r in rows)
-        return ToolResult(True, text, rows)
+        data["mesh"] = [{"heading": t, **table[t]} for overlap, _, t in ranked if overlap][:3]
+        lines += [f"In this corpus, MeSH {r['heading']}: {r['count']} abstracts (e.g. PMID {', '.join(r['pmids'][:3])}); "
+                  f"co-occurs with {', '.join(r['cooccurs'][:3])}" for r in data["mesh"]]
+        if not lines:
+            return ToolResult(True, f"no {kind[:-1]} matches '{query}'", data)
+        return ToolResult(True, "\n".join(lines), data)
 
     def lookup_gene(self, query: str) -> ToolResult:
-        return self._lookup("genes", query)
+        return self._lookup("genes", query, ("process", "function", "component"))
 
     def lookup_protein(self, query: str) -> ToolResult:
-        return self._lookup("proteins", query)
+        return self._lookup("proteins", query, ("function", "component", "process"))
 
 
-def build_index(frames: list[Any], out_dir: Path) -> dict[str, int]:
-    """Write corpus.jsonl (one abstract per PMID) and mesh.json (gene/protein headings)."""
+def build_index(frames: list[Any], out_dir: Path, genes: list[dict[str, Any]] | None = None) -> dict[str, int]:
+    """Write corpus.jsonl (one abstract per PMID), mesh.json (gene/protein headings) and, given GO
+    records (``gene_ontology.build_gene_table``), genes.jsonl."""
     corpus, gene, protein = [], {}, {}
     df: Counter = Counter(m for frame in frames for ms in frame["meshes"] if ms is not None for m in set(ms))
     n_docs = sum(len(f) for f in frames)
@@ -126,7 +141,9 @@ def build_index(frames: list[Any], out_dir: Path) -> dict[str, int]:
     with atomic_dir(out_dir) as tmp:
         (tmp / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
         (tmp / "mesh.json").write_text(json.dumps(mesh, indent=1))
-    return {"abstracts": len(corpus), "gene_headings": len(gene), "protein_headings": len(protein)}
+        if genes:
+            (tmp / "genes.jsonl").write_text("".join(json.dumps(g) + "\n" for g in genes))
+    return {"abstracts": len(corpus), "gene_headings": len(gene), "protein_headings": len(protein), "go_genes": len(genes or [])}
 
 
 def timed_call(box: Toolbox, sender: str, tool: str, query: str, spans: list[dict[str, Any]]) -> ToolResult:

@@ -36,7 +36,7 @@ def command(worker: WorkerParams, python: str) -> list[str]:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(worker.model).resolve()),
            "--served-model-name", served_name(worker), "--host", worker.host, "--port", str(worker.port),
            "--max-model-len", str(worker.max_model_len), "--enable-lora", "--max-lora-rank", str(worker.max_lora_rank),
-           "--max-loras", "4", "--disable-uvicorn-access-log"]
+           "--max-loras", "4", "--dtype", worker.dtype, "--disable-uvicorn-access-log"]
     if worker.enforce_eager:
         cmd.append("--enforce-eager")
     if worker.lora_modules:

@@ -1,4 +1,5 @@
-"""Build the juniors' offline tool data (BM25 corpus + MeSH gene/protein headings) from train+val."""
+"""Build the juniors' offline tool data from train+val: BM25 corpus, MeSH gene/protein headings, and
+human genes with their Gene Ontology annotations (``agents.knowledge``)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,37 @@ from pipeline.io import write_json
 METRICS_FILE = Path("reports/index.json")
 
 
+def fetch_knowledge(params: Params) -> tuple[Path, Path] | None:
+    """Local copies of the GO databases (downloaded once into the cache); None when not configured."""
+    from pipeline.agents.gene_ontology import resolve
+
+    knowledge = params.agents.knowledge
+    if not (knowledge.org_db and knowledge.go_db):
+        return None
+    cache = Path(knowledge.cache_dir).expanduser()
+    return resolve(knowledge.org_db, cache), resolve(knowledge.go_db, cache)
+
+
 def run(params: Params) -> dict[str, int]:
+    from pipeline.agents.gene_ontology import build_gene_table
     from pipeline.agents.tools import build_index
 
     frames = [pd.read_parquet(Path(params.validate_.out_dir) / f"{s}.parquet") for s in ("train", "val")]
-    stats = build_index(frames, Path(params.rollouts.index_dir))
+    dbs = fetch_knowledge(params)
+    stats = build_index(frames, Path(params.rollouts.index_dir), build_gene_table(*dbs) if dbs else None)
     write_json(METRICS_FILE, stats)
     return stats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--fetch-only", action="store_true", help="only download the GO databases into the cache (image builds)")
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
+    if args.fetch_only:
+        print(f"build-index: knowledge files {fetch_knowledge(params)}")
+        return 0
     if args.no_mlflow:
         stats = run(params)
     else:

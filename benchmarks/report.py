@@ -1,0 +1,16 @@
+"""Benchmark reports: a table the script regenerates, above a hand-written ``## Notes`` section
+that survives reruns (how to read the figures stays next to them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.io import write_text
+
+NOTES = "## Notes"
+
+
+def write_report(out: str | Path, lines: list[str]) -> None:
+    out = Path(out)
+    notes = out.read_text().partition(NOTES)[2] if out.exists() else ""
+    write_text(out, "\n".join(lines) + (f"\n{NOTES}{notes}" if notes else ""))
