@@ -28,7 +28,6 @@ from pipeline.stages.rollouts import shard_tasks
 from report import write_report  # benchmarks/report.py (the script's folder is on sys.path)
 
 
-
 async def level(params, base_url: str, key: str, concurrency: int, n: int) -> tuple[float, float, float, list[str]]:
     client = RoleClient(base_url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries, params.rollouts.timeout_s)
     tools = Toolbox(params.rollouts.index_dir, params.agents.search_top_k)
