@@ -22,6 +22,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("pipeline.serving.proxy", "start/stop the role-routing LiteLLM proxy"),
     "build-index": ("pipeline.stages.build_index", "BM25 literature index over the PubMedQA corpus"),
     "rollouts": ("pipeline.stages.rollouts", "run the research society over train shards, write traces"),
+    "datasets": ("pipeline.stages.datasets", "traces -> SFT chat data, senior RL prompts, supervisor bandit logs"),
+    "train-sft": ("pipeline.stages.train_sft", "LoRA SFT of the junior researchers (unsloth on GPU, TRL on CPU)"),
+    "train-bandit": ("pipeline.stages.train_bandit", "VW contextual bandit for the supervisor + off-policy evaluation"),
     "services": ("pipeline.services.cli", "start/stop local MLflow and Airflow"),
     "run": ("pipeline.runs", "open/close the MLflow parent run of a pipeline run"),
 }

@@ -169,6 +169,10 @@ class AgentsParams(_Strict):
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
     search_top_k: int = 3
     knowledge: KnowledgeParams = KnowledgeParams()
+    supervisor_policy: Literal["llm", "bandit"] = Field(
+        "llm", description="who picks the hypothesis: the supervisor LLM (epsilon-greedy) or the trained contextual bandit")
+    bandit_policy: str = Field("models:/supervisor_policy@champion",
+                               description="bandit policy: an MLflow model URI (models:/, runs:/), an MLflow model folder or a .vw file")
 
 
 class JudgeParams(_Strict):
@@ -188,6 +192,52 @@ class RolloutsParams(_Strict):
     index_dir: str = "data/index"
     llm_base_url: str | None = Field(None, description="OpenAI-compatible endpoint; null = the local proxy (key: LLM_API_KEY or the proxy key)")
     seed: int = 0
+    samples_per_task: int = Field(2, ge=1, description="rollouts per task (a group): rewards are compared within a group")
+
+
+class SftDataParams(_Strict):
+    min_reward: float = Field(0.5, ge=0.0, le=1.0, description="a rollout's final reward must reach this")
+    top_k: int = Field(1, ge=1, description="keep the k best rollouts of each task group")
+
+
+class DatasetsParams(_Strict):
+    out_dir: str = "data/datasets"
+    sft: SftDataParams = SftDataParams()
+    senior_agents: list[str] = ["hypothesis_refiner", "protocol_designer", "principal_investigator"]
+    reward_bins: int = Field(10, ge=2, description="histogram bins of the reward plots")
+
+
+class LoraParams(_Strict):
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class SftParams(_Strict):
+    backend: Literal["auto", "trl", "unsloth"] = Field("auto", description="auto: unsloth when a CUDA device is there, else TRL")
+    role: str = "junior_researcher"
+    base_model: str = Field("models/base", description="HF folder the adapter is trained on (the served base model)")
+    out_dir: str = "models/sft/junior_researcher"
+    max_steps: int = Field(20, ge=1)
+    batch_size: int = Field(2, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    max_length: int = Field(1024, ge=64)
+    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="held-out slice of the SFT data for eval loss")
+    seed: int = 0
+    lora: LoraParams = LoraParams()
+    merge: bool = Field(True, description="also write a merged HF folder (export)")
+
+
+class BanditParams(_Strict):
+    epsilon: float = Field(0.1, ge=0.0, le=1.0, description="exploration of the learned policy (--epsilon)")
+    passes: int = Field(1, ge=1)
+    learning_rate: float = Field(0.5, gt=0)
+    folds: int = Field(5, ge=2, description="cross-fitting folds for off-policy evaluation")
+    bootstrap: int = Field(1000, ge=100)
+    seed: int = 0
+    out_dir: str = "models/bandit"
 
 
 class Params(_Strict):
@@ -200,6 +250,9 @@ class Params(_Strict):
     agents: AgentsParams = AgentsParams()
     judge: JudgeParams
     rollouts: RolloutsParams = RolloutsParams()
+    datasets: DatasetsParams = DatasetsParams()
+    sft: SftParams = SftParams()
+    bandit: BanditParams = BanditParams()
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

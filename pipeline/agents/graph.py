@@ -50,6 +50,7 @@ class Society:
     tools: Toolbox
     cfg: AgentsParams
     rng: random.Random
+    policy: Any = None  # a trained supervisor policy (``pipeline.bandit.policy.BanditPolicy``); None = the LLM supervisor
 
     def _llm_calls(self, state: SocietyState) -> int:
         return sum(1 for s in state.get("spans", []) if s["kind"] == "llm")
@@ -91,23 +92,32 @@ class Society:
         candidates = sorted(state.get("hypotheses", []), key=lambda h: list(JUNIORS).index(h["author"]))
         if not candidates:
             return {"errors": ["supervisor: no hypotheses to choose from"]}
-        listing = "\n".join(f"{i}. ({h['author']}) {h['hypothesis']}" for i, h in enumerate(candidates))
-        messages = [{"role": "system", "content": "You are the research supervisor. Pick the most promising, testable hypothesis."},
-                    {"role": "user", "content": f"Question: {self._question(state)}\nCandidates:\n{listing}\nAnswer with JSON: chosen index and reason."}]
-        try:
-            choice = await self.client.structured("supervisor", "supervisor", messages, SupervisorChoice, spans, max_tokens=128)
-        except LLMError as exc:
-            return {"spans": spans, "errors": [str(exc)]}
         k = len(candidates)
-        model_pick = choice.chosen if choice is not None and choice.chosen < k else 0
-        explored = self.rng.random() < self.cfg.epsilon
-        chosen = self.rng.randrange(k) if explored else model_pick
-        propensity = (1 - self.cfg.epsilon) * (chosen == model_pick) + self.cfg.epsilon / k
-        spans.append({"kind": "decision", "name": "supervisor", "data": {
-            "candidates": [h["author"] for h in candidates], "model_choice": model_pick, "chosen": chosen,
-            "explored": explored, "propensity": propensity, "epsilon": self.cfg.epsilon,
-            "context": self._question(state), "reason": choice.reason if choice else "invalid choice; defaulted to 0"}})
-        return {"spans": spans, "selection": {**candidates[chosen], "index": chosen, "propensity": propensity}}
+        logged: dict[str, Any] = {"candidates": [h["author"] for h in candidates], "context": self._question(state),
+                                  "candidate_hypotheses": candidates}
+        if self.policy is not None:
+            # the trained bandit decides with its own exploration; its probability of the pick is the propensity
+            pmf = self.policy.pmf(self._question(state), candidates)
+            chosen = self.rng.choices(range(k), weights=pmf)[0]
+            model_pick = max(range(k), key=pmf.__getitem__)
+            logged.update(policy="bandit", policy_source=self.policy.source, pmf=pmf, model_choice=model_pick, chosen=chosen,
+                          explored=chosen != model_pick, propensity=pmf[chosen], reason="contextual bandit")
+        else:
+            listing = "\n".join(f"{i}. ({h['author']}) {h['hypothesis']}" for i, h in enumerate(candidates))
+            messages = [{"role": "system", "content": "You are the research supervisor. Pick the most promising, testable hypothesis."},
+                        {"role": "user", "content": f"Question: {self._question(state)}\nCandidates:\n{listing}\nAnswer with JSON: chosen index and reason."}]
+            try:
+                choice = await self.client.structured("supervisor", "supervisor", messages, SupervisorChoice, spans, max_tokens=128)
+            except LLMError as exc:
+                return {"spans": spans, "errors": [str(exc)]}
+            model_pick = choice.chosen if choice is not None and choice.chosen < k else 0
+            explored = self.rng.random() < self.cfg.epsilon
+            chosen = self.rng.randrange(k) if explored else model_pick
+            propensity = (1 - self.cfg.epsilon) * (chosen == model_pick) + self.cfg.epsilon / k
+            logged.update(policy="llm", model_choice=model_pick, chosen=chosen, explored=explored, propensity=propensity,
+                          epsilon=self.cfg.epsilon, reason=choice.reason if choice else "invalid choice; defaulted to 0")
+        spans.append({"kind": "decision", "name": "supervisor", "data": logged})
+        return {"spans": spans, "selection": {**candidates[chosen], "index": chosen, "propensity": logged["propensity"]}}
 
     async def _senior(self, agent: str, model: str, schema: type, prompt: str, state: SocietyState, key: str, tokens: int | None = None) -> dict[str, Any]:
         spans: list[dict[str, Any]] = []

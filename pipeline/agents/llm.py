@@ -66,8 +66,11 @@ class RoleClient:
         history = list(messages)
         for attempt in range(self.json_retries + 1):
             text = await self.chat(agent, model, history, spans, schema.response_format(), max_tokens)
+            call = spans[-1]["data"]  # the llm span chat() just recorded: the datasets stage reads these two fields
+            call.update(attempt=attempt + 1, parsed=False, schema=schema.__name__)
             try:
                 obj = schema.model_validate_json(text)
+                call["parsed"] = True
             except ValidationError as exc:
                 problem = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
                 spans.append({"kind": "reward", "name": f"{agent}.valid_output", "data": {

@@ -15,10 +15,10 @@ from pipeline.traces.schema import Span, Trace
 
 
 async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: dict[str, Any], ids: dict[str, Any],
-                      routing_version: int | None = None) -> Trace:
+                      routing_version: int | None = None, policy: Any = None) -> Trace:
     t0 = time.perf_counter()
     rng = random.Random(f"{params.rollouts.seed}:{ids['rollout_id']}")  # exploration reproducible per rollout
-    society = Society(client, tools, params.agents, rng)
+    society = Society(client, tools, params.agents, rng, policy)
     state: dict[str, Any] = {"task": task}
     error = None
     try:

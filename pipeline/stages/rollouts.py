@@ -2,7 +2,9 @@
 
 Shard ``i`` takes every ``shards``-th task of the sorted train ids (after ``rollouts.limit``), so a
 shard's content depends only on data and params, and the Airflow DAG can map one task per shard.
-Within a shard, rollouts run concurrently (bounded), each with a timeout and retries. Finished
+Each task is rolled out ``rollouts.samples_per_task`` times (a group, rollout ids ``<task>-<k>``,
+each with its own exploration seed and sampled completions), so rewards can be compared within a
+task (the SFT filter and GRPO need groups). Within a shard, rollouts run concurrently (bounded), each with a timeout and retries. Finished
 traces are appended to a journal (``.shard-XXXXX.jsonl.partial``, fsync per line); a crashed shard
 resumes from it without repeating finished rollouts (a truncated last line is ignored), and the
 final ``shard-XXXXX.jsonl`` is written atomically from the journal. Rerunning a finished shard
@@ -38,6 +40,11 @@ def shard_tasks(params: Params, shard: int) -> list[dict[str, Any]]:
         frame = frame.head(params.rollouts.limit)
     rows = frame.iloc[shard :: params.rollouts.shards]
     return [{**r, "contexts": list(r["contexts"]), "meshes": list(r["meshes"]), "labels": list(r["labels"])} for r in rows.to_dict("records")]
+
+
+def rollout_id(task: dict[str, Any], sample: int) -> str:
+    """``<task id>-<k>``: which sample of the task's group this rollout is."""
+    return f"{task['id']}-{sample}"
 
 
 def shard_path(params: Params, shard: int) -> Path:
@@ -89,22 +96,33 @@ async def run_shard(params: Params, shard: int, run_id: str, progress: Any = Non
     cfg = params.rollouts
     client = RoleClient(base_url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries, cfg.timeout_s)
     tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
+    policy = None
+    if params.agents.supervisor_policy == "bandit":
+        from pipeline.bandit.policy import load_policy
+
+        if params.agents.bandit_policy.startswith(("models:/", "runs:/")):
+            from pipeline import tracking
+
+            tracking.setup(params)  # the registry resolves the URI
+        policy = load_policy(params.agents.bandit_policy)
     sem = asyncio.Semaphore(cfg.concurrency)
     lock = asyncio.Lock()
     # rewrite the journal without a possibly truncated tail before appending to it
     with atomic_open(journal) as fh:
         fh.writelines(line + "\n" for line in done.values())
-    todo = [t for t in tasks if f"{t['id']}-0" not in done]
+    samples = [(t, k) for t in tasks for k in range(cfg.samples_per_task)]
+    order = [rollout_id(t, k) for t, k in samples]
+    todo = [(t, k) for t, k in samples if rollout_id(t, k) not in done]
     if progress is not None:
-        progress.update(total=len(tasks), completed=len(tasks) - len(todo))
+        progress.update(total=len(samples), completed=len(samples) - len(todo))
 
-    async def one(task: dict[str, Any]) -> None:
-        ids = {"run_id": run_id, "shard": shard, "task_id": str(task["id"]), "rollout_id": f"{task['id']}-0"}
+    async def one(task: dict[str, Any], k: int) -> None:
+        ids = {"run_id": run_id, "shard": shard, "task_id": str(task["id"]), "rollout_id": rollout_id(task, k)}
         trace = None
         async with sem:
             for attempt in range(cfg.retries + 1):
                 try:
-                    trace = await asyncio.wait_for(run_rollout(params, client, tools, task, ids, version), cfg.timeout_s)
+                    trace = await asyncio.wait_for(run_rollout(params, client, tools, task, ids, version, policy), cfg.timeout_s)
                 except (asyncio.TimeoutError, TimeoutError):
                     trace = Trace(**ids, status="failed", error=f"timed out after {cfg.timeout_s:.0f}s")
                 trace.attempts = attempt + 1
@@ -121,13 +139,13 @@ async def run_shard(params: Params, shard: int, run_id: str, progress: Any = Non
             progress.advance()
 
     try:
-        await asyncio.gather(*[one(t) for t in todo])
+        await asyncio.gather(*[one(t, k) for t, k in todo])
     finally:
         await client.aclose()
     with atomic_open(shard_path(params, shard)) as fh:
-        fh.writelines(done[f"{t['id']}-0"] + "\n" for t in tasks)
+        fh.writelines(done[r] + "\n" for r in order)
     journal.unlink()
-    return [json.loads(done[f"{t['id']}-0"]) for t in tasks]
+    return [json.loads(done[r]) for r in order]
 
 
 def summarise(traces: list[dict[str, Any]]) -> dict[str, float]:

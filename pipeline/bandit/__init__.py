@@ -1,0 +1,1 @@
+"""Contextual bandit for the supervisor: features, Vowpal Wabbit policy, off-policy evaluation."""

@@ -1,0 +1,78 @@
+"""Vowpal Wabbit pieces: ADF example lines, the ``--cb_explore_adf`` policy and a reward regressor.
+
+VW's multi-line ADF format: one ``shared`` line with the context, one line per candidate; the
+chosen candidate's line carries ``0:<cost>:<probability>`` with cost = -reward. ``-q sa`` crosses
+context and candidate features, which is what makes the policy contextual.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.config import BanditParams
+
+
+def _shared(context: dict[str, Any]) -> str:
+    words = " ".join(f"w_{w}" for w in context.get("q_words", []))
+    return f"|s q_len:{float(context.get('q_len', 0.0))} {words}".rstrip()
+
+
+def _action(action: dict[str, Any]) -> str:
+    return (f"|a author={action['author']} overlap:{float(action['overlap'])} n_pmids:{int(action['n_pmids'])} "
+            f"h_len:{float(action['h_len'])}")
+
+
+def adf_lines(context: dict[str, Any], actions: Sequence[dict[str, Any]], chosen: int | None = None,
+              reward: float | None = None, propensity: float | None = None) -> list[str]:
+    lines = [f"shared {_shared(context)}"]
+    for i, action in enumerate(actions):
+        label = f"0:{-float(reward):.6f}:{float(propensity):.6f} " if chosen == i and reward is not None else ""
+        lines.append(label + _action(action))
+    return lines
+
+
+def policy_args(cfg: BanditParams) -> str:
+    return f"--cb_explore_adf --epsilon {cfg.epsilon} -q sa -l {cfg.learning_rate} --random_seed {cfg.seed} --quiet"
+
+
+def train_policy(cfg: BanditParams, examples: Sequence[dict[str, Any]]) -> Any:
+    """A ``--cb_explore_adf`` workspace learned from logged (context, actions, chosen, propensity, reward)."""
+    from vowpalwabbit import Workspace
+
+    ws = Workspace(policy_args(cfg))
+    order = list(range(len(examples)))
+    rng = random.Random(cfg.seed)
+    for _ in range(cfg.passes):
+        rng.shuffle(order)
+        for i in order:
+            ex = examples[i]
+            ws.learn(adf_lines(ex["context"], ex["actions"], ex["chosen"], ex["reward"], ex["propensity"]))
+    return ws
+
+
+def pmf(ws: Any, context: dict[str, Any], actions: Sequence[dict[str, Any]]) -> list[float]:
+    """The policy's probability for each candidate, in candidate order (sums to 1)."""
+    probs = [float(p) for p in ws.predict(adf_lines(context, actions))]
+    total = sum(probs)
+    return [p / total for p in probs] if total > 0 else [1.0 / len(actions)] * len(actions)
+
+
+def train_reward_model(cfg: BanditParams, examples: Sequence[dict[str, Any]]) -> Any:
+    """Squared-loss regressor of reward on (context x chosen candidate): the direct-method part of DR."""
+    from vowpalwabbit import Workspace
+
+    ws = Workspace(f"-q sa -l {cfg.learning_rate} --random_seed {cfg.seed} --quiet")
+    order = list(range(len(examples)))
+    rng = random.Random(cfg.seed + 1)
+    for _ in range(max(cfg.passes, 3)):
+        rng.shuffle(order)
+        for i in order:
+            ex = examples[i]
+            ws.learn(f"{float(ex['reward']):.6f} {_shared(ex['context'])} {_action(ex['actions'][ex['chosen']])}")
+    return ws
+
+
+def predict_rewards(ws: Any, context: dict[str, Any], actions: Sequence[dict[str, Any]]) -> list[float]:
+    return [float(ws.predict(f"{_shared(context)} {_action(a)}")) for a in actions]

@@ -1,0 +1,52 @@
+"""Lineage of trained models: DVC content hashes of their inputs and model-version registration.
+
+A registered model version must say exactly which data it learned from. The hash is the one DVC
+records in ``dvc.lock`` for that output (``md5`` of each file; a folder's is the md5 of the sorted
+JSON list of its files' ``{md5, relpath}`` plus ``.dir``), computed from the files themselves, so
+it is right whether the stage runs under ``dvc repro``, Airflow or by hand, and it can be looked
+up in the DVC cache/remote (``dvc get --rev``/``dvc.api``) to fetch the same bytes back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+_IGNORED = ("__pycache__",)
+
+
+def _file_md5(path: Path) -> str:
+    h = hashlib.md5()  # noqa: S324 - DVC's content address, not a security hash
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dvc_md5(path: str | Path) -> str:
+    """The hash DVC gives this file or folder as a stage output."""
+    path = Path(path)
+    if path.is_file():
+        return _file_md5(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: nothing to hash")
+    entries = [{"md5": _file_md5(f), "relpath": f.relative_to(path).as_posix()}
+               for f in path.rglob("*") if f.is_file() and not any(part in _IGNORED for part in f.parts)]
+    entries.sort(key=lambda e: e["relpath"])
+    return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"  # noqa: S324
+
+
+def register_version(name: str, model_uri: str, tags: dict[str, Any], description: str = "") -> Any:
+    """A new version of registered model ``name`` (created on first use) with lineage tags.
+
+    ``model_uri`` is a logged model (``models:/m-...``) or a run's artifact folder (``runs:/<id>/adapter``).
+    """
+    import mlflow
+    from mlflow import MlflowClient
+
+    version = mlflow.register_model(model_uri, name, tags={k: str(v) for k, v in tags.items()})
+    if description:
+        MlflowClient().update_registered_model(name, description=description)
+    return version

@@ -1,0 +1,187 @@
+"""Build the per-role training sets from the rollout traces: SFT chat data, RL prompts, bandit logs.
+
+Reads every ``shard-*.jsonl`` under ``rollouts.out_dir`` through ``pipeline.traces.adapters`` and
+writes three DVC outputs under ``datasets.out_dir``:
+
+- ``sft/train.jsonl``: TRL conversational prompt-completion rows for ``junior_researcher``
+  (``prompt`` = the exact messages sent, ``completion`` = the assistant turn). TRL renders them with
+  the base model's own chat template, the same one vLLM applies when serving, and computes the loss
+  on the completion only.
+- ``rl/hf/`` (Hugging Face dataset for TRL's GRPO) and ``rl/verl/train.parquet`` (verl's RL dataset
+  columns: ``data_source``, ``prompt``, ``ability``, ``reward_model``, ``extra_info``) for
+  ``senior_researcher``.
+- ``bandit/train.jsonl``: one logged supervisor decision per rollout.
+
+Nothing is written unless all three are non-empty: an empty one fails the stage with the reasons
+the rows were dropped, and the previous outputs stay as they were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Params
+from pipeline.io import atomic_dir, atomic_path, write_json, write_text
+from pipeline.traces import adapters
+
+METRICS_FILE = Path("reports/datasets.json")
+PLOT_CSV = Path("reports/plots/rewards.csv")
+PLOT_PNG = Path("reports/plots/rewards.png")
+OUTPUTS = ("sft", "rl", "bandit")
+
+
+class EmptyDataset(RuntimeError):
+    pass
+
+
+def _tasks(params: Params) -> dict[str, dict[str, Any]]:
+    import pandas as pd
+
+    frame = pd.read_parquet(Path(params.validate_.out_dir) / "train.parquet")
+    return {str(r["id"]): {**r, "contexts": list(r["contexts"])} for r in frame.to_dict("records")}
+
+
+def build(params: Params) -> dict[str, Any]:
+    """All three datasets in memory, with drop counts; raises EmptyDataset naming why one is empty."""
+    shards = sorted(Path(params.rollouts.out_dir).glob("shard-*.jsonl"))
+    if not shards:
+        raise EmptyDataset(f"{params.rollouts.out_dir}: no shard-*.jsonl trace files; run the rollouts stage first")
+    drops = adapters.Drops()
+    traces = adapters.read_traces(shards, drops)
+    sets = {
+        "sft": adapters.sft_examples(traces, params.datasets, drops),
+        "rl": adapters.rl_prompts(traces, _tasks(params), params.datasets, drops),
+        "bandit": adapters.bandit_examples(traces, drops),
+    }
+    empty = [name for name in OUTPUTS if not sets[name]]
+    if empty:
+        lines = []
+        for name in empty:
+            reasons = {k: v for k, v in drops.counts.items() if k.startswith(f"{name}.") or "." not in k}
+            examples = [e for k in reasons for e in drops.examples[k]]
+            lines.append(f"  - {name}: 0 rows from {len(traces)} traces; dropped {dict(reasons) or 'nothing (no traces)'}"
+                         + "".join(f"\n      {e}" for e in examples[:4]))
+        hint = f" (datasets.sft.min_reward={params.datasets.sft.min_reward})" if "sft" in empty else ""
+        raise EmptyDataset("empty training set(s) from " + ", ".join(map(str, shards)) + f"{hint}:\n" + "\n".join(lines))
+    return {"traces": traces, "sets": sets, "drops": drops, "shards": shards}
+
+
+def _verl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"data_source": "pubmedqa_society", "prompt": r["prompt"], "ability": f"senior_researcher/{r['agent']}",
+             "reward_model": {"style": "model", "ground_truth": r["label"] or ""},
+             "extra_info": {"split": "train", "index": i, "task_id": r["task_id"], "agent": r["agent"], "rollout_id": r["rollout_id"],
+                            "question": r["question"], "abstract": r["abstract"]}} for i, r in enumerate(rows)]
+
+
+def _jsonl(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+
+
+def write(params: Params, built: dict[str, Any]) -> dict[str, Any]:
+    import pandas as pd
+    from datasets import Dataset
+
+    out = Path(params.datasets.out_dir)
+    sets = built["sets"]
+    with atomic_dir(out / "sft") as tmp:
+        write_text(tmp / "train.jsonl", _jsonl(sets["sft"]))
+    with atomic_dir(out / "rl") as tmp:
+        Dataset.from_list(sets["rl"]).save_to_disk(str(tmp / "hf"))
+        (tmp / "verl").mkdir()
+        with atomic_path(tmp / "verl" / "train.parquet", suffix=".parquet") as p:
+            pd.DataFrame(_verl_rows(sets["rl"])).to_parquet(p, index=False)
+    with atomic_dir(out / "bandit") as tmp:
+        write_text(tmp / "train.jsonl", _jsonl(sets["bandit"]))
+    return summary(params, built)
+
+
+def summary(params: Params, built: dict[str, Any]) -> dict[str, Any]:
+    traces, sets = built["traces"], built["sets"]
+    sft_rollouts = {r["rollout_id"] for r in sets["sft"]}
+    return {
+        "traces": len(traces),
+        "ok_rollouts": sum(t.status == "ok" for t in traces),
+        "task_groups": len({t.task_id for t in traces}),
+        "sft.rows": len(sets["sft"]), "sft.rollouts": len(sft_rollouts),
+        "sft.by_agent": dict(Counter(r["agent"] for r in sets["sft"])),
+        "rl.rows": len(sets["rl"]), "rl.by_agent": dict(Counter(r["agent"] for r in sets["rl"])),
+        "bandit.rows": len(sets["bandit"]),
+        "bandit.mean_reward": sum(r["reward"] for r in sets["bandit"]) / len(sets["bandit"]),
+        "dropped": dict(built["drops"].counts),
+        "trace_runs": sorted({t.run_id for t in traces}),
+    }
+
+
+def reward_plots(params: Params, built: dict[str, Any]) -> None:
+    """Histogram of rollout rewards and of those picked for SFT: CSV for `dvc plots`, PNG for MLflow."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins = params.datasets.reward_bins
+    rewards = [t.reward for t in built["traces"] if t.status == "ok" and t.reward is not None]
+    chosen = {r["rollout_id"] for r in built["sets"]["sft"]}
+    picked = [t.reward for t in built["traces"] if t.rollout_id in chosen and t.reward is not None]
+    rows = ["reward_bin,rollouts,selected_for_sft"]
+    for b in range(bins):
+        lo, hi = b / bins, (b + 1) / bins
+        inside = (lambda v: lo <= v < hi) if b < bins - 1 else (lambda v: lo <= v <= hi)
+        rows.append(f"{lo:.2f}-{hi:.2f},{sum(map(inside, rewards))},{sum(map(inside, picked))}")
+    write_text(PLOT_CSV, "\n".join(rows) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    edges = [b / bins for b in range(bins + 1)]
+    ax.hist(rewards, bins=edges, alpha=0.6, label=f"all ok rollouts ({len(rewards)})")
+    ax.hist(picked, bins=edges, alpha=0.8, label=f"selected for SFT ({len(picked)})")
+    ax.axvline(params.datasets.sft.min_reward, color="k", ls="--", lw=1, label="datasets.sft.min_reward")
+    ax.set_xlabel("final reward (judge, weighted)")
+    ax.set_ylabel("rollouts")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(PLOT_PNG, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-mlflow", action="store_true")
+
+
+def _report(result: dict[str, Any], built: dict[str, Any]) -> None:
+    print(f"datasets: {result['traces']} traces ({result['ok_rollouts']} ok, {result['task_groups']} task groups) -> "
+          f"sft {result['sft.rows']} rows from {result['sft.rollouts']} rollouts, rl {result['rl.rows']} prompts, "
+          f"bandit {result['bandit.rows']} decisions")
+    for reason, count in sorted(result["dropped"].items()):
+        print(f"  dropped {count:4d} {reason}" + (f"  e.g. {built['drops'].examples[reason][0]}" if built["drops"].examples[reason] else ""))
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    try:
+        built = build(params)
+    except EmptyDataset as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    result = write(params, built)
+    reward_plots(params, built)
+    write_json(METRICS_FILE, result)
+    _report(result, built)
+    if args.no_mlflow:
+        return 0
+    from pipeline import tracking
+
+    with tracking.stage_run("datasets", params):
+        import mlflow
+
+        mlflow.log_params({"sft.min_reward": params.datasets.sft.min_reward, "sft.top_k": params.datasets.sft.top_k,
+                           "senior_agents": ",".join(params.datasets.senior_agents), "trace_runs": ",".join(result["trace_runs"])})
+        flat = {k: v for k, v in result.items() if isinstance(v, (int, float))}
+        flat.update({f"dropped.{k}": v for k, v in result["dropped"].items()})
+        mlflow.log_metrics({k: float(v) for k, v in flat.items()})
+        mlflow.log_artifact(str(PLOT_PNG), artifact_path="plots")
+        mlflow.log_artifact(str(METRICS_FILE))
+    return 0

@@ -1,0 +1,155 @@
+"""Train the supervisor's contextual bandit on logged decisions and evaluate it off-policy.
+
+Vowpal Wabbit ``--cb_explore_adf`` learns from (context, candidates, chosen, propensity, reward)
+with cost = -reward. Before trusting it, the learned policy is compared with the logging policy
+(the LLM supervisor with epsilon-greedy exploration) by IPS, SNIPS and doubly-robust estimates
+with bootstrap CIs (``pipeline.bandit.ope``); the policy and the DR reward model are cross-fitted
+over ``bandit.folds`` folds, so no decision is scored by a model that trained on it. The final
+policy, trained on every decision, is registered as a version of ``supervisor_policy`` (an MLflow
+pyfunc whose ``predict`` returns each row's action distribution).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import BanditParams, Params
+from pipeline.io import atomic_dir, atomic_path, write_json
+
+METRICS_FILE = Path("reports/bandit.json")
+PLOT_PNG = Path("reports/plots/bandit_ope.png")
+REGISTERED_NAME = "supervisor_policy"
+
+
+def load_examples(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no bandit data; run the datasets stage first")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(rows) < 2:
+        raise ValueError(f"{path}: {len(rows)} logged decision(s); the bandit needs at least 2 (one per cross-fitting fold)")
+    return rows
+
+
+def evaluate_offline(cfg: BanditParams, examples: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Cross-fitted OPE of the learned policy and of the logging policy on the same decisions."""
+    import numpy as np
+
+    from pipeline.bandit import ope, vw
+
+    n = len(examples)
+    folds = min(cfg.folds, n)
+    fold_of = np.random.default_rng(cfg.seed).permutation(n) % folds
+    learned: list[list[float]] = [[] for _ in range(n)]
+    q: list[list[float]] = [[] for _ in range(n)]
+    for f in range(folds):
+        train = [examples[i] for i in range(n) if fold_of[i] != f]
+        policy, reward_model = vw.train_policy(cfg, train), vw.train_reward_model(cfg, train)
+        for i in np.flatnonzero(fold_of == f):
+            ex = examples[i]
+            learned[i] = vw.pmf(policy, ex["context"], ex["actions"])
+            q[i] = vw.predict_rewards(reward_model, ex["context"], ex["actions"])
+        policy.finish()
+        reward_model.finish()
+    common = {"chosen": [e["chosen"] for e in examples], "propensity": [e["propensity"] for e in examples],
+              "reward": [e["reward"] for e in examples], "q": q, "n_boot": cfg.bootstrap, "seed": cfg.seed}
+    return {"learned": ope.estimate(learned, **common), "logging": ope.estimate([e["logging_pmf"] for e in examples], **common)}
+
+
+def print_table(estimates: dict[str, dict[str, dict[str, float]]], n: int) -> None:
+    print(f"off-policy evaluation over {n} logged decisions (expected final reward, 95% bootstrap CI):")
+    print(f"  {'policy':<9}{'estimator':<10}{'value':>8}   {'95% CI':<17}")
+    for policy, table in estimates.items():
+        for name, e in table.items():
+            print(f"  {policy:<9}{name.upper():<10}{e['value']:>8.3f}   [{e['ci_low']:.3f}, {e['ci_high']:.3f}]")
+
+
+def plot(estimates: dict[str, dict[str, dict[str, float]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(next(iter(estimates.values())))
+    for j, (policy, table) in enumerate(estimates.items()):
+        xs = [i + (j - 0.5) * 0.3 for i in range(len(names))]
+        vals = [table[n]["value"] for n in names]
+        err = [[v - table[n]["ci_low"] for n, v in zip(names, vals)], [table[n]["ci_high"] - v for n, v in zip(names, vals)]]
+        ax.bar(xs, vals, width=0.3, yerr=err, capsize=4, label=policy)
+    ax.set_xticks(range(len(names)), [n.upper() for n in names])
+    ax.set_ylabel("estimated reward")
+    ax.set_title("supervisor policy, off-policy estimates (95% CI)")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(PLOT_PNG, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
+def train_final(cfg: BanditParams, examples: list[dict[str, Any]]) -> Path:
+    from pipeline.bandit import vw
+
+    out = Path(cfg.out_dir)
+    with atomic_dir(out) as tmp:
+        ws = vw.train_policy(cfg, examples)
+        ws.save(str(tmp / "policy.vw"))
+        ws.finish()
+        write_json(tmp / "policy.json", {"vw_args": vw.policy_args(cfg), "decisions": len(examples)})
+    return out / "policy.vw"
+
+
+def register(params: Params, model_file: Path, data_file: Path, examples: list[dict[str, Any]], run: Any) -> Any:
+    import mlflow
+
+    from pipeline import lineage
+    from pipeline.bandit.policy import SupervisorPolicyModel
+
+    info = mlflow.pyfunc.log_model(name="supervisor_policy", python_model=SupervisorPolicyModel(),
+                                   artifacts={"vw_model": str(model_file)}, pip_requirements=["vowpalwabbit==9.11.9", "pandas"])
+    tags = {"role": "supervisor", "kind": "contextual_bandit", "lineage.training_run": run.info.run_id,
+            "lineage.pipeline_run": run.data.tags.get("pipeline.run_id", ""), "lineage.base_model": "vw --cb_explore_adf",
+            "lineage.dataset_path": str(data_file.parent), "lineage.dataset_md5": lineage.dvc_md5(data_file.parent),
+            "lineage.trace_runs": ",".join(sorted({e["run_id"] for e in examples})),
+            "lineage.traces_md5": lineage.dvc_md5(params.rollouts.out_dir)}
+    return lineage.register_version(REGISTERED_NAME, info.model_uri, tags,
+                                    description="Contextual bandit that picks the supervisor's hypothesis (VW cb_explore_adf)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-mlflow", action="store_true")
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    cfg = params.bandit
+    data_file = Path(params.datasets.out_dir) / "bandit" / "train.jsonl"
+    try:
+        examples = load_examples(data_file)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    estimates = evaluate_offline(cfg, examples)
+    print_table(estimates, len(examples))
+    model_file = train_final(cfg, examples)
+    plot(estimates)
+    result = {"decisions": len(examples), "ope": estimates,
+              "dr_gain": estimates["learned"]["dr"]["value"] - estimates["logging"]["dr"]["value"]}
+    write_json(METRICS_FILE, result)
+    if args.no_mlflow:
+        return 0
+    from pipeline import tracking
+
+    with tracking.stage_run("train_bandit", params) as run:
+        import mlflow
+
+        mlflow.log_params({**cfg.model_dump(), "decisions": len(examples)})
+        mlflow.log_metrics({f"ope.{p}.{e}.{k}": v for p, t in estimates.items() for e, d in t.items() for k, v in d.items()})
+        mlflow.log_metric("ope.dr_gain", result["dr_gain"])
+        mlflow.log_artifact(str(PLOT_PNG), artifact_path="plots")
+        mlflow.log_artifact(str(METRICS_FILE))
+        version = register(params, model_file, data_file, examples, mlflow.get_run(run.info.run_id))
+        print(f"registered {REGISTERED_NAME} version {version.version} (models:/{REGISTERED_NAME}/{version.version})")
+    return 0

@@ -1,0 +1,263 @@
+"""LoRA SFT of the junior researchers on their own high-reward calls (``datasets`` -> adapter).
+
+One stage, two backends (``sft.backend``; ``auto`` picks unsloth when a CUDA device is present):
+
+- ``unsloth`` (GPU workers): ``FastLanguageModel`` + its LoRA patching, trained with TRL's
+  ``SFTTrainer`` as unsloth documents.
+- ``trl`` (CPU here, or any GPU without unsloth): TRL ``SFTTrainer`` + PEFT LoRA.
+
+Both read the conversational prompt-completion rows of ``datasets`` and render them with the base
+model's chat template (the one vLLM serves with); the loss covers the completion (assistant turn)
+only. Output, swapped in atomically under ``sft.out_dir``: ``adapter/`` (PEFT, what the vLLM
+worker hot-loads), ``merged/`` (HF folder for export), ``log_history.json``.
+
+The training runs in the model plane (torch); the control-plane process that launched it logs the
+MLflow run (config, per-step loss + PNG, eval loss, tokens/s) and registers the adapter as a new
+version of the ``junior_researcher`` model with its lineage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Params, SftParams
+from pipeline.io import atomic_dir, atomic_path, write_json, write_text
+
+METRICS_FILE = Path("reports/train_sft.json")
+LOSS_CSV = Path("reports/plots/sft_loss.csv")
+LOSS_PNG = Path("reports/plots/sft_loss.png")
+
+
+def data_file(params: Params) -> Path:
+    return Path(params.datasets.out_dir) / "sft" / "train.jsonl"
+
+
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no SFT data; run the datasets stage first")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(rows) < 2:
+        raise ValueError(f"{path}: {len(rows)} SFT example(s); training needs at least 2 (one is held out for eval loss)")
+    return rows
+
+
+def split(rows: list[dict[str, Any]], cfg: SftParams) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Held-out eval slice, whole rollouts at a time when possible so eval calls are unseen contexts."""
+    order = sorted({r["rollout_id"] for r in rows})
+    random.Random(cfg.seed).shuffle(order)
+    n_eval = max(1, round(len(rows) * cfg.eval_fraction))
+    held: set[str] = set()
+    for rid in order:
+        if sum(r["rollout_id"] in held for r in rows) >= n_eval or len(held) == len(order) - 1:
+            break
+        held.add(rid)
+    evals = [r for r in rows if r["rollout_id"] in held]
+    if not evals:  # a single rollout: hold out individual calls instead
+        idx = list(range(len(rows)))
+        random.Random(cfg.seed).shuffle(idx)
+        keep = set(idx[:n_eval])
+        evals = [rows[i] for i in sorted(keep)]
+        return [rows[i] for i in range(len(rows)) if i not in keep], evals
+    return [r for r in rows if r["rollout_id"] not in held], evals
+
+
+def pick_backend(cfg: SftParams) -> str:
+    import torch
+
+    if cfg.backend != "auto":
+        if cfg.backend == "unsloth" and not torch.cuda.is_available():
+            raise RuntimeError("sft.backend=unsloth needs a CUDA device (unsloth refuses to import without one); use trl or auto")
+        return cfg.backend
+    if torch.cuda.is_available():
+        try:
+            import unsloth  # noqa: F401 - must be imported before trl/transformers to patch them
+        except ImportError:
+            return "trl"
+        return "unsloth"
+    return "trl"
+
+
+def _model_and_peft(cfg: SftParams, backend: str) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, peft_config or None when the model is already wrapped)."""
+    lora = cfg.lora
+    if backend == "unsloth":
+        from unsloth import FastLanguageModel
+
+        model, tokenizer = FastLanguageModel.from_pretrained(cfg.base_model, max_seq_length=cfg.max_length, load_in_4bit=False, dtype=None)
+        model = FastLanguageModel.get_peft_model(model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                 target_modules=lora.target_modules, random_state=cfg.seed,
+                                                 use_gradient_checkpointing="unsloth")
+        return model, tokenizer, None
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # CPU: bf16 matmuls are slow without AVX-512 BF16
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
+    peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    return model, tokenizer, peft
+
+
+def train(params: Params) -> dict[str, Any]:
+    """Model plane: train, save adapter (+ merged folder) atomically, return the metrics."""
+    import torch
+
+    cfg = params.sft
+    rows = load_rows(data_file(params))
+    train_rows, eval_rows = split(rows, cfg)
+    backend = pick_backend(cfg)
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    model, tokenizer, peft = _model_and_peft(cfg, backend)
+    columns = ["prompt", "completion"]
+    train_ds = Dataset.from_list([{k: r[k] for k in columns} for r in train_rows])
+    eval_ds = Dataset.from_list([{k: r[k] for k in columns} for r in eval_rows])
+    out = Path(cfg.out_dir)
+    with atomic_dir(out) as tmp:
+        args = SFTConfig(output_dir=str(tmp / "checkpoints"), max_steps=cfg.max_steps, per_device_train_batch_size=cfg.batch_size,
+                         per_device_eval_batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.grad_accum,
+                         learning_rate=cfg.learning_rate, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+                         eval_strategy="steps", eval_steps=max(1, cfg.max_steps // 4), save_strategy="no", report_to="none",
+                         max_length=cfg.max_length, completion_only_loss=True, seed=cfg.seed, data_seed=cfg.seed,
+                         bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+                         disable_tqdm=False)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+                             peft_config=peft)
+        base_eval = trainer.evaluate()["eval_loss"]
+        t0 = time.perf_counter()
+        result = trainer.train()
+        seconds = time.perf_counter() - t0
+        final_eval = trainer.evaluate()["eval_loss"]
+        trainer.model.save_pretrained(str(tmp / "adapter"))
+        tokenizer.save_pretrained(str(tmp / "adapter"))
+        if cfg.merge:
+            if backend == "unsloth":
+                trainer.model.save_pretrained_merged(str(tmp / "merged"), tokenizer, save_method="merged_16bit")
+            else:
+                merged = trainer.model.merge_and_unload()
+                merged.to(torch.bfloat16).save_pretrained(str(tmp / "merged"), safe_serialization=True)
+                tokenizer.save_pretrained(str(tmp / "merged"))
+        import shutil
+
+        shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
+        history = trainer.state.log_history
+        write_json(tmp / "log_history.json", history)
+        losses = [h["loss"] for h in history if "loss" in h]
+        tokens = next((h["num_tokens"] for h in reversed(history) if "num_tokens" in h), None)
+        third = max(1, len(losses) // 3)
+        metrics = {"backend": backend, "device": "cuda" if torch.cuda.is_available() else "cpu", "steps": result.global_step,
+                   "train_rows": len(train_rows), "eval_rows": len(eval_rows), "train_seconds": round(seconds, 2),
+                   "train_loss": result.training_loss, "first_loss": losses[0], "last_loss": losses[-1],
+                   "loss_first_third": sum(losses[:third]) / third, "loss_last_third": sum(losses[-third:]) / third,
+                   "eval_loss_before": base_eval, "eval_loss": final_eval,
+                   "tokens": tokens, "tokens_per_s": (tokens / seconds) if tokens else None,
+                   "base_model": str(Path(cfg.base_model).resolve())}
+        write_json(tmp / "train_meta.json", metrics)
+    return metrics
+
+
+def _log_curves(history: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    write_text(LOSS_CSV, "step,loss\n" + "".join(f"{s},{v}\n" for s, v in train))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(*zip(*train), label="train loss (completion tokens)")
+    if evals:
+        ax.plot(*zip(*evals), "o--", label="eval loss (held-out calls)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("junior_researcher LoRA SFT")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(LOSS_PNG, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
+def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
+    """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage."""
+    import mlflow
+
+    from pipeline import lineage
+
+    cfg = params.sft
+    out = Path(cfg.out_dir)
+    history = json.loads((out / "log_history.json").read_text())
+    mlflow.log_params({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
+                       **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"]})
+    for h in history:
+        mlflow.log_metrics({k: float(h[k]) for k in ("loss", "eval_loss", "grad_norm", "learning_rate") if isinstance(h.get(k), (int, float))},
+                           step=int(h["step"]))
+    mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    _log_curves(history)
+    mlflow.log_artifact(str(LOSS_PNG), artifact_path="plots")
+    mlflow.log_artifacts(str(out / "adapter"), artifact_path="adapter")
+    rows = [json.loads(line) for line in data_file(params).read_text().splitlines() if line.strip()]
+    tags = {"role": cfg.role, "kind": "lora_adapter", "lineage.training_run": run.info.run_id,
+            "lineage.pipeline_run": run.data.tags.get("pipeline.run_id", ""), "lineage.base_model": params.models.base.source,
+            "lineage.base_model_path": cfg.base_model, "lineage.base_model_md5": lineage.dvc_md5(cfg.base_model),
+            "lineage.dataset_path": str(data_file(params).parent), "lineage.dataset_md5": lineage.dvc_md5(data_file(params).parent),
+            "lineage.trace_runs": ",".join(sorted({r["run_id"] for r in rows})),
+            "lineage.traces_md5": lineage.dvc_md5(params.rollouts.out_dir), "backend": metrics["backend"]}
+    return lineage.register_version(cfg.role, f"runs:/{run.info.run_id}/adapter", tags,
+                                    description=f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--in-model-plane", action="store_true", help=argparse.SUPPRESS)
+
+
+def _summary(metrics: dict[str, Any]) -> str:
+    tps = f"{metrics['tokens_per_s']:.0f} tok/s" if metrics.get("tokens_per_s") else "tok/s n/a"
+    return (f"train_sft [{metrics['backend']}/{metrics['device']}]: {metrics['steps']} steps on {metrics['train_rows']} rows, loss "
+            f"{metrics['first_loss']:.3f} -> {metrics['last_loss']:.3f}, eval loss {metrics['eval_loss_before']:.3f} -> "
+            f"{metrics['eval_loss']:.3f}, {tps}")
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    from pipeline.envs import in_model_plane, run_in_model_plane
+
+    if args.in_model_plane or in_model_plane():
+        try:
+            metrics = train(params)
+        except (FileNotFoundError, ValueError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        write_json(METRICS_FILE, metrics)
+        print(_summary(metrics))
+        return 0
+    try:  # fail fast, before paying for torch, on data that cannot train
+        load_rows(data_file(params))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    argv = (["--params", args.params_path] if args.params_path else []) + ["train-sft", "--in-model-plane"]
+    if args.no_mlflow:
+        return run_in_model_plane(argv)
+    from pipeline import tracking
+
+    with tracking.stage_run("train_sft", params) as run:
+        import mlflow
+
+        rc = run_in_model_plane(argv)
+        if rc != 0:
+            return rc
+        metrics = json.loads(METRICS_FILE.read_text())
+        version = log_and_register(params, metrics, mlflow.get_run(run.info.run_id))
+        mlflow.log_artifact(str(METRICS_FILE))
+        print(f"registered {params.sft.role} version {version.version} (models:/{params.sft.role}/{version.version})")
+    return 0

@@ -1,0 +1,77 @@
+"""Contextual bandit: off-policy evaluation on synthetic logs with a known best action, and the pyfunc."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pipeline.bandit import features, ope
+from pipeline.config import BanditParams
+from pipeline.stages.train_bandit import evaluate_offline
+
+AUTHORS = ["geneticist", "pharmacologist", "neurologist"]
+TOPICS = {"gene": "geneticist", "drug": "pharmacologist", "brain": "neurologist"}
+
+
+def synthetic_logs(n: int, seed: int = 0, epsilon: float = 0.6) -> list[dict]:
+    """The best candidate is the junior whose field matches the question's topic word (reward ~0.8 vs ~0.2).
+    The logging policy is epsilon-greedy around a fixed, topic-blind favourite (the geneticist)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        topic = rng.choice(list(TOPICS))
+        question = f"Does the {topic} factor change outcome {rng.randint(0, 50)} in patients?"
+        cands = [{"author": a, "hypothesis": f"{a} hypothesis {rng.random():.2f}", "rationale": "", "evidence_pmids": []} for a in AUTHORS]
+        context, actions = features.decision_features(question, cands)
+        pmf = [(1 - epsilon) * (j == 0) + epsilon / 3 for j in range(3)]
+        chosen = rng.choices(range(3), weights=pmf)[0]
+        reward = min(1.0, max(0.0, (0.8 if AUTHORS[chosen] == TOPICS[topic] else 0.2) + rng.gauss(0, 0.1)))
+        rows.append({"rollout_id": f"r{i}", "run_id": "synthetic", "context": context, "actions": actions, "chosen": chosen,
+                     "propensity": pmf[chosen], "logging_pmf": pmf, "reward": reward})
+    return rows
+
+
+def test_learned_policy_beats_logging_policy_with_separated_cis() -> None:
+    cfg = BanditParams(epsilon=0.05, passes=3, folds=4, bootstrap=300)
+    est = evaluate_offline(cfg, synthetic_logs(900))
+    learned, logging = est["learned"]["dr"], est["logging"]["dr"]
+    assert learned["value"] > logging["value"] + 0.2
+    assert learned["ci_low"] > logging["ci_high"], (learned, logging)
+    # the logging policy's IPS estimate is just the mean logged reward, and every estimator agrees on it
+    assert abs(est["logging"]["ips"]["value"] - est["logging"]["snips"]["value"]) < 1e-9
+
+
+def test_ope_matches_hand_computed_values() -> None:
+    # two decisions, two actions; target always picks action 1
+    target = [[0.0, 1.0], [0.0, 1.0]]
+    est = ope.estimate(target, chosen=[1, 0], propensity=[0.5, 0.5], reward=[1.0, 0.0], q=[[0.2, 0.6], [0.2, 0.6]], n_boot=100)
+    assert est["ips"]["value"] == pytest.approx((2 * 1.0 + 0) / 2)
+    assert est["snips"]["value"] == pytest.approx(2.0 / 2.0)
+    assert est["dr"]["value"] == pytest.approx(((0.6 + 2 * (1.0 - 0.6)) + (0.6 + 0)) / 2)
+    with pytest.raises(ValueError, match="propensities"):
+        ope.estimate(target, chosen=[1, 0], propensity=[0.0, 0.5], reward=[1.0, 0.0], q=[[0, 0], [0, 0]])
+
+
+def test_policy_file_and_mlflow_pyfunc_give_the_same_distribution(tmp_path: Path, mlflow_server: str) -> None:
+    import mlflow
+    import pandas as pd
+
+    from pipeline.bandit.policy import SupervisorPolicyModel, load_policy
+    from pipeline.stages.train_bandit import train_final
+
+    cfg = BanditParams(out_dir=str(tmp_path / "bandit"), passes=2)
+    model_file = train_final(cfg, synthetic_logs(300))
+    question = "Does the brain factor change outcome 3 in patients?"
+    cands = [{"author": a, "hypothesis": "h", "rationale": "", "evidence_pmids": []} for a in AUTHORS]
+    direct = load_policy(str(model_file)).pmf(question, cands)
+    assert sum(direct) == pytest.approx(1.0) and max(range(3), key=direct.__getitem__) == 2
+    mlflow.set_tracking_uri(mlflow_server)
+    mlflow.set_experiment("bandit-test")
+    with mlflow.start_run():
+        info = mlflow.pyfunc.log_model(name="policy", python_model=SupervisorPolicyModel(), artifacts={"vw_model": str(model_file)},
+                                       pip_requirements=["vowpalwabbit"])
+    served = mlflow.pyfunc.load_model(info.model_uri).predict(pd.DataFrame([{"question": question, "candidates": cands}]))
+    assert served[0] == pytest.approx(direct)
+    assert load_policy(info.model_uri).pmf(question, cands) == pytest.approx(direct)
