@@ -55,4 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args.params_path = top.params
-    return int(module.main(args, params) or 0)
+    from pipeline.services.process import ServiceError
+
+    try:
+        return int(module.main(args, params) or 0)
+    except ServiceError as exc:  # a service that cannot be started or must not be used: say why, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

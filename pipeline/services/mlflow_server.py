@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 from pipeline.config import Params
-from pipeline.services.process import Service, http_ok, port_is_free, start, stop, ServiceError
+import httpx
+
+from pipeline.services.process import Service, claim, probe_http, start, stop
 
 
 def _service(params: Params) -> Service:
@@ -26,31 +28,47 @@ def tracking_uri(params: Params) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or params.mlflow.tracking_uri or local_uri(params)
 
 
+def _identity(params: Params) -> dict[str, str]:
+    home = Path(params.mlflow.home).resolve()
+    return {"backend_store": f"sqlite:///{home / 'mlflow.db'}", "artifacts": str(home / "artifacts")}
+
+
+def _describe(uri: str) -> str:
+    try:
+        version = httpx.get(f"{uri}/version", timeout=2.0)
+        if version.status_code == 200 and version.text.strip()[:1].isdigit():
+            return f"an MLflow {version.text.strip()} server"
+    except httpx.HTTPError:
+        pass
+    return probe_http(uri)
+
+
 def ensure(params: Params) -> str:
-    """Return the tracking URI, starting the local server first when none is configured."""
+    """Return the tracking URI, starting the local server first when none is configured.
+
+    The local server is reused only if it is this checkout's (same ``mlflow.home`` backend store);
+    another project's server on the port is an error, never a silent place to log runs into.
+    """
     uri = tracking_uri(params)
     if uri != local_uri(params):
+        return uri  # an explicitly configured server: the user chose it
+    identity = _identity(params)
+    if claim(_service(params), identity, params.mlflow.host, params.mlflow.port, f"{uri}/health",
+             "mlflow.port (PIPELINE__MLFLOW__PORT), or MLFLOW_TRACKING_URI to use that server on purpose", lambda: _describe(uri)):
         return uri
-    if http_ok(f"{uri}/health"):
-        return uri
-    if not port_is_free(params.mlflow.host, params.mlflow.port):
-        raise ServiceError(
-            f"port {params.mlflow.port} is taken by something that is not an MLflow server; "
-            "set mlflow.port (or PIPELINE__MLFLOW__PORT)"
-        )
     home = Path(params.mlflow.home).resolve()
     (home / "artifacts").mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
-        "--artifacts-destination", str(home / "artifacts"),
+        "--backend-store-uri", identity["backend_store"],
+        "--artifacts-destination", identity["artifacts"],
         "--host", params.mlflow.host, "--port", str(params.mlflow.port),
         "--workers", "1",
     ]
     # Server-side job execution (GenAI scorer jobs) spawns ~8 huey workers of ~400 MB each; the
     # pipeline scores with its own judge, so the embedded default leaves it off.
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
-    start(_service(params), cmd, f"{uri}/health", env=env, timeout_s=120, meta={"uri": uri})
+    start(_service(params), cmd, f"{uri}/health", env=env, timeout_s=120, meta={"uri": uri}, identity=identity)
     return uri
 
 

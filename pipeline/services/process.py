@@ -1,4 +1,11 @@
-"""Start, probe and stop detached service processes by name."""
+"""Start, probe and stop detached service processes by name.
+
+A service belongs to the checkout whose home holds its pid file, and it is reused only when it runs
+with the identity it would be started with now (``claim``): the backend store for MLflow, the model
+folder and served name for a worker, the config for the proxy. Anything else answering on the port
+is an error naming the port, what answers there and the param to change, never a silent reuse:
+two clones on one machine must not log into, register into or route through each other's services.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +44,10 @@ class Service:
         return self.home / f"{self.name}.json"
 
     def pid(self) -> int | None:
+        """The recorded process, if it still runs and is the one that was started (not a reused pid)."""
         try:
             pid = int(self.pid_file.read_text().strip())
+            written = self.pid_file.stat().st_mtime
         except (FileNotFoundError, ValueError):
             return None
         try:
@@ -47,6 +56,9 @@ class Service:
             return None
         except PermissionError:
             return pid
+        started = _process_start(pid)
+        if started is not None and started > written + 5:
+            return None  # the pid was reused by a later, unrelated process
         return pid
 
     def meta(self) -> dict:
@@ -54,6 +66,60 @@ class Service:
             return json.loads(self.meta_file.read_text())
         except FileNotFoundError:
             return {}
+
+
+def _process_start(pid: int) -> float | None:
+    """Start time (epoch seconds) of a process, from /proc; None where /proc is not available."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def identity_key(identity: Mapping[str, object]) -> str:
+    return json.dumps(identity, sort_keys=True, default=str)
+
+
+def claim(service: Service, identity: Mapping[str, object], host: str, port: int, health_url: str, param: str,
+          describe: Callable[[], str] | None = None, wait_s: float = 60.0) -> bool:
+    """True if this checkout's own service, with this identity, already answers (reuse it).
+
+    Our own service with another identity (params changed) or unhealthy is stopped, so the caller
+    starts a fresh one. If anything else holds the port, raise naming the port, what answers there
+    and the param to change.
+    """
+    if service.pid() is not None and service.meta().get("identity") == identity_key(identity):
+        deadline = time.monotonic() + wait_s  # ours and the same: it may still be starting (a parallel task)
+        while True:
+            if http_ok(health_url):
+                return True
+            if time.monotonic() > deadline or service.pid() is None:
+                break
+            time.sleep(0.5)
+    stop(service)
+    if not port_is_free(host, port):
+        what = (describe or (lambda: probe_http(f"http://{host}:{port}")))()
+        raise ServiceError(f"port {port} on {host} is held by {what}, which this checkout did not start "
+                           f"(its {service.name} would run from {service.home}); refusing to use another project's service. "
+                           f"Stop it or set {param} to a free port.")
+    return False
+
+
+def probe_http(base: str, paths: Sequence[str] = ("/health", "/")) -> str:
+    """A short description of what answers at ``base`` (for error messages)."""
+    for path in paths:
+        req = urllib.request.Request(base + path)
+        try:
+            with urllib.request.urlopen(req, timeout=2.0) as resp:  # noqa: S310 - loopback probe
+                server = resp.headers.get("server", "")
+                return f"an HTTP server (GET {path} -> {resp.status}{', server ' + server if server else ''})"
+        except urllib.error.HTTPError as exc:
+            return f"an HTTP server (GET {path} -> {exc.code})"
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            continue
+    return "a process that does not answer HTTP"
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -90,11 +156,14 @@ def start(
     meta: Mapping[str, object] | None = None,
     cwd: str | Path | None = None,
     health_headers: Mapping[str, str] | None = None,
+    identity: Mapping[str, object] | None = None,
 ) -> int:
-    """Start ``cmd`` detached unless it already answers ``health_url``; wait until it does."""
+    """Start ``cmd`` detached unless this same service (same identity) already answers; wait until healthy."""
     service.home.mkdir(parents=True, exist_ok=True)
-    if service.pid() and http_ok(health_url, headers=health_headers):
-        return service.pid()  # type: ignore[return-value]
+    key = identity_key(identity or {"cmd": list(cmd)})
+    pid = service.pid()
+    if pid and service.meta().get("identity") == key and http_ok(health_url, headers=health_headers):
+        return pid
     stop(service)
     log = open(service.log_file, "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(  # noqa: S603 - fixed argv built by the project
@@ -108,7 +177,7 @@ def start(
     )
     log.close()
     service.pid_file.write_text(str(proc.pid))
-    service.meta_file.write_text(json.dumps({"cmd": list(cmd), "health_url": health_url, **(meta or {})}))
+    service.meta_file.write_text(json.dumps({"cmd": list(cmd), "health_url": health_url, "identity": key, **(meta or {})}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

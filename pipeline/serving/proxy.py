@@ -26,7 +26,7 @@ import yaml
 from pipeline.config import Params
 from pipeline.envs import REPO_ROOT
 from pipeline.io import write_text
-from pipeline.services.process import Service, ServiceError, http_ok, port_is_free, start, stop
+from pipeline.services.process import Service, ServiceError, claim, http_ok, start, stop
 from pipeline.serving.worker import served_name
 
 KEY_ENV = "LITELLM_MASTER_KEY"
@@ -61,7 +61,9 @@ def deployments(params: Params) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for worker in params.serving.workers:
         api_base = f"http://{worker.host}:{worker.port}/v1"
-        common = {"api_base": api_base, "api_key": "none", "timeout": params.serving.proxy.request_timeout_s}
+        # workers that require a key (production: VLLM_API_KEY) get it from the proxy's environment only
+        api_key = "os.environ/VLLM_API_KEY" if os.environ.get("VLLM_API_KEY") else "none"
+        common = {"api_base": api_base, "api_key": api_key, "timeout": params.serving.proxy.request_timeout_s}
         out[worker.name] = {"model": f"hosted_vllm/{served_name(worker)}", **common}
         out[f"{worker.name}/*"] = {"model": "hosted_vllm/*", **common}
     return out
@@ -99,11 +101,11 @@ def up(params: Params, host: str | None = None) -> str:
     url = base_url(params)
     health = f"{url}/health/liveliness"
     service = Service("proxy", Path(params.serving.home).resolve())
-    if service.pid() and http_ok(health):
+    identity = {"config": str(Path(params.serving.home).resolve() / "litellm.yaml")}
+    if claim(service, identity, params.serving.proxy.host, params.serving.proxy.port, health, "serving.proxy.port"):
         return url
-    if not port_is_free(params.serving.proxy.host, params.serving.proxy.port):
-        raise ServiceError(f"proxy port {params.serving.proxy.port} is taken by something else; set serving.proxy.port")
-    start(service, _command(params, host or params.serving.proxy.host), health, env=_env(params), timeout_s=180, meta={"url": url})
+    start(service, _command(params, host or params.serving.proxy.host), health, env=_env(params), timeout_s=180, meta={"url": url},
+          identity=identity)
     return url
 
 

@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 
 from pipeline.config import Params, WorkerParams
-from pipeline.services.process import Service, ServiceError, http_ok, port_is_free, start, stop
+
+KEY_ENV = "VLLM_API_KEY"
+from pipeline.services.process import Service, ServiceError, claim, http_ok, probe_http, start, stop
 
 
 def service(params: Params, worker: WorkerParams) -> Service:
@@ -49,22 +51,43 @@ def up(params: Params, worker: WorkerParams) -> str:
     from pipeline.envs import model_python
 
     url = base_url(worker)
-    if http_ok(f"{url}/health"):
-        return url
     if worker.host not in ("127.0.0.1", "localhost"):
+        if http_ok(f"{url}/health"):
+            return url  # a remote GPU worker configured on purpose: only health-checked
         raise ServiceError(f"worker {worker.name} at {url} is remote and not healthy; it is not started from here")
+    identity = {"model": str(Path(worker.model).resolve()), "served_name": served_name(worker)}
+    if claim(service(params, worker), identity, worker.host, worker.port, f"{url}/health",
+             f"serving.workers[{worker.name}].port", lambda: describe(url)):
+        return url
     if not Path(worker.model, "config.json").exists():
         raise ServiceError(f"worker {worker.name}: {worker.model} is not an HF model folder; run `python -m pipeline materialize-model`")
-    if not port_is_free(worker.host, worker.port):
-        raise ServiceError(f"worker {worker.name}: port {worker.port} is taken by something that is not this worker")
     env = {
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if worker.runtime_lora else "False",
         "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
     }
     start(service(params, worker), command(worker, model_python()), f"{url}/health", env=env,
-          timeout_s=params.serving.startup_timeout_s, meta={"url": url, "model": worker.model})
+          timeout_s=params.serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity)
     return url
+
+
+def _headers() -> dict[str, str]:
+    """Production workers require ``VLLM_API_KEY`` (vLLM reads it itself); only the proxy and the
+    promotion step that hot-loads adapters hold it."""
+    key = os.environ.get(KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def describe(url: str) -> str:
+    """What answers at a worker's URL: a vLLM server names its models and their folders."""
+    try:
+        resp = httpx.get(f"{url}/v1/models", timeout=2.0)
+        if resp.status_code == 200:
+            served = [f"{m['id']} ({m.get('root', '?')})" for m in resp.json().get("data", [])]
+            return f"an OpenAI-compatible server serving {', '.join(served) or 'no models'}"
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass
+    return probe_http(url)
 
 
 def down(params: Params, worker: WorkerParams) -> bool:
@@ -72,7 +95,7 @@ def down(params: Params, worker: WorkerParams) -> bool:
 
 
 def models(worker: WorkerParams, timeout: float = 5.0) -> list[str]:
-    resp = httpx.get(f"{base_url(worker)}/v1/models", timeout=timeout)
+    resp = httpx.get(f"{base_url(worker)}/v1/models", timeout=timeout, headers=_headers())
     resp.raise_for_status()
     return [m["id"] for m in resp.json()["data"]]
 
@@ -81,13 +104,14 @@ def load_lora(worker: WorkerParams, name: str, path: str) -> None:
     """Hot-load an adapter into a running worker; it is then served as model ``name``."""
     if not Path(path, "adapter_config.json").exists():
         raise FileNotFoundError(f"{path}: not a PEFT adapter folder (no adapter_config.json)")
-    resp = httpx.post(f"{base_url(worker)}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(Path(path).resolve())}, timeout=120)
+    resp = httpx.post(f"{base_url(worker)}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(Path(path).resolve())}, timeout=120,
+                      headers=_headers())
     if resp.status_code != 200:
         raise ServiceError(f"worker {worker.name}: loading adapter {name} from {path} failed: {resp.status_code} {resp.text[:300]}")
 
 
 def unload_lora(worker: WorkerParams, name: str) -> None:
-    resp = httpx.post(f"{base_url(worker)}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+    resp = httpx.post(f"{base_url(worker)}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60, headers=_headers())
     if resp.status_code != 200:
         raise ServiceError(f"worker {worker.name}: unloading adapter {name} failed: {resp.status_code} {resp.text[:300]}")
 
