@@ -77,3 +77,30 @@ def test_policy_file_and_mlflow_pyfunc_give_the_same_distribution(tmp_path: Path
     served = mlflow.pyfunc.load_model(info.model_uri).predict(pd.DataFrame([{"question": question, "candidates": cands}]))
     assert served[0] == pytest.approx(direct)
     assert load_policy(info.model_uri).pmf(question, cands) == pytest.approx(direct)
+
+
+def test_supervisor_with_bandit_policy_logs_its_propensity(tmp_path: Path) -> None:
+    """The supervisor node with a trained policy: no LLM call, the pick sampled from the policy's
+    distribution, and the decision span records that distribution and the pick's probability."""
+    import asyncio
+
+    from pipeline.agents.graph import Society
+    from pipeline.bandit.policy import load_policy
+    from pipeline.config import AgentsParams
+    from pipeline.stages.train_bandit import train_final
+
+    model_file = train_final(BanditParams(out_dir=str(tmp_path / "bandit"), passes=2), synthetic_logs(300))
+    policy = load_policy(str(model_file))
+    hyps = [{"author": a, "hypothesis": f"{a} idea", "rationale": "r", "evidence_pmids": []} for a in AUTHORS]
+    picks = []
+    for seed in range(40):
+        society = Society(client=None, tools=None, cfg=AgentsParams(supervisor_policy="bandit"), rng=random.Random(seed), policy=policy)
+        out = asyncio.run(society.supervisor({"task": {"question": "Does the drug factor change outcome 7 in patients?"},
+                                              "hypotheses": list(reversed(hyps))}))
+        (span,) = out["spans"]
+        d = span["data"]
+        assert span["kind"] == "decision" and d["policy"] == "bandit" and d["policy_source"] == str(model_file)
+        assert sum(d["pmf"]) == pytest.approx(1.0) and d["propensity"] == pytest.approx(d["pmf"][d["chosen"]])
+        assert d["candidates"] == AUTHORS and out["selection"]["author"] == AUTHORS[d["chosen"]]
+        picks.append(d["chosen"])
+    assert max(set(picks), key=picks.count) == 1  # the pharmacologist, whom the policy learned to prefer for drug questions

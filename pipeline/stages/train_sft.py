@@ -128,7 +128,7 @@ def train(params: Params) -> dict[str, Any]:
         args = SFTConfig(output_dir=str(tmp / "checkpoints"), max_steps=cfg.max_steps, per_device_train_batch_size=cfg.batch_size,
                          per_device_eval_batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.grad_accum,
                          learning_rate=cfg.learning_rate, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
-                         eval_strategy="steps", eval_steps=max(1, cfg.max_steps // 4), save_strategy="no", report_to="none",
+                         eval_strategy="steps", eval_steps=max(1, cfg.max_steps // 2), save_strategy="no", report_to="none",
                          max_length=cfg.max_length, completion_only_loss=True, seed=cfg.seed, data_seed=cfg.seed,
                          bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
                          disable_tqdm=False)
