@@ -74,3 +74,14 @@ def atomic_dir(dest: str | Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_rows(path: str | Path, minimum: int, noun: str, why: str) -> list[dict[str, Any]]:
+    """A JSONL training file's rows; a missing or too-small file raises naming it and the reason."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no {noun}s; run the datasets stage first")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(rows) < minimum:
+        raise ValueError(f"{path}: {len(rows)} {noun} row(s); {why}")
+    return rows

@@ -20,17 +20,17 @@ def _write(path: Path, rows: list[dict]) -> None:
 def test_train_sft_fails_on_missing_and_too_small_data(project: Path, capsys: pytest.CaptureFixture) -> None:
     args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None)
     assert train_sft.main(args, load_params()) == 1
-    assert "data/datasets/sft/train.jsonl: no SFT data; run the datasets stage first" in capsys.readouterr().err
+    assert "data/datasets/sft/train.jsonl: no SFT examples; run the datasets stage first" in capsys.readouterr().err
     _write(project / "data/datasets/sft/train.jsonl", [{"prompt": [], "completion": [], "rollout_id": "1-0"}])
     assert train_sft.main(args, load_params()) == 1
-    assert "1 SFT example(s); training needs at least 2" in capsys.readouterr().err
+    assert "1 SFT example row(s); training needs at least 2" in capsys.readouterr().err
     assert not (project / "models/sft").exists()
 
 
 def test_train_bandit_fails_on_too_few_decisions(project: Path, capsys: pytest.CaptureFixture) -> None:
     _write(project / "data/datasets/bandit/train.jsonl", [{"chosen": 0}])
     assert train_bandit.main(argparse.Namespace(no_mlflow=True), load_params()) == 1
-    assert "1 logged decision(s); the bandit needs at least 2" in capsys.readouterr().err
+    assert "1 logged decision row(s); the bandit needs at least 2" in capsys.readouterr().err
     assert not (project / "models/bandit").exists()
 
 

@@ -119,10 +119,7 @@ def summary(params: Params, built: dict[str, Any]) -> dict[str, Any]:
 
 def reward_plots(params: Params, built: dict[str, Any]) -> None:
     """Histogram of rollout rewards and of those picked for SFT: CSV for `dvc plots`, PNG for MLflow."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pipeline.plots import png
 
     bins = params.datasets.reward_bins
     rewards = [t.reward for t in built["traces"] if t.status == "ok" and t.reward is not None]
@@ -134,18 +131,14 @@ def reward_plots(params: Params, built: dict[str, Any]) -> None:
         inside = (lambda v: lo <= v < hi) if b < bins - 1 else (lambda v: lo <= v <= hi)
         rows.append(f"{lo:.2f}-{hi:.2f},{sum(map(inside, rewards))},{sum(map(inside, picked))}")
     write_text(PLOT_CSV, "\n".join(rows) + "\n")
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     edges = [b / bins for b in range(bins + 1)]
-    ax.hist(rewards, bins=edges, alpha=0.6, label=f"all ok rollouts ({len(rewards)})")
-    ax.hist(picked, bins=edges, alpha=0.8, label=f"selected for SFT ({len(picked)})")
-    ax.axvline(params.datasets.sft.min_reward, color="k", ls="--", lw=1, label="datasets.sft.min_reward")
-    ax.set_xlabel("final reward (judge, weighted)")
-    ax.set_ylabel("rollouts")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(PLOT_PNG, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    with png(PLOT_PNG) as ax:
+        ax.hist(rewards, bins=edges, alpha=0.6, label=f"all ok rollouts ({len(rewards)})")
+        ax.hist(picked, bins=edges, alpha=0.8, label=f"selected for SFT ({len(picked)})")
+        ax.axvline(params.datasets.sft.min_reward, color="k", ls="--", lw=1, label="datasets.sft.min_reward")
+        ax.set_xlabel("final reward (judge, weighted)")
+        ax.set_ylabel("rollouts")
+        ax.legend(fontsize=8)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import BanditParams, Params
-from pipeline.io import atomic_dir, atomic_path, write_json
+from pipeline.io import atomic_dir, read_rows, write_json
 
 METRICS_FILE = Path("reports/bandit.json")
 PLOT_PNG = Path("reports/plots/bandit_ope.png")
@@ -26,12 +26,7 @@ REGISTERED_NAME = "supervisor_policy"
 
 
 def load_examples(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no bandit data; run the datasets stage first")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if len(rows) < 2:
-        raise ValueError(f"{path}: {len(rows)} logged decision(s); the bandit needs at least 2 (one per cross-fitting fold)")
-    return rows
+    return read_rows(path, 2, "logged decision", "the bandit needs at least 2 (one per cross-fitting fold)")
 
 
 def evaluate_offline(cfg: BanditParams, examples: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -68,26 +63,19 @@ def print_table(estimates: dict[str, dict[str, dict[str, float]]], n: int) -> No
 
 
 def plot(estimates: dict[str, dict[str, dict[str, float]]]) -> None:
-    import matplotlib
+    from pipeline.plots import png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(next(iter(estimates.values())))
-    for j, (policy, table) in enumerate(estimates.items()):
-        xs = [i + (j - 0.5) * 0.3 for i in range(len(names))]
-        vals = [table[n]["value"] for n in names]
-        err = [[v - table[n]["ci_low"] for n, v in zip(names, vals)], [table[n]["ci_high"] - v for n, v in zip(names, vals)]]
-        ax.bar(xs, vals, width=0.3, yerr=err, capsize=4, label=policy)
-    ax.set_xticks(range(len(names)), [n.upper() for n in names])
-    ax.set_ylabel("estimated reward")
-    ax.set_title("supervisor policy, off-policy estimates (95% CI)")
-    ax.legend()
-    fig.tight_layout()
-    with atomic_path(PLOT_PNG, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    with png(PLOT_PNG) as ax:
+        for j, (policy, table) in enumerate(estimates.items()):
+            xs = [i + (j - 0.5) * 0.3 for i in range(len(names))]
+            vals = [table[n]["value"] for n in names]
+            err = [[v - table[n]["ci_low"] for n, v in zip(names, vals)], [table[n]["ci_high"] - v for n, v in zip(names, vals)]]
+            ax.bar(xs, vals, width=0.3, yerr=err, capsize=4, label=policy)
+        ax.set_xticks(range(len(names)), [n.upper() for n in names])
+        ax.set_ylabel("estimated reward")
+        ax.set_title("supervisor policy, off-policy estimates (95% CI)")
+        ax.legend()
 
 
 def train_final(cfg: BanditParams, examples: list[dict[str, Any]]) -> Path:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Params, SftParams
-from pipeline.io import atomic_dir, atomic_path, write_json, write_text
+from pipeline.io import atomic_dir, read_rows, write_json, write_text
 
 METRICS_FILE = Path("reports/train_sft.json")
 LOSS_CSV = Path("reports/plots/sft_loss.csv")
@@ -39,12 +39,7 @@ def data_file(params: Params) -> Path:
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no SFT data; run the datasets stage first")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if len(rows) < 2:
-        raise ValueError(f"{path}: {len(rows)} SFT example(s); training needs at least 2 (one is held out for eval loss)")
-    return rows
+    return read_rows(path, 2, "SFT example", "training needs at least 2 (one is held out for eval loss)")
 
 
 def split(rows: list[dict[str, Any]], cfg: SftParams) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -168,26 +163,19 @@ def train(params: Params) -> dict[str, Any]:
 
 
 def _log_curves(history: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pipeline.plots import png
 
     train = [(h["step"], h["loss"]) for h in history if "loss" in h]
     evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
     write_text(LOSS_CSV, "step,loss\n" + "".join(f"{s},{v}\n" for s, v in train))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(*zip(*train), label="train loss (completion tokens)")
-    if evals:
-        ax.plot(*zip(*evals), "o--", label="eval loss (held-out calls)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("junior_researcher LoRA SFT")
-    ax.legend()
-    fig.tight_layout()
-    with atomic_path(LOSS_PNG, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    with png(LOSS_PNG) as ax:
+        ax.plot(*zip(*train), label="train loss (completion tokens)")
+        if evals:
+            ax.plot(*zip(*evals), "o--", label="eval loss (held-out calls)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title("junior_researcher LoRA SFT")
+        ax.legend()
 
 
 def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:

@@ -1,0 +1,28 @@
+"""PNG figures for MLflow artifacts and `dvc plots`: headless, written atomically, always closed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pipeline.io import atomic_path
+
+
+@contextlib.contextmanager
+def png(dest: str | Path, size: tuple[float, float] = (6, 3.5)) -> Iterator[Any]:
+    """Yield a matplotlib Axes; on success the figure is saved to ``dest`` (PNG) in one rename."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    try:
+        yield ax
+        fig.tight_layout()
+        with atomic_path(dest, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
