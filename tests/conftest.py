@@ -115,8 +115,10 @@ def serving_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Materialise base + test models and a LoRA adapter through the project's stage."""
     root = tmp_path_factory.mktemp("models")
     env_params = {"PIPELINE__MODELS__BASE__OUT_DIR": str(root / "base"), "PIPELINE__MODELS__TEST__OUT_DIR": str(root / "tiny")}
-    subprocess.run([sys.executable, "-m", "pipeline", "materialize-model", "--no-mlflow"], cwd=ROOT, check=True,
-                   env={**_clean_env(), **env_params}, capture_output=True)
+    # run from the scratch folder: the stage's metrics file must not land in the checkout's reports/
+    # (a changed DVC metric there would make the next `dvc repro` re-materialise the model)
+    subprocess.run([sys.executable, "-m", "pipeline", "--params", str(ROOT / "params.yaml"), "materialize-model", "--no-mlflow"],
+                   cwd=root, check=True, env={**_clean_env(), **env_params}, capture_output=True)
     subprocess.run([model_python(), "-c", ADAPTER, str(root / "base"), str(root / "adapter-a")], check=True, capture_output=True)
     return root
 
