@@ -35,8 +35,9 @@ def _env(mlflow_uri: str, run_id: str, **extra: str) -> dict[str, str]:
     return env
 
 
-# the whole loop, but small (the same sizes as tests/test_learning_loop.py); serving on free ports
-SMALL_LOOP = CYCLE
+# the whole loop, smaller still than tests/test_learning_loop.py (this checks orchestration, that one
+# checks learning): no tool steps, two SFT steps; serving on free ports
+SMALL_LOOP = {**CYCLE, "PIPELINE__AGENTS__MAX_TOOL_CALLS": "0", "PIPELINE__SFT__MAX_STEPS": "2"}
 
 
 def _serving_env() -> dict[str, str]:
