@@ -38,6 +38,13 @@ def dvc_md5(path: str | Path) -> str:
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"  # noqa: S324
 
 
+def tags(run: Any, dataset_dir: str | Path, rows: list[dict[str, Any]], traces_dir: str | Path, **extra: Any) -> dict[str, Any]:
+    """The lineage every trained version carries: its run, its data (DVC hashes) and the trace runs behind it."""
+    return {"lineage.training_run": run.info.run_id, "lineage.pipeline_run": run.data.tags.get("pipeline.run_id", ""),
+            "lineage.dataset_path": str(dataset_dir), "lineage.dataset_md5": dvc_md5(dataset_dir),
+            "lineage.trace_runs": ",".join(sorted({r["run_id"] for r in rows})), "lineage.traces_md5": dvc_md5(traces_dir), **extra}
+
+
 def register_version(name: str, model_uri: str, run_id: str, tags: dict[str, Any], description: str = "") -> Any:
     """A new version of registered model ``name`` (created on first use) with lineage tags.
 

@@ -34,7 +34,7 @@ def trace(task: str, k: int, reward: float | None, status: str = "ok", decision:
                  {"author": "neurologist", "hypothesis": "brain y", "rationale": "r", "evidence_pmids": []}]
         spans.append({"kind": "decision", "name": "supervisor", "data": {
             "candidates": ["geneticist", "neurologist"], "candidate_hypotheses": cands, "context": "Does gene x matter?",
-            "model_choice": 1, "chosen": 1, "propensity": 0.95, "epsilon": 0.1, "policy": "llm"}})
+            "model_choice": 1, "chosen": 1, "propensity": 0.95, "epsilon": 0.1, "policy": "llm", "pmf": [0.05, 0.95]}})
     return {"run_id": "run-a", "shard": 0, "task_id": task, "rollout_id": f"{task}-{k}", "status": status, "reward": reward,
             "label": "yes", "error": None if status == "ok" else "boom", "spans": [dict(s, seq=i) for i, s in enumerate(spans)]}
 

@@ -113,8 +113,8 @@ class Society:
             model_pick = choice.chosen if choice is not None and choice.chosen < k else 0
             explored = self.rng.random() < self.cfg.epsilon
             chosen = self.rng.randrange(k) if explored else model_pick
-            propensity = (1 - self.cfg.epsilon) * (chosen == model_pick) + self.cfg.epsilon / k
-            logged.update(policy="llm", model_choice=model_pick, chosen=chosen, explored=explored, propensity=propensity,
+            pmf = [(1 - self.cfg.epsilon) * (i == model_pick) + self.cfg.epsilon / k for i in range(k)]  # epsilon-greedy
+            logged.update(policy="llm", pmf=pmf, model_choice=model_pick, chosen=chosen, explored=explored, propensity=pmf[chosen],
                           epsilon=self.cfg.epsilon, reason=choice.reason if choice else "invalid choice; defaulted to 0")
         spans.append({"kind": "decision", "name": "supervisor", "data": logged})
         return {"spans": spans, "selection": {**candidates[chosen], "index": chosen, "propensity": logged["propensity"]}}

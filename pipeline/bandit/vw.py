@@ -8,7 +8,7 @@ context and candidate features, which is what makes the policy contextual.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pipeline.config import BanditParams
@@ -33,6 +33,15 @@ def adf_lines(context: dict[str, Any], actions: Sequence[dict[str, Any]], chosen
     return lines
 
 
+def _epochs(examples: Sequence[dict[str, Any]], passes: int, seed: int) -> Iterator[dict[str, Any]]:
+    """Every example once per pass, in a seeded shuffled order."""
+    order = list(range(len(examples)))
+    rng = random.Random(seed)
+    for _ in range(passes):
+        rng.shuffle(order)
+        yield from (examples[i] for i in order)
+
+
 def policy_args(cfg: BanditParams) -> str:
     return f"--cb_explore_adf --epsilon {cfg.epsilon} -q sa -l {cfg.learning_rate} --random_seed {cfg.seed} --quiet"
 
@@ -42,13 +51,8 @@ def train_policy(cfg: BanditParams, examples: Sequence[dict[str, Any]]) -> Any:
     from vowpalwabbit import Workspace
 
     ws = Workspace(policy_args(cfg))
-    order = list(range(len(examples)))
-    rng = random.Random(cfg.seed)
-    for _ in range(cfg.passes):
-        rng.shuffle(order)
-        for i in order:
-            ex = examples[i]
-            ws.learn(adf_lines(ex["context"], ex["actions"], ex["chosen"], ex["reward"], ex["propensity"]))
+    for ex in _epochs(examples, cfg.passes, cfg.seed):
+        ws.learn(adf_lines(ex["context"], ex["actions"], ex["chosen"], ex["reward"], ex["propensity"]))
     return ws
 
 
@@ -64,13 +68,8 @@ def train_reward_model(cfg: BanditParams, examples: Sequence[dict[str, Any]]) ->
     from vowpalwabbit import Workspace
 
     ws = Workspace(f"-q sa -l {cfg.learning_rate} --random_seed {cfg.seed} --quiet")
-    order = list(range(len(examples)))
-    rng = random.Random(cfg.seed + 1)
-    for _ in range(max(cfg.passes, 3)):
-        rng.shuffle(order)
-        for i in order:
-            ex = examples[i]
-            ws.learn(f"{float(ex['reward']):.6f} {_shared(ex['context'])} {_action(ex['actions'][ex['chosen']])}")
+    for ex in _epochs(examples, max(cfg.passes, 3), cfg.seed + 1):
+        ws.learn(f"{float(ex['reward']):.6f} {_shared(ex['context'])} {_action(ex['actions'][ex['chosen']])}")
     return ws
 
 

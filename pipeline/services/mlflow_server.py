@@ -10,9 +10,9 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.config import Params
 import httpx
 
+from pipeline.config import Params
 from pipeline.services.process import Service, claim, probe_http, start, stop
 
 

@@ -61,6 +61,10 @@ class Service:
             return None  # the pid was reused by a later, unrelated process
         return pid
 
+    def runs_as(self, identity: Mapping[str, object]) -> bool:
+        """Our recorded process is alive and was started with this identity."""
+        return self.pid() is not None and self.meta().get("identity") == identity_key(identity)
+
     def meta(self) -> dict:
         try:
             return json.loads(self.meta_file.read_text())
@@ -90,7 +94,7 @@ def claim(service: Service, identity: Mapping[str, object], host: str, port: int
     starts a fresh one. If anything else holds the port, raise naming the port, what answers there
     and the param to change.
     """
-    if service.pid() is not None and service.meta().get("identity") == identity_key(identity):
+    if service.runs_as(identity):
         deadline = time.monotonic() + wait_s  # ours and the same: it may still be starting (a parallel task)
         while True:
             if http_ok(health_url):
@@ -160,10 +164,9 @@ def start(
 ) -> int:
     """Start ``cmd`` detached unless this same service (same identity) already answers; wait until healthy."""
     service.home.mkdir(parents=True, exist_ok=True)
-    key = identity_key(identity or {"cmd": list(cmd)})
-    pid = service.pid()
-    if pid and service.meta().get("identity") == key and http_ok(health_url, headers=health_headers):
-        return pid
+    identity = identity or {"cmd": list(cmd)}
+    if service.runs_as(identity) and http_ok(health_url, headers=health_headers):
+        return service.pid()  # type: ignore[return-value]
     stop(service)
     log = open(service.log_file, "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(  # noqa: S603 - fixed argv built by the project
@@ -177,7 +180,7 @@ def start(
     )
     log.close()
     service.pid_file.write_text(str(proc.pid))
-    service.meta_file.write_text(json.dumps({"cmd": list(cmd), "health_url": health_url, "identity": key, **(meta or {})}))
+    service.meta_file.write_text(json.dumps({"cmd": list(cmd), "health_url": health_url, "identity": identity_key(identity), **(meta or {})}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -27,6 +27,7 @@ from pipeline.config import Params
 from pipeline.envs import REPO_ROOT
 from pipeline.io import write_text
 from pipeline.services.process import Service, ServiceError, claim, http_ok, start, stop
+from pipeline.serving.worker import KEY_ENV as WORKER_KEY_ENV
 from pipeline.serving.worker import served_name
 
 KEY_ENV = "LITELLM_MASTER_KEY"
@@ -62,7 +63,7 @@ def deployments(params: Params) -> dict[str, dict[str, Any]]:
     for worker in params.serving.workers:
         api_base = f"http://{worker.host}:{worker.port}/v1"
         # workers that require a key (production: VLLM_API_KEY) get it from the proxy's environment only
-        api_key = "os.environ/VLLM_API_KEY" if os.environ.get("VLLM_API_KEY") else "none"
+        api_key = f"os.environ/{WORKER_KEY_ENV}" if os.environ.get(WORKER_KEY_ENV) else "none"
         common = {"api_base": api_base, "api_key": api_key, "timeout": params.serving.proxy.request_timeout_s}
         out[worker.name] = {"model": f"hosted_vllm/{served_name(worker)}", **common}
         out[f"{worker.name}/*"] = {"model": "hosted_vllm/*", **common}

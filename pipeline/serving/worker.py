@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 
 from pipeline.config import Params, WorkerParams
+from pipeline.services.process import Service, ServiceError, claim, http_ok, probe_http, start, stop
 
 KEY_ENV = "VLLM_API_KEY"
-from pipeline.services.process import Service, ServiceError, claim, http_ok, probe_http, start, stop
 
 
 def service(params: Params, worker: WorkerParams) -> Service:

@@ -97,10 +97,10 @@ def write(params: Params, built: dict[str, Any]) -> dict[str, Any]:
             pd.DataFrame(_verl_rows(sets["rl"])).to_parquet(p, index=False)
     with atomic_dir(out / "bandit") as tmp:
         write_text(tmp / "train.jsonl", _jsonl(sets["bandit"]))
-    return summary(params, built)
+    return summary(built)
 
 
-def summary(params: Params, built: dict[str, Any]) -> dict[str, Any]:
+def summary(built: dict[str, Any]) -> dict[str, Any]:
     traces, sets = built["traces"], built["sets"]
     sft_rollouts = {r["rollout_id"] for r in sets["sft"]}
     return {

@@ -5,8 +5,8 @@ shard's content depends only on data and params, and the Airflow DAG can map one
 Each task is rolled out ``rollouts.samples_per_task`` times (a group, rollout ids ``<task>-<k>``,
 each with its own exploration seed and sampled completions), so rewards can be compared within a
 task (the SFT filter and GRPO need groups). Within a shard, rollouts run concurrently (bounded),
-each with a timeout and retries. Finished traces are appended to a journal (``.shard-XXXXX.jsonl.partial``, fsync per line); a crashed shard
-resumes from it without repeating finished rollouts (a truncated last line is ignored), and the
+each with a timeout and retries. Finished traces are appended to a journal
+(``.shard-XXXXX.jsonl.partial``, fsync per line); a crashed shard resumes from it without repeating finished rollouts (a truncated last line is ignored), and the
 final ``shard-XXXXX.jsonl`` is written atomically from the journal. Rerunning a finished shard
 replaces it whole.
 """

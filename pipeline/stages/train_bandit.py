@@ -98,11 +98,8 @@ def register(params: Params, model_file: Path, data_file: Path, examples: list[d
 
     info = mlflow.pyfunc.log_model(name="supervisor_policy", python_model=mlflow_model.__file__,
                                    artifacts={"vw_model": str(model_file)}, pip_requirements=["vowpalwabbit==9.11.9", "pandas"])
-    tags = {"role": "supervisor", "kind": "contextual_bandit", "lineage.training_run": run.info.run_id,
-            "lineage.pipeline_run": run.data.tags.get("pipeline.run_id", ""), "lineage.base_model": "vw --cb_explore_adf",
-            "lineage.dataset_path": str(data_file.parent), "lineage.dataset_md5": lineage.dvc_md5(data_file.parent),
-            "lineage.trace_runs": ",".join(sorted({e["run_id"] for e in examples})),
-            "lineage.traces_md5": lineage.dvc_md5(params.rollouts.out_dir)}
+    tags = lineage.tags(run, data_file.parent, examples, params.rollouts.out_dir, role="supervisor", kind="contextual_bandit",
+                        **{"lineage.base_model": "vw --cb_explore_adf"})
     return lineage.register_version(REGISTERED_NAME, info.model_uri, run.info.run_id, tags,
                                     description="Contextual bandit that picks the supervisor's hypothesis (VW cb_explore_adf)")
 

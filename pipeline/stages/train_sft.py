@@ -65,20 +65,17 @@ def split(rows: list[dict[str, Any]], cfg: SftParams) -> tuple[list[dict[str, An
 def pick_backend(cfg: SftParams) -> str:
     import torch
 
-    if cfg.backend == "trl":
+    if cfg.backend == "unsloth" and not torch.cuda.is_available():
+        raise RuntimeError("sft.backend=unsloth needs a CUDA device (unsloth refuses to import without one); use trl or auto")
+    if cfg.backend == "trl" or not torch.cuda.is_available():
         return "trl"
-    if cfg.backend == "unsloth":
-        if not torch.cuda.is_available():
-            raise RuntimeError("sft.backend=unsloth needs a CUDA device (unsloth refuses to import without one); use trl or auto")
-        import unsloth  # noqa: F401 - before trl/transformers, so it can patch them
-        return "unsloth"
-    if torch.cuda.is_available():
-        try:
-            import unsloth  # noqa: F401 - must be imported before trl/transformers to patch them
-        except ImportError:
-            return "trl"
-        return "unsloth"
-    return "trl"
+    try:
+        import unsloth  # noqa: F401 - must be imported before trl/transformers to patch them
+    except ImportError:
+        if cfg.backend == "unsloth":
+            raise
+        return "trl"
+    return "unsloth"
 
 
 def _model_and_peft(cfg: SftParams, backend: str) -> tuple[Any, Any, Any]:
@@ -196,13 +193,11 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     _log_curves(history)
     mlflow.log_artifact(str(LOSS_PNG), artifact_path="plots")
     mlflow.log_artifacts(str(out / "adapter"), artifact_path="adapter")
-    rows = [json.loads(line) for line in data_file(params).read_text().splitlines() if line.strip()]
-    tags = {"role": cfg.role, "kind": "lora_adapter", "lineage.training_run": run.info.run_id,
-            "lineage.pipeline_run": run.data.tags.get("pipeline.run_id", ""), "lineage.base_model": params.models.base.source,
-            "lineage.base_model_path": cfg.base_model, "lineage.base_model_md5": lineage.dvc_md5(cfg.base_model),
-            "lineage.dataset_path": str(data_file(params).parent), "lineage.dataset_md5": lineage.dvc_md5(data_file(params).parent),
-            "lineage.trace_runs": ",".join(sorted({r["run_id"] for r in rows})),
-            "lineage.traces_md5": lineage.dvc_md5(params.rollouts.out_dir), "backend": metrics["backend"]}
+    data = data_file(params)
+    tags = lineage.tags(run, data.parent, load_rows(data), params.rollouts.out_dir, role=cfg.role, kind="lora_adapter",
+                        backend=metrics["backend"], **{"lineage.base_model": params.models.base.source,
+                                                       "lineage.base_model_path": cfg.base_model,
+                                                       "lineage.base_model_md5": lineage.dvc_md5(cfg.base_model)})
     return lineage.register_version(cfg.role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags,
                                     description=f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)")
 

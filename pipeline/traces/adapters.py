@@ -76,7 +76,7 @@ def group_ranks(traces: list[Trace]) -> dict[str, int]:
     return ranks
 
 
-def _first_attempts(trace: Trace, agents: set[str] | None = None, model: str | None = None) -> Iterable[dict[str, Any]]:
+def _llm_calls(trace: Trace, agents: set[str] | None = None, model: str | None = None) -> Iterable[dict[str, Any]]:
     for span in trace.spans:
         d = span.data
         if span.kind != "llm" or not d.get("ok"):
@@ -102,7 +102,7 @@ def sft_examples(traces: list[Trace], cfg: DatasetsParams, drops: Drops) -> list
         if ranks[t.rollout_id] >= cfg.sft.top_k:
             drops.add("sft.not_top_of_group", f"{where}: rank {ranks[t.rollout_id] + 1} in task {t.task_id}")
             continue
-        for d in _first_attempts(t, model=JUNIOR_MODEL):
+        for d in _llm_calls(t, model=JUNIOR_MODEL):
             if d.get("attempt") != 1 or not d.get("parsed"):
                 drops.add("sft.call_not_parsed_first_attempt", f"{where}: {d.get('agent')} attempt {d.get('attempt')}")
                 continue
@@ -121,7 +121,7 @@ def rl_prompts(traces: list[Trace], tasks: Mapping[str, Mapping[str, Any]], cfg:
             drops.add("rl.task_not_in_split", f"rollout {t.rollout_id}: task {t.task_id}")
             continue
         found = False
-        for d in _first_attempts(t, agents=agents):
+        for d in _llm_calls(t, agents=agents):
             if d.get("attempt") != 1:
                 continue  # repairs repeat the same prompt with the model's own mistake appended
             found = True
@@ -131,14 +131,6 @@ def rl_prompts(traces: list[Trace], tasks: Mapping[str, Mapping[str, Any]], cfg:
         if not found:
             drops.add("rl.no_senior_call", f"rollout {t.rollout_id}: {(t.error or 'seniors never called')[:120]}")
     return out
-
-
-def logging_pmf(decision: Mapping[str, Any], k: int) -> list[float]:
-    """The distribution the logging policy drew from: recorded (bandit) or epsilon-greedy (LLM)."""
-    if decision.get("pmf"):
-        return [float(p) for p in decision["pmf"]]
-    eps, pick = float(decision.get("epsilon", 0.0)), int(decision.get("model_choice", 0))
-    return [(1 - eps) * (i == pick) + eps / k for i in range(k)]
 
 
 def bandit_examples(traces: list[Trace], drops: Drops) -> list[dict[str, Any]]:
@@ -154,12 +146,15 @@ def bandit_examples(traces: list[Trace], drops: Drops) -> list[dict[str, Any]]:
         if not candidates:
             drops.add("bandit.no_candidate_texts", f"{where}: decision span lacks candidate_hypotheses")
             continue
+        if not d.get("pmf"):
+            drops.add("bandit.no_logging_pmf", f"{where}: decision span lacks the logging policy's distribution (pmf)")
+            continue
         if t.reward is None:
             drops.add("bandit.no_final_reward", f"{where}: {(t.error or 'not judged')[:120]}")
             continue
         context, actions = decision_features(str(d.get("context", "")), candidates)
         out.append({"rollout_id": t.rollout_id, "task_id": t.task_id, "run_id": t.run_id, "context": context, "actions": actions,
                     "candidates": [c.get("author") for c in candidates], "chosen": int(d["chosen"]),
-                    "propensity": float(d["propensity"]), "logging_pmf": logging_pmf(d, len(candidates)),
+                    "propensity": float(d["propensity"]), "logging_pmf": [float(p) for p in d["pmf"]],
                     "policy": d.get("policy", "llm"), "reward": float(t.reward)})
     return out
