@@ -22,7 +22,8 @@ from airflow.sdk import Param, dag, task
 PROJECT_ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent))
 
 GPU_POOL = "gpu"  # created by `python -m pipeline services up airflow`; size it to the GPU workers in production
-STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_bandit"]
+STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_bandit",
+          "evaluate", "promote", "report"]
 
 DEFAULT_ARGS = {
     "owner": "ml-platform",
@@ -127,14 +128,48 @@ def agent_retraining() -> None:
         """VW contextual bandit for the supervisor + off-policy evaluation; registers supervisor_policy."""
         _run_stage("train-bandit")
 
-    @task(retries=1)
+    @task(queue="gpu")
+    def evaluate() -> None:
+        """Each role's challenger vs its champion on the validation split (MLflow GenAI evaluation)."""
+        _run_stage("evaluate")
+
+    @task(queue="gpu")
+    def promote() -> None:
+        """The gate: promote a candidate that beat its champion (hot-load, routing version, alias)."""
+        _run_stage("promote")
+
+    @task.branch
+    def promotion_gate() -> str:
+        """Branch on the decision: the champion is reported on the test split only when it changed."""
+        import json
+
+        result = json.loads((PROJECT_ROOT / "reports/promotion.json").read_text())
+        for role, d in result["decisions"].items():
+            print(f"{role} v{d['candidate']}: {d['status']} ({d['rule']}): {d['detail']}")
+        print(f"champions {result['champions']}; routing version {result['routing_version']} live")
+        return "report" if result["promoted"] else "not_promoted"
+
+    @task(queue="gpu")
+    def report() -> None:
+        """The champion society on the official test split (the only reader of the test split)."""
+        _run_stage("report")
+
+    @task
+    def not_promoted() -> None:
+        """No candidate beat its champion: nothing changed in the registry or the routing."""
+
+    @task(retries=1, trigger_rule="none_failed_min_one_success")
     def version_outputs() -> None:
         """Record the stage outputs in dvc.lock and push them to the DVC remote."""
         import subprocess
         import sys
 
+        from airflow.sdk import get_current_context
+
+        reported = get_current_context()["ti"].xcom_pull(task_ids="promotion_gate") == "report"
         dvc = [sys.executable, "-m", "dvc"]
-        subprocess.run([*dvc, "commit", "--force", *STAGES], cwd=PROJECT_ROOT, check=True)
+        stages = [s for s in STAGES if reported or s != "report"]
+        subprocess.run([*dvc, "commit", "--force", *stages], cwd=PROJECT_ROOT, check=True)
         subprocess.run([*dvc, "push"], cwd=PROJECT_ROOT, check=True)
 
     @task(trigger_rule="all_done")
@@ -153,7 +188,9 @@ def agent_retraining() -> None:
     model = run >> materialize_model()
     shards = rollouts.expand(shard=shard_ids())
     [validated >> build_index(), model] >> shards
-    shards >> rollout_metrics() >> datasets() >> [train_sft(), train_bandit()] >> versioned >> close_run()
+    trained = shards >> rollout_metrics() >> datasets() >> [train_sft(), train_bandit()]
+    gate = trained >> evaluate() >> promote() >> promotion_gate()
+    gate >> [report(), not_promoted()] >> versioned >> close_run()
 
 
 agent_retraining()

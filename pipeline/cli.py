@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "datasets": ("pipeline.stages.datasets", "traces -> SFT chat data, senior RL prompts, supervisor bandit logs"),
     "train-sft": ("pipeline.stages.train_sft", "LoRA SFT of the junior researchers (unsloth on GPU, TRL on CPU)"),
     "train-bandit": ("pipeline.stages.train_bandit", "VW contextual bandit for the supervisor + off-policy evaluation"),
+    "evaluate": ("pipeline.stages.evaluate", "each role's challenger vs its champion on the validation split (MLflow GenAI evaluation)"),
+    "promote": ("pipeline.stages.promote", "judge-gated promotion: move champion + routing when a candidate wins"),
+    "rollback": ("pipeline.stages.rollback", "give a role back its previous champion and routing"),
+    "report": ("pipeline.stages.report", "champion society on the official test split; PubMedQA-format predictions"),
     "services": ("pipeline.services.cli", "start/stop local MLflow and Airflow"),
     "run": ("pipeline.runs", "open/close the MLflow parent run of a pipeline run"),
 }

@@ -170,8 +170,10 @@ class AgentsParams(_Strict):
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
     search_top_k: int = 3
     knowledge: KnowledgeParams = KnowledgeParams()
-    supervisor_policy: Literal["llm", "bandit"] = Field(
-        "llm", description="who picks the hypothesis: the supervisor LLM (epsilon-greedy) or the trained contextual bandit")
+    context_chars: int = Field(1200, ge=0, description="chars of the task's own abstract handed to the juniors and the PI (0 = question only)")
+    supervisor_policy: Literal["routed", "llm", "bandit"] = Field(
+        "routed", description="who picks the hypothesis: routed = what the live routing version names (promotion sets it; "
+        "none = the LLM), llm = the supervisor LLM (epsilon-greedy), bandit = the policy at bandit_policy")
     bandit_policy: str = Field("models:/supervisor_policy@champion",
                                description="bandit policy: an MLflow model URI (models:/, runs:/), an MLflow model folder or a .vw file")
 
@@ -241,6 +243,32 @@ class BanditParams(_Strict):
     out_dir: str = "models/bandit"
 
 
+class EvaluateParams(_Strict):
+    limit: int | None = Field(None, ge=1, description="cap on validation tasks (CPU runs); null = the whole split")
+    seed: int = Field(0, description="exploration seed: the same task ids and seeds for every model compared")
+    concurrency: int = Field(2, ge=1)
+    timeout_s: float = 600.0
+    bootstrap: int = Field(1000, ge=100)
+    ci: float = Field(0.95, gt=0.5, lt=1.0)
+    out_dir: str = "data/evaluation"
+
+
+class PromoteParams(_Strict):
+    roles: dict[str, Literal["llm", "policy"]] = Field(
+        {"junior_researcher": "llm", "senior_researcher": "llm", "supervisor_policy": "policy"},
+        description="registered model per trainable role; an llm role's name is also its routing role")
+    margin: float = Field(0.0, ge=0.0, description="candidate mean reward must beat the champion's by more than this")
+    require_significance: bool = Field(True, description="the paired difference CI's lower bound must be above zero")
+    min_success_rate: float = Field(0.5, ge=0.0, le=1.0)
+    min_decision_accuracy: float = Field(0.0, ge=0.0, le=1.0)
+    dry_run: bool = Field(False, description="decide and record, never move aliases or routing")
+
+
+class ReportParams(_Strict):
+    limit: int | None = Field(None, ge=1, description="cap on test questions (CPU runs); null = all 500")
+    out_dir: str = "reports/test"
+
+
 class Params(_Strict):
     data: DataParams
     split: SplitParams
@@ -254,6 +282,9 @@ class Params(_Strict):
     datasets: DatasetsParams = DatasetsParams()
     sft: SftParams = SftParams()
     bandit: BanditParams = BanditParams()
+    evaluate: EvaluateParams = EvaluateParams()
+    promote: PromoteParams = PromoteParams()
+    report: ReportParams = ReportParams()
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

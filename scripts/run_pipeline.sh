@@ -16,6 +16,15 @@ if [ "$status" = FINISHED ] && ! python -m pipeline services up serving; then st
 python -m pipeline run close --status "$status" > /dev/null
 [ "$status" = FINISHED ] && dvc push -q
 
+if [ -f reports/promotion.json ]; then
+  python - <<'PY'
+import json
+r = json.load(open("reports/promotion.json"))
+for role, d in r["decisions"].items():
+    print(f"promotion: {role} v{d['candidate']}: {d['status']} ({d['rule']}): {d['detail']}")
+print(f"champions: {r['champions']}; routing version live: v{r['routing_version']}")
+PY
+fi
 URI="${MLFLOW_TRACKING_URI:-$(python -c 'from pipeline.config import load_params; from pipeline.services.mlflow_server import tracking_uri; print(tracking_uri(load_params()))')}"
 cat <<EOT
 
@@ -29,7 +38,9 @@ pipeline run ${PIPELINE_RUN_ID}: ${status}
   datasets        data/datasets/{sft,rl,bandit} ; reports/datasets.json, reward histogram reports/plots/rewards.png (dvc plots show)
   sft adapter     models/sft/junior_researcher/{adapter,merged} ; reports/train_sft.json, loss curve reports/plots/sft_loss.png
   bandit policy   models/bandit/policy.vw ; off-policy estimates reports/bandit.json, reports/plots/bandit_ope.png
-  registry        ${URI}/#/models  (junior_researcher, supervisor_policy: new versions with lineage tags; nothing promoted yet)
+  evaluation      data/evaluation/summary.json ; reports/evaluate.json, reports/plots/evaluate.png ; notebooks/compare_checkpoints.ipynb
+  test split      reports/test.json ; PubMedQA-format predictions reports/test/predictions.json
+  registry        ${URI}/#/models  (junior_researcher, senior_researcher, supervisor_policy: aliases champion/challenger)
   models          models/base (SmolLM2-135M-Instruct HF folder), models/test-tiny; reports/models.json
   serving         LLM proxy http://127.0.0.1:4000/v1 (roles: junior_researcher supervisor senior_researcher review_board judge;
                   key in .secrets/proxy_key), routing: python -m pipeline route status ; logs .services/

@@ -51,7 +51,11 @@ def test_stages_in_order(dagbag) -> None:
     assert dag.get_task("datasets").upstream_task_ids == {"rollout_metrics"}
     assert dag.get_task("train_sft").upstream_task_ids == {"datasets"}
     assert dag.get_task("train_bandit").upstream_task_ids == {"datasets"}
-    assert dag.get_task("version_outputs").upstream_task_ids == {"train_sft", "train_bandit"}
+    assert dag.get_task("evaluate").upstream_task_ids == {"train_sft", "train_bandit"}
+    assert dag.get_task("promotion_gate").upstream_task_ids == {"promote"}
+    assert dag.get_task("promotion_gate").downstream_task_ids == {"report", "not_promoted"}
+    assert dag.get_task("version_outputs").upstream_task_ids == {"report", "not_promoted"}
+    assert dag.get_task("version_outputs").trigger_rule == "none_failed_min_one_success"  # a skipped branch is not a failure
     assert dag.get_task("close_run").trigger_rule == "all_done"
 
 

@@ -29,7 +29,8 @@ BIN = Path(sys.executable).parent
 CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__ROLLOUTS__SAMPLES_PER_TASK": "2", "PIPELINE__AGENTS__MAX_REVIEW_ROUNDS": "0",
          "PIPELINE__AGENTS__MAX_TOOL_CALLS": "1", "PIPELINE__ROLLOUTS__MAX_FAILURE_RATE": "1.0",
          "PIPELINE__DATASETS__SFT__MIN_REWARD": "0.0", "PIPELINE__SFT__MAX_STEPS": "6", "PIPELINE__BANDIT__FOLDS": "2",
-         "PIPELINE__BANDIT__BOOTSTRAP": "200"}
+         "PIPELINE__BANDIT__BOOTSTRAP": "200", "PIPELINE__EVALUATE__LIMIT": "1", "PIPELINE__EVALUATE__BOOTSTRAP": "200",
+         "PIPELINE__REPORT__LIMIT": "1"}
 
 
 def cycle_env(mlflow_uri: str, run_id: str, **extra: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ def test_rollout_trace_becomes_an_mlflow_span_tree(mlflow_server: str) -> None:
                       Span(kind="tool", name="search_literature", seq=1, data={"sender": "geneticist", "args": {"query": "p53"}, "result": "PMID 1", "ok": True}),
                       Span(kind="decision", name="supervisor", seq=2, data={"candidates": ["geneticist"], "chosen": 0, "propensity": 0.9}),
                       Span(kind="reward", name="final", seq=3, data={"value": 0.6, "kind": "final", "reason": "ok"})])
-    assert log_traces([trace.model_dump()]) == 1
+    assert len(log_traces([trace.model_dump()])) == 1
     mlflow.flush_trace_async_logging() if hasattr(mlflow, "flush_trace_async_logging") else None
     found = mlflow.search_traces(return_type="list", filter_string="tags.`pipeline.run_id` = 't1'")
     assert len(found) == 1

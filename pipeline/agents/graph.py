@@ -59,10 +59,15 @@ class Society:
     def _question(state: SocietyState) -> str:
         return state["task"]["question"]
 
+    def _brief(self, state: SocietyState) -> str:
+        """The question with its own abstract (PubMedQA's reasoning-required setting), the same for every split."""
+        abstract = " ".join(state["task"].get("contexts") or [])[: self.cfg.context_chars]
+        return f"{self._question(state)}\nAbstract: {abstract}" if abstract else self._question(state)
+
     def junior(self, name: str):
         async def node(state: SocietyState) -> dict[str, Any]:
             spans: list[dict[str, Any]] = []
-            system = (f"You are {JUNIORS[name]}. Research question: {self._question(state)}\n"
+            system = (f"You are {JUNIORS[name]}. Research question: {self._brief(state)}\n"
                       "Tools: search_literature (PubMed abstracts), lookup_gene, lookup_protein. "
                       "Call one tool at a time with a short query, or tool 'none' when ready.")
             notes: list[str] = []
@@ -167,7 +172,7 @@ class Society:
 
     async def principal_investigator(self, state: SocietyState) -> dict[str, Any]:
         reviews = "\n".join(f"- {r['reviewer']}: {r['severity']}: {r['summary']}" for r in state.get("reviews", []))
-        prompt = (f"You are the principal investigator. Question: {self._question(state)}\nProtocol: {state.get('protocol')}\n"
+        prompt = (f"You are the principal investigator. Question: {self._brief(state)}\nProtocol: {state.get('protocol')}\n"
                   f"Reviews:\n{reviews or 'none'}\nDecide GO or NO-GO with a rationale, as JSON.")
         return await self._senior("principal_investigator", "senior_researcher", PIDecision, prompt, state, "decision", tokens=256)
 

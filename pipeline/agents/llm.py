@@ -22,8 +22,9 @@ class LLMError(RuntimeError):
 
 class RoleClient:
     def __init__(self, base_url: str, api_key: str, max_tokens: int = 256, temperature: float = 0.7,
-                 json_retries: int = 2, timeout_s: float = 300.0) -> None:
+                 json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.routing = routing  # an evaluation routing table the proxy should route these calls by (None = the live one)
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.json_retries = json_retries
@@ -38,6 +39,8 @@ class RoleClient:
                                 "max_tokens": max_tokens or self.max_tokens}
         if response_format:
             body["response_format"] = response_format
+        if self.routing:
+            body["metadata"] = {"routing": self.routing}
         t0 = time.perf_counter()
         span: dict[str, Any] = {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": messages}}
         try:

@@ -1,7 +1,12 @@
-"""One rollout = the society on one task + the judge, as one ``Trace`` (never raises)."""
+"""One rollout = the society on one task + the judge, as one ``Trace`` (never raises).
+
+Shared by the rollouts, evaluate and report stages, so every split is run by the same code: with
+``score=False`` the judge is left to the caller (evaluation scores through MLflow's evaluation).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from typing import Any
@@ -14,10 +19,43 @@ from pipeline.rewards.judge import alignment, judge
 from pipeline.traces.schema import Span, Trace
 
 
+def supervisor_policy(params: Params, table: dict[str, Any] | None) -> Any:
+    """The policy the supervisor follows (None = the LLM supervisor): from the routing table when
+    ``agents.supervisor_policy`` is ``routed`` (what promotion set), else as configured."""
+    mode = params.agents.supervisor_policy
+    uri = {"llm": "llm", "bandit": params.agents.bandit_policy}.get(mode) or ((table or {}).get("policies") or {}).get("supervisor_policy", "llm")
+    if uri == "llm":
+        return None
+    from pipeline.bandit.policy import load_policy
+
+    if uri.startswith(("models:/", "runs:/")):
+        from pipeline import tracking
+
+        tracking.setup(params)  # the registry resolves the URI
+    return load_policy(uri)
+
+
+async def run_with_retries(params: Params, client: RoleClient, tools: Toolbox, task: dict[str, Any], ids: dict[str, Any],
+                           routing_version: Any, policy: Any, timeout_s: float, retries: int, score: bool = True,
+                           seed: int | None = None) -> Trace:
+    """A rollout with a timeout per attempt; a timed-out or failed rollout is retried, then returned failed."""
+    trace = Trace(**ids, status="failed", error="not run")
+    for attempt in range(retries + 1):
+        try:
+            trace = await asyncio.wait_for(run_rollout(params, client, tools, task, ids, routing_version, policy, score, seed), timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            trace = Trace(**ids, status="failed", error=f"timed out after {timeout_s:.0f}s")
+        trace.attempts = attempt + 1
+        if trace.status == "ok":
+            break
+    return trace
+
+
 async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: dict[str, Any], ids: dict[str, Any],
-                      routing_version: int | None = None, policy: Any = None) -> Trace:
+                      routing_version: Any = None, policy: Any = None, score: bool = True, seed: int | None = None) -> Trace:
     t0 = time.perf_counter()
-    rng = random.Random(f"{params.rollouts.seed}:{ids['rollout_id']}")  # exploration reproducible per rollout
+    seed = params.rollouts.seed if seed is None else seed
+    rng = random.Random(f"{seed}:{ids['rollout_id']}")  # exploration reproducible per rollout
     society = Society(client, tools, params.agents, rng, policy)
     state: dict[str, Any] = {"task": task}
     error = None
@@ -29,17 +67,17 @@ async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: 
     spans = list(state.get("spans", []))
     llm_calls = sum(1 for s in spans if s["kind"] == "llm")
     result: dict[str, Any] = {}
-    if error is None and state.get("protocol") and state.get("decision"):
+    if error is None and not (state.get("protocol") and state.get("decision")):
+        error = "; ".join(state.get("errors", [])) or "society produced no protocol/decision"
+    if error is None and score:
         result = await judge(client, params.judge, task, state, llm_calls, spans)
-    else:
-        error = error or "; ".join(state.get("errors", [])) or "society produced no protocol/decision"
     decision = (state.get("decision") or {}).get("decision")
     align = alignment(decision, task.get("final_decision"))
     rewards = {**result.get("scores", {}), **({"aligned": float(align["aligned"])} if align["aligned"] is not None else {})}
     return Trace(
         **ids, status="ok" if error is None else "failed", error=error, routing_version=routing_version,
         label=task.get("final_decision"), decision=decision, reward=result.get("reward"), rewards=rewards,
-        turns=llm_calls, tokens=sum(s["data"].get("usage", {}).get("total_tokens", 0) for s in spans if s["kind"] == "llm"),
+        protocol=state.get("protocol"), rationale=(state.get("decision") or {}).get("rationale"), turns=llm_calls, tokens=sum(s["data"].get("usage", {}).get("total_tokens", 0) for s in spans if s["kind"] == "llm"),
         latency_s=round(time.perf_counter() - t0, 3),
         spans=[Span(kind=s["kind"], name=s["name"], seq=i, data=s["data"]) for i, s in enumerate(spans)],
     )

@@ -1,7 +1,8 @@
 """Offline tools of the junior researchers, backed by files the ``build-index`` stage writes.
 
-- ``search_literature``: BM25 over the PubMedQA abstracts of the train+val splits (test abstracts
-  are left out so evaluation never searches its own answers); returns PMIDs and passages.
+- ``search_literature``: BM25 over the PubMedQA abstracts of the train split (validation and test
+  abstracts are left out, so no split's score depends on searching its own answers; every task is
+  handed its own abstract instead); returns PMIDs and passages.
 - ``lookup_gene`` / ``lookup_protein``: human genes and their Gene Ontology annotations (symbol,
   alias, UniProt accession or name match; ``gene_ontology.py``), plus the MeSH gene/protein headings
   of the same abstracts (how many abstracts carry them, example PMIDs, co-occurring headings), which

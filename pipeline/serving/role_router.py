@@ -1,6 +1,8 @@
 """LiteLLM proxy hook: resolve a role name to its deployment from the active routing version.
 
-Loaded inside the proxy process (``litellm_settings.callbacks``). The active routing file is
+Loaded inside the proxy process (``litellm_settings.callbacks``). A request may name an evaluation
+routing table in ``metadata.routing`` (``eval/<name>.json`` beside the active file, written by the
+``evaluate`` stage): that request is routed by it, everything else by the live version. The active routing file is
 re-read when its mtime changes and replaced atomically by ``route apply``, so each request sees one
 whole version, and requests already in flight keep the deployment they started with.
 """
@@ -9,31 +11,44 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
+
+
+EVAL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
 
 
 class RoleRouter(CustomLogger):
     def __init__(self) -> None:
         super().__init__()
         self._path = os.environ.get("PIPELINE_ROUTING_ACTIVE", "")
-        self._mtime = -1.0
-        self._table: dict[str, Any] = {}
+        self._cache: dict[str, tuple[int, dict[str, Any]]] = {}
 
-    def table(self) -> dict[str, Any]:
+    def table(self, routing: str | None = None) -> dict[str, Any]:
+        """The live table, or the evaluation table a request names (``metadata.routing``)."""
+        path = self._path
+        if routing:
+            if not EVAL_NAME.match(routing):
+                raise ValueError(f"routing {routing!r}: not an evaluation routing name")
+            path = os.path.join(os.path.dirname(self._path), "eval", f"{routing}.json")
         try:
-            mtime = os.stat(self._path).st_mtime_ns
+            mtime = os.stat(path).st_mtime_ns
         except OSError:
-            return self._table
-        if mtime != self._mtime:
-            with open(self._path) as fh:
-                self._table = json.load(fh)
-            self._mtime = mtime
-        return self._table
+            if routing:  # an evaluation must never fall back to the live routing silently
+                raise ValueError(f"evaluation routing {routing!r} does not exist") from None
+            return self._cache.get(path, (0, {}))[1]
+        cached = self._cache.get(path)
+        if cached is None or cached[0] != mtime:
+            with open(path) as fh:
+                cached = (mtime, json.load(fh))
+            self._cache[path] = cached
+        return cached[1]
 
     async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: str) -> dict:
-        table = self.table()
+        routing = (data.get("metadata") or {}).get("routing")
+        table = self.table(routing)
         role = data.get("model")
         target = table.get("roles", {}).get(role)
         if target:

@@ -1,7 +1,11 @@
 """Versioned, reversible role routing: ``route apply|status|rollback|new``.
 
-A version is a file ``<serving.routing_dir>/v<N>.yaml`` mapping every role to a deployment
-(``<worker>`` or ``<worker>/<adapter>``). Applying one replaces the proxy's active routing file
+A version is a file ``v<N>.yaml`` mapping every role to a deployment (``<worker>`` or
+``<worker>/<adapter>``) and, optionally, a policy to a policy model (``policies: {supervisor_policy:
+models:/supervisor_policy/3}``; absent or ``llm`` = the supervisor LLM). Hand-written versions live
+in git (``serving.routing_dir``); versions written by promotion or ``route new`` go to
+``<serving.home>/routing/versions/`` and are also logged to MLflow by the promotion that wrote them,
+so no generated file is left untracked in the work tree. Numbers are global across both. Applying one replaces the proxy's active routing file
 atomically (the proxy is not restarted, so in-flight requests finish on the old target), then
 sends one live request per role through the proxy and checks the deployment that answered; any
 failure restores the previous version and the command fails. History is kept next to the active
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,13 +35,25 @@ class RoutingError(RuntimeError):
     pass
 
 
+def generated_dir(params: Params) -> Path:
+    return Path(params.serving.home).resolve() / "routing" / "versions"
+
+
+def _files(params: Params) -> dict[int, Path]:
+    found: dict[int, Path] = {}
+    for folder in (Path(params.serving.routing_dir), generated_dir(params)):
+        for p in folder.glob("v*.yaml"):
+            if p.stem[1:].isdigit():
+                found.setdefault(int(p.stem[1:]), p)
+    return found
+
+
 def version_path(params: Params, version: int) -> Path:
-    return Path(params.serving.routing_dir) / f"v{version}.yaml"
+    return _files(params).get(version) or generated_dir(params) / f"v{version}.yaml"
 
 
 def versions(params: Params) -> list[int]:
-    folder = Path(params.serving.routing_dir)
-    return sorted(int(p.stem[1:]) for p in folder.glob("v*.yaml") if p.stem[1:].isdigit())
+    return sorted(_files(params))
 
 
 def expected_model(params: Params, target: str) -> str:
@@ -62,15 +79,49 @@ def load_version(params: Params, version: int) -> dict[str, Any]:
         raise RoutingError(f"{path}: roles missing {missing}, unknown {unknown}")
     for role, target in roles.items():
         expected_model(params, str(target))  # raises naming the bad deployment
-    return {"version": version, "roles": {r: str(t) for r, t in roles.items()}, "description": doc.get("description", "")}
+    policies = doc.get("policies") or {}
+    if not isinstance(policies, dict):
+        raise RoutingError(f"{path}: 'policies' must map policy -> model URI or 'llm'")
+    return {"version": version, "roles": {r: str(t) for r, t in roles.items()}, "policies": {k: str(v) for k, v in policies.items()},
+            "description": doc.get("description", "")}
 
 
-def write_version(params: Params, roles: dict[str, str], description: str = "") -> int:
+def write_version(params: Params, roles: dict[str, str], description: str = "", policies: dict[str, str] | None = None) -> int:
     """Write the next version file (used by `route new` and by promotion); returns its number."""
     number = (versions(params) or [0])[-1] + 1
-    write_text(version_path(params, number), yaml.safe_dump({"description": description, "roles": roles}, sort_keys=False))
+    doc: dict[str, Any] = {"description": description, "roles": roles}
+    if policies:
+        doc["policies"] = policies
+    path = generated_dir(params) / f"v{number}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, yaml.safe_dump(doc, sort_keys=False))
     load_version(params, number)
     return number
+
+
+def policy(table: dict[str, Any] | None, name: str) -> str:
+    """The policy a routing table names for ``name`` (``llm`` when none)."""
+    return ((table or {}).get("policies") or {}).get(name, "llm")
+
+
+EVAL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
+
+
+def eval_file(params: Params, name: str) -> Path:
+    if not EVAL_NAME.match(name):
+        raise RoutingError(f"evaluation routing name {name!r}: letters, digits, '.', '_' and '-' only")
+    return proxy.active_file(params).with_name("eval") / f"{name}.json"
+
+
+def write_eval(params: Params, name: str, roles: dict[str, str], policies: dict[str, str] | None = None) -> dict[str, Any]:
+    """An evaluation routing table: requests that name it (``metadata.routing``) use it; the live one is untouched."""
+    for target in roles.values():
+        expected_model(params, target)
+    table = {"version": f"eval:{name}", "roles": roles, "policies": policies or {}}
+    path = eval_file(params, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, table)
+    return table
 
 
 def active(params: Params) -> dict[str, Any] | None:
@@ -94,8 +145,9 @@ def _record(params: Params, entry: dict[str, Any]) -> None:
         fh.write(json.dumps({**entry, "at": datetime.now(timezone.utc).isoformat()}) + "\n")
 
 
-def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0) -> dict[str, str]:
-    """One live request per role through the proxy; role -> problem for each that failed."""
+def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0, routing: str | None = None) -> dict[str, str]:
+    """One live request per role through the proxy (through evaluation table ``routing`` when given);
+    role -> problem for each that failed. A routed policy must load."""
     url, key = proxy.client_settings(params)
     problems: dict[str, str] = {}
     with httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {key}"}) as client:
@@ -103,7 +155,7 @@ def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0) -> d
             try:
                 resp = client.post(f"{url}/chat/completions", json={
                     "model": role, "max_tokens": params.serving.verify_max_tokens,
-                    "messages": [{"role": "user", "content": "Reply with OK."}]})
+                    "messages": [{"role": "user", "content": "Reply with OK."}], **({"metadata": {"routing": routing}} if routing else {})})
             except httpx.HTTPError as exc:
                 problems[role] = f"{target}: {type(exc).__name__}: {exc}"
                 continue
@@ -115,6 +167,14 @@ def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0) -> d
             served = resp.headers.get("x-litellm-model-name", "").removeprefix("hosted_vllm/")
             if group != target or served != expected_model(params, target):
                 problems[role] = f"{target}: answered by deployment '{group}' (model '{served}')"
+    for name, uri in (table.get("policies") or {}).items():
+        if uri != "llm":
+            try:
+                from pipeline.bandit.policy import load_policy
+
+                load_policy(uri)
+            except Exception as exc:  # noqa: BLE001 - any load failure makes the version unusable
+                problems[name] = f"{uri}: {type(exc).__name__}: {exc}"
     return problems
 
 
@@ -174,9 +234,11 @@ def main(args: argparse.Namespace, params: Params) -> int:
             table = rollback(params)
             print(f"rolled back to routing version {table['version']}: {json.dumps(table['roles'])}")
         elif args.action == "new":
-            base = (active(params) or load_version(params, (versions(params) or [1])[-1]))["roles"]
+            live = active(params) or load_version(params, (versions(params) or [1])[-1])
             changes = dict(item.split("=", 1) for item in args.set)
-            number = write_version(params, {**base, **changes}, args.description)
+            roles = {**live["roles"], **{k: v for k, v in changes.items() if k in params.serving.roles}}
+            policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in params.serving.roles}}
+            number = write_version(params, roles, args.description, policies)
             print(f"wrote {version_path(params, number)}; apply with `python -m pipeline route apply --version {number}`")
         else:
             print(json.dumps({"active": active(params), "versions": versions(params), "history": history(params)[-5:]}, indent=1))

@@ -1,5 +1,8 @@
-"""Build the juniors' offline tool data from train+val: BM25 corpus, MeSH gene/protein headings, and
-human genes with their Gene Ontology annotations (``agents.knowledge``)."""
+"""Build the juniors' offline tool data from the train split only: BM25 corpus, MeSH gene/protein
+headings, and human genes with their Gene Ontology annotations (``agents.knowledge``).
+
+Train only, so validation and test scores do not depend on which split's abstracts are searchable:
+each task hands the society its own abstract instead (``agents.context_chars``)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ def run(params: Params) -> dict[str, int]:
     from pipeline.agents.gene_ontology import build_gene_table
     from pipeline.agents.tools import build_index
 
-    frames = [pd.read_parquet(Path(params.validate_.out_dir) / f"{s}.parquet") for s in ("train", "val")]
+    frames = [pd.read_parquet(Path(params.validate_.out_dir) / f"{s}.parquet") for s in ("train",)]
     dbs = fetch_knowledge(params)
     stats = build_index(frames, Path(params.rollouts.index_dir), build_gene_table(*dbs) if dbs else None)
     write_json(METRICS_FILE, stats)

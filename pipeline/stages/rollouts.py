@@ -22,8 +22,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from pipeline.config import Params
 from pipeline.io import atomic_open, write_json
 
@@ -35,11 +33,9 @@ class FailureRateExceeded(RuntimeError):
 
 
 def shard_tasks(params: Params, shard: int) -> list[dict[str, Any]]:
-    frame = pd.read_parquet(Path(params.validate_.out_dir) / "train.parquet").sort_values("id")
-    if params.rollouts.limit:
-        frame = frame.head(params.rollouts.limit)
-    rows = frame.iloc[shard :: params.rollouts.shards]
-    return [{**r, "contexts": list(r["contexts"]), "meshes": list(r["meshes"]), "labels": list(r["labels"])} for r in rows.to_dict("records")]
+    from pipeline.data.splits import load_tasks
+
+    return load_tasks(params, "train", params.rollouts.limit)[shard :: params.rollouts.shards]
 
 
 def rollout_id(task: dict[str, Any], sample: int) -> str:
@@ -82,9 +78,9 @@ def _client_settings(params: Params) -> tuple[str, str, int | None]:
 
 async def run_shard(params: Params, shard: int, run_id: str, progress: Any = None) -> list[dict[str, Any]]:
     from pipeline.agents.llm import RoleClient
-    from pipeline.agents.rollout import run_rollout
+    from pipeline.agents.rollout import run_with_retries, supervisor_policy
     from pipeline.agents.tools import Toolbox
-    from pipeline.traces.schema import Trace
+    from pipeline.serving import routing
 
     tasks = shard_tasks(params, shard)
     journal = journal_path(params, shard)
@@ -96,15 +92,7 @@ async def run_shard(params: Params, shard: int, run_id: str, progress: Any = Non
     cfg = params.rollouts
     client = RoleClient(base_url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries, cfg.timeout_s)
     tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
-    policy = None
-    if params.agents.supervisor_policy == "bandit":
-        from pipeline.bandit.policy import load_policy
-
-        if params.agents.bandit_policy.startswith(("models:/", "runs:/")):
-            from pipeline import tracking
-
-            tracking.setup(params)  # the registry resolves the URI
-        policy = load_policy(params.agents.bandit_policy)
+    policy = supervisor_policy(params, routing.active(params) if not params.rollouts.llm_base_url else None)
     sem = asyncio.Semaphore(cfg.concurrency)
     lock = asyncio.Lock()
     # rewrite the journal without a possibly truncated tail before appending to it
@@ -118,16 +106,8 @@ async def run_shard(params: Params, shard: int, run_id: str, progress: Any = Non
 
     async def one(task: dict[str, Any], k: int) -> None:
         ids = {"run_id": run_id, "shard": shard, "task_id": str(task["id"]), "rollout_id": rollout_id(task, k)}
-        trace = None
         async with sem:
-            for attempt in range(cfg.retries + 1):
-                try:
-                    trace = await asyncio.wait_for(run_rollout(params, client, tools, task, ids, version, policy), cfg.timeout_s)
-                except (asyncio.TimeoutError, TimeoutError):
-                    trace = Trace(**ids, status="failed", error=f"timed out after {cfg.timeout_s:.0f}s")
-                trace.attempts = attempt + 1
-                if trace.status == "ok":
-                    break
+            trace = await run_with_retries(params, client, tools, task, ids, version, policy, cfg.timeout_s, cfg.retries)
         line = trace.model_dump_json()
         async with lock:
             with open(journal, "a") as fh:

@@ -93,14 +93,14 @@ def train_final(cfg: BanditParams, examples: list[dict[str, Any]]) -> Path:
 def register(params: Params, model_file: Path, data_file: Path, examples: list[dict[str, Any]], run: Any) -> Any:
     import mlflow
 
-    from pipeline import lineage
+    from pipeline import lineage, registry
     from pipeline.bandit import mlflow_model
 
     info = mlflow.pyfunc.log_model(name="supervisor_policy", python_model=mlflow_model.__file__,
                                    artifacts={"vw_model": str(model_file)}, pip_requirements=["vowpalwabbit==9.11.9", "pandas"])
     tags = lineage.tags(run, data_file.parent, examples, params.rollouts.out_dir, role="supervisor", kind="contextual_bandit",
                         **{"lineage.base_model": "vw --cb_explore_adf"})
-    return lineage.register_version(REGISTERED_NAME, info.model_uri, run.info.run_id, tags,
+    return registry.register_candidate(params, REGISTERED_NAME, info.model_uri, run.info.run_id, tags,
                                     description="Contextual bandit that picks the supervisor's hypothesis (VW cb_explore_adf)")
 
 

@@ -179,7 +179,7 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage."""
     import mlflow
 
-    from pipeline import lineage
+    from pipeline import lineage, registry
 
     cfg = params.sft
     out = Path(cfg.out_dir)
@@ -198,7 +198,7 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
                         backend=metrics["backend"], **{"lineage.base_model": params.models.base.source,
                                                        "lineage.base_model_path": cfg.base_model,
                                                        "lineage.base_model_md5": lineage.dvc_md5(cfg.base_model)})
-    return lineage.register_version(cfg.role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags,
+    return registry.register_candidate(params, cfg.role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags,
                                     description=f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)")
 
 

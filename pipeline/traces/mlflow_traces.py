@@ -14,15 +14,16 @@ from typing import Any
 SPAN_TYPES = {"llm": "CHAT_MODEL", "tool": "TOOL", "reward": "EVALUATOR", "decision": "AGENT"}
 
 
-def log_traces(traces: list[dict[str, Any]]) -> int:
+def log_traces(traces: list[dict[str, Any]]) -> list[str]:
+    """Log each rollout as an MLflow trace; returns their trace ids in order."""
     import mlflow
 
-    logged = 0
+    logged: list[str] = []
     for t in traces:
         start = time.time_ns() - int(t.get("latency_s", 0) * 1e9)
         root = mlflow.start_span_no_context(
             name=f"rollout {t['rollout_id']}", span_type="AGENT", start_time_ns=start,
-            inputs={"task_id": t["task_id"], "label": t.get("label")},
+            inputs={"task_id": t["task_id"], "rollout_id": t["rollout_id"], "label": t.get("label")},
             attributes={"shard": str(t["shard"]), "status": t["status"], "routing_version": str(t.get("routing_version"))},
             tags={"pipeline.run_id": t["run_id"], "status": t["status"]})
         clock = start
@@ -36,7 +37,8 @@ def log_traces(traces: list[dict[str, Any]]) -> int:
             child.set_outputs(data.get("output") or data.get("result") or {k: data.get(k) for k in ("value", "chosen", "propensity") if k in data})
             clock += duration
             child.end(end_time_ns=clock)
-        root.set_outputs({"decision": t.get("decision"), "reward": t.get("reward"), "error": t.get("error")})
+        root.set_outputs({"decision": t.get("decision"), "rationale": t.get("rationale"), "protocol": t.get("protocol"),
+                          "reward": t.get("reward"), "error": t.get("error")})
         root.end(end_time_ns=max(clock, start + 1))
-        logged += 1
+        logged.append(root.trace_id)
     return logged

@@ -28,9 +28,11 @@ class Trace(BaseModel):
     rollout_id: str
     status: Literal["ok", "failed"]
     error: str | None = None
-    routing_version: int | None = None
+    routing_version: int | str | None = None  # a live version number, or ``eval:<name>`` for an evaluation table
     label: str | None = None
     decision: str | None = None
+    rationale: str | None = None
+    protocol: dict[str, Any] | None = None
     reward: float | None = None
     rewards: dict[str, float] = Field(default_factory=dict)
     turns: int = 0

@@ -1,0 +1,93 @@
+"""Metrics of one evaluated society and the paired comparison of two, with bootstrap CIs.
+
+Pure functions over evaluation records (one dict per task: ``task_id``, ``label``, ``decision``,
+``status``, ``reward``, ``scores``, ``turns``, ``tokens``, ``latency_s``), so the gate can be
+tested on synthetic records and the numbers in MLflow, ``reports/`` and the notebook agree.
+Decision metrics map GO -> yes and NO-GO -> no; questions labelled ``maybe`` are reported apart
+(the society cannot answer maybe), and a rollout without a decision counts as wrong.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+CRITERIA = ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")
+ANSWER = {"GO": "yes", "NO-GO": "no"}
+
+
+def answer(decision: str | None) -> str:
+    """The PubMedQA answer a decision stands for; no decision abstains as ``maybe``."""
+    return ANSWER.get(decision or "", "maybe")
+
+
+def bootstrap_ci(values: Sequence[float], n: int = 1000, ci: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean (a single value or none gives a zero-width/NaN interval)."""
+    x = np.asarray(values, dtype=float)
+    if x.size == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(n, x.size))].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - ci) / 2, 1 - (1 - ci) / 2])
+    return float(lo), float(hi)
+
+
+def macro_f1(truth: Sequence[str], preds: Sequence[str]) -> float:
+    """sklearn's macro-F1 (labels = those in truth or predictions), as PubMedQA's evaluation.py computes it."""
+    from sklearn.metrics import f1_score
+
+    return float(f1_score(list(truth), list(preds), average="macro")) if truth else float("nan")
+
+
+def summarise(records: list[dict[str, Any]], n: int = 1000, ci: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """Means with bootstrap CIs for rewards and criteria; accuracy/macro-F1 on yes/no questions."""
+    out: dict[str, Any] = {"tasks": len(records)}
+
+    def stat(name: str, values: list[float]) -> None:
+        if values:
+            lo, hi = bootstrap_ci(values, n, ci, seed)
+            out[name] = {"mean": statistics.fmean(values), "ci_low": lo, "ci_high": hi, "n": len(values)}
+
+    stat("reward", [float(r["reward"]) for r in records])
+    for c in CRITERIA:
+        stat(c, [float(r["scores"].get(c, 0.0)) for r in records])
+    stat("success_rate", [float(r["status"] == "ok") for r in records])
+    for key in ("turns", "tokens", "latency_s"):
+        stat(key, [float(r.get(key) or 0) for r in records])
+    decided = [r for r in records if r["label"] in ("yes", "no")]
+    correct = [float(answer(r["decision"]) == r["label"]) for r in decided]
+    stat("decision_accuracy", correct)
+    out["macro_f1"] = macro_f1([r["label"] for r in decided], [answer(r["decision"]) for r in decided]) if decided else None
+    maybe = [r for r in records if r["label"] == "maybe"]
+    out["maybe"] = {"n": len(maybe), "go": sum(r["decision"] == "GO" for r in maybe), "no_go": sum(r["decision"] == "NO-GO" for r in maybe)}
+    return out
+
+
+def paired_difference(candidate: list[dict[str, Any]], champion: list[dict[str, Any]], n: int = 1000, ci: float = 0.95,
+                      seed: int = 0) -> dict[str, Any]:
+    """Candidate - champion reward over the same tasks, with a paired bootstrap CI (resampling tasks)."""
+    a = {r["task_id"]: float(r["reward"]) for r in candidate}
+    b = {r["task_id"]: float(r["reward"]) for r in champion}
+    common = sorted(set(a) & set(b))
+    if set(a) != set(b):
+        raise ValueError(f"paired comparison needs the same tasks; only in candidate {sorted(set(a) - set(b))[:5]}, "
+                         f"only in champion {sorted(set(b) - set(a))[:5]}")
+    diffs = [a[t] - b[t] for t in common]
+    lo, hi = bootstrap_ci(diffs, n, ci, seed)
+    return {"mean": statistics.fmean(diffs) if diffs else float("nan"), "ci_low": lo, "ci_high": hi, "n": len(diffs), "ci": ci}
+
+
+def flat(summary: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """MLflow metrics from a summary: ``<prefix>reward``, ``<prefix>reward_ci_low``, ..."""
+    out: dict[str, float] = {}
+    for key, value in summary.items():
+        if isinstance(value, dict) and "mean" in value:
+            out[f"{prefix}{key}"] = float(value["mean"])
+            out[f"{prefix}{key}_ci_low"] = float(value["ci_low"])
+            out[f"{prefix}{key}_ci_high"] = float(value["ci_high"])
+        elif isinstance(value, (int, float)) and value is not None:
+            out[f"{prefix}{key}"] = float(value)
+    return out

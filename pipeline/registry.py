@@ -1,0 +1,158 @@
+"""The MLflow model registry as the record of which model each trainable role uses.
+
+One registered model per role in ``promote.roles``. Version 1 is the baseline, registered on first
+use and made ``champion``, so a comparison always has something to beat: for an LLM role the model
+its routing role is served by now (kind ``base``, its deployment recorded), for the supervisor
+policy the LLM supervisor itself (kind ``llm_supervisor``). Trainers register their output as a
+new version and point ``challenger`` at it; only promotion moves ``champion``.
+
+A version's ``kind`` says how the society reaches it: ``base`` -> its recorded deployment,
+``lora_adapter`` -> ``<worker>/<name>-v<N>`` once hot-loaded into the worker that serves the role's
+champion, ``contextual_bandit`` -> ``models:/<name>/<N>`` named in the routing's ``policies``,
+``llm_supervisor`` -> ``llm``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Params
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+
+
+class RegistryError(RuntimeError):
+    pass
+
+
+def _client() -> Any:
+    from mlflow import MlflowClient
+
+    return MlflowClient()
+
+
+def get_version(name: str, version: str | int) -> Any:
+    return _client().get_model_version(name, str(version))
+
+
+def by_alias(name: str, alias: str) -> Any | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _client().get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def set_alias(name: str, alias: str, version: str | int) -> None:
+    _client().set_registered_model_alias(name, alias, str(version))
+
+
+def delete_alias(name: str, alias: str) -> None:
+    _client().delete_registered_model_alias(name, alias)
+
+
+def _live_target(params: Params, role: str) -> str:
+    from pipeline.serving import routing
+
+    table = routing.active(params) or routing.load_version(params, routing.versions(params)[0])
+    return table["roles"][role]
+
+
+def ensure_baselines(params: Params) -> dict[str, Any]:
+    """Register version 1 (the baseline, ``champion``) of every role that has no versions yet."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = _client()
+    champions: dict[str, Any] = {}
+    for name, kind in params.promote.roles.items():
+        try:
+            client.get_registered_model(name)
+        except MlflowException:
+            client.create_registered_model(name, description=f"trainable role {name} of the research society")
+        if client.search_model_versions(f"name='{name}'", max_results=1):
+            champions[name] = by_alias(name, CHAMPION)
+            continue
+        if kind == "llm":
+            target = _live_target(params, name)
+            tags = {"kind": "base", "deployment": target, "lineage.base_model": params.models.base.source}
+            info = {"kind": "base", "deployment": target, "base_model": params.models.base.source}
+        else:
+            tags = {"kind": "llm_supervisor", "policy": "llm"}
+            info = {"kind": "llm_supervisor", "policy": "llm", "epsilon": params.agents.epsilon}
+        exp = mlflow.get_experiment_by_name(params.mlflow.experiment)
+        run = client.create_run(exp.experiment_id, run_name=f"baseline-{name}", tags={"pipeline.kind": "baseline"})
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "baseline")
+            path.mkdir()
+            (path / "baseline.json").write_text(json.dumps(info, indent=1))
+            client.log_artifacts(run.info.run_id, str(path), "baseline")
+        client.set_terminated(run.info.run_id)
+        version = client.create_model_version(name, f"runs:/{run.info.run_id}/baseline", run_id=run.info.run_id, tags=tags,
+                                              description="baseline: what the society used before any training")
+        set_alias(name, CHAMPION, version.version)
+        champions[name] = get_version(name, version.version)
+    return champions
+
+
+def register_candidate(params: Params, name: str, model_uri: str, run_id: str, tags: dict[str, Any], description: str = "") -> Any:
+    """A trainer's output: a new version (after the baseline exists), aliased ``challenger``."""
+    from pipeline import lineage
+
+    ensure_baselines(params)
+    version = lineage.register_version(name, model_uri, run_id, tags, description)
+    set_alias(name, CHALLENGER, version.version)
+    return version
+
+
+def adapter_name(name: str, version: str | int) -> str:
+    return f"{name}-v{version}"
+
+
+def target(params: Params, name: str, version: Any, worker_of: str | None = None) -> str:
+    """Where the society reaches ``version``: a routing deployment (LLM roles) or a policy URI."""
+    kind = version.tags.get("kind")
+    if kind == "base":
+        return version.tags["deployment"]
+    if kind == "lora_adapter":
+        worker = (worker_of or _live_target(params, name)).partition("/")[0]
+        return f"{worker}/{adapter_name(name, version.version)}"
+    if kind == "contextual_bandit":
+        return f"models:/{name}/{version.version}"
+    if kind == "llm_supervisor":
+        return "llm"
+    raise RegistryError(f"{name} v{version.version}: unknown kind {kind!r}; cannot route it")
+
+
+def deploy(params: Params, name: str, version: Any, worker_of: str | None = None) -> str:
+    """Make ``version`` reachable (hot-load an adapter into its worker) and return its target."""
+    import mlflow
+
+    from pipeline.serving import worker as workers
+
+    where = target(params, name, version, worker_of)
+    if version.tags.get("kind") != "lora_adapter":
+        return where
+    worker_name, _, adapter = where.partition("/")
+    w = next((w for w in params.serving.workers if w.name == worker_name), None)
+    if w is None:
+        raise RegistryError(f"{name} v{version.version}: no worker {worker_name!r} in serving.workers")
+    if adapter in workers.models(w):
+        return where
+    folder = Path(params.serving.home).resolve() / "adapters" / adapter
+    if not (folder / "adapter_config.json").exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{adapter}-"))
+        try:
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp)))
+            shutil.rmtree(folder, ignore_errors=True)
+            local.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    workers.load_lora(w, adapter, str(folder))
+    return where

@@ -1,0 +1,277 @@
+"""Evaluate each role's ``challenger`` against its ``champion`` on the validation split.
+
+For every role in ``promote.roles`` whose ``challenger`` alias names a version other than the
+``champion``, the whole society runs on the same validation tasks (``evaluate.limit``, one rollout
+per task, exploration seed ``evaluate.seed``) twice: with the champions everywhere, and with the
+candidate routed in for its role. Both go through *evaluation routing tables* that requests name
+in their metadata; the live routing is never touched. The judge runs as a scorer of
+``mlflow.genai.evaluate`` over the society's own MLflow traces, so every question's trace and
+its scores sit together in the MLflow UI; the scores are read back from that evaluation.
+
+The champion's evaluation is cached: a finished evaluation run tagged with the same key (champion
+versions, their targets, evaluation/agent/judge params, validation data and index hashes) is
+reused instead of run again.
+
+Outputs: ``<evaluate.out_dir>/summary.json`` (per role: both evaluations, the paired
+candidate-champion difference with its CI) and ``records/*.jsonl``; ``reports/evaluate.json``
+(DVC metrics); the per-criterion chart ``reports/plots/evaluate.png``; tags ``eval.*`` on the
+versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Params
+from pipeline.evaluation.metrics import CRITERIA, answer, flat, paired_difference, summarise
+from pipeline.io import atomic_dir, write_json
+
+METRICS_FILE = Path("reports/evaluate.json")
+PLOT = Path("reports/plots/evaluate.png")
+
+
+def champion_table(params: Params, champions: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """Routing roles and policies with every trainable role on its champion (others as live)."""
+    from pipeline import registry
+    from pipeline.serving import routing
+
+    live = routing.active(params) or routing.load_version(params, routing.versions(params)[-1])
+    roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
+    for name, kind in params.promote.roles.items():
+        where = registry.deploy(params, name, champions[name], live["roles"].get(name))
+        (roles if kind == "llm" else policies)[name] = where
+    return roles, policies
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:80]
+
+
+def cache_key(params: Params, champions: dict[str, Any], roles: dict[str, str], policies: dict[str, str], tasks: list[dict[str, Any]]) -> str:
+    from pipeline.data.splits import split_file
+    from pipeline.lineage import dvc_md5
+
+    doc = {"champions": {k: v.version for k, v in champions.items()}, "roles": roles, "policies": policies,
+           "evaluate": params.evaluate.model_dump(exclude={"out_dir", "concurrency"}), "agents": params.agents.model_dump(),
+           "judge": params.judge.model_dump(), "val": dvc_md5(split_file(params, "val")), "index": dvc_md5(params.rollouts.index_dir),
+           "tasks": [t["id"] for t in tasks]}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _cached(params: Params, key: str) -> list[dict[str, Any]] | None:
+    import mlflow
+
+    exp = mlflow.get_experiment_by_name(params.mlflow.experiment)
+    runs = mlflow.search_runs([exp.experiment_id], filter_string=f"tags.`eval.key` = '{key}' and attributes.status = 'FINISHED'",
+                              output_format="list", max_results=1)
+    if not runs:
+        return None
+    path = mlflow.artifacts.download_artifacts(run_id=runs[0].info.run_id, artifact_path="evaluation/records.jsonl")
+    print(f"evaluate: champion evaluation reused from run {runs[0].info.run_id} (cache key {key})")
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, Any]], routing: str) -> list[Any]:
+    """The society's judge and the PubMedQA answer check as MLflow scorers."""
+    import asyncio
+
+    from mlflow.entities import Feedback
+    from mlflow.genai.scorers import scorer
+
+    from pipeline.agents.llm import RoleClient
+    from pipeline.rewards.judge import judge
+    from pipeline.serving import proxy
+
+    url, key = proxy.client_settings(params)
+
+    @scorer(name="society_judge")
+    def society_judge(inputs: dict[str, Any]) -> list[Feedback]:
+        t = traces[inputs["rollout_id"]]
+        if t.status != "ok":
+            why = f"rollout failed: {t.error}"
+            return [Feedback(name=c, value=params.judge.failure_score, rationale=why) for c in (*CRITERIA, "reward")]
+
+        async def score() -> dict[str, Any]:
+            client = RoleClient(url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries,
+                                params.evaluate.timeout_s, routing=routing)
+            state = {"protocol": t.protocol, "decision": {"decision": t.decision, "rationale": t.rationale}}
+            try:
+                return await judge(client, params.judge, tasks[t.task_id], state, t.turns, [])
+            finally:
+                await client.aclose()
+
+        result = asyncio.run(score())
+        return [*(Feedback(name=c, value=result["scores"][c], rationale=result["reason"]) for c in CRITERIA),
+                Feedback(name="reward", value=result["reward"], rationale=result["reason"])]
+
+    @scorer(name="pubmedqa_answer")
+    def pubmedqa_answer(inputs: dict[str, Any]) -> Feedback:
+        t = traces[inputs["rollout_id"]]
+        return Feedback(value=answer(t.decision) == t.label, rationale=f"decision {t.decision} -> {answer(t.decision)}; label {t.label}")
+
+    return [society_judge, pubmedqa_answer]
+
+
+def _stored_trace(trace_id: str, attempts: int = 20) -> Any:
+    import time
+
+    import mlflow
+
+    for _ in range(attempts):
+        trace = mlflow.get_trace(trace_id)
+        if trace is not None:
+            return trace
+        time.sleep(0.5)
+    raise RuntimeError(f"trace {trace_id} was logged but cannot be read back from the tracking server")
+
+
+def evaluate_society(params: Params, name: str, roles: dict[str, str], policies: dict[str, str], tasks: list[dict[str, Any]],
+                     tags: dict[str, str]) -> tuple[list[dict[str, Any]], str]:
+    """Run + score one society configuration as a nested MLflow run; returns (records, run id)."""
+    import mlflow
+
+    from pipeline import tracking
+    from pipeline.evaluation import society
+    from pipeline.serving import routing
+    from pipeline.traces.mlflow_traces import log_traces
+
+    table = routing.write_eval(params, name, roles, policies)
+    problems = routing.verify(params, table, routing=name)
+    if problems:
+        raise RuntimeError(f"evaluation routing {name} does not answer: {problems}")
+    traces = society.run(params, tasks, table, name, tracking.pipeline_run_id(), score=False, description=f"evaluate {name}")
+    by_id = {t.rollout_id: t for t in traces}
+    os.environ.setdefault("MLFLOW_GENAI_EVAL_MAX_WORKERS", str(params.evaluate.concurrency))
+    with mlflow.start_run(run_name=f"eval {name}", nested=True, tags={"pipeline.kind": "evaluation", **tags}) as run:
+        mlflow.log_dict(table, "evaluation/routing.json")
+        ids = log_traces([t.model_dump() for t in traces])
+        mlflow.flush_trace_async_logging()  # the traces must be stored before the evaluation reads them back
+        data = [{"trace": _stored_trace(tid), "expectations": {"label": t.label}} for tid, t in zip(ids, traces)]
+        result = mlflow.genai.evaluate(data=data, scorers=_scorers(params, by_id, {t["id"]: t for t in tasks}, name))
+        rows = {r["request"]["rollout_id"]: r for r in result.result_df.to_dict("records")}
+        records = []
+        for t in traces:
+            row = rows[t.rollout_id]
+            records.append({"task_id": t.task_id, "rollout_id": t.rollout_id, "label": t.label, "decision": t.decision,
+                            "status": t.status, "error": t.error, "reward": float(row["reward/value"]),
+                            "scores": {c: float(row[f"{c}/value"]) for c in CRITERIA}, "turns": t.turns, "tokens": t.tokens,
+                            "latency_s": t.latency_s, "protocol": t.protocol, "trace_id": row["trace_id"]})
+        summary = summarise(records, params.evaluate.bootstrap, params.evaluate.ci, params.evaluate.seed)
+        mlflow.log_metrics(flat(summary))
+        mlflow.log_text("".join(json.dumps(r) + "\n" for r in records), "evaluation/records.jsonl")
+    return records, run.info.run_id
+
+
+def plot(summary: dict[str, Any]) -> None:
+    from pipeline.plots import png
+
+    bars: dict[str, list[float]] = {}
+    for role, entry in summary["roles"].items():
+        bars.setdefault(f"champion ({entry['champion']['label']})", [entry["champion"]["metrics"][c]["mean"] for c in (*CRITERIA, "reward")])
+        bars[f"{role} v{entry['candidate']['version']}"] = [entry["candidate"]["metrics"][c]["mean"] for c in (*CRITERIA, "reward")]
+    with png(PLOT, size=(8, 3.8)) as ax:
+        if not bars:
+            ax.text(0.5, 0.5, "no candidates this cycle", ha="center", va="center")
+            ax.set_axis_off()
+            return
+        width = 0.8 / max(len(bars), 1)
+        for i, (label, values) in enumerate(bars.items()):
+            ax.bar([x + i * width for x in range(len(CRITERIA) + 1)], values, width, label=label)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(CRITERIA) + 1)], [*CRITERIA, "reward"], rotation=20)
+        ax.set_ylim(0, 1)
+        ax.set_title("Validation: judge criteria, champion vs candidates")
+        ax.legend(fontsize=7)
+
+
+def run(params: Params) -> dict[str, Any]:
+    import mlflow
+
+    from pipeline import registry
+    from pipeline.data.splits import load_tasks
+
+    tasks = load_tasks(params, "val", params.evaluate.limit)
+    champions = registry.ensure_baselines(params)
+    roles, policies = champion_table(params, champions)
+    label = ",".join(f"{n}:v{v.version}" for n, v in champions.items())
+    key = cache_key(params, champions, roles, policies, tasks)
+    summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "champion_versions": {n: v.version for n, v in champions.items()},
+                               "roles": {}}
+    champion_records: list[dict[str, Any]] | None = None
+    champion_run = None
+    for name, kind in params.promote.roles.items():
+        cand = registry.by_alias(name, registry.CHALLENGER)
+        if cand is None or cand.version == champions[name].version:
+            print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
+            continue
+        if champion_records is None:
+            champion_records = _cached(params, key)
+            if champion_records is None:
+                champion_records, champion_run = evaluate_society(params, _slug(f"champion-{key[:12]}"), roles, policies, tasks,
+                                                                  {"eval.key": key, "eval.role": "champion", "eval.champions": label})
+            else:
+                champion_run = "cached"
+        where = registry.deploy(params, name, cand, roles.get(name))
+        c_roles, c_policies = dict(roles), dict(policies)
+        (c_roles if kind == "llm" else c_policies)[name] = where
+        records, run_id = evaluate_society(params, _slug(f"{name}-v{cand.version}-{key[:8]}"), c_roles, c_policies, tasks,
+                                           {"eval.role": name, "eval.version": str(cand.version), "eval.champions": label})
+        cfg = params.evaluate
+        champ = summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
+        mine = summarise(records, cfg.bootstrap, cfg.ci, cfg.seed)
+        diff = paired_difference(records, champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
+        summary["roles"][name] = {"champion": {"version": champions[name].version, "target": roles.get(name) or policies.get(name),
+                                               "label": label, "metrics": champ, "run_id": champion_run},
+                                  "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
+                                  "difference": diff, "records": {"champion": champion_records, "candidate": records}}
+        mlflow.MlflowClient().set_model_version_tag(name, cand.version, "eval.reward", f"{mine['reward']['mean']:.4f}")
+        for k, v in {"eval.run": run_id, "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
+                     "eval.diff": f"{diff['mean']:+.4f}", "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]",
+                     "eval.tasks": str(len(tasks))}.items():
+            mlflow.MlflowClient().set_model_version_tag(name, cand.version, k, v)
+        print(f"evaluate: {name} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion {champ['reward']['mean']:.3f}; "
+              f"paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}); run {run_id}")
+    return summary
+
+
+def write_outputs(params: Params, summary: dict[str, Any]) -> None:
+    with atomic_dir(params.evaluate.out_dir) as tmp:
+        (tmp / "records").mkdir()
+        for role, entry in summary["roles"].items():
+            for which, rows in entry.pop("records").items():
+                (tmp / "records" / f"{role}-{which}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    metrics = {role: {"candidate_version": int(e["candidate"]["version"]), "candidate_reward": e["candidate"]["metrics"]["reward"]["mean"],
+                      "champion_reward": e["champion"]["metrics"]["reward"]["mean"], "diff": e["difference"]["mean"],
+                      "diff_ci_low": e["difference"]["ci_low"], "diff_ci_high": e["difference"]["ci_high"]}
+               for role, e in summary["roles"].items()}
+    write_json(METRICS_FILE, {"tasks": len(summary["tasks"]), "roles": metrics})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser  # no options: everything is in params.yaml (evaluate, promote)
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    import mlflow
+
+    from pipeline import tracking
+    from pipeline.serving import stack
+
+    stack.ensure(params)
+    with tracking.stage_run("evaluate", params):
+        summary = run(params)
+        plot(summary)
+        mlflow.log_artifact(str(PLOT), artifact_path="plots")
+        write_outputs(params, summary)
+        mlflow.log_dict(json.loads(Path(params.evaluate.out_dir, "summary.json").read_text()), "evaluation/summary.json")
+    if not summary["roles"]:
+        print("evaluate: no role has a challenger; nothing to compare", file=sys.stderr)
+    print(f"evaluate: {len(summary['roles'])} candidate(s) on {len(summary['tasks'])} validation tasks -> {params.evaluate.out_dir}/summary.json")
+    return 0

@@ -1,0 +1,160 @@
+"""Promote each evaluated candidate that beat its champion; ``rollback ROLE`` undoes a promotion.
+
+The gate (``pipeline.evaluation.gate``) reads the evaluate stage's summary. A promotion then, in
+order: makes the candidate reachable (hot-loads its adapter into the worker serving the role),
+writes a new routing version with the role pointed at it, applies it (the proxy verifies every
+role live; a failed verification restores the previous version), and only then moves the
+``champion`` alias. Any failure leaves alias and live routing as they were and exits non-zero with
+the cause. The decision and its evidence are tags on the candidate version and a ``promote`` MLflow
+run, which also keeps the routing version file as an artifact; ``reports/promotion.json`` says
+what was decided (the DAG branches on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Params
+from pipeline.evaluation.gate import Decision, decide
+from pipeline.io import write_json
+
+METRICS_FILE = Path("reports/promotion.json")
+
+
+class PromotionError(RuntimeError):
+    pass
+
+
+def _tag(name: str, version: str, tags: dict[str, Any]) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    for k, v in tags.items():
+        client.set_model_version_tag(name, version, k, str(v))
+
+
+def switch(params: Params, name: str, to: Any, description: str, record: bool = True) -> int:
+    """Route role ``name`` to version ``to`` (new routing version, applied and verified), then move
+    ``champion``; on any failure both stay as they were. Returns the routing version now live."""
+    from pipeline import registry
+    from pipeline.serving import routing
+    from pipeline.services.process import ServiceError
+
+    live = routing.active(params)
+    if live is None:
+        raise PromotionError("no routing version is live; start the serving plane first")
+    kind = params.promote.roles[name]
+    try:
+        where = registry.deploy(params, name, to, live["roles"].get(name))
+    except (ServiceError, registry.RegistryError, OSError) as exc:
+        raise PromotionError(f"{name} v{to.version} could not be deployed: {exc}") from exc
+    roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
+    (roles if kind == "llm" else policies)[name] = where
+    number = routing.write_version(params, roles, description, policies)
+    try:
+        routing.apply(params, number)  # verifies live; restores the previous version itself on failure
+    except routing.RoutingError as exc:
+        raise PromotionError(f"{name} v{to.version}: {exc}") from exc
+    previous = registry.by_alias(name, registry.CHAMPION)
+    try:
+        registry.set_alias(name, registry.CHAMPION, to.version)
+    except Exception as exc:
+        routing.apply(params, live["version"])
+        raise PromotionError(f"{name}: moving the champion alias failed ({exc}); routing restored to v{live['version']}") from exc
+    if record:  # a rollback does not record what it replaced: rolling back twice must not undo itself
+        _tag(name, to.version, {"promotion.previous_champion": previous.version if previous else "",
+                                "promotion.routing_version": number, "promotion.previous_routing_version": live["version"]})
+    return number
+
+
+def promote_role(params: Params, name: str, entry: dict[str, Any], current_champion: str) -> dict[str, Any]:
+    import mlflow
+
+    from pipeline import registry
+
+    cand = registry.get_version(name, entry["candidate"]["version"])
+    if str(entry["champion"]["version"]) != str(current_champion):
+        decision = Decision(False, "stale", f"evaluated against champion v{entry['champion']['version']}, "
+                                            f"but the champion is now v{current_champion}; evaluate again")
+    else:
+        decision = decide(entry["candidate"]["metrics"], entry["champion"]["metrics"], entry["difference"], params.promote)
+    out: dict[str, Any] = {"candidate": cand.version, "champion_before": current_champion, **decision.as_dict(),
+                           "candidate_reward": entry["candidate"]["metrics"]["reward"]["mean"],
+                           "champion_reward": entry["champion"]["metrics"]["reward"]["mean"], "difference": entry["difference"]}
+    status = "promoted" if decision.promote else "rejected"
+    if decision.promote and params.promote.dry_run:
+        status = "dry_run"
+    if status == "promoted":
+        try:
+            out["routing_version"] = switch(params, name, cand, f"promote {name} v{cand.version}: {decision.detail}")
+        except PromotionError as exc:
+            _tag(name, cand.version, {"promotion.decision": "failed", "promotion.rule": "deployment", "promotion.detail": str(exc)[:4000],
+                                      "promotion.run": mlflow.active_run().info.run_id})
+            raise
+        from pipeline.serving import routing
+
+        mlflow.log_artifact(str(routing.version_path(params, out["routing_version"])), artifact_path="routing")
+    _tag(name, cand.version, {"promotion.decision": status, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
+                              "promotion.run": mlflow.active_run().info.run_id,
+                              "promotion.evidence": json.dumps({"candidate_run": entry["candidate"]["run_id"],
+                                                                "champion_run": entry["champion"]["run_id"],
+                                                                "difference": entry["difference"]})[:4000]})
+    registry.delete_alias(name, registry.CHALLENGER)  # decided: the next cycle's trainer names the next challenger
+    out["status"] = status
+    return out
+
+
+def promote_all(params: Params) -> dict[str, Any]:
+    import mlflow
+
+    from pipeline import registry
+    from pipeline.serving import routing
+
+    summary = json.loads(Path(params.evaluate.out_dir, "summary.json").read_text())
+    decisions: dict[str, Any] = {}
+    failure: PromotionError | None = None
+    for name, entry in summary["roles"].items():
+        champion = registry.by_alias(name, registry.CHAMPION)
+        try:
+            decisions[name] = promote_role(params, name, entry, champion.version if champion else "")
+        except PromotionError as exc:
+            decisions[name] = {"status": "failed", "rule": "deployment", "detail": str(exc), "candidate": entry["candidate"]["version"]}
+            failure = failure or exc
+        d = decisions[name]
+        print(f"promote: {name} v{d['candidate']}: {d['status'].upper()} ({d['rule']}): {d['detail']}")
+        mlflow.log_metric(f"{name}.promoted", float(d["status"] == "promoted"))
+    live = routing.active(params)
+    champions = {n: (v.version if (v := registry.by_alias(n, registry.CHAMPION)) else None) for n in params.promote.roles}
+    result = {"promoted": sorted(n for n, d in decisions.items() if d["status"] == "promoted"), "decisions": decisions,
+              "champions": champions, "routing_version": live and live["version"], "dry_run": params.promote.dry_run}
+    mlflow.log_dict(result, "promotion.json")
+    if failure is not None:
+        write_json(METRICS_FILE, result)
+        raise failure
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    from pipeline import tracking
+    from pipeline.serving import stack
+
+    stack.ensure(params)
+    try:
+        with tracking.stage_run("promote", params) as run:
+            result = promote_all(params)
+    except PromotionError as exc:
+        print(f"error: promotion failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
+        return 1
+    write_json(METRICS_FILE, result)
+    print(f"promote: promoted {result['promoted'] or 'nothing'}; champions {result['champions']}; routing v{result['routing_version']} live; "
+          f"evidence in MLflow run {run.info.run_id}")
+    return 0
+

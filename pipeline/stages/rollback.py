@@ -1,0 +1,50 @@
+"""``python -m pipeline rollback ROLE``: give a role back the champion it had before the last promotion.
+
+The version a promotion replaced is recorded on the promoted version (``promotion.previous_champion``);
+rollback routes the role back to it through a new routing version (applied and verified like any
+other, so later promotions of other roles are kept) and moves ``champion`` back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.config import Params
+
+
+def rollback(params: Params, name: str) -> tuple[str, str, int]:
+    """Returns (from version, to version, routing version now live)."""
+    from pipeline import registry
+    from pipeline.stages.promote import PromotionError, _tag, switch
+
+    if name not in params.promote.roles:
+        raise PromotionError(f"unknown role {name!r}; trainable roles are {list(params.promote.roles)}")
+    current = registry.by_alias(name, registry.CHAMPION)
+    previous = current and current.tags.get("promotion.previous_champion")
+    if not previous:
+        raise PromotionError(f"{name}: champion v{current.version if current else '?'} was not put there by a promotion; nothing to roll back")
+    number = switch(params, name, registry.get_version(name, previous), f"rollback {name} v{current.version} -> v{previous}",
+                    record=False)
+    _tag(name, current.version, {"promotion.decision": "rolled_back"})
+    return current.version, previous, number
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("role", help="registered model of the role, e.g. junior_researcher")
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    from pipeline import tracking
+    from pipeline.serving import stack
+    from pipeline.stages.promote import PromotionError
+
+    stack.ensure(params)
+    tracking.setup(params)
+    try:
+        was, now, number = rollback(params, args.role)
+    except PromotionError as exc:
+        print(f"error: rollback failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
+        return 1
+    print(f"rollback: {args.role} champion v{was} -> v{now}; routing version {number} live")
+    return 0
