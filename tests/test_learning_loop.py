@@ -9,6 +9,7 @@ bandit's off-policy figures and its registered policy loaded back by URI.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -93,7 +94,8 @@ def test_make_run_learns_and_a_second_dvc_repro_is_a_noop(cycle: dict) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"pipeline run {cycle['run_id']}: FINISHED" in proc.stdout
     status = _pipeline(cycle, "route", "status")
-    assert json.loads(status.stdout)["active"]["version"] == 1  # serving came up with routing verified
+    promotion = json.loads((clone / "reports/promotion.json").read_text())
+    assert json.loads(status.stdout)["active"]["version"] == promotion["routing_version"]  # serving up, routing verified
     assert (clone / "models/base/model.safetensors").exists()
     for split in ("train", "val", "test"):
         assert (clone / "data/validated" / f"{split}.parquet").exists()
@@ -108,7 +110,8 @@ def test_make_run_learns_and_a_second_dvc_repro_is_a_noop(cycle: dict) -> None:
     assert (clone / "models/bandit/policy.vw").exists()
 
     children = _children(cycle)
-    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_bandit"}
+    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_bandit",
+                             "evaluate", "promote", "report"}
     assert children["rollouts"].data.metrics["total.rollouts"] == 2
     assert children["datasets"].data.metrics["sft.rows"] > 0
     assert children["ingest"].data.metrics["val.rows"] == 100
@@ -150,7 +153,7 @@ def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
 
 def test_adapter_hot_loads_and_answers_for_its_role_through_the_proxy(cycle: dict) -> None:
     v = _version(cycle, "junior_researcher")
-    name = f"junior_researcher-v{v.version}"
+    name = f"junior_researcher-v{v.version}-by-hand"  # evaluate may have loaded junior_researcher-v<N> already
     loaded = _pipeline(cycle, "serve", "load-lora", "--worker", "base", "--name", name, "--path", "models/sft/junior_researcher/adapter")
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     routing_dir = cycle["clone"].parent / "routing"  # not the clone's tracked serving/routing
@@ -159,7 +162,9 @@ def test_adapter_hot_loads_and_answers_for_its_role_through_the_proxy(cycle: dic
     env = {"PIPELINE__SERVING__ROUTING_DIR": str(routing_dir)}
     new = _pipeline(cycle, "route", "new", "--set", f"junior_researcher=base/{name}", "--description", "SFT adapter", **env)
     assert new.returncode == 0, new.stdout + new.stderr
-    applied = _pipeline(cycle, "route", "apply", "--version", "2", **env)
+    number = new.stdout.split("--version ")[1].split("`")[0]
+    before = json.loads(_pipeline(cycle, "route", "status").stdout)["active"]["version"]
+    applied = _pipeline(cycle, "route", "apply", "--version", number, **env)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     try:
         from pipeline.config import load_params
@@ -177,7 +182,7 @@ def test_adapter_hot_loads_and_answers_for_its_role_through_the_proxy(cycle: dic
                            json={"model": "supervisor", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert other.headers["x-litellm-model-name"] == "hosted_vllm/base"  # other roles stay on the base model
     finally:
-        _pipeline(cycle, "route", "apply", "--version", "1", **env)
+        _pipeline(cycle, "route", "apply", "--version", str(before), **env)
 
 
 def test_bandit_reports_ope_and_is_registered_with_lineage(cycle: dict) -> None:
@@ -200,3 +205,36 @@ def test_bandit_reports_ope_and_is_registered_with_lineage(cycle: dict) -> None:
     policy = load_policy(f"models:/supervisor_policy/{v.version}")
     cands = [{"author": a, "hypothesis": "h", "rationale": "", "evidence_pmids": []} for a in ("geneticist", "pharmacologist")]
     assert sum(policy.pmf("Does gene x matter?", cands)) == pytest.approx(1.0)
+
+
+def test_cycle_evaluates_decides_and_reports_on_the_test_split(cycle: dict) -> None:
+    """The gate ran on the trained candidates; the test-split predictions are in PubMedQA's format and
+    score the same as its evaluation.py computes (run the real script with PUBMEDQA_EVAL_SCRIPT=<path>)."""
+    clone = cycle["clone"]
+    summary = json.loads((clone / "data/evaluation/summary.json").read_text())
+    assert {"junior_researcher", "supervisor_policy"} <= set(summary["roles"])
+    promotion = json.loads((clone / "reports/promotion.json").read_text())
+    for role in ("junior_researcher", "supervisor_policy"):
+        d = promotion["decisions"][role]
+        assert d["status"] in ("promoted", "rejected") and d["rule"] and d["detail"]
+        assert f"promotion: {role} v{d['candidate']}: {d['status']}" in cycle["proc"].stdout
+    assert "champions:" in cycle["proc"].stdout
+    report = json.loads((clone / "reports/test.json").read_text())
+    predictions = json.loads((clone / "reports/test/predictions.json").read_text())
+    truth = json.loads((clone / "reports/test/ground_truth.json").read_text())
+    assert set(predictions) == set(truth) and len(truth) == 1 and set(predictions.values()) <= {"yes", "no", "maybe"}
+    official = json.loads(Path(os.environ.get("PUBMEDQA_DIR", ROOT.parent / "shared/data/pubmedqa"), "test_ground_truth.json").read_text())
+    assert all(official[p] == label for p, label in truth.items())
+    from sklearn.metrics import accuracy_score, f1_score
+
+    pmids = list(truth)
+    assert report["official"]["accuracy"] == accuracy_score([truth[p] for p in pmids], [predictions[p] for p in pmids])
+    assert report["official"]["macro_f1"] == f1_score([truth[p] for p in pmids], [predictions[p] for p in pmids], average="macro")
+    script = os.environ.get("PUBMEDQA_EVAL_SCRIPT")
+    if script:  # PubMedQA's own evaluation.py (not redistributed here): reads data/test_ground_truth.json from its cwd
+        work = clone.parent / "pubmedqa-eval"
+        (work / "data").mkdir(parents=True, exist_ok=True)
+        (work / "data/test_ground_truth.json").write_text(json.dumps(truth))
+        out = subprocess.run([sys.executable, script, str(clone / "reports/test/predictions.json")], cwd=work, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert f"Accuracy {report['official']['accuracy']:f}" in out.stdout and f"Macro-F1 {report['official']['macro_f1']:f}" in out.stdout

@@ -34,7 +34,7 @@ model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 cfg = LoraConfig(r=8, lora_alpha=2048, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
 get_peft_model(model, cfg).save_pretrained(sys.argv[2])
 """
-SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 160, "json_retries": 0}, "rollouts": {"retries": 0},
+SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 0}, "rollouts": {"retries": 0},
          "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}}
 
 
@@ -56,8 +56,9 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
     raw = _merge(yaml.safe_load((ROOT / "params.yaml").read_text()), SMALL)
     raw["data"].update(source=str(PUBMEDQA / "ori_pqal.json"), test_ids=str(PUBMEDQA / "test_ground_truth.json"))
     s = serving_stack.serving
-    raw["serving"].update(home=s.home, routing_dir=s.routing_dir, proxy=s.proxy.model_dump(),
-                          workers=[w.model_dump() for w in s.workers])
+    # only the running worker: every stage brings up each configured local worker (the "offline" one
+    # is added in the routing-failure test, in-process, where nothing starts workers)
+    raw["serving"].update(home=s.home, routing_dir=s.routing_dir, proxy=s.proxy.model_dump(), workers=[s.workers[0].model_dump()])
     raw["mlflow"].update(home=str(root / "mlflow"), port=free_port(), experiment="promotion-it")
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     saved_cwd, saved_uri = os.getcwd(), os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -73,7 +74,7 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
         uri = tracking.setup(params)
         degraded = root / "degraded"
         subprocess.run([model_python(), "-c", DEGRADE, str(serving_models / "base"), str(degraded)], check=True, capture_output=True)
-        yield {"root": root, "params": params, "uri": uri, "degraded": degraded}
+        yield {"root": root, "params": params, "uri": uri, "degraded": degraded, "all_workers": [w.model_dump() for w in s.workers]}
     finally:
         routing.apply(params, 1)
         mlflow_server.down(params)
@@ -179,18 +180,31 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
 
 
 def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None:
-    """The candidate won on evidence but its backend is down when it is routed in."""
-    version = _register(promo, {"kind": "base", "deployment": "offline"})  # the stack's worker that is never started
+    """The candidate won on evidence but its backend is down when it is routed in: the stack's
+    "offline" worker, which the proxy knows and nothing started."""
+    import mlflow
+
+    from pipeline.stages.promote import PromotionError, promote_all
+
+    version = _register(promo, {"kind": "base", "deployment": "offline"})
     summary_path = promo["root"] / "data/evaluation/summary.json"
     summary = json.loads(summary_path.read_text())
     summary["roles"]["junior_researcher"]["candidate"]["version"] = version
     summary["roles"]["junior_researcher"]["champion"]["version"] = _champion("junior_researcher")
     summary_path.write_text(json.dumps(summary))  # the last evaluation's evidence (a win), now for this version
+    raw = yaml.safe_load((promo["root"] / "params.yaml").read_text())
+    raw["serving"]["workers"] = promo["all_workers"]
+    (promo["root"] / "params-offline.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    params = load_params(promo["root"] / "params-offline.yaml")
     before, champion = _live(promo), _champion("junior_researcher")
-    pr = _cli(promo, "promote")
-    assert pr.returncode == 1
-    assert "champion alias and live routing unchanged" in pr.stderr and "offline" in pr.stderr, pr.stderr[-2000:]
+    with mlflow.start_run(run_name="it-promote-offline"), pytest.raises(PromotionError, match="offline") as err:
+        promote_all(params)
+    assert "failed verification" in str(err.value) and f"version {before['version']} stays live" in str(err.value)
     assert _champion("junior_researcher") == champion and _live(promo)["version"] == before["version"]
+    from mlflow import MlflowClient
+
+    assert MlflowClient().get_model_version("junior_researcher", version).tags["promotion.decision"] == "failed"
+    assert json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]["junior_researcher"]["status"] == "failed"
 
 
 def test_compare_checkpoints_notebook_renders(promo: dict, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,7 +47,7 @@ def test_write_version_numbers_and_validates(params) -> None:
     ({r: "nowhere" for r in ["junior_researcher", "supervisor", "senior_researcher", "review_board", "judge"]}, "no worker 'nowhere'"),
 ])
 def test_bad_versions_are_rejected(params, roles, message) -> None:
-    path = routing.version_path(params, 7)
+    path = Path(params.serving.routing_dir) / "v7.yaml"
     path.write_text(yaml.safe_dump({"roles": roles}))
     with pytest.raises(routing.RoutingError, match=message):
         routing.load_version(params, 7)
@@ -95,3 +95,37 @@ def test_worker_command_serves_in_the_configured_dtype() -> None:
     cmd = worker.command(gpu, "python")
     assert cmd[cmd.index("--dtype") + 1] == "auto"
     assert cmd[cmd.index("--lora-modules") + 1] == f"a={(Path('adapters/a')).resolve()}"
+
+
+def test_generated_versions_stay_out_of_the_tracked_folder_and_carry_policies(params) -> None:
+    roles = routing.load_version(params, 1)["roles"]
+    number = routing.write_version(params, roles, "bandit supervisor", {"supervisor_policy": "models:/supervisor_policy/2"})
+    assert number == 2 and routing.versions(params) == [1, 2]
+    assert routing.version_path(params, 2).parent == routing.generated_dir(params)
+    assert not (Path(params.serving.routing_dir) / "v2.yaml").exists()
+    table = routing.load_version(params, 2)
+    assert routing.policy(table, "supervisor_policy") == "models:/supervisor_policy/2"
+    assert routing.policy(routing.load_version(params, 1), "supervisor_policy") == "llm"
+
+
+def test_evaluation_tables_are_named_safely_and_never_fall_back(params, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    with pytest.raises(routing.RoutingError, match="letters, digits"):
+        routing.eval_file(params, "../live")
+    roles = {**routing.load_version(params, 1)["roles"], "junior_researcher": "base/cand"}
+    routing.write_eval(params, "cand-1", roles)
+    active = proxy.active_file(params)
+    active.parent.mkdir(parents=True, exist_ok=True)
+    active.write_text('{"version": 1, "roles": {"junior_researcher": "base"}}')
+    monkeypatch.setenv("PIPELINE_ROUTING_ACTIVE", str(active))
+    from pipeline.serving.role_router import RoleRouter
+
+    router = RoleRouter()
+    hook = router.async_pre_call_hook
+    live = asyncio.run(hook(None, None, {"model": "junior_researcher"}, "completion"))
+    assert live["model"] == "base" and live["metadata"]["routing_version"] == 1
+    evald = asyncio.run(hook(None, None, {"model": "junior_researcher", "metadata": {"routing": "cand-1"}}, "completion"))
+    assert evald["model"] == "base/cand" and evald["metadata"]["routing_version"] == "eval:cand-1"
+    with pytest.raises(ValueError, match="does not exist"):
+        asyncio.run(hook(None, None, {"model": "junior_researcher", "metadata": {"routing": "gone"}}, "completion"))

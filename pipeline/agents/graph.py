@@ -146,13 +146,13 @@ class Society:
         critique = "\n".join(f"- {r['severity']}: {'; '.join(r['issues'])}" for r in state.get("reviews", [])[-2:])
         prompt = (f"You design experimental protocols. Hypothesis: {hyp}\nReviewer concerns:\n{critique or 'none'}\n"
                   "Return a concise protocol as JSON (title, objective, methods, controls, outcome_measures).")
-        return await self._senior("protocol_designer", "senior_researcher", Protocol, prompt, state, "protocol", tokens=1024)
+        return await self._senior("protocol_designer", "senior_researcher", Protocol, prompt, state, "protocol", tokens=4 * self.cfg.max_tokens)
 
     def reviewer(self, agent: str, focus: str):
         async def node(state: SocietyState) -> dict[str, Any]:
             prompt = (f"You are the {focus}. Review this protocol for the question '{self._question(state)}':\n"
                       f"{state.get('protocol')}\nRate severity CRITICAL, MAJOR, MINOR or APPROVE with issues, as JSON.")
-            out = await self._senior(agent, "review_board", Review, prompt, state, "review", tokens=512)
+            out = await self._senior(agent, "review_board", Review, prompt, state, "review", tokens=2 * self.cfg.max_tokens)
             if "review" in out:
                 out["reviews"] = [{"reviewer": agent, "round": state.get("review_round", 0), **out.pop("review")}]
             return out
@@ -174,7 +174,7 @@ class Society:
         reviews = "\n".join(f"- {r['reviewer']}: {r['severity']}: {r['summary']}" for r in state.get("reviews", []))
         prompt = (f"You are the principal investigator. Question: {self._brief(state)}\nProtocol: {state.get('protocol')}\n"
                   f"Reviews:\n{reviews or 'none'}\nDecide GO or NO-GO with a rationale, as JSON.")
-        return await self._senior("principal_investigator", "senior_researcher", PIDecision, prompt, state, "decision", tokens=256)
+        return await self._senior("principal_investigator", "senior_researcher", PIDecision, prompt, state, "decision", tokens=self.cfg.max_tokens)
 
     def compile(self) -> Any:
         from langgraph.graph import END, START, StateGraph
