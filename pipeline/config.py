@@ -164,7 +164,7 @@ class AgentsParams(_Strict):
     max_turns: int = Field(12, ge=1, description="LLM-call budget of one rollout before PI is forced")
     max_review_rounds: int = Field(2, ge=0)
     max_tool_calls: int = Field(2, ge=0, description="ReAct tool calls per junior")
-    max_tokens: int = Field(256, ge=16, description="completion cap per call; the protocol designer gets 4x, reviewers 2x")
+    max_tokens: int = Field(256, ge=16, description="completion cap per call; the protocol designer gets 4x, reviewers 2x, the PI at least 256")
     temperature: float = 0.7
     json_retries: int = Field(2, ge=0, description="repair attempts for invalid structured output")
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")

@@ -31,10 +31,15 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 torch.manual_seed(1)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-cfg = LoraConfig(r=8, lora_alpha=2048, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
-get_peft_model(model, cfg).save_pretrained(sys.argv[2])
+cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+peft = get_peft_model(model, cfg)
+with torch.no_grad():  # noise in every layer: the model's tokens are random, its JSON strings never close
+    for name, param in peft.named_parameters():
+        if "lora_" in name:
+            param.normal_(0.0, 1.0)
+peft.save_pretrained(sys.argv[2])
 """
-SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 0}, "rollouts": {"retries": 0},
+SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1}, "rollouts": {"retries": 0},
          "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}}
 
 
@@ -84,9 +89,9 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
             os.environ["MLFLOW_TRACKING_URI"] = saved_uri
 
 
-def _cli(promo: dict, *args: str) -> subprocess.CompletedProcess:
+def _cli(promo: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}, "PYTHONPATH": str(ROOT),
-           "MLFLOW_TRACKING_URI": promo["uri"], "PIPELINE_RUN_ID": "promotion-it"}
+           "MLFLOW_TRACKING_URI": promo["uri"], "PIPELINE_RUN_ID": "promotion-it", **extra}
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=promo["root"], env=env, capture_output=True, text=True)
 
 
@@ -140,7 +145,7 @@ def test_worse_candidate_is_not_promoted(promo: dict) -> None:
     assert entry["difference"]["n"] == 2 and entry["champion"]["metrics"]["tasks"] == 2
     pr = _cli(promo, "promote")
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
-    assert "junior_researcher v2: REJECTED" in pr.stdout
+    assert "junior_researcher v2: REJECTED (min_success_rate)" in pr.stdout, pr.stdout  # the noise adapter never completes a rollout
     assert _champion("junior_researcher") == "1" and _live(promo) == before
     tags = MlflowClient().get_model_version("junior_researcher", "2").tags
     assert tags["promotion.decision"] == "rejected" and tags["promotion.rule"] and "eval.diff_ci" in tags
@@ -164,7 +169,9 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     version = _register(promo, {"kind": "base", "deployment": "base"})
     ev = _cli(promo, "evaluate")
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
-    pr = _cli(promo, "promote")
+    # two questions cannot make a paired CI exclude 0 when SmolLM2 fails one; the significance rule is
+    # unit-tested (test_promotion_gate.py), here the gain over a champion that scores 0 decides
+    pr = _cli(promo, "promote", PIPELINE__PROMOTE__REQUIRE_SIGNIFICANCE="false")
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
     assert f"junior_researcher v{version}: PROMOTED" in pr.stdout, pr.stdout
     assert _champion("junior_researcher") == version

@@ -174,7 +174,7 @@ class Society:
         reviews = "\n".join(f"- {r['reviewer']}: {r['severity']}: {r['summary']}" for r in state.get("reviews", []))
         prompt = (f"You are the principal investigator. Question: {self._brief(state)}\nProtocol: {state.get('protocol')}\n"
                   f"Reviews:\n{reviews or 'none'}\nDecide GO or NO-GO with a rationale, as JSON.")
-        return await self._senior("principal_investigator", "senior_researcher", PIDecision, prompt, state, "decision", tokens=self.cfg.max_tokens)
+        return await self._senior("principal_investigator", "senior_researcher", PIDecision, prompt, state, "decision", tokens=max(self.cfg.max_tokens, 256))
 
     def compile(self) -> Any:
         from langgraph.graph import END, START, StateGraph
