@@ -5,7 +5,7 @@ export PYTHONPATH := $(CURDIR)
 export PIPELINE_MODEL_PYTHON := $(CURDIR)/.venv/model/bin/python
 export PATH := $(CURDIR)/$(CTL):$(PATH)
 
-.PHONY: setup run test test-fast services-down airflow lock
+.PHONY: setup run test test-all test-fast services-down airflow lock
 
 setup:            ## create/reuse the pinned control-plane and model-plane environments
 	@bash scripts/setup_envs.sh
@@ -15,6 +15,9 @@ run: setup        ## set up, start local services, run the pipeline with DVC, pr
 
 test: setup       ## set up and run the whole test suite (unit, integration with real services, DAG, notebooks)
 	@bash scripts/run_tests.sh
+
+test-all: setup   ## everything in `make test` plus the end-to-end Airflow DAG run of the whole loop (~15 min more)
+	@PYTEST_MARKERS="slow or not slow" bash scripts/run_tests.sh
 
 test-fast: setup  ## unit tests only (no services)
 	@$(CTL)/python -m pytest -q

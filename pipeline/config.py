@@ -246,7 +246,7 @@ class BanditParams(_Strict):
 class EvaluateParams(_Strict):
     limit: int | None = Field(None, ge=1, description="cap on validation tasks (CPU runs); null = the whole split")
     seed: int = Field(0, description="exploration seed: the same task ids and seeds for every model compared")
-    concurrency: int = Field(2, ge=1)
+    concurrency: int = Field(4, ge=1, description="rollouts in flight across every society evaluated together")
     timeout_s: float = 600.0
     bootstrap: int = Field(1000, ge=100)
     ci: float = Field(0.95, gt=0.5, lt=1.0)

@@ -64,7 +64,7 @@ def _live_target(params: Params, role: str) -> str:
 
 
 def ensure_baselines(params: Params) -> dict[str, Any]:
-    """Register version 1 (the baseline, ``champion``) of every role that has no versions yet."""
+    """Register the baseline (version 1 on a new registry) of every role without a ``champion`` and make it champion."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -75,9 +75,10 @@ def ensure_baselines(params: Params) -> dict[str, Any]:
             client.get_registered_model(name)
         except MlflowException:
             client.create_registered_model(name, description=f"trainable role {name} of the research society")
-        if client.search_model_versions(f"name='{name}'", max_results=1):
-            champions[name] = by_alias(name, CHAMPION)
-            continue
+        champion = by_alias(name, CHAMPION)
+        if champion is not None:
+            champions[name] = champion
+            continue  # versions registered before any champion existed (older registries) get a baseline below
         if kind == "llm":
             target = _live_target(params, name)
             tags = {"kind": "base", "deployment": target, "lineage.base_model": params.models.base.source}

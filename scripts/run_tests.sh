@@ -4,4 +4,5 @@
 # fast ones. Called by `make test` and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/control/bin/python -m pytest -m "slow or not slow" -p no:cacheprovider "$@"
+# `make test` (and CI) leave out the e2e marker (a second whole-loop run, through Airflow): `make test-all` adds it.
+exec .venv/control/bin/python -m pytest -m "${PYTEST_MARKERS:-(slow or not slow) and not e2e}" -p no:cacheprovider "$@"

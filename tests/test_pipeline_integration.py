@@ -83,9 +83,10 @@ def _airflow(clone: Path, home: Path, mlflow_uri: str, run_id: str, *args: str) 
 
     env = _env(mlflow_uri, run_id, **SERVING, **{k: v for k, v in airflow_env(home).items() if k != "PYTHONPATH"})
     env.update(AIRFLOW__CORE__DAGS_FOLDER=str(clone / "dags"), PIPELINE_ROOT=str(clone), PYTHONPATH=str(clone))
-    return subprocess.run([str(BIN / "airflow"), *args], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([str(BIN / "airflow"), *args], cwd=clone, env=env, capture_output=True, text=True, timeout=1800)
 
 
+@pytest.mark.e2e  # `make test-all`: the learning-loop test already runs the whole loop once in `make test`
 def test_airflow_dag_runs_stages_and_versions_outputs(clone: Path, mlflow_server: str, tmp_path: Path) -> None:
     home = tmp_path / "airflow"
     assert _airflow(clone, home, mlflow_server, "", "db", "migrate").returncode == 0

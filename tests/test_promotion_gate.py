@@ -51,6 +51,12 @@ def test_margin_floors_and_order_of_rules() -> None:
     assert _compare(wrong, _records(base), min_decision_accuracy=0.5).rule == "min_decision_accuracy"
 
 
+def test_one_task_is_never_significant() -> None:
+    d = _compare(_records([0.9]), _records([0.1]))
+    assert not d.promote and d.rule == "significance" and "one task" in d.detail
+    assert _compare(_records([0.9]), _records([0.1]), require_significance=False).promote
+
+
 def test_paired_difference_needs_the_same_tasks() -> None:
     with pytest.raises(ValueError, match="same tasks"):
         paired_difference(_records([0.1, 0.2]), _records([0.1, 0.2, 0.3]))

@@ -1,9 +1,11 @@
 """Judge-gated promotion for real (slow): registry, evaluation on the validation split through an
-evaluation routing, the gate, routing on promotion, a failed promotion, rollback.
+evaluation routing, the gate, routing on promotion, rollback, a failed promotion.
 
 SmolLM2 behind the session's shared serving stack, its own MLflow server (the registry must start
-empty here). The "degraded" junior is a LoRA adapter with random weights at a large scale: it cannot
-write a hypothesis, so the rollouts it takes part in fail and score 0.
+empty here). The worse junior is the random-weight test model, served for this module in the
+stack's spare worker slot ("offline", which the proxy already knows): its juniors never write a
+hypothesis, so every rollout it takes part in fails and scores 0. The slot is emptied again for the
+routing-failure test, where "offline" must be down.
 """
 
 from __future__ import annotations
@@ -20,25 +22,10 @@ import pytest
 import yaml
 
 from pipeline.config import Params, load_params
-from pipeline.envs import model_python
 from tests.conftest import PUBMEDQA, ROOT
 
 pytestmark = pytest.mark.slow
 
-DEGRADE = """
-import sys, torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-torch.manual_seed(1)
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-peft = get_peft_model(model, cfg)
-with torch.no_grad():  # noise in every layer: the model's tokens are random, its JSON strings never close
-    for name, param in peft.named_parameters():
-        if "lora_" in name:
-            param.normal_(0.0, 1.0)
-peft.save_pretrained(sys.argv[2])
-"""
 SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1}, "rollouts": {"retries": 0},
          "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}}
 
@@ -54,16 +41,15 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
     from pipeline import tracking
     from pipeline.services import mlflow_server
     from pipeline.services.process import free_port
-    from pipeline.serving import routing
+    from pipeline.serving import routing, worker
     from pipeline.stages import build_index, ingest, validate
 
     root = tmp_path_factory.mktemp("promotion")
     raw = _merge(yaml.safe_load((ROOT / "params.yaml").read_text()), SMALL)
     raw["data"].update(source=str(PUBMEDQA / "ori_pqal.json"), test_ids=str(PUBMEDQA / "test_ground_truth.json"))
     s = serving_stack.serving
-    # only the running worker: every stage brings up each configured local worker (the "offline" one
-    # is added in the routing-failure test, in-process, where nothing starts workers)
-    raw["serving"].update(home=s.home, routing_dir=s.routing_dir, proxy=s.proxy.model_dump(), workers=[s.workers[0].model_dump()])
+    tiny = {**s.workers[1].model_dump(), "model": str(serving_models / "tiny")}  # the "offline" slot, serving random weights
+    raw["serving"].update(home=s.home, routing_dir=s.routing_dir, proxy=s.proxy.model_dump(), workers=[s.workers[0].model_dump(), tiny])
     raw["mlflow"].update(home=str(root / "mlflow"), port=free_port(), experiment="promotion-it")
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     saved_cwd, saved_uri = os.getcwd(), os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -77,10 +63,10 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
         build_index.run(params)
         routing.apply(params, 1)
         uri = tracking.setup(params)
-        degraded = root / "degraded"
-        subprocess.run([model_python(), "-c", DEGRADE, str(serving_models / "base"), str(degraded)], check=True, capture_output=True)
-        yield {"root": root, "params": params, "uri": uri, "degraded": degraded, "all_workers": [w.model_dump() for w in s.workers]}
+        worker.up(params, params.serving.workers[1])
+        yield {"root": root, "params": params, "uri": uri}
     finally:
+        worker.down(params, params.serving.workers[1])
         routing.apply(params, 1)
         mlflow_server.down(params)
         os.chdir(saved_cwd)
@@ -95,17 +81,16 @@ def _cli(promo: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=promo["root"], env=env, capture_output=True, text=True)
 
 
-def _register(promo: dict, tags: dict[str, str], adapter: Path | None = None) -> str:
-    """A new junior_researcher version as a trainer registers it (challenger)."""
+def _register(promo: dict, deployment: str) -> str:
+    """A new junior_researcher version served by ``deployment`` (kind base), registered as a trainer does (challenger)."""
     import mlflow
 
     from pipeline import registry
 
     with mlflow.start_run(run_name="it-candidate") as run:
-        if adapter is not None:
-            mlflow.log_artifacts(str(adapter), artifact_path="adapter")
-    source = f"runs:/{run.info.run_id}/adapter" if adapter is not None else f"runs:/{run.info.run_id}"
-    return registry.register_candidate(promo["params"], "junior_researcher", source, run.info.run_id, tags).version
+        mlflow.log_dict({"deployment": deployment}, "model/deployment.json")
+    tags = {"kind": "base", "deployment": deployment}
+    return registry.register_candidate(promo["params"], "junior_researcher", f"runs:/{run.info.run_id}/model", run.info.run_id, tags).version
 
 
 def _live(promo: dict) -> dict:
@@ -133,7 +118,7 @@ def _champion(name: str) -> str:
 def test_worse_candidate_is_not_promoted(promo: dict) -> None:
     from mlflow import MlflowClient
 
-    version = _register(promo, {"kind": "lora_adapter"}, promo["degraded"])
+    version = _register(promo, "offline")  # the random-weight model
     assert version == "2" and _champion("junior_researcher") == "1"  # v1: the baseline, registered on first use
     assert MlflowClient().get_model_version("junior_researcher", "1").tags["kind"] == "base"
     before = _live(promo)
@@ -141,11 +126,14 @@ def test_worse_candidate_is_not_promoted(promo: dict) -> None:
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
     entry = summary["roles"]["junior_researcher"]
-    assert entry["candidate"]["target"] == "base/junior_researcher-v2" and len(summary["tasks"]) == 2
+    assert entry["candidate"]["target"] == "offline" and len(summary["tasks"]) == 2
     assert entry["difference"]["n"] == 2 and entry["champion"]["metrics"]["tasks"] == 2
+    predictions = json.loads((promo["root"] / "data/evaluation/predictions/junior_researcher-candidate.json").read_text())
+    assert set(predictions) == set(summary["tasks"]) and set(predictions.values()) <= {"yes", "no", "maybe"}
     pr = _cli(promo, "promote")
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
-    assert "junior_researcher v2: REJECTED (min_success_rate)" in pr.stdout, pr.stdout  # the noise adapter never completes a rollout
+    assert "junior_researcher v2: REJECTED" in pr.stdout, pr.stdout
+    assert entry["candidate"]["metrics"]["reward"]["mean"] <= entry["champion"]["metrics"]["reward"]["mean"]
     assert _champion("junior_researcher") == "1" and _live(promo) == before
     tags = MlflowClient().get_model_version("junior_researcher", "2").tags
     assert tags["promotion.decision"] == "rejected" and tags["promotion.rule"] and "eval.diff_ci" in tags
@@ -163,14 +151,14 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     from pipeline import registry
     from pipeline.stages.promote import switch
 
-    # a random-weight champion: the degraded adapter, put in place the way a promotion does
-    switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "2"), "it: degraded champion")
-    assert _served(promo, "junior_researcher") == "base/junior_researcher-v2"
-    version = _register(promo, {"kind": "base", "deployment": "base"})
+    # a random-weight champion, put in place the way a promotion does
+    switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "2"), "it: random-weight champion")
+    assert _served(promo, "junior_researcher") == "offline"
+    version = _register(promo, "base")
     ev = _cli(promo, "evaluate")
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
-    # two questions cannot make a paired CI exclude 0 when SmolLM2 fails one; the significance rule is
-    # unit-tested (test_promotion_gate.py), here the gain over a champion that scores 0 decides
+    # two questions cannot make a bootstrap CI exclude 0 if SmolLM2 fails one of them; the significance
+    # rule is unit-tested (test_promotion_gate.py), here the gain over a champion that scores 0 decides
     pr = _cli(promo, "promote", PIPELINE__PROMOTE__REQUIRE_SIGNIFICANCE="false")
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
     assert f"junior_researcher v{version}: PROMOTED" in pr.stdout, pr.stdout
@@ -183,26 +171,27 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
 
     rb = _cli(promo, "rollback", "junior_researcher")
     assert rb.returncode == 0, rb.stdout + rb.stderr
-    assert _champion("junior_researcher") == "2" and _served(promo, "junior_researcher") == "base/junior_researcher-v2"
+    assert _champion("junior_researcher") == "2" and _served(promo, "junior_researcher") == "offline"
 
 
 def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None:
-    """The candidate won on evidence but its backend is down when it is routed in: the stack's
-    "offline" worker, which the proxy knows and nothing started."""
+    """The candidate won on evidence but its backend is down when it is routed in (the "offline"
+    slot, stopped now; the proxy still routes to it)."""
     import mlflow
 
-    from pipeline.stages.promote import PromotionError, promote_all
+    from pipeline import registry
+    from pipeline.serving import worker
+    from pipeline.stages.promote import PromotionError, promote_all, switch
 
-    version = _register(promo, {"kind": "base", "deployment": "offline"})
+    switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "3"), "it: base champion again")
+    worker.down(promo["params"], promo["params"].serving.workers[1])
+    version = _register(promo, "offline")
     summary_path = promo["root"] / "data/evaluation/summary.json"
     summary = json.loads(summary_path.read_text())
     summary["roles"]["junior_researcher"]["candidate"]["version"] = version
     summary["roles"]["junior_researcher"]["champion"]["version"] = _champion("junior_researcher")
     summary_path.write_text(json.dumps(summary))  # the last evaluation's evidence (a win), now for this version
-    raw = yaml.safe_load((promo["root"] / "params.yaml").read_text())
-    raw["serving"]["workers"] = promo["all_workers"]
-    (promo["root"] / "params-offline.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    params = load_params(promo["root"] / "params-offline.yaml")
+    params = promo["params"]
     before, champion = _live(promo), _champion("junior_researcher")
     with mlflow.start_run(run_name="it-promote-offline"), pytest.raises(PromotionError, match="offline") as err:
         promote_all(params)

@@ -5,6 +5,7 @@ START ─┬─ geneticist ─────┐
        └─ neurologist ────┘                   ▲            ▲                                         │
                                               └ CRITICAL ──┴── MAJOR ◄───── route by severity ◄───────┘
                                                                     MINOR/APPROVE or budget ─► principal_investigator ─► END
+(no hypothesis at all: supervisor ─► END, and the rollout fails without spending senior calls)
 
 Juniors run ReAct loops inside their node: each step asks for a ``ToolCall``; the tool result goes
 back to the calling agent (recorded as ``sender`` on the tool span) until it answers with a
@@ -191,7 +192,8 @@ class Society:
         g.add_node("safety_officer", self.reviewer("safety_officer", "safety officer (ethics, biosafety, patient risk)"))
         g.add_node("close_round", self.close_round)
         g.add_node("principal_investigator", self.principal_investigator)
-        g.add_edge("supervisor", "refiner")
+        # no junior produced a hypothesis: nothing to refine, the rollout ends (and fails) here
+        g.add_conditional_edges("supervisor", lambda state: "refiner" if state.get("selection") else END, ["refiner", END])
         g.add_edge("refiner", "designer")
         g.add_edge("designer", "peer_reviewer")
         g.add_edge("peer_reviewer", "safety_officer")

@@ -34,6 +34,9 @@ def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, 
     if gain <= cfg.margin:
         return Decision(False, "margin", f"reward {candidate['reward']['mean']:.4f} vs champion {champion['reward']['mean']:.4f}: "
                                          f"gain {gain:+.4f} is not above the margin {cfg.margin:.4f}")
+    if cfg.require_significance and diff["n"] < 2:
+        return Decision(False, "significance", f"paired difference {diff['mean']:+.4f} over {diff['n']} task: one task gives no "
+                                               "confidence interval; raise evaluate.limit")
     if cfg.require_significance and not diff["ci_low"] > 0:
         return Decision(False, "significance", f"paired difference {diff['mean']:+.4f}, {diff['ci']:.0%} CI "
                                                f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}] over {diff['n']} tasks includes 0")

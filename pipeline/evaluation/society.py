@@ -1,8 +1,9 @@
-"""Run the society over a list of tasks under one routing (the live one or an evaluation table).
+"""Run the society over a list of tasks under one or more routings (the live one or evaluation tables).
 
 The evaluate and report stages use this; the rollouts stage has its own sharded, journaled loop
 over the train split. Same rollout code, same seeds per task id, so two models compared on the same
-tasks differ only in the model routed in.
+tasks differ only in the model routed in. Several societies (the champion and each candidate) run
+in one event loop under one concurrency bound, so the engine always has work in flight.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pipeline.config import Params
 from pipeline.traces.schema import Trace
 
 
-def run(params: Params, tasks: list[dict[str, Any]], table: dict[str, Any], routing: str | None, run_id: str,
-        score: bool, description: str) -> list[Trace]:
-    """One rollout per task (rollout id ``<task>-0``, exploration seed ``evaluate.seed``), with progress."""
+def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[dict[str, Any], str | None]], run_id: str,
+             score: bool, description: str) -> list[list[Trace]]:
+    """For each (routing table, evaluation routing name or None for live): one rollout per task
+    (rollout id ``<task>-0``, exploration seed ``evaluate.seed``); traces in task order per society."""
     from rich.progress import Progress
 
     from pipeline.agents.llm import RoleClient
@@ -26,26 +28,29 @@ def run(params: Params, tasks: list[dict[str, Any]], table: dict[str, Any], rout
 
     url, key = proxy.client_settings(params)
     cfg = params.evaluate
-    policy = supervisor_policy(params.model_copy(update={"agents": params.agents.model_copy(update={"supervisor_policy": "routed"})}), table)
+    routed = params.model_copy(update={"agents": params.agents.model_copy(update={"supervisor_policy": "routed"})})
+    policies = [supervisor_policy(routed, table) for table, _ in societies]
     tools = Toolbox(params.rollouts.index_dir, params.agents.search_top_k)
 
-    async def main(bar: Progress, task_id: Any) -> list[Trace]:
-        client = RoleClient(url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries, cfg.timeout_s,
-                            routing=routing)
+    async def main(bar: Progress, bar_id: Any) -> list[list[Trace]]:
         sem = asyncio.Semaphore(cfg.concurrency)
+        clients = [RoleClient(url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries, cfg.timeout_s,
+                              routing=routing) for _, routing in societies]
 
-        async def one(task: dict[str, Any]) -> Trace:
+        async def one(i: int, task: dict[str, Any]) -> Trace:
             ids = {"run_id": run_id, "shard": 0, "task_id": task["id"], "rollout_id": f"{task['id']}-0"}
             async with sem:
-                trace = await run_with_retries(params, client, tools, task, ids, table["version"], policy, cfg.timeout_s,
+                trace = await run_with_retries(params, clients[i], tools, task, ids, societies[i][0]["version"], policies[i], cfg.timeout_s,
                                                params.rollouts.retries, score=score, seed=cfg.seed)
-            bar.advance(task_id)
+            bar.advance(bar_id)
             return trace
 
         try:
-            return list(await asyncio.gather(*[one(t) for t in tasks]))
+            flat = await asyncio.gather(*[one(i, t) for i in range(len(societies)) for t in tasks])
         finally:
-            await client.aclose()
+            for c in clients:
+                await c.aclose()
+        return [list(flat[i * len(tasks):(i + 1) * len(tasks)]) for i in range(len(societies))]
 
     with Progress(transient=False) as bar:
-        return asyncio.run(main(bar, bar.add_task(description, total=len(tasks))))
+        return asyncio.run(main(bar, bar.add_task(description, total=len(tasks) * len(societies))))

@@ -13,7 +13,8 @@ versions, their targets, evaluation/agent/judge params, validation data and inde
 reused instead of run again.
 
 Outputs: ``<evaluate.out_dir>/summary.json`` (per role: both evaluations, the paired
-candidate-champion difference with its CI) and ``records/*.jsonl``; ``reports/evaluate.json``
+candidate-champion difference with its CI), ``records/*.jsonl`` and ``predictions/*.json``
+(PubMedQA's PMID -> yes/no/maybe format); ``reports/evaluate.json``
 (DVC metrics); the per-criterion chart ``reports/plots/evaluate.png``; tags ``eval.*`` on the
 versions.
 """
@@ -132,21 +133,24 @@ def _stored_trace(trace_id: str, attempts: int = 20) -> Any:
     raise RuntimeError(f"trace {trace_id} was logged but cannot be read back from the tracking server")
 
 
-def evaluate_society(params: Params, name: str, roles: dict[str, str], policies: dict[str, str], tasks: list[dict[str, Any]],
-                     tags: dict[str, str]) -> tuple[list[dict[str, Any]], str]:
-    """Run + score one society configuration as a nested MLflow run; returns (records, run id)."""
-    import mlflow
-
-    from pipeline import tracking
-    from pipeline.evaluation import society
+def _table(params: Params, name: str, roles: dict[str, str], policies: dict[str, str]) -> dict[str, Any]:
+    """Write an evaluation routing table and check every role answers through it."""
     from pipeline.serving import routing
-    from pipeline.traces.mlflow_traces import log_traces
 
     table = routing.write_eval(params, name, roles, policies)
     problems = routing.verify(params, table, routing=name)
     if problems:
         raise RuntimeError(f"evaluation routing {name} does not answer: {problems}")
-    traces = society.run(params, tasks, table, name, tracking.pipeline_run_id(), score=False, description=f"evaluate {name}")
+    return table
+
+
+def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], tasks: list[dict[str, Any]],
+          tags: dict[str, str]) -> tuple[list[dict[str, Any]], str]:
+    """Score one society's rollouts with MLflow's GenAI evaluation as a nested run; returns (records, run id)."""
+    import mlflow
+
+    from pipeline.traces.mlflow_traces import log_traces
+
     by_id = {t.rollout_id: t for t in traces}
     os.environ.setdefault("MLFLOW_GENAI_EVAL_MAX_WORKERS", str(params.evaluate.concurrency))
     with mlflow.start_run(run_name=f"eval {name}", nested=True, tags={"pipeline.kind": "evaluation", **tags}) as run:
@@ -203,38 +207,50 @@ def run(params: Params) -> dict[str, Any]:
     key = cache_key(params, champions, roles, policies, tasks)
     summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "champion_versions": {n: v.version for n, v in champions.items()},
                                "roles": {}}
-    champion_records: list[dict[str, Any]] | None = None
-    champion_run = None
+    # every society to run (name, table, tags, role, candidate version, target); the champion first unless cached
+    candidates = []
     for name, kind in params.promote.roles.items():
         cand = registry.by_alias(name, registry.CHALLENGER)
         if cand is None or cand.version == champions[name].version:
             print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
             continue
-        if champion_records is None:
-            champion_records = _cached(params, key)
-            if champion_records is None:
-                champion_records, champion_run = evaluate_society(params, _slug(f"champion-{key[:12]}"), roles, policies, tasks,
-                                                                  {"eval.key": key, "eval.role": "champion", "eval.champions": label})
-            else:
-                champion_run = "cached"
         where = registry.deploy(params, name, cand, roles.get(name))
         c_roles, c_policies = dict(roles), dict(policies)
         (c_roles if kind == "llm" else c_policies)[name] = where
-        records, run_id = evaluate_society(params, _slug(f"{name}-v{cand.version}-{key[:8]}"), c_roles, c_policies, tasks,
-                                           {"eval.role": name, "eval.version": str(cand.version), "eval.champions": label})
-        cfg = params.evaluate
-        champ = summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
+        slug = _slug(f"{name}-v{cand.version}-{key[:8]}")
+        candidates.append((slug, _table(params, slug, c_roles, c_policies),
+                           {"eval.role": name, "eval.version": str(cand.version), "eval.champions": label}, name, cand, where))
+    if not candidates:
+        return summary
+    champion_records, champion_run = _cached(params, key), "cached"
+    societies = list(candidates)
+    if champion_records is None:
+        slug = _slug(f"champion-{key[:12]}")
+        societies.insert(0, (slug, _table(params, slug, roles, policies), {"eval.key": key, "eval.role": "champion",
+                                                                            "eval.champions": label}, None, None, None))
+    from pipeline import tracking
+    from pipeline.evaluation import society
+
+    traces = society.run_many(params, tasks, [(s[1], s[0]) for s in societies], tracking.pipeline_run_id(), score=False,
+                              description=f"evaluate {len(societies)} societies x {len(tasks)} tasks")
+    scored = {s[0]: score(params, s[0], s[1], t, tasks, s[2]) for s, t in zip(societies, traces)}
+    if champion_records is None:
+        champion_records, champion_run = scored[societies[0][0]]
+    cfg = params.evaluate
+    champ = summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
+    for slug, _, _, name, cand, where in candidates:
+        records, run_id = scored[slug]
         mine = summarise(records, cfg.bootstrap, cfg.ci, cfg.seed)
         diff = paired_difference(records, champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
         summary["roles"][name] = {"champion": {"version": champions[name].version, "target": roles.get(name) or policies.get(name),
                                                "label": label, "metrics": champ, "run_id": champion_run},
                                   "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
                                   "difference": diff, "records": {"champion": champion_records, "candidate": records}}
-        mlflow.MlflowClient().set_model_version_tag(name, cand.version, "eval.reward", f"{mine['reward']['mean']:.4f}")
-        for k, v in {"eval.run": run_id, "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
+        client = mlflow.MlflowClient()
+        for k, v in {"eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
                      "eval.diff": f"{diff['mean']:+.4f}", "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]",
                      "eval.tasks": str(len(tasks))}.items():
-            mlflow.MlflowClient().set_model_version_tag(name, cand.version, k, v)
+            client.set_model_version_tag(name, cand.version, k, v)
         print(f"evaluate: {name} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion {champ['reward']['mean']:.3f}; "
               f"paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}); run {run_id}")
     return summary
@@ -243,9 +259,12 @@ def run(params: Params) -> dict[str, Any]:
 def write_outputs(params: Params, summary: dict[str, Any]) -> None:
     with atomic_dir(params.evaluate.out_dir) as tmp:
         (tmp / "records").mkdir()
+        (tmp / "predictions").mkdir()
         for role, entry in summary["roles"].items():
             for which, rows in entry.pop("records").items():
                 (tmp / "records" / f"{role}-{which}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+                # PubMedQA's own format (PMID -> yes/no/maybe), scorable by its evaluation.py
+                (tmp / "predictions" / f"{role}-{which}.json").write_text(json.dumps({r["task_id"]: answer(r["decision"]) for r in rows}, indent=1))
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     metrics = {role: {"candidate_version": int(e["candidate"]["version"]), "candidate_reward": e["candidate"]["metrics"]["reward"]["mean"],
                       "champion_reward": e["champion"]["metrics"]["reward"]["mean"], "diff": e["difference"]["mean"],

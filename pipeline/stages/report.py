@@ -32,7 +32,7 @@ def run(params: Params) -> dict[str, Any]:
 
     tasks = load_tasks(params, "test", params.report.limit)
     live = routing.active(params)
-    traces = society.run(params, tasks, live, None, tracking.pipeline_run_id(), score=True, description="report (test split)")
+    traces = society.run_many(params, tasks, [(live, None)], tracking.pipeline_run_id(), score=True, description="report (test split)")[0]
     records = [{"task_id": t.task_id, "label": t.label, "decision": t.decision, "status": t.status, "reward": t.reward or 0.0,
                 "scores": t.rewards, "turns": t.turns, "tokens": t.tokens, "latency_s": t.latency_s} for t in traces]
     predictions = {r["task_id"]: answer(r["decision"]) for r in records}
