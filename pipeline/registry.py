@@ -52,6 +52,13 @@ def set_alias(name: str, alias: str, version: str | int) -> None:
     _client().set_registered_model_alias(name, alias, str(version))
 
 
+def set_tags(name: str, version: str | int, tags: dict[str, Any]) -> None:
+    """Tag a version (evidence, decisions); values are stored as strings."""
+    client = _client()
+    for k, v in tags.items():
+        client.set_model_version_tag(name, str(version), k, str(v))
+
+
 def delete_alias(name: str, alias: str) -> None:
     _client().delete_registered_model_alias(name, alias)
 

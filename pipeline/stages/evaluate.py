@@ -195,8 +195,6 @@ def plot(summary: dict[str, Any]) -> None:
 
 
 def run(params: Params) -> dict[str, Any]:
-    import mlflow
-
     from pipeline import registry
     from pipeline.data.splits import load_tasks
 
@@ -246,11 +244,9 @@ def run(params: Params) -> dict[str, Any]:
                                                "label": label, "metrics": champ, "run_id": champion_run},
                                   "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
                                   "difference": diff, "records": {"champion": champion_records, "candidate": records}}
-        client = mlflow.MlflowClient()
-        for k, v in {"eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
-                     "eval.diff": f"{diff['mean']:+.4f}", "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]",
-                     "eval.tasks": str(len(tasks))}.items():
-            client.set_model_version_tag(name, cand.version, k, v)
+        registry.set_tags(name, cand.version, {
+            "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
+            "eval.diff": f"{diff['mean']:+.4f}", "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]", "eval.tasks": len(tasks)})
         print(f"evaluate: {name} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion {champ['reward']['mean']:.3f}; "
               f"paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}); run {run_id}")
     return summary

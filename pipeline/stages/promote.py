@@ -29,14 +29,6 @@ class PromotionError(RuntimeError):
     pass
 
 
-def _tag(name: str, version: str, tags: dict[str, Any]) -> None:
-    from mlflow import MlflowClient
-
-    client = MlflowClient()
-    for k, v in tags.items():
-        client.set_model_version_tag(name, version, k, str(v))
-
-
 def switch(params: Params, name: str, to: Any, description: str, record: bool = True) -> int:
     """Route role ``name`` to version ``to`` (new routing version, applied and verified), then move
     ``champion``; on any failure both stay as they were. Returns the routing version now live."""
@@ -66,7 +58,7 @@ def switch(params: Params, name: str, to: Any, description: str, record: bool = 
         routing.apply(params, live["version"])
         raise PromotionError(f"{name}: moving the champion alias failed ({exc}); routing restored to v{live['version']}") from exc
     if record:  # a rollback does not record what it replaced: rolling back twice must not undo itself
-        _tag(name, to.version, {"promotion.previous_champion": previous.version if previous else "",
+        registry.set_tags(name, to.version, {"promotion.previous_champion": previous.version if previous else "",
                                 "promotion.routing_version": number, "promotion.previous_routing_version": live["version"]})
     return number
 
@@ -92,13 +84,13 @@ def promote_role(params: Params, name: str, entry: dict[str, Any], current_champ
         try:
             out["routing_version"] = switch(params, name, cand, f"promote {name} v{cand.version}: {decision.detail}")
         except PromotionError as exc:
-            _tag(name, cand.version, {"promotion.decision": "failed", "promotion.rule": "deployment", "promotion.detail": str(exc)[:4000],
-                                      "promotion.run": mlflow.active_run().info.run_id})
+            registry.set_tags(name, cand.version, {"promotion.decision": "failed", "promotion.rule": "deployment", "promotion.detail": str(exc)[:4000],
+                                                   "promotion.run": mlflow.active_run().info.run_id})
             raise
         from pipeline.serving import routing
 
         mlflow.log_artifact(str(routing.version_path(params, out["routing_version"])), artifact_path="routing")
-    _tag(name, cand.version, {"promotion.decision": status, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
+    registry.set_tags(name, cand.version, {"promotion.decision": status, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
                               "promotion.run": mlflow.active_run().info.run_id,
                               "promotion.evidence": json.dumps({"candidate_run": entry["candidate"]["run_id"],
                                                                 "champion_run": entry["champion"]["run_id"],

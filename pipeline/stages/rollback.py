@@ -16,7 +16,7 @@ from pipeline.config import Params
 def rollback(params: Params, name: str) -> tuple[str, str, int]:
     """Returns (from version, to version, routing version now live)."""
     from pipeline import registry
-    from pipeline.stages.promote import PromotionError, _tag, switch
+    from pipeline.stages.promote import PromotionError, switch
 
     if name not in params.promote.roles:
         raise PromotionError(f"unknown role {name!r}; trainable roles are {list(params.promote.roles)}")
@@ -26,7 +26,7 @@ def rollback(params: Params, name: str) -> tuple[str, str, int]:
         raise PromotionError(f"{name}: champion v{current.version if current else '?'} was not put there by a promotion; nothing to roll back")
     number = switch(params, name, registry.get_version(name, previous), f"rollback {name} v{current.version} -> v{previous}",
                     record=False)
-    _tag(name, current.version, {"promotion.decision": "rolled_back"})
+    registry.set_tags(name, current.version, {"promotion.decision": "rolled_back"})
     return current.version, previous, number
 
 
