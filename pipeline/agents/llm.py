@@ -30,6 +30,11 @@ class RoleClient:
         self.json_retries = json_retries
         self._http = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
 
+    def endpoint(self, model: str) -> tuple[str, dict[str, str] | None]:
+        """(base URL, extra headers) a call for ``model`` goes to: the proxy for every role here; the RL
+        entry point overrides it to send the roles being trained through the Agent Lightning gateway."""
+        return self.base_url, None
+
     async def aclose(self) -> None:
         await self._http.aclose()
 
@@ -43,8 +48,9 @@ class RoleClient:
             body["metadata"] = {"routing": self.routing}
         t0 = time.perf_counter()
         span: dict[str, Any] = {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": messages}}
+        base_url, headers = self.endpoint(model)
         try:
-            resp = await self._http.post(f"{self.base_url}/chat/completions", json=body)
+            resp = await self._http.post(f"{base_url}/chat/completions", json=body, headers=headers)
         except httpx.HTTPError as exc:
             span["data"].update(ok=False, error=f"{type(exc).__name__}: {exc}", latency_s=time.perf_counter() - t0)
             spans.append(span)

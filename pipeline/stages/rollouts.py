@@ -65,7 +65,7 @@ def read_journal(path: Path) -> dict[str, str]:
     return done
 
 
-def _client_settings(params: Params) -> tuple[str, str, int | None]:
+def client_settings(params: Params) -> tuple[str, str, int | None]:
     from pipeline.serving import proxy, routing
 
     base = params.rollouts.llm_base_url  # load_params has already applied PIPELINE__ROLLOUTS__LLM_BASE_URL
@@ -88,7 +88,7 @@ async def run_shard(params: Params, shard: int, run_id: str, progress: Any = Non
     if shard_path(params, shard).exists() and not journal.exists():
         journal.touch()  # a finished shard is being rerun: start a fresh journal, replace the shard at the end
     done = read_journal(journal)
-    base_url, key, version = _client_settings(params)
+    base_url, key, version = client_settings(params)
     cfg = params.rollouts
     client = RoleClient(base_url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries, cfg.timeout_s)
     tools = Toolbox(cfg.index_dir, params.agents.search_top_k)

@@ -1,0 +1,80 @@
+"""Reward of one sampled senior completion, for GRPO on CPU (TRL) where the society is not re-run.
+
+value = ``validity`` x (1 schema-valid | 0.5 a JSON object that fails the schema)
+      + ``judge``    x the judge's weighted score of the completion (through the proxy, as in rollouts)
+      + ``alignment`` x (PI only) GO/NO-GO agrees with the task's yes/no label.
+
+A completion with no JSON object at all scores 0 and is not judged (the served policy decodes
+under the schema's guided decoding, so such text can never reach the society); a judge that fails,
+answers invalid JSON or exceeds ``ppo.reward.timeout_s`` scores ``judge.failure_score``. Every
+result carries its reason; nothing here raises into the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from pipeline.agents.llm import RoleClient
+from pipeline.config import Params
+from pipeline.rewards.judge import alignment, judge
+from pipeline.schemas import Hypothesis, PIDecision, Protocol
+
+SCHEMAS: dict[str, type[BaseModel]] = {"hypothesis_refiner": Hypothesis, "protocol_designer": Protocol, "principal_investigator": PIDecision}
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S)
+
+
+def completion_text(completion: Any) -> str:
+    """TRL hands conversational completions as message lists, standard ones as strings."""
+    if isinstance(completion, list):
+        return "".join(m.get("content") or "" for m in completion if isinstance(m, dict))
+    return str(completion or "")
+
+
+def parse(agent: str, text: str) -> tuple[float, BaseModel | dict[str, Any] | None, str]:
+    """(validity, parsed object, reason)."""
+    fenced = _FENCE.search(text)
+    body = fenced.group(1) if fenced else text
+    start, end = body.find("{"), body.rfind("}")
+    if start < 0 or end <= start:
+        return 0.0, None, "malformed: no JSON object in the completion"
+    try:
+        raw = json.loads(body[start : end + 1])
+    except json.JSONDecodeError as exc:
+        return 0.0, None, f"malformed: invalid JSON ({exc.msg} at char {exc.pos})"
+    if not isinstance(raw, dict):
+        return 0.0, None, "malformed: JSON is not an object"
+    schema = SCHEMAS.get(agent)
+    if schema is None:
+        return 0.5, raw, f"no schema known for agent {agent!r}"
+    try:
+        return 1.0, schema.model_validate(raw), f"valid {schema.__name__}"
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        return 0.5, raw, f"JSON but not a valid {schema.__name__}: {'.'.join(map(str, first['loc']))}: {first['msg']}"
+
+
+async def score(client: RoleClient, params: Params, agent: str, text: str, task: dict[str, Any]) -> dict[str, Any]:
+    w = params.ppo.reward
+    validity, obj, why = parse(agent, text)
+    out: dict[str, Any] = {"agent": agent, "validity": validity, "judge": None, "aligned": None, "reason": why}
+    if validity == 0.0:
+        return {**out, "value": 0.0}
+    data = obj.model_dump() if isinstance(obj, BaseModel) else obj
+    state = {"decision": data, "protocol": "(the PI's decision on the team's protocol)"} if agent == "principal_investigator" else {"protocol": data}
+    try:
+        res = await asyncio.wait_for(judge(client, params.judge, task, state, 1, []), w.timeout_s)
+        judged, judge_reason = float(res["reward"]), res["reason"]
+    except (asyncio.TimeoutError, TimeoutError):
+        judged, judge_reason = params.judge.failure_score, f"judge timed out after {w.timeout_s:g}s"
+    value = w.validity * validity + w.judge * judged
+    out.update(judge=judged, reason=f"{why}; judge: {judge_reason}")
+    if agent == "principal_investigator":
+        aligned = alignment((data or {}).get("decision"), task.get("final_decision"))["aligned"]
+        out["aligned"] = aligned
+        value += w.alignment * float(bool(aligned))
+    return {**out, "value": value}

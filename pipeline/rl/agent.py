@@ -1,0 +1,116 @@
+"""The agent entry point the Agent Lightning controller runs, once per rollout (``pipeline.rl.agent:SocietyAgent``).
+
+The controller starts a subprocess with ``AGL_OPENAI_BASE_URL`` (the gateway's per-rollout OpenAI
+base URL), ``AGL_EVENT_URL`` and ``AGL_KEY``, plus ``PUBMEDQA_TASK`` (the rollout's input as JSON,
+through the rollout config's ``env_map``). It runs the same LangGraph society as every other stage:
+
+- only calls for the roles being trained (``senior_researcher``: refiner, designer, PI) go through
+  the gateway, which records prompt/response token ids for the trainer; every other role, and the
+  judge, stays on the proxy's live champions. Nothing streams.
+- intermediate rewards (each structured output's validity, the judge's criteria) are posted as
+  ``society_reward`` events, the final reward as the one ``reward`` event, with its reason; a failed
+  or timed-out society still posts a (low) reward with the reason, so the trainer never waits on it.
+- before exiting it writes our trace line and the gateway's events for this rollout to the RL trace
+  store (``pipeline/rl/store.py``): a finished rollout survives the gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any
+
+import httpx
+
+from pipeline.agents.llm import RoleClient
+
+TASK_ENV = "PUBMEDQA_TASK"
+RUN_ENV = "PUBMEDQA_RL_RUN_ID"
+TRACE_DIR_ENV = "PUBMEDQA_RL_TRACE_DIR"  # set by pipeline.rl.gateway for the controller and its rollouts
+TRAINED_ROLES = ("senior_researcher",)
+_EVENT_URL = re.compile(r"^(?P<base>.*)/api/rollouts/(?P<rollout>[^/]+)/attempt/(?P<attempt>[^/]+)/events/?$")
+
+
+class GatewayClient(RoleClient):
+    """The proxy for every role except the trained ones, which go to the gateway (the policy being trained)."""
+
+    def __init__(self, *args: Any, gateway_url: str, gateway_key: str, trained: tuple[str, ...] = TRAINED_ROLES, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gateway_url = gateway_url.rstrip("/")
+        self.gateway_headers = {"Authorization": f"Bearer {gateway_key}"} if gateway_key else {"Authorization": ""}
+        self.trained = set(trained)
+
+    def endpoint(self, model: str) -> tuple[str, dict[str, str] | None]:
+        if model in self.trained:
+            return self.gateway_url, self.gateway_headers
+        return self.base_url, None
+
+
+def parse_task(raw: str) -> dict[str, Any]:
+    """The rollout input: ``{"task": {...}}``, ``{"task_json": "..."}`` (verl rows) or the task itself."""
+    value = json.loads(raw)
+    if isinstance(value, dict) and "task_json" in value:
+        value = json.loads(value["task_json"])
+    elif isinstance(value, dict) and isinstance(value.get("task"), dict):
+        value = value["task"]
+    if not isinstance(value, dict) or "question" not in value or "id" not in value:
+        raise ValueError(f"{TASK_ENV}: expected a PubMedQA task with 'id' and 'question', got {raw[:200]!r}")
+    return value
+
+
+def final_reward(trace: Any, failure_score: float) -> tuple[float, str]:
+    if trace.status != "ok":
+        return failure_score, f"rollout failed: {trace.error}"
+    if trace.reward is None:
+        return failure_score, "not judged"
+    judge_reason = next((s.data.get("reason") for s in trace.spans if s.kind == "reward" and s.name == "final"), "")
+    return float(trace.reward), f"judge: {judge_reason}"[:300]
+
+
+class SocietyAgent:
+    async def run(self) -> None:
+        from pipeline.agents.rollout import run_with_retries, supervisor_policy
+        from pipeline.agents.tools import Toolbox
+        from pipeline.config import load_params
+        from pipeline.rl import store
+        from pipeline.serving import routing
+        from pipeline.stages.rollouts import client_settings
+
+        event_url = os.environ["AGL_EVENT_URL"]
+        m = _EVENT_URL.match(event_url)
+        if m is None:
+            raise ValueError(f"AGL_EVENT_URL {event_url!r} is not <base>/api/rollouts/<id>/attempt/<id>/events")
+        key = os.environ.get("AGL_KEY", "")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        params = load_params()
+        task = parse_task(os.environ[TASK_ENV])
+        rollout_id = m["rollout"]
+        base_url, proxy_key, version = client_settings(params)
+        cfg = params.rollouts
+        client = GatewayClient(base_url, proxy_key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries,
+                               cfg.timeout_s, gateway_url=os.environ["AGL_OPENAI_BASE_URL"], gateway_key=key)
+        tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
+        policy = supervisor_policy(params, routing.active(params) if not params.rollouts.llm_base_url else None)
+        ids = {"run_id": os.environ.get(RUN_ENV, "agl"), "shard": 0, "task_id": str(task["id"]), "rollout_id": rollout_id}
+        try:
+            trace = await run_with_retries(params, client, tools, task, ids, version, policy, params.ppo.agl.rollout_timeout_s * 0.9, 0)
+        finally:
+            await client.aclose()
+        reward, reason = final_reward(trace, params.judge.failure_score)
+        with httpx.Client(headers=headers, timeout=60) as http:
+            for span in trace.spans:
+                if span.kind == "reward" and span.name != "final":
+                    http.post(event_url, json={"event_type": "society_reward", "data": {"name": span.name, **span.data}}).raise_for_status()
+            http.post(event_url, json={"event_type": "reward", "data": {"value": reward, "source": "agent", "reason": reason}}).raise_for_status()
+            events = http.get(f"{m['base']}/api/rollouts/{rollout_id}/events").raise_for_status().json()
+        store.write(os.environ.get(TRACE_DIR_ENV) or params.ppo.agl.trace_dir, {"rollout_id": rollout_id, "task_id": str(task["id"]), "status": "succeeded" if trace.status == "ok" else "failed",
+                                               "reward": reward, "reason": reason, "trace": trace.model_dump(mode="json"), "events": events,
+                                               "triplets": len(store.triplets(events)), "written_by": "agent", "persisted_at": time.time()})
+
+
+if __name__ == "__main__":  # a Kubernetes Job of the k8s runner (infra/k8s/templates/agl-rollout-job.yaml.j2) runs this
+    import asyncio
+
+    asyncio.run(SocietyAgent().run())

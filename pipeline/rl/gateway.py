@@ -1,0 +1,101 @@
+"""Start, supervise and stop Agent Lightning's ``agl-server`` (gateway + store) and ``agl-controller``.
+
+Both are Hydra apps of the control-plane environment; we pass only overrides, never the key (it
+stays in the environment: ``key=${oc.env:AGL_KEY}``), and point Hydra's run directory under
+``serving.home`` so nothing lands in the repository. ``Gateway.check()`` raises naming the process
+that died and the tail of its log; ``train_ppo`` calls it while the trainer runs.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config import Params
+from pipeline.envs import REPO_ROOT
+from pipeline.services.process import Service, ServiceError, free_port, http_ok, port_is_free, stop
+
+AGENT_CLASS = "pipeline.rl.agent:SocietyAgent"
+HOOKS_FILE = str(REPO_ROOT / "pipeline" / "rl" / "hooks.py")
+
+
+@dataclass
+class Gateway:
+    url: str
+    key: str
+    model_name: str
+    home: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                log = self.home / f"{name}.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                raise ServiceError(f"{name} exited with code {proc.returncode} (log {log}):\n{tail}")
+
+    def service(self, name: str) -> Service:
+        return Service(name, self.home)
+
+
+def _spawn(home: Path, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    home.mkdir(parents=True, exist_ok=True)
+    log = open(home / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,  # noqa: S603
+                            cwd=os.getcwd(), start_new_session=True)
+    log.close()
+    Service(name, home).pid_file.write_text(str(proc.pid))
+    return proc
+
+
+@contextmanager
+def running(params: Params, model_name: str, run_id: str = "agl", python: str | None = None,
+            trace_dir: str | Path | None = None) -> Iterator[Gateway]:
+    """agl-server + agl-controller (``ppo.agl.runner``) up for the block; both stopped after, whatever happened."""
+    cfg = params.ppo.agl
+    home = Path(params.serving.home).resolve() / "agl"
+    port = cfg.port if port_is_free(cfg.host, cfg.port) else free_port(cfg.host)
+    url = f"http://{cfg.host}:{port}"
+    key = os.environ.get(cfg.key_env) or secrets.token_urlsafe(24)
+    python = python or sys.executable
+    env = {**os.environ, "AGL_KEY": key, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           "PUBMEDQA_RL_TRACE_DIR": str(Path(trace_dir or cfg.trace_dir).resolve()), "PUBMEDQA_RL_RUN_ID": run_id}
+    hydra = [f"hydra.run.dir={home}/hydra", "hydra.output_subdir=null"]
+    gw = Gateway(url=url, key=key, model_name=model_name, home=home)
+    try:
+        gw.procs["agl-server"] = _spawn(home, "agl-server", [python, "-m", "agentlightning.server", f"host={cfg.host}", f"port={port}",
+                                                            "key=${oc.env:AGL_KEY}", f"default_proxy.model_name={model_name}", *hydra], env)
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while not http_ok(f"{url}/healthz"):
+            gw.check()
+            if time.monotonic() > deadline:
+                raise ServiceError(f"agl-server not healthy at {url}/healthz after {cfg.startup_timeout_s:.0f}s (log {home}/agl-server.log)")
+            time.sleep(0.3)
+        runner = [f"runner_type={cfg.runner}", f"agl_server.url={url}", "agl_server.key=${oc.env:AGL_KEY}"]
+        runner += ([f"local_runner.maximum_size={cfg.max_parallel}", f"local_runner.poll_interval={cfg.poll_s}"] if cfg.runner == "local"
+                   else [f"k8s_runner.poll_interval={cfg.poll_s}"])
+        gw.procs["agl-controller"] = _spawn(home, "agl-controller", [python, "-m", "agentlightning.controller", *runner, *hydra], env)
+        time.sleep(1.0)
+        gw.check()
+        yield gw
+    finally:
+        for name in ("agl-controller", "agl-server"):
+            if name in gw.procs:
+                stop(gw.service(name), grace_s=10)
+
+
+def rollout_config(params: Params) -> dict[str, object]:
+    """What each enqueued rollout carries for the controller: the agent class and the task in its env."""
+    cfg = params.ppo.agl
+    config: dict[str, object] = {"timeout_seconds": cfg.rollout_timeout_s,
+                                 "local": {"agent_class": AGENT_CLASS, "env_map": {"PUBMEDQA_TASK": "input"}}}
+    if cfg.runner == "k8s":
+        config["k8s"] = {"job_template": Path(cfg.job_template).read_text()}
+    return config

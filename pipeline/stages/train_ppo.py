@@ -1,0 +1,328 @@
+"""Online RL of the senior researchers (``datasets`` RL prompts -> adapter for ``senior_researcher``).
+
+One stage, two backends (``ppo.backend``; ``auto`` picks verl when a CUDA device and verl are there):
+
+- ``verl`` (GPU workers): LightningRL through Agent Lightning. ``agl-server`` (gateway + store) and
+  ``agl-controller`` run the society once per rollout (``pipeline.rl.agent``): only the senior
+  calls reach the policy being trained, each one a transition credited with the rollout's reward;
+  verl's trainer (``agentlightning.verl.run_ppo``, Hydra config generated from ``params.ppo`` by
+  ``pipeline.rl.verl_config``) updates it with GRPO (``algorithm: grpo``) or PPO with a critic
+  (``gae``). This process starts the three, supervises them (any one dying stops the others and
+  fails the stage naming it) and stops them. Every rollout lands in the RL trace store.
+- ``trl`` (CPU here): TRL ``GRPOTrainer`` + PEFT LoRA on the senior prompts the society actually
+  sent (``datasets`` -> ``rl/hf``); each prompt's group of sampled completions is scored by
+  ``pipeline.rewards.senior`` (schema validity + the judge through the proxy + PI alignment).
+
+Both leave ``adapter/`` (PEFT, what the vLLM worker hot-loads) under ``ppo.out_dir``, swapped in
+atomically; the control plane logs reward/KL curves, sampled completions and the adapter to MLflow
+and registers it as a ``senior_researcher`` version (``challenger``) with its lineage, so promotion
+hot-loads and routes it exactly like the SFT adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Params
+from pipeline.io import atomic_dir, write_json, write_text
+
+METRICS_FILE = Path("reports/train_ppo.json")
+CURVE_CSV = Path("reports/plots/ppo_reward.csv")
+CURVE_PNG = Path("reports/plots/ppo_reward.png")
+JUDGE_URL_ENV, JUDGE_KEY_ENV = "PPO_JUDGE_BASE_URL", "PPO_JUDGE_KEY"
+
+
+def data_dir(params: Params) -> Path:
+    return Path(params.datasets.out_dir) / "rl"
+
+
+def load_prompts(params: Params) -> list[dict[str, Any]]:
+    from datasets import load_from_disk
+
+    path = data_dir(params) / "hf"
+    if not (path / "dataset_info.json").exists():
+        raise FileNotFoundError(f"{path}: no senior RL prompts; run the datasets stage first")
+    rows = load_from_disk(str(path)).to_list()
+    if len(rows) < params.ppo.prompts_per_step:
+        raise ValueError(f"{path}: {len(rows)} senior prompts, ppo.prompts_per_step needs at least {params.ppo.prompts_per_step}")
+    return rows
+
+
+def pick_backend(params: Params) -> str:
+    import importlib.util
+
+    import torch
+
+    want = params.ppo.backend
+    gpu = torch.cuda.is_available()
+    if want == "verl" and not (gpu and importlib.util.find_spec("verl")):
+        raise RuntimeError("ppo.backend=verl needs a CUDA device and verl installed (the GPU worker image); use trl or auto")
+    if want == "verl" or (want == "auto" and gpu and importlib.util.find_spec("verl") and importlib.util.find_spec("agentlightning")):
+        return "verl"
+    return "trl"
+
+
+def resolve_backend(params: Params) -> str:
+    """``ppo.backend`` with ``auto`` decided by the model plane (the control plane has no torch)."""
+    if params.ppo.backend != "auto":
+        return params.ppo.backend
+    import subprocess
+
+    from pipeline.envs import model_python
+
+    probe = ("import importlib.util as u, torch; "
+             "print('verl' if torch.cuda.is_available() and u.find_spec('verl') and u.find_spec('agentlightning') else 'trl')")
+    out = subprocess.run([model_python(), "-c", probe], capture_output=True, text=True, check=False)  # noqa: S603
+    return out.stdout.strip() or "trl"
+
+
+# --- CPU: TRL GRPO on the senior prompts --------------------------------------------------------
+
+def make_reward(params: Params, log: list[dict[str, Any]]) -> Any:
+    """The GRPO reward function: one score per sampled completion, recorded with its reason in ``log``."""
+    from pipeline.agents.llm import RoleClient
+    from pipeline.rewards.senior import completion_text, score
+
+    url, key = os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV]
+
+    async def senior_reward(prompts: list[Any], completions: list[Any], agent: list[str], label: list[str], question: list[str],
+                            abstract: list[str], task_id: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
+        client = RoleClient(url, key, params.judge.max_tokens, params.agents.temperature, params.agents.json_retries, params.ppo.reward.timeout_s)
+        try:
+            texts = [completion_text(c) for c in completions]
+            results = await asyncio.gather(*[
+                score(client, params, a, t, {"id": tid, "question": q, "contexts": [ab], "final_decision": lab})
+                for a, t, tid, q, ab, lab in zip(agent, texts, task_id, question, abstract, label, strict=True)])
+        finally:
+            await client.aclose()
+        step = int(getattr(trainer_state, "global_step", 0) or 0) + 1
+        log.extend({"step": step, "task_id": tid, **r, "completion": t[:800]} for tid, r, t in zip(task_id, results, texts, strict=True))
+        return [float(r["value"]) for r in results]
+
+    return senior_reward
+
+
+def train_trl(params: Params) -> dict[str, Any]:
+    """Model plane: GRPO + LoRA, adapter saved atomically, metrics returned."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    cfg = params.ppo
+    rows = load_prompts(params)
+    columns = ("prompt", "agent", "label", "question", "abstract", "task_id")
+    train_ds = Dataset.from_list([{k: (r.get(k) or "") if k != "prompt" else r[k] for k in columns} for r in rows])
+    gpu = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=torch.bfloat16 if gpu else torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
+    lora = cfg.lora
+    peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    scored: list[dict[str, Any]] = []
+    out = Path(cfg.out_dir)
+    with atomic_dir(out) as tmp:
+        args = GRPOConfig(output_dir=str(tmp / "checkpoints"), max_steps=cfg.max_steps, per_device_train_batch_size=cfg.prompts_per_step * cfg.group_size,
+                          num_generations=cfg.group_size, max_completion_length=cfg.max_completion_tokens, learning_rate=cfg.learning_rate,
+                          beta=cfg.kl_coef, temperature=cfg.temperature, logging_steps=1, save_strategy="no", report_to="none",
+                          seed=cfg.seed, data_seed=cfg.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0, disable_tqdm=False,
+                          lr_scheduler_type="constant", warmup_steps=0)
+        trainer = GRPOTrainer(model=model, reward_funcs=[make_reward(params, scored)], args=args, train_dataset=train_ds,
+                              processing_class=tokenizer, peft_config=peft)
+        t0 = time.perf_counter()
+        result = trainer.train()
+        seconds = time.perf_counter() - t0
+        trainer.model.save_pretrained(str(tmp / "adapter"))
+        tokenizer.save_pretrained(str(tmp / "adapter"))
+        import shutil
+
+        shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
+        history = [h for h in trainer.state.log_history if "step" in h]
+        write_json(tmp / "log_history.json", history)
+        write_text(tmp / "completions.jsonl", "".join(json.dumps(r) + "\n" for r in scored))
+        steps = [h for h in history if "reward" in h]
+        reasons: dict[str, int] = {}
+        for r in scored:
+            key = r["reason"].split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+        metrics = {"backend": "trl", "algorithm": "grpo", "device": "cuda" if gpu else "cpu", "steps": result.global_step,
+                   "prompts": len(rows), "completions_scored": len(scored), "train_seconds": round(seconds, 2),
+                   "seconds_per_step": round(seconds / max(1, result.global_step), 2),
+                   "reward_first": steps[0]["reward"] if steps else None, "reward_last": steps[-1]["reward"] if steps else None,
+                   "reward_mean": sum(r["value"] for r in scored) / len(scored) if scored else None,
+                   "kl_last": next((h["kl"] for h in reversed(steps) if "kl" in h), None),
+                   "valid_fraction": sum(r["validity"] == 1.0 for r in scored) / len(scored) if scored else None,
+                   "reward_reasons": reasons, "base_model": str(Path(cfg.base_model).resolve())}
+        write_json(tmp / "train_meta.json", metrics)
+    return metrics
+
+
+# --- GPU: verl through Agent Lightning --------------------------------------------------------------
+
+def train_verl(params: Params, run_id: str) -> dict[str, Any]:
+    """Control plane: gateway + controller + verl trainer, supervised; the adapter from verl's last checkpoint."""
+    import subprocess
+
+    from pipeline.envs import REPO_ROOT, model_python
+    from pipeline.rl import gateway, store
+    from pipeline.rl.verl_config import adapter_from_checkpoint
+
+    cfg = params.ppo
+    policy_name = str(Path(cfg.base_model).resolve())  # verl registers its rollout servers under the model path
+    ckpt = Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".checkpoints").resolve()
+    with gateway.running(params, policy_name, run_id=run_id) as gw:
+        env = {**os.environ, "AGL_BASE_URL": gw.url, "AGL_KEY": gw.key, "PUBMEDQA_RL_CHECKPOINTS": str(ckpt),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        argv = [model_python(), "-m", "pipeline.rl.verl_main"] + (["--params", os.environ["PIPELINE_PARAMS"]] if os.environ.get("PIPELINE_PARAMS") else [])
+        t0 = time.perf_counter()
+        trainer = subprocess.Popen(argv, env=env, start_new_session=True)  # noqa: S603 - fixed argv
+        try:
+            while trainer.poll() is None:
+                gw.check()  # a dead gateway/controller would leave the trainer waiting for rollouts forever
+                time.sleep(5)
+        except BaseException:
+            import signal
+
+            os.killpg(trainer.pid, signal.SIGTERM)
+            trainer.wait(60)
+            raise
+        if trainer.returncode != 0:
+            raise RuntimeError(f"verl trainer exited with code {trainer.returncode} (its output is above)")
+        seconds = time.perf_counter() - t0
+    with atomic_dir(Path(cfg.out_dir)) as tmp:
+        adapter_from_checkpoint(ckpt, tmp / "adapter")
+        recs = store.records(cfg.agl.trace_dir)
+        rewards = [r["reward"] for r in recs if r.get("reward") is not None]
+        metrics = {"backend": "verl", "algorithm": cfg.algorithm, "device": "cuda", "steps": cfg.max_steps, "train_seconds": round(seconds, 2),
+                   "seconds_per_step": round(seconds / cfg.max_steps, 2), "rollouts": len(recs), "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+                   "base_model": policy_name}
+        write_json(tmp / "train_meta.json", metrics)
+        write_json(tmp / "log_history.json", json.loads((ckpt / "metrics.json").read_text()) if (ckpt / "metrics.json").exists() else [])
+    return metrics
+
+
+# --- control plane: MLflow + registry -------------------------------------------------------------------
+
+def _log_curves(history: list[dict[str, Any]]) -> None:
+    from pipeline.plots import png
+
+    rows = [h for h in history if "reward" in h]
+    write_text(CURVE_CSV, "step,reward,kl\n" + "".join(f"{h['step']},{h['reward']},{h.get('kl', '')}\n" for h in rows))
+    with png(CURVE_PNG) as ax:
+        steps = [h["step"] for h in rows]
+        ax.plot(steps, [h["reward"] for h in rows], "o-", label="mean reward of sampled completions")
+        if any("kl" in h for h in rows):
+            ax.plot(steps, [h.get("kl", float("nan")) for h in rows], "s--", label="KL to the base policy")
+        ax.set_xlabel("step")
+        ax.set_title("senior_researcher GRPO")
+        ax.legend()
+
+
+def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
+    import mlflow
+
+    from pipeline import lineage, registry
+
+    cfg = params.ppo
+    out = Path(cfg.out_dir)
+    history = json.loads((out / "log_history.json").read_text())
+    mlflow.log_params({**{k: v for k, v in cfg.model_dump().items() if k not in ("lora", "reward", "agl", "verl_overrides")},
+                       **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()},
+                       **{f"reward.{k}": v for k, v in cfg.reward.model_dump().items()}, "backend_used": metrics["backend"]})
+    for h in history:
+        vals = {k.replace("/", "."): float(v) for k, v in h.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if vals:
+            mlflow.log_metrics(vals, step=int(h["step"]))
+    mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    _log_curves(history)
+    mlflow.log_artifact(str(CURVE_PNG), artifact_path="plots")
+    if (out / "completions.jsonl").exists():
+        scored = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+        if scored:
+            mlflow.log_table({k: [r.get(k) for r in scored] for k in ("step", "agent", "task_id", "value", "validity", "judge", "aligned", "reason", "completion")},
+                             artifact_file="completions.json")
+    mlflow.log_artifacts(str(out / "adapter"), artifact_path="adapter")
+    rows = [{"run_id": r.get("run_id", "")} for r in load_prompts(params)]
+    tags = lineage.tags(run, data_dir(params), rows, params.rollouts.out_dir, role=cfg.role, kind="lora_adapter",
+                        backend=metrics["backend"], algorithm=metrics["algorithm"],
+                        **{"lineage.base_model": params.models.base.source, "lineage.base_model_path": cfg.base_model,
+                           "lineage.base_model_md5": lineage.dvc_md5(cfg.base_model)})
+    return registry.register_candidate(params, cfg.role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags,
+                                       description=f"LoRA adapter for the {cfg.role} role (online RL on the society's rollouts)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--in-model-plane", action="store_true", help=argparse.SUPPRESS)
+
+
+def _summary(m: dict[str, Any]) -> str:
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    return (f"train_ppo [{m['backend']}/{m['algorithm']}/{m['device']}]: {m['steps']} steps, {m['seconds_per_step']} s/step, reward "
+            f"{fmt(m.get('reward_first'))} -> {fmt(m.get('reward_last'))} (mean {fmt(m.get('reward_mean'))}), KL {fmt(m.get('kl_last'))}, "
+            f"reasons {m.get('reward_reasons', {})}")
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    from pipeline.envs import in_model_plane, run_in_model_plane
+
+    if args.in_model_plane or in_model_plane():
+        try:
+            backend = pick_backend(params)
+            if backend == "verl":
+                raise RuntimeError("the verl backend is driven from the control plane (`python -m pipeline train-ppo`)")
+            metrics = train_trl(params)
+        except (FileNotFoundError, ValueError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        write_json(METRICS_FILE, metrics)
+        # the CPU path's training samples are its scored completions: into the RL trace store with them
+        from pipeline.io import atomic_path
+        import shutil
+
+        with atomic_path(Path(params.ppo.agl.trace_dir) / "grpo-completions.jsonl") as dest:
+            shutil.copyfile(Path(params.ppo.out_dir) / "completions.jsonl", dest)
+        print(_summary(metrics))
+        return 0
+    try:  # fail fast, before paying for torch or services, on data that cannot train
+        load_prompts(params)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    from pipeline.serving import stack
+
+    url, key = stack.ensure(params)  # the judge scores completions through the proxy
+    os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV] = url, os.environ.get("LLM_API_KEY", key)
+    gpu_backend = resolve_backend(params) == "verl"
+    argv = (["--params", args.params_path] if args.params_path else []) + ["train-ppo", "--in-model-plane"]
+    from pipeline import tracking
+
+    if args.no_mlflow and not gpu_backend:
+        return run_in_model_plane(argv)
+    with tracking.stage_run("train_ppo", params) as run:
+        import mlflow
+
+        if gpu_backend:
+            try:
+                metrics = train_verl(params, run.info.run_id)
+            except Exception as exc:  # noqa: BLE001 - the stage fails with the cause, services already stopped
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            write_json(METRICS_FILE, metrics)
+            print(_summary(metrics))
+        else:
+            rc = run_in_model_plane(argv)
+            if rc != 0:
+                return rc
+            metrics = json.loads(METRICS_FILE.read_text())
+        version = log_and_register(params, metrics, mlflow.get_run(run.info.run_id))
+        mlflow.log_artifact(str(METRICS_FILE))
+        print(f"registered {params.ppo.role} version {version.version} (models:/{params.ppo.role}/{version.version})")
+    return 0
