@@ -154,16 +154,40 @@ def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
     assert cycle["run_id"] in v.tags["lineage.trace_runs"]
 
 
-def test_adapter_hot_loads_and_answers_for_its_role_through_the_proxy(cycle: dict) -> None:
-    v = _version(cycle, "junior_researcher")
-    name = f"junior_researcher-v{v.version}-by-hand"  # evaluate may have loaded junior_researcher-v<N> already
-    loaded = _pipeline(cycle, "serve", "load-lora", "--worker", "base", "--name", name, "--path", "models/sft/junior_researcher/adapter")
+def test_ppo_logs_reward_and_kl_curves_and_registers_a_senior_version(cycle: dict) -> None:
+    clone = cycle["clone"]
+    metrics = json.loads((clone / "reports/train_ppo.json").read_text())
+    assert metrics["backend"] == "trl" and metrics["steps"] == 2 and metrics["completions_scored"] == 2 * 2 * 2
+    assert sum(metrics["reward_reasons"].values()) == metrics["completions_scored"]  # every reward has its reason
+    run = _children(cycle)["train_ppo"]
+    import mlflow
+
+    client = mlflow.MlflowClient(cycle["mlflow"])
+    for curve in ("reward", "kl"):
+        assert len(client.get_metric_history(run.info.run_id, curve)) == 2, curve
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)} | {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert {"completions.json", "plots/ppo_reward.png", "adapter"} <= artifacts
+    local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="completions.json", tracking_uri=cycle["mlflow"])
+    table = json.loads(Path(local).read_text())
+    assert len(table["data"]) == metrics["completions_scored"] and "reason" in table["columns"]
+    v = _version(cycle, "senior_researcher")
+    assert v.tags["kind"] == "lora_adapter" and v.tags["lineage.training_run"] == run.info.run_id
+    assert v.tags["lineage.dataset_md5"] == _lock_md5(clone, "datasets", "data/datasets/rl")
+    assert (clone / "data/rl_traces/grpo-completions.jsonl").exists()
+
+
+@pytest.mark.parametrize("role,adapter", [("junior_researcher", "models/sft/junior_researcher/adapter"),
+                                          ("senior_researcher", "models/ppo/senior_researcher/adapter")])
+def test_adapter_hot_loads_and_answers_for_its_role_through_the_proxy(cycle: dict, role: str, adapter: str) -> None:
+    v = _version(cycle, role)
+    name = f"{role}-v{v.version}-by-hand"  # evaluate may have loaded <role>-v<N> already
+    loaded = _pipeline(cycle, "serve", "load-lora", "--worker", "base", "--name", name, "--path", adapter)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     routing_dir = cycle["clone"].parent / "routing"  # not the clone's tracked serving/routing
     routing_dir.mkdir(exist_ok=True)
     (routing_dir / "v1.yaml").write_text((cycle["clone"] / "serving/routing/v1.yaml").read_text())
     env = {"PIPELINE__SERVING__ROUTING_DIR": str(routing_dir)}
-    new = _pipeline(cycle, "route", "new", "--set", f"junior_researcher=base/{name}", "--description", "SFT adapter", **env)
+    new = _pipeline(cycle, "route", "new", "--set", f"{role}=base/{name}", "--description", f"{role} adapter", **env)
     assert new.returncode == 0, new.stdout + new.stderr
     number = new.stdout.split("--version ")[1].split("`")[0]
     before = json.loads(_pipeline(cycle, "route", "status").stdout)["active"]["version"]
@@ -177,7 +201,7 @@ def test_adapter_hot_loads_and_answers_for_its_role_through_the_proxy(cycle: dic
         url, _ = proxy.client_settings(params)
         key = (cycle["clone"] / ".secrets/proxy_key").read_text().strip()
         resp = httpx.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
-                          json={"model": "junior_researcher", "max_tokens": 16, "messages": [{"role": "user", "content": "Name one gene."}]})
+                          json={"model": role, "max_tokens": 16, "messages": [{"role": "user", "content": "Name one gene."}]})
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-litellm-model-name"] == f"hosted_vllm/{name}"
         assert resp.headers["x-litellm-model-group"] == f"base/{name}"

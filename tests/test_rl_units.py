@@ -33,8 +33,10 @@ def test_parse_grades_schema_validity() -> None:
     assert senior.parse("principal_investigator", ok)[0] == 1.0
     validity, obj, why = senior.parse("principal_investigator", '{"decision": "MAYBE", "rationale": "x"}')
     assert validity == 0.5 and obj == {"decision": "MAYBE", "rationale": "x"} and "not a valid PIDecision" in why
-    assert senior.parse("protocol_designer", "Here is a protocol: step one...")[0:3:2] == (0.0, "malformed: no JSON object in the completion")
-    assert senior.parse("protocol_designer", '{"title": "cut off')[0] == 0.0
+    assert senior.parse("protocol_designer", "Here is a protocol: step one...")[0:3:2] == (
+        0.0, "malformed: no JSON object in the completion (0/5 Protocol fields named)")
+    cut = senior.parse("principal_investigator", '{"decision": "GO", "rati')  # truncated at the token cap
+    assert cut[0] == 0.25 and cut[1] is None and cut[2].startswith("malformed") and "1/2 PIDecision fields" in cut[2]
     assert senior.completion_text([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]) == "ab"
 
 
@@ -42,10 +44,12 @@ def _client(port: int) -> senior.RoleClient:
     return senior.RoleClient(f"http://127.0.0.1:{port}/v1", "k", json_retries=0, timeout_s=30)
 
 
-def test_malformed_completion_scores_zero_without_calling_the_judge(params) -> None:
+def test_malformed_completion_scores_low_without_calling_the_judge(params) -> None:
     # port 9 (discard) is never listened on here: any judge call would fail loudly in the reason
     out = asyncio.run(senior.score(_client(9), params, "protocol_designer", "no json at all", TASK))
     assert out["value"] == 0.0 and out["judge"] is None and out["reason"].startswith("malformed")
+    out = asyncio.run(senior.score(_client(9), params, "principal_investigator", 'Sure! {"decision": "GO", "rat', TASK))
+    assert out["value"] == pytest.approx(params.ppo.reward.validity * 0.25) and out["judge"] is None
 
 
 def test_judge_failure_and_timeout_are_low_rewards_with_reasons(params) -> None:

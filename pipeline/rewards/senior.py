@@ -1,11 +1,13 @@
 """Reward of one sampled senior completion, for GRPO on CPU (TRL) where the society is not re-run.
 
-value = ``validity`` x (1 schema-valid | 0.5 a JSON object that fails the schema)
+value = ``validity`` x (1 schema-valid | 0.5 a JSON object that fails the schema
+                       | 0.5 x the share of the schema's fields named in text that is not JSON)
       + ``judge``    x the judge's weighted score of the completion (through the proxy, as in rollouts)
       + ``alignment`` x (PI only) GO/NO-GO agrees with the task's yes/no label.
 
-A completion with no JSON object at all scores 0 and is not judged (the served policy decodes
-under the schema's guided decoding, so such text can never reach the society); a judge that fails,
+Text that is not a JSON object is not judged (the served policy decodes under the schema's guided
+decoding, so such text can never reach the society); it keeps partial credit for the schema fields it
+names, so unguided sampling from a small model still gives GRPO groups whose rewards differ; a judge that fails,
 answers invalid JSON or exceeds ``ppo.reward.timeout_s`` scores ``judge.failure_score``. Every
 result carries its reason; nothing here raises into the trainer.
 """
@@ -35,17 +37,28 @@ def completion_text(completion: Any) -> str:
     return str(completion or "")
 
 
+def _fields_named(agent: str, text: str) -> tuple[float, str]:
+    schema = SCHEMAS.get(agent)
+    if schema is None:
+        return 0.0, ""
+    names = list(schema.model_fields)
+    found = sum(f'"{n}"' in text for n in names)
+    return 0.5 * found / len(names), f" ({found}/{len(names)} {schema.__name__} fields named)"
+
+
 def parse(agent: str, text: str) -> tuple[float, BaseModel | dict[str, Any] | None, str]:
-    """(validity, parsed object, reason)."""
+    """(validity, parsed object or None, reason); a reason starting ``malformed`` means "not judged"."""
     fenced = _FENCE.search(text)
     body = fenced.group(1) if fenced else text
     start, end = body.find("{"), body.rfind("}")
     if start < 0 or end <= start:
-        return 0.0, None, "malformed: no JSON object in the completion"
+        partial, named = _fields_named(agent, text)
+        return partial, None, f"malformed: no JSON object in the completion{named}"
     try:
         raw = json.loads(body[start : end + 1])
     except json.JSONDecodeError as exc:
-        return 0.0, None, f"malformed: invalid JSON ({exc.msg} at char {exc.pos})"
+        partial, named = _fields_named(agent, text)
+        return partial, None, f"malformed: invalid JSON ({exc.msg} at char {exc.pos}){named}"
     if not isinstance(raw, dict):
         return 0.0, None, "malformed: JSON is not an object"
     schema = SCHEMAS.get(agent)
@@ -62,8 +75,8 @@ async def score(client: RoleClient, params: Params, agent: str, text: str, task:
     w = params.ppo.reward
     validity, obj, why = parse(agent, text)
     out: dict[str, Any] = {"agent": agent, "validity": validity, "judge": None, "aligned": None, "reason": why}
-    if validity == 0.0:
-        return {**out, "value": 0.0}
+    if obj is None:  # not JSON: never judged
+        return {**out, "value": w.validity * validity}
     data = obj.model_dump() if isinstance(obj, BaseModel) else obj
     state = {"decision": data, "protocol": "(the PI's decision on the team's protocol)"} if agent == "principal_investigator" else {"protocol": data}
     try:
