@@ -17,7 +17,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pendulum
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Asset, Param, TaskGroup, dag, task
+from airflow.timetables.assets import AssetOrTimeSchedule
+from airflow.timetables.trigger import CronTriggerTimetable
 
 PROJECT_ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent))
 
@@ -25,8 +27,77 @@ GPU_POOL = "gpu"  # created by `python -m pipeline services up airflow`; size it
 STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_ppo", "train_bandit",
           "evaluate", "promote", "report"]
 
+# Whoever refreshes the source data emits an event on this asset (a producer DAG with
+# ``outlets=[SOURCE_DATA]``, or ``POST /api/v2/assets/events``): the loop then runs without waiting for Monday.
+SOURCE_DATA = Asset(name="pubmedqa_source_data", uri=os.environ.get("PIPELINE_SOURCE_ASSET_URI", "pubmedqa://pqa-l/source"))
+
+# UI-triggered run Params -> the PIPELINE__ overrides every stage's load_params() reads (None = params.yaml)
+RUN_PARAMS = {
+    "shards": "PIPELINE__ROLLOUTS__SHARDS",
+    "tasks": "PIPELINE__ROLLOUTS__LIMIT",
+    "samples_per_task": "PIPELINE__ROLLOUTS__SAMPLES_PER_TASK",
+    "eval_limit": "PIPELINE__EVALUATE__LIMIT",
+    "margin": "PIPELINE__PROMOTE__MARGIN",
+    "dry_run": "PIPELINE__PROMOTE__DRY_RUN",
+}
+TRAINERS = {"sft": "train-sft", "ppo": "train-ppo", "bandit": "train-bandit"}
+
+
+def _apply_run_params(ctx: dict) -> None:
+    """Point this process at the project, the pipeline run and the run's Param overrides."""
+    import re
+
+    os.chdir(PROJECT_ROOT)
+    os.environ["PIPELINE_RUN_ID"] = re.sub(r"[^A-Za-z0-9_.-]", "_", ctx["run_id"])
+    params = ctx["params"]
+    if params.get("data_source"):
+        os.environ["PIPELINE__DATA__SOURCE"] = params["data_source"]
+    for name, env in RUN_PARAMS.items():
+        value = params.get(name)
+        if value is not None:
+            os.environ[env] = str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _record_failure(context: dict) -> None:
+    """on_failure_callback: the failed task (and why) on the MLflow parent run; never raises."""
+    ti = context["ti"]
+    try:
+        _apply_run_params(context)
+        from pipeline.cli import main
+
+        main(["--params", context["params"]["params_file"], "run", "fail", "--task", ti.task_id,
+              "--error", repr(context.get("exception"))[:2000], "--try-number", str(ti.try_number)])
+    except Exception as exc:  # noqa: BLE001 - a callback must not mask the task's own failure
+        print(f"could not record the failure of {ti.task_id} in MLflow: {exc}")
+
+
+GROUP_DOCS = {
+    "prepare": "**prepare**: ingest PubMedQA PQA-L, validate it with great-expectations (a failed expectation fails "
+               "the run, no retry), materialise the base model for the vLLM workers, build the tools' BM25 index.",
+    "collect": "**collect**: the society on the train split in mapped shards (`shards` Param), traces into the DVC "
+               "trace store, then the per-role training data (`datasets`).",
+    "train": "**train**: `train_sft` (junior_researcher LoRA), `train_ppo` (senior_researcher online RL), "
+             "`train_bandit` (supervisor policy); each registers a `challenger` in MLflow. The `trainers` Param "
+             "picks which run; the others are skipped.",
+    "decide": "**decide**: each challenger against its champion on the validation split (`eval_limit`), the "
+              "judge-gated promotion (`margin`, `dry_run`), the decision printed by `promotion_gate`, and the test "
+              "split report when a champion changed.",
+    "record": "**record**: `dvc commit` + `dvc push` of what ran, then the MLflow parent run closed as FINISHED or FAILED.",
+}
+
+
+def _train(name: str) -> None:
+    from airflow.sdk import get_current_context
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    if name not in get_current_context()["params"]["trainers"]:
+        raise AirflowSkipException(f"trainer {name!r} is not in this run's `trainers` Param")
+    _run_stage(TRAINERS[name])
+
+
 DEFAULT_ARGS = {
     "owner": "ml-platform",
+    "on_failure_callback": _record_failure,
     "retries": 2,
     "retry_delay": timedelta(seconds=30),
     "retry_exponential_backoff": True,
@@ -36,17 +107,11 @@ DEFAULT_ARGS = {
 
 def _run_stage(stage: str, *extra: str) -> None:
     """Run one pipeline stage in-process through the CLI, from the project root."""
-    import re
-
-    from airflow.sdk.exceptions import AirflowFailException
     from airflow.sdk import get_current_context
+    from airflow.sdk.exceptions import AirflowFailException
 
     ctx = get_current_context()
-    os.chdir(PROJECT_ROOT)
-    os.environ["PIPELINE_RUN_ID"] = re.sub(r"[^A-Za-z0-9_.-]", "_", ctx["run_id"])
-    source = ctx["params"].get("data_source")
-    if source:
-        os.environ["PIPELINE__DATA__SOURCE"] = source
+    _apply_run_params(ctx)
     from pipeline.cli import main
 
     rc = main(["--params", ctx["params"]["params_file"], stage, *extra])
@@ -59,7 +124,8 @@ def _run_stage(stage: str, *extra: str) -> None:
 @dag(
     dag_id="agent_retraining",
     description="Self-improvement loop of the PubMedQA research society",
-    schedule="@weekly",
+    # weekly (Monday 03:00 UTC), or as soon as the source data is updated
+    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 1", timezone="UTC"), assets=[SOURCE_DATA]),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
@@ -70,6 +136,14 @@ def _run_stage(stage: str, *extra: str) -> None:
         "params_file": Param("params.yaml", type="string", description="params file, relative to the project root"),
         "data_source": Param(None, type=["null", "string"],
                              description="override data.source: path, hf://id, http(s):// or s3:// (empty = params.yaml)"),
+        "shards": Param(None, type=["null", "integer"], minimum=1, description="rollout shards (mapped tasks); empty = rollouts.shards"),
+        "tasks": Param(None, type=["null", "integer"], minimum=1, description="train questions rolled out; empty = rollouts.limit"),
+        "samples_per_task": Param(None, type=["null", "integer"], minimum=1, description="rollouts per question (the GRPO/SFT group)"),
+        "trainers": Param(["sft", "ppo", "bandit"], type="array", items={"type": "string", "enum": list(TRAINERS)},
+                          description="which trainers run: sft (juniors), ppo (seniors), bandit (supervisor)"),
+        "eval_limit": Param(None, type=["null", "integer"], minimum=1, description="validation questions per model compared"),
+        "margin": Param(None, type=["null", "number"], minimum=0, description="reward margin a challenger must beat its champion by"),
+        "dry_run": Param(None, type=["null", "boolean"], description="true: evaluate and decide, never promote"),
     },
 )
 def agent_retraining() -> None:
@@ -101,8 +175,9 @@ def agent_retraining() -> None:
 
         from pipeline.config import load_params
 
-        os.chdir(PROJECT_ROOT)
-        return list(range(load_params(get_current_context()["params"]["params_file"]).rollouts.shards))
+        ctx = get_current_context()
+        _apply_run_params(ctx)  # the `shards` Param, if set, decides how many mapped tasks there are
+        return list(range(load_params(ctx["params"]["params_file"]).rollouts.shards))
 
     @task(queue="gpu", max_active_tis_per_dagrun=2, map_index_template="shard {{ task.op_kwargs['shard'] }}")
     def rollouts(shard: int) -> None:
@@ -121,19 +196,19 @@ def agent_retraining() -> None:
     @task(queue="gpu", pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=6))
     def train_sft() -> None:
         """LoRA SFT of junior_researcher: unsloth on a GPU worker, TRL on CPU; registers a model version."""
-        _run_stage("train-sft")
+        _train("sft")
 
     @task(queue="gpu", pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=12))
     def train_ppo() -> None:
         """Online RL of senior_researcher: verl via Agent Lightning on a GPU worker, TRL GRPO on CPU; registers a version."""
-        _run_stage("train-ppo")
+        _train("ppo")
 
     @task
     def train_bandit() -> None:
         """VW contextual bandit for the supervisor + off-policy evaluation; registers supervisor_policy."""
-        _run_stage("train-bandit")
+        _train("bandit")
 
-    @task(queue="gpu")
+    @task(queue="gpu", trigger_rule="none_failed_min_one_success")  # a trainer left out by the `trainers` Param is skipped
     def evaluate() -> None:
         """Each role's challenger vs its champion on the validation split (MLflow GenAI evaluation)."""
         _run_stage("evaluate")
@@ -152,6 +227,22 @@ def agent_retraining() -> None:
         for role, d in result["decisions"].items():
             print(f"{role} v{d['candidate']}: {d['status']} ({d['rule']}): {d['detail']}")
         print(f"champions {result['champions']}; routing version {result['routing_version']} live")
+        try:  # where to look: the pipeline run's parent run in MLflow (its children are the stage runs)
+            from airflow.sdk import get_current_context
+
+            from pipeline import tracking
+            from pipeline.config import load_params
+
+            ctx = get_current_context()
+            _apply_run_params(ctx)
+            params = load_params(ctx["params"]["params_file"])
+            uri, parent = tracking.setup(params), tracking.parent_run(params)
+            import mlflow
+
+            exp = mlflow.get_experiment_by_name(params.mlflow.experiment).experiment_id
+            print(f"MLflow: {uri}/#/experiments/{exp}/runs/{parent}")
+        except Exception as exc:  # noqa: BLE001 - a missing link must not fail the branch
+            print(f"MLflow link unavailable: {exc}")
         return "report" if result["promoted"] else "not_promoted"
 
     @task(queue="gpu")
@@ -171,9 +262,11 @@ def agent_retraining() -> None:
 
         from airflow.sdk import get_current_context
 
-        reported = get_current_context()["ti"].xcom_pull(task_ids="promotion_gate") == "report"
+        ctx = get_current_context()
+        reported = ctx["ti"].xcom_pull(task_ids="promotion_gate") == "report"
+        skipped = {f"train_{t}" for t in TRAINERS if t not in ctx["params"]["trainers"]} | (set() if reported else {"report"})
         dvc = [sys.executable, "-m", "dvc"]
-        stages = [s for s in STAGES if reported or s != "report"]
+        stages = [s for s in STAGES if s not in skipped]
         subprocess.run([*dvc, "commit", "--force", *stages], cwd=PROJECT_ROOT, check=True)
         subprocess.run([*dvc, "push"], cwd=PROJECT_ROOT, check=True)
 
@@ -188,14 +281,19 @@ def agent_retraining() -> None:
         _run_stage("run", "close", "--status", "FAILED" if failed else "FINISHED")
 
     run = open_run()
-    versioned = version_outputs()
-    validated = run >> ingest() >> validate()
-    model = run >> materialize_model()
-    shards = rollouts.expand(shard=shard_ids())
-    [validated >> build_index(), model] >> shards
-    trained = shards >> rollout_metrics() >> datasets() >> [train_sft(), train_ppo(), train_bandit()]
-    gate = trained >> evaluate() >> promote() >> promotion_gate()
-    gate >> [report(), not_promoted()] >> versioned >> close_run()
-
+    with TaskGroup("prepare", prefix_group_id=False, tooltip="data and model", doc_md=GROUP_DOCS["prepare"]):
+        validated = run >> ingest() >> validate()
+        model = run >> materialize_model()
+        index = validated >> build_index()
+    with TaskGroup("collect", prefix_group_id=False, tooltip="rollouts -> training data", doc_md=GROUP_DOCS["collect"]):
+        shards = rollouts.expand(shard=shard_ids())
+        [index, model] >> shards
+        data = shards >> rollout_metrics() >> datasets()
+    with TaskGroup("train", prefix_group_id=False, tooltip="one trainer per role", doc_md=GROUP_DOCS["train"]):
+        trained = data >> [train_sft(), train_ppo(), train_bandit()]
+    with TaskGroup("decide", prefix_group_id=False, tooltip="evaluate, promote, report", doc_md=GROUP_DOCS["decide"]):
+        branches = trained >> evaluate() >> promote() >> promotion_gate() >> [report(), not_promoted()]
+    with TaskGroup("record", prefix_group_id=False, tooltip="DVC + MLflow bookkeeping", doc_md=GROUP_DOCS["record"]):
+        branches >> version_outputs() >> close_run()
 
 agent_retraining()

@@ -1,7 +1,8 @@
 """Open and close the MLflow parent run of one pipeline run (``make run`` and the DAG use this).
 
 ``open`` prints the pipeline run id to export as ``PIPELINE_RUN_ID`` so that every stage process
-logs its child run under the same parent; ``close`` marks the parent finished or failed.
+logs its child run under the same parent; ``close`` marks the parent finished or failed; ``fail``
+records a failed task on it (the DAG's failure callback).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from pipeline.config import Params
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["open", "close"])
+    parser.add_argument("action", choices=["open", "close", "fail"])
+    parser.add_argument("--task", default=None, help="fail: the task that failed")
+    parser.add_argument("--error", default="", help="fail: why")
+    parser.add_argument("--try-number", type=int, default=None)
     parser.add_argument("--run-id", default=None, help="pipeline run id (default: $PIPELINE_RUN_ID or a new one)")
     parser.add_argument("--status", default="FINISHED", choices=["FINISHED", "FAILED", "KILLED"])
 
@@ -27,6 +31,11 @@ def main(args: argparse.Namespace, params: Params) -> int:
     mlflow_run = tracking.parent_run(params)
     if args.action == "close":
         tracking.finish_parent(params, args.status)
+    if args.action == "fail":
+        if not args.task:
+            print("error: `run fail` needs --task", file=__import__("sys").stderr)
+            return 2
+        tracking.record_failure(params, args.task, args.error, args.try_number)
     import mlflow
 
     experiment = mlflow.get_experiment_by_name(params.mlflow.experiment)

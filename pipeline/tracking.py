@@ -75,3 +75,16 @@ def finish_parent(params: Params, status: str = "FINISHED") -> None:
 
     client = mlflow.MlflowClient()
     client.set_terminated(parent_run(params), status=status)
+
+
+def record_failure(params: Params, task: str, error: str, try_number: int | None = None) -> str:
+    """Note a failed orchestrator task on the parent run: ``failed.<task>`` tag + the list in ``failed_tasks``."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    parent = parent_run(params)
+    run = client.get_run(parent)
+    failed = [t for t in run.data.tags.get("failed_tasks", "").split(",") if t]
+    client.set_tag(parent, "failed_tasks", ",".join(dict.fromkeys([*failed, task])))
+    client.set_tag(parent, f"failed.{task}", f"try {try_number}: {error}"[:4000] if try_number else error[:4000])
+    return parent

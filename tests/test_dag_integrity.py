@@ -100,3 +100,55 @@ def test_dvc_commit_covers_every_dvc_stage() -> None:
     from dags.agent_retraining import STAGES
 
     assert set(STAGES) == set(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+
+
+def test_groups_params_schedule_and_callbacks(dagbag) -> None:
+    from airflow.timetables.assets import AssetOrTimeSchedule
+
+    dag = dagbag.dags["agent_retraining"]
+    groups = dag.task_group.children
+    assert {"prepare", "collect", "train", "decide", "record"} <= set(groups)
+    assert all(groups[g].doc_md for g in ("prepare", "collect", "train", "decide", "record")) and dag.doc_md
+    assert {t.task_id for t in groups["train"].children.values()} == {"train_sft", "train_ppo", "train_bandit"}
+    assert {"shards", "tasks", "samples_per_task", "trainers", "eval_limit", "margin", "dry_run"} <= set(dag.params.keys())
+    assert dag.params["trainers"] == ["sft", "ppo", "bandit"]
+    assert isinstance(dag.timetable, AssetOrTimeSchedule) and "pubmedqa_source_data" in str(dag.timetable.asset_condition)
+    assert dag.get_task("evaluate").trigger_rule == "none_failed_min_one_success"  # a trainer left out is skipped, not failed
+    for t in dag.tasks:
+        assert t.on_failure_callback, f"{t.task_id} has no failure callback"
+        assert t.execution_timeout is not None, f"{t.task_id} has no execution timeout"
+
+
+def test_run_params_become_stage_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dags.agent_retraining import RUN_PARAMS, _apply_run_params
+
+    for env in RUN_PARAMS.values():
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.chdir(ROOT)
+    _apply_run_params({"run_id": "manual__2026-01-01T00:00:00+00:00", "params": {
+        "shards": 3, "tasks": None, "samples_per_task": 4, "eval_limit": 8, "margin": 0.02, "dry_run": True}})
+    from pipeline.config import load_params
+
+    p = load_params(ROOT / "params.yaml")
+    assert (p.rollouts.shards, p.rollouts.samples_per_task, p.evaluate.limit, p.promote.margin, p.promote.dry_run) == (3, 4, 8, 0.02, True)
+    assert p.rollouts.limit == load_params(ROOT / "params.yaml", environ={}).rollouts.limit  # None = params.yaml
+    assert os.environ["PIPELINE_RUN_ID"] == "manual__2026-01-01T00_00_00_00_00"
+
+
+@pytest.mark.slow
+def test_failure_callback_records_the_task_on_the_mlflow_parent_run(mlflow_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import mlflow
+
+    from dags.agent_retraining import _record_failure
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    ti = SimpleNamespace(task_id="train_ppo", try_number=3)
+    _record_failure({"ti": ti, "run_id": "scheduled__cb-test", "params": {"params_file": "params.yaml"},
+                     "exception": RuntimeError("stage train-ppo exited with 1")})
+    client = mlflow.MlflowClient(mlflow_server)
+    exp = client.get_experiment_by_name("society-retraining")
+    parent = client.search_runs([exp.experiment_id], "tags.`pipeline.run_id` = 'scheduled__cb-test' and tags.`pipeline.kind` = 'parent'")[0]
+    assert parent.data.tags["failed_tasks"] == "train_ppo"
+    assert parent.data.tags["failed.train_ppo"] == "try 3: RuntimeError('stage train-ppo exited with 1')"
