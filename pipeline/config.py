@@ -34,7 +34,7 @@ class Bounds(_Strict):
     max: int = Field(ge=0)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "Bounds":
+    def _ordered(self) -> Bounds:
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
         return self
@@ -142,7 +142,7 @@ class JudgeWeights(_Strict):
     efficiency: float = Field(ge=0)
 
     @model_validator(mode="after")
-    def _positive_total(self) -> "JudgeWeights":
+    def _positive_total(self) -> JudgeWeights:
         if sum(self.model_dump().values()) <= 0:
             raise ValueError("judge weights must not all be zero")
         return self
@@ -154,7 +154,7 @@ class KnowledgeParams(_Strict):
     cache_dir: str = "~/.cache/pubmedqa-society/knowledge"
 
     @model_validator(mode="after")
-    def _both_or_neither(self) -> "KnowledgeParams":
+    def _both_or_neither(self) -> KnowledgeParams:
         if (self.org_db is None) != (self.go_db is None):
             raise ValueError("agents.knowledge: set both org_db and go_db, or neither")
         return self
@@ -369,7 +369,7 @@ def _format_errors(path: Path, exc: ValidationError) -> str:
 
 def load_params(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Params:
     """Read, override from the environment, and validate; raise ParamsError naming bad keys."""
-    path = Path(path or os.environ.get("PIPELINE_PARAMS", DEFAULT_PARAMS))
+    path = Path(path or os.environ.get("PIPELINE_PARAMS") or DEFAULT_PARAMS)
     if not path.exists():
         raise ParamsError(f"{path}: params file not found")
     try:

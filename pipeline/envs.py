@@ -41,7 +41,7 @@ def in_model_plane() -> bool:
 def run_in_model_plane(argv: Sequence[str]) -> int:
     """Re-run ``python -m pipeline <argv>`` under the model-plane interpreter (streams output)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.call([model_python(), "-m", "pipeline", *argv], env=env)  # noqa: S603
+    return subprocess.call([model_python(), "-m", "pipeline", *argv], env=env)
 
 
 def this_python() -> str:

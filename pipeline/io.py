@@ -36,7 +36,7 @@ def atomic_path(dest: str | Path, suffix: str = "") -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_open(dest: str | Path, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
     with atomic_path(dest) as tmp:
-        kwargs = {} if "b" in mode else {"encoding": encoding}
+        kwargs: dict[str, Any] = {} if "b" in mode else {"encoding": encoding}
         with open(tmp, mode, **kwargs) as fh:
             yield fh
 

@@ -89,7 +89,7 @@ def ensure_baselines(params: Params) -> dict[str, Any]:
         if kind == "llm":
             target = _live_target(params, name)
             tags = {"kind": "base", "deployment": target, "lineage.base_model": params.models.base.source}
-            info = {"kind": "base", "deployment": target, "base_model": params.models.base.source}
+            info: dict[str, Any] = {"kind": "base", "deployment": target, "base_model": params.models.base.source}
         else:
             tags = {"kind": "llm_supervisor", "policy": "llm"}
             info = {"kind": "llm_supervisor", "policy": "llm", "epsilon": params.agents.epsilon}

@@ -17,12 +17,12 @@ import shutil
 import sqlite3
 import subprocess
 import tempfile
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.agents.tools import STOP as TOOL_STOP
+from pipeline.agents.text import STOP as TOOL_STOP
 
 ASPECTS = {"go_bp": "process", "go_mf": "function", "go_cc": "component"}
 # GO evidence codes backed by an experiment or a curator (the rest are inferred, e.g. IEA)
@@ -68,7 +68,7 @@ def _extract_from_deb(package: str, member: str, target: Path) -> None:
         raise KnowledgeError(f"deb:{package}: apt-get/dpkg-deb not found; point agents.knowledge at local .sqlite files instead")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        got = subprocess.run(["apt-get", "download", package], cwd=tmp, capture_output=True, text=True)
+        got = subprocess.run(["apt-get", "download", package], cwd=tmp, capture_output=True, text=True, check=False)
         debs = list(Path(tmp).glob("*.deb"))
         if got.returncode != 0 or not debs:
             raise KnowledgeError(f"deb:{package}: apt-get download failed: {(got.stderr or got.stdout).strip()[-400:]}")
@@ -97,7 +97,7 @@ def build_gene_table(org_db: Path, go_db: Path) -> list[dict[str, Any]]:
         for table, aspect in ASPECTS.items():
             rows: dict[int, dict[str, tuple[int, str]]] = defaultdict(dict)
             for gid, go_id, term, evidence in con.execute(
-                    f"SELECT a._id, a.go_id, t.term, a.evidence FROM {table} a JOIN go.go_term t ON t.go_id = a.go_id"):
+                    f"SELECT a._id, a.go_id, t.term, a.evidence FROM {table} a JOIN go.go_term t ON t.go_id = a.go_id"):  # noqa: S608 - table from a fixed list
                 rank = 0 if evidence in CURATED else 1
                 best = rows[gid].get(go_id)
                 if best is None or rank < best[0]:
@@ -153,7 +153,7 @@ class GeneIndex:
     def search(self, query: str, k: int = 3) -> list[dict[str, Any]]:
         raw = WORD.findall(query)
         single = len(raw) == 1
-        scores: Counter = Counter()
+        scores: dict[int, float] = defaultdict(float)
         for tok in raw:
             # an identifier looks like one (TP53, IL6, P04637, BRCA1) or is the whole query; this keeps
             # words that are also aliases ("can", "E4" of "apolipoprotein E4") from matching in sentences
@@ -162,7 +162,7 @@ class GeneIndex:
                     official = tok.upper() in (self.genes[i]["symbol"].upper(), *(u.upper() for u in self.genes[i]["uniprot"]))
                     scores[i] += 100.0 if official else 50.0
         q = set(_words(query))
-        overlap: Counter = Counter()
+        overlap: dict[int, float] = defaultdict(float)
         for w in q:
             for i in self.by_word.get(w, []):
                 overlap[i] += self.idf[w]

@@ -43,7 +43,7 @@ async def run_with_retries(params: Params, client: RoleClient, tools: Toolbox, t
     for attempt in range(retries + 1):
         try:
             trace = await asyncio.wait_for(run_rollout(params, client, tools, task, ids, routing_version, policy, score, seed), timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             trace = Trace(**ids, status="failed", error=f"timed out after {timeout_s:.0f}s")
         trace.attempts = attempt + 1
         if trace.status == "ok":
@@ -62,7 +62,7 @@ async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: 
     try:
         state = await society.compile().ainvoke({"task": task, "review_round": 0},
                                                 {"recursion_limit": 10 + 6 * (params.agents.max_review_rounds + 2)})
-    except Exception as exc:  # noqa: BLE001 - recorded on the trace, the stage decides what a failure rate means
+    except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     spans = list(state.get("spans", []))
     llm_calls = sum(1 for s in spans if s["kind"] == "llm")

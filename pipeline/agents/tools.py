@@ -22,14 +22,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-TOKEN = re.compile(r"[a-z0-9]+")
+from pipeline.agents.text import tokens
+
 GENE_WORDS = re.compile(r"\b(genes?|genetic|genotype|allele|alleles|polymorphism|mutation|dna|rna|chromosom\w*|genom\w*|hla)\b", re.I)
 PROTEIN_WORDS = re.compile(r"(protein|receptor|enzyme|kinase|antibod|hormone|factor|peptide|insulin|collagen|cytokine|interleukin|ase\b|ases\b|globulin|antigen)", re.I)
-STOP = {"the", "of", "and", "in", "a", "to", "is", "for", "with", "on", "or", "by", "an", "as", "are", "be", "at", "does", "do", "was", "were"}
-
-
-def tokens(text: str) -> list[str]:
-    return [t for t in TOKEN.findall(text.lower()) if t not in STOP]
 
 
 @dataclass
@@ -77,7 +73,7 @@ class Toolbox:
             return ToolResult(False, f"{tool}: empty query")
         try:
             return fn(query)
-        except Exception as exc:  # noqa: BLE001 - a tool failure is a message to the agent, not a crash
+        except Exception as exc:
             return ToolResult(False, f"{tool} failed: {type(exc).__name__}: {exc}")
 
     def search_literature(self, query: str) -> ToolResult:
@@ -92,7 +88,8 @@ class Toolbox:
     def _lookup(self, kind: str, query: str, aspects: tuple[str, ...]) -> ToolResult:
         from pipeline.agents.gene_ontology import describe
 
-        lines, data = [], {"genes": [], "mesh": []}
+        lines: list[str] = []
+        data: dict[str, list[Any]] = {"genes": [], "mesh": []}
         if self.genes is not None:
             for gene in self.genes.search(query, self.top_k):
                 lines.append(describe(gene, aspects))
@@ -118,7 +115,9 @@ class Toolbox:
 def build_index(frames: list[Any], out_dir: Path, genes: list[dict[str, Any]] | None = None) -> dict[str, int]:
     """Write corpus.jsonl (one abstract per PMID), mesh.json (gene/protein headings) and, given GO
     records (``gene_ontology.build_gene_table``), genes.jsonl."""
-    corpus, gene, protein = [], {}, {}
+    corpus: list[dict[str, Any]] = []
+    gene: dict[str, Any] = {}
+    protein: dict[str, Any] = {}
     df: Counter = Counter(m for frame in frames for ms in frame["meshes"] if ms is not None for m in set(ms))
     n_docs = sum(len(f) for f in frames)
     common = {m for m, c in df.items() if c > 0.1 * n_docs}  # check tags (Humans, Male, Aged...) say nothing

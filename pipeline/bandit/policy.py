@@ -37,7 +37,7 @@ class SupervisorPolicyModel(PythonModel):  # type: ignore[misc,valid-type]
     def load_context(self, context: Any) -> None:
         self.policy = BanditPolicy(context.artifacts["vw_model"])
 
-    def predict(self, context, model_input, params=None):  # noqa: ANN001 - unannotated: MLflow derives no schema from hints
+    def predict(self, context, model_input, params=None):
         rows = model_input.to_dict("records") if hasattr(model_input, "to_dict") else list(model_input)
         return [self.policy.pmf(str(row["question"]), list(row["candidates"])) for row in rows]
 

@@ -28,7 +28,7 @@ def adf_lines(context: dict[str, Any], actions: Sequence[dict[str, Any]], chosen
               reward: float | None = None, propensity: float | None = None) -> list[str]:
     lines = [f"shared {_shared(context)}"]
     for i, action in enumerate(actions):
-        label = f"0:{-float(reward):.6f}:{float(propensity):.6f} " if chosen == i and reward is not None else ""
+        label = f"0:{-float(reward):.6f}:{float(propensity):.6f} " if chosen == i and reward is not None and propensity is not None else ""
         lines.append(label + _action(action))
     return lines
 

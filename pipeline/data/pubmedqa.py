@@ -69,8 +69,8 @@ def _records_from_json(raw: bytes, origin: str) -> Iterable[tuple[str, Mapping[s
             yield pmid, _deep_dict(rec) if rec else {}
         return
     if isinstance(doc, list):  # list of HF-style rows
-        for n, rec in enumerate(doc):
-            rec = _deep_dict(rec) if isinstance(rec, list) else rec
+        for n, raw in enumerate(doc):
+            rec = _deep_dict(raw) if isinstance(raw, list) else raw
             if not isinstance(rec, dict) or "pubid" not in rec:
                 raise SourceError(f"{origin}: row #{n} has no 'pubid'")
             yield str(rec["pubid"]), rec
@@ -125,6 +125,6 @@ def split_tasks(tasks: pd.DataFrame, test_ids: Mapping[str, str], val_fraction: 
     for _label, group in sorted(rest.groupby(rest["final_decision"].fillna("<null>")), key=lambda kv: kv[0]):
         ids = np.array(sorted(group["id"].unique()))
         rng.shuffle(ids)
-        n_val = int(round(len(ids) * val_fraction))
+        n_val = round(len(ids) * val_fraction)
         out.loc[out["id"].isin(set(ids[:n_val])) & (out["split"] != "test"), "split"] = "val"
     return out

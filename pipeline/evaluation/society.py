@@ -15,7 +15,7 @@ from pipeline.config import Params
 from pipeline.traces.schema import Trace
 
 
-def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[dict[str, Any], str | None]], run_id: str,
+def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[dict[str, Any] | None, str | None]], run_id: str,
              score: bool, description: str) -> list[list[Trace]]:
     """For each (routing table, evaluation routing name or None for live): one rollout per task
     (rollout id ``<task>-0``, exploration seed ``evaluate.seed``); traces in task order per society."""
@@ -40,7 +40,7 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
         async def one(i: int, task: dict[str, Any]) -> Trace:
             ids = {"run_id": run_id, "shard": 0, "task_id": task["id"], "rollout_id": f"{task['id']}-0"}
             async with sem:
-                trace = await run_with_retries(params, clients[i], tools, task, ids, societies[i][0]["version"], policies[i], cfg.timeout_s,
+                trace = await run_with_retries(params, clients[i], tools, task, ids, (societies[i][0] or {}).get("version"), policies[i], cfg.timeout_s,
                                                params.rollouts.retries, score=score, seed=cfg.seed)
             bar.advance(bar_id)
             return trace

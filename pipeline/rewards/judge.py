@@ -46,8 +46,8 @@ async def judge(client: RoleClient, cfg: JudgeParams, task: dict[str, Any], stat
         scores, reason = None, f"judge call failed: {exc}"
     weights = cfg.weights.model_dump()
     values = scores.model_dump() if scores is not None else {c: cfg.failure_score for c in CRITERIA}
-    for c in CRITERIA:
-        spans.append({"kind": "reward", "name": f"judge.{c}", "data": {"value": float(values[c]), "kind": "judge", "reason": reason}})
+    spans.extend({"kind": "reward", "name": f"judge.{c}", "data": {"value": float(values[c]), "kind": "judge", "reason": reason}}
+                 for c in CRITERIA)
     reward = weighted_reward(values, weights) if scores is not None else cfg.failure_score
     spans.append({"kind": "reward", "name": "final", "data": {"value": reward, "kind": "final",
                                                               "reason": reason if scores is None else values.get("reason", "")}})

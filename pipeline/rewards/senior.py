@@ -82,7 +82,7 @@ async def score(client: RoleClient, params: Params, agent: str, text: str, task:
     try:
         res = await asyncio.wait_for(judge(client, params.judge, task, state, 1, []), w.timeout_s)
         judged, judge_reason = float(res["reward"]), res["reason"]
-    except (asyncio.TimeoutError, TimeoutError):
+    except TimeoutError:
         judged, judge_reason = params.judge.failure_score, f"judge timed out after {w.timeout_s:g}s"
     value = w.validity * validity + w.judge * judged
     out.update(judge=judged, reason=f"{why}; judge: {judge_reason}")

@@ -99,12 +99,12 @@ class SocietyAgent:
         finally:
             await client.aclose()
         reward, reason = final_reward(trace, params.judge.failure_score)
-        with httpx.Client(headers=headers, timeout=60) as http:
+        async with httpx.AsyncClient(headers=headers, timeout=60) as http:
             for span in trace.spans:
                 if span.kind == "reward" and span.name != "final":
-                    http.post(event_url, json={"event_type": "society_reward", "data": {"name": span.name, **span.data}}).raise_for_status()
-            http.post(event_url, json={"event_type": "reward", "data": {"value": reward, "source": "agent", "reason": reason}}).raise_for_status()
-            events = http.get(f"{m['base']}/api/rollouts/{rollout_id}/events").raise_for_status().json()
+                    (await http.post(event_url, json={"event_type": "society_reward", "data": {"name": span.name, **span.data}})).raise_for_status()
+            (await http.post(event_url, json={"event_type": "reward", "data": {"value": reward, "source": "agent", "reason": reason}})).raise_for_status()
+            events = (await http.get(f"{m['base']}/api/rollouts/{rollout_id}/events")).raise_for_status().json()
         store.write(os.environ.get(TRACE_DIR_ENV) or params.ppo.agl.trace_dir, {"rollout_id": rollout_id, "task_id": str(task["id"]), "status": "succeeded" if trace.status == "ok" else "failed",
                                                "reward": reward, "reason": reason, "trace": trace.model_dump(mode="json"), "events": events,
                                                "triplets": len(store.triplets(events)), "written_by": "agent", "persisted_at": time.time()})

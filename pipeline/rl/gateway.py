@@ -48,7 +48,7 @@ class Gateway:
 def _spawn(home: Path, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,  # noqa: S603
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                             cwd=os.getcwd(), start_new_session=True)
     log.close()
     Service(name, home).pid_file.write_text(str(proc.pid))

@@ -17,10 +17,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", default=None)
     args = parser.parse_args()
+    from agentlightning.verl import entrypoint
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
-
-    from agentlightning.verl import entrypoint
 
     from pipeline.config import load_params
     from pipeline.data.splits import load_tasks

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from pipeline.envs import REPO_ROOT
@@ -39,7 +40,7 @@ def airflow_env(home: Path | None = None, port: int = PORT) -> dict[str, str]:
 def up(port: int = PORT) -> dict[str, str]:
     home = airflow_home()
     home.mkdir(parents=True, exist_ok=True)
-    airflow = shutil.which("airflow") or str(Path(os.sys.executable).with_name("airflow"))
+    airflow = shutil.which("airflow") or str(Path(sys.executable).with_name("airflow"))
     service = Service("airflow", home)
     start(service, [airflow, "standalone"], f"http://{HOST}:{port}/api/v2/monitor/health",
           env=airflow_env(home, port), timeout_s=240, cwd=REPO_ROOT, identity={"airflow_home": str(home)})

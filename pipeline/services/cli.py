@@ -42,8 +42,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
 
 
 def _serving(action: str, params: Params) -> int:
-    from pipeline.serving import proxy, routing, stack
     from pipeline.services.process import http_ok
+    from pipeline.serving import proxy, routing, stack
 
     if action == "up":
         url, _ = stack.ensure(params)

@@ -9,6 +9,7 @@ two clones on one machine must not log into, register into or route through each
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -114,7 +115,7 @@ def claim(service: Service, identity: Mapping[str, object], host: str, port: int
 def probe_http(base: str, paths: Sequence[str] = ("/health", "/")) -> str:
     """A short description of what answers at ``base`` (for error messages)."""
     for path in paths:
-        req = urllib.request.Request(base + path)
+        req = urllib.request.Request(base + path)  # noqa: S310 - http(s) service URLs built by the project
         try:
             with urllib.request.urlopen(req, timeout=2.0) as resp:  # noqa: S310 - loopback probe
                 server = resp.headers.get("server", "")
@@ -143,7 +144,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def http_ok(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> bool:
-    req = urllib.request.Request(url, headers=dict(headers or {}))
+    req = urllib.request.Request(url, headers=dict(headers or {}))  # noqa: S310 - http(s) health URLs built by the project
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback health probe
             return 200 <= resp.status < 300
@@ -169,7 +170,7 @@ def start(
         return service.pid()  # type: ignore[return-value]
     stop(service)
     log = open(service.log_file, "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(  # noqa: S603 - fixed argv built by the project
+    proc = subprocess.Popen(
         list(cmd),
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -215,8 +216,6 @@ def stop(service: Service, grace_s: float = 15.0) -> bool:
         except ProcessLookupError:
             return True
         time.sleep(0.2)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     return True

@@ -124,7 +124,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     if args.action == "up" and args.foreground:
         os.environ.update(_env(params))
         cmd = _command(params, args.host or params.serving.proxy.host)
-        os.execv(cmd[0], cmd)
+        os.execv(cmd[0], cmd)  # noqa: S606 - replaces this process with the proxy (fixed argv)
     if args.action == "up":
         print(f"proxy: {up(params, args.host)}/v1  key file {params.serving.proxy.key_file if not os.environ.get(KEY_ENV) else '$' + KEY_ENV}")
     elif args.action == "down":

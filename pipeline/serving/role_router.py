@@ -16,7 +16,6 @@ from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 
-
 EVAL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
 
 

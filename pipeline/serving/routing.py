@@ -18,7 +18,7 @@ import argparse
 import json
 import re
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,7 @@ def load_version(params: Params, version: int) -> dict[str, Any]:
     unknown = sorted(set(roles) - set(params.serving.roles))
     if missing or unknown:
         raise RoutingError(f"{path}: roles missing {missing}, unknown {unknown}")
-    for role, target in roles.items():
+    for target in roles.values():
         expected_model(params, str(target))  # raises naming the bad deployment
     policies = doc.get("policies") or {}
     if not isinstance(policies, dict):
@@ -142,7 +142,7 @@ def _record(params: Params, entry: dict[str, Any]) -> None:
     path = _history_file(params)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
-        fh.write(json.dumps({**entry, "at": datetime.now(timezone.utc).isoformat()}) + "\n")
+        fh.write(json.dumps({**entry, "at": datetime.now(UTC).isoformat()}) + "\n")
 
 
 def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0, routing: str | None = None) -> dict[str, str]:
@@ -173,7 +173,7 @@ def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0, rout
                 from pipeline.bandit.policy import load_policy
 
                 load_policy(uri)
-            except Exception as exc:  # noqa: BLE001 - any load failure makes the version unusable
+            except Exception as exc:
                 problems[name] = f"{uri}: {type(exc).__name__}: {exc}"
     return problems
 

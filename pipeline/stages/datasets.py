@@ -128,7 +128,7 @@ def reward_plots(params: Params, built: dict[str, Any]) -> None:
     rows = ["reward_bin,rollouts,selected_for_sft"]
     for b in range(bins):
         lo, hi = b / bins, (b + 1) / bins
-        inside = (lambda v: lo <= v < hi) if b < bins - 1 else (lambda v: lo <= v <= hi)
+        inside = (lambda v, lo=lo, hi=hi: lo <= v < hi) if b < bins - 1 else (lambda v, lo=lo, hi=hi: lo <= v <= hi)
         rows.append(f"{lo:.2f}-{hi:.2f},{sum(map(inside, rewards))},{sum(map(inside, picked))}")
     write_text(PLOT_CSV, "\n".join(rows) + "\n")
     edges = [b / bins for b in range(bins + 1)]

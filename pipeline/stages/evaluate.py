@@ -157,7 +157,7 @@ def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], t
         mlflow.log_dict(table, "evaluation/routing.json")
         ids = log_traces([t.model_dump() for t in traces])
         mlflow.flush_trace_async_logging()  # the traces must be stored before the evaluation reads them back
-        data = [{"trace": _stored_trace(tid), "expectations": {"label": t.label}} for tid, t in zip(ids, traces)]
+        data = [{"trace": _stored_trace(tid), "expectations": {"label": t.label}} for tid, t in zip(ids, traces, strict=True)]
         result = mlflow.genai.evaluate(data=data, scorers=_scorers(params, by_id, {t["id"]: t for t in tasks}, name))
         rows = {r["request"]["rollout_id"]: r for r in result.result_df.to_dict("records")}
         records = []
@@ -206,7 +206,7 @@ def run(params: Params) -> dict[str, Any]:
     summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "champion_versions": {n: v.version for n, v in champions.items()},
                                "roles": {}}
     # every society to run (name, table, tags, role, candidate version, target); the champion first unless cached
-    candidates = []
+    candidates: list[tuple[str, dict[str, Any], dict[str, str], str, Any, str]] = []
     for name, kind in params.promote.roles.items():
         cand = registry.by_alias(name, registry.CHALLENGER)
         if cand is None or cand.version == champions[name].version:
@@ -220,8 +220,9 @@ def run(params: Params) -> dict[str, Any]:
                            {"eval.role": name, "eval.version": str(cand.version), "eval.champions": label}, name, cand, where))
     if not candidates:
         return summary
-    champion_records, champion_run = _cached(params, key), "cached"
-    societies = list(candidates)
+    champion_run: str | None = "cached"
+    champion_records = _cached(params, key)
+    societies: list[tuple[str, dict[str, Any], dict[str, str], str | None, Any, str | None]] = list(candidates)
     if champion_records is None:
         slug = _slug(f"champion-{key[:12]}")
         societies.insert(0, (slug, _table(params, slug, roles, policies), {"eval.key": key, "eval.role": "champion",
@@ -231,7 +232,7 @@ def run(params: Params) -> dict[str, Any]:
 
     traces = society.run_many(params, tasks, [(s[1], s[0]) for s in societies], tracking.pipeline_run_id(), score=False,
                               description=f"evaluate {len(societies)} societies x {len(tasks)} tasks")
-    scored = {s[0]: score(params, s[0], s[1], t, tasks, s[2]) for s, t in zip(societies, traces)}
+    scored = {s[0]: score(params, s[0], s[1], t, tasks, s[2]) for s, t in zip(societies, traces, strict=True)}
     if champion_records is None:
         champion_records, champion_run = scored[societies[0][0]]
     cfg = params.evaluate

@@ -19,15 +19,15 @@ METRICS_FILE = Path("reports/ingest.json")
 
 
 def stats(table: pd.DataFrame) -> dict[str, Any]:
-    out: dict[str, Any] = {"rows": int(len(table))}
+    out: dict[str, Any] = {"rows": len(table)}
     for split, part in table.groupby("split"):
         counts = part["final_decision"].fillna("<null>").value_counts()
-        out[str(split)] = {"rows": int(len(part)), **{f"label_{k}": int(v) for k, v in counts.items()}}
+        out[str(split)] = {"rows": len(part), **{f"label_{k}": int(v) for k, v in counts.items()}}
     return out
 
 
 def run(params: Params) -> dict[str, Any]:
-    from pipeline.data.pubmedqa import SPLITS, load_test_ids, load_tasks, split_tasks
+    from pipeline.data.pubmedqa import SPLITS, load_tasks, load_test_ids, split_tasks
 
     tasks = load_tasks(params.data.source, params.data.hf_split)
     test_ids = load_test_ids(params.data.test_ids)

@@ -33,8 +33,8 @@ def switch(params: Params, name: str, to: Any, description: str, record: bool = 
     """Route role ``name`` to version ``to`` (new routing version, applied and verified), then move
     ``champion``; on any failure both stay as they were. Returns the routing version now live."""
     from pipeline import registry
-    from pipeline.serving import routing
     from pipeline.services.process import ServiceError
+    from pipeline.serving import routing
 
     live = routing.active(params)
     if live is None:

@@ -35,7 +35,7 @@ def run(params: Params) -> dict[str, Any]:
     traces = society.run_many(params, tasks, [(live, None)], tracking.pipeline_run_id(), score=True, description="report (test split)")[0]
     records = [{"task_id": t.task_id, "label": t.label, "decision": t.decision, "status": t.status, "reward": t.reward or 0.0,
                 "scores": t.rewards, "turns": t.turns, "tokens": t.tokens, "latency_s": t.latency_s} for t in traces]
-    predictions = {r["task_id"]: answer(r["decision"]) for r in records}
+    predictions = {t.task_id: answer(t.decision) for t in traces}
     truth = {t["id"]: t["final_decision"] for t in tasks}
     pmids = list(truth)
     official = {"accuracy": sum(predictions[p] == truth[p] for p in pmids) / len(pmids),
@@ -45,7 +45,7 @@ def run(params: Params) -> dict[str, Any]:
         (tmp / "predictions.json").write_text(json.dumps(predictions, indent=1))
         (tmp / "ground_truth.json").write_text(json.dumps(truth, indent=1))
         (tmp / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = {"questions": len(pmids), "routing_version": live["version"], "official": official, **summary}
+    result = {"questions": len(pmids), "routing_version": live["version"] if live else None, "official": official, **summary}
     mlflow.log_metrics({f"test.{k}": v for k, v in {**flat(summary), **official}.items()})
     mlflow.log_artifacts(params.report.out_dir, artifact_path="test")
     print(f"report: {len(pmids)} test questions, accuracy {official['accuracy']:.3f}, macro-F1 {official['macro_f1']:.3f} "

@@ -22,7 +22,7 @@ def rollback(params: Params, name: str) -> tuple[str, str, int]:
         raise PromotionError(f"unknown role {name!r}; trainable roles are {list(params.promote.roles)}")
     current = registry.by_alias(name, registry.CHAMPION)
     previous = current and current.tags.get("promotion.previous_champion")
-    if not previous:
+    if current is None or not previous:
         raise PromotionError(f"{name}: champion v{current.version if current else '?'} was not put there by a promotion; nothing to roll back")
     number = switch(params, name, registry.get_version(name, previous), f"rollback {name} v{current.version} -> v{previous}",
                     record=False)

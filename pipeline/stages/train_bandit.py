@@ -12,7 +12,6 @@ pyfunc whose ``predict`` returns each row's action distribution).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,7 @@ def evaluate_offline(cfg: BanditParams, examples: list[dict[str, Any]]) -> dict[
             q[i] = vw.predict_rewards(reward_model, ex["context"], ex["actions"])
         policy.finish()
         reward_model.finish()
-    common = {"chosen": [e["chosen"] for e in examples], "propensity": [e["propensity"] for e in examples],
+    common: dict[str, Any] = {"chosen": [e["chosen"] for e in examples], "propensity": [e["propensity"] for e in examples],
               "reward": [e["reward"] for e in examples], "q": q, "n_boot": cfg.bootstrap, "seed": cfg.seed}
     return {"learned": ope.estimate(learned, **common), "logging": ope.estimate([e["logging_pmf"] for e in examples], **common)}
 
@@ -70,7 +69,7 @@ def plot(estimates: dict[str, dict[str, dict[str, float]]]) -> None:
         for j, (policy, table) in enumerate(estimates.items()):
             xs = [i + (j - 0.5) * 0.3 for i in range(len(names))]
             vals = [table[n]["value"] for n in names]
-            err = [[v - table[n]["ci_low"] for n, v in zip(names, vals)], [table[n]["ci_high"] - v for n, v in zip(names, vals)]]
+            err = [[v - table[n]["ci_low"] for n, v in zip(names, vals, strict=True)], [table[n]["ci_high"] - v for n, v in zip(names, vals, strict=True)]]
             ax.bar(xs, vals, width=0.3, yerr=err, capsize=4, label=policy)
         ax.set_xticks(range(len(names)), [n.upper() for n in names])
         ax.set_ylabel("estimated reward")

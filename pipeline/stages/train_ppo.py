@@ -79,7 +79,7 @@ def resolve_backend(params: Params) -> str:
 
     probe = ("import importlib.util as u, torch; "
              "print('verl' if torch.cuda.is_available() and u.find_spec('verl') and u.find_spec('agentlightning') else 'trl')")
-    out = subprocess.run([model_python(), "-c", probe], capture_output=True, text=True, check=False)  # noqa: S603
+    out = subprocess.run([model_python(), "-c", probe], capture_output=True, text=True, check=False)
     return out.stdout.strip() or "trl"
 
 
@@ -182,7 +182,7 @@ def train_verl(params: Params, run_id: str) -> dict[str, Any]:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         argv = [model_python(), "-m", "pipeline.rl.verl_main"] + (["--params", os.environ["PIPELINE_PARAMS"]] if os.environ.get("PIPELINE_PARAMS") else [])
         t0 = time.perf_counter()
-        trainer = subprocess.Popen(argv, env=env, start_new_session=True)  # noqa: S603 - fixed argv
+        trainer = subprocess.Popen(argv, env=env, start_new_session=True)
         try:
             while trainer.poll() is None:
                 gw.check()  # a dead gateway/controller would leave the trainer waiting for rollouts forever
@@ -284,8 +284,9 @@ def main(args: argparse.Namespace, params: Params) -> int:
             return 1
         write_json(METRICS_FILE, metrics)
         # the CPU path's training samples are its scored completions: into the RL trace store with them
-        from pipeline.io import atomic_path
         import shutil
+
+        from pipeline.io import atomic_path
 
         with atomic_path(Path(params.ppo.agl.trace_dir) / "grpo-completions.jsonl") as dest:
             shutil.copyfile(Path(params.ppo.out_dir) / "completions.jsonl", dest)
@@ -312,7 +313,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
         if gpu_backend:
             try:
                 metrics = train_verl(params, run.info.run_id)
-            except Exception as exc:  # noqa: BLE001 - the stage fails with the cause, services already stopped
+            except Exception as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
             write_json(METRICS_FILE, metrics)

@@ -166,9 +166,9 @@ def _log_curves(history: list[dict[str, Any]]) -> None:
     evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
     write_text(LOSS_CSV, "step,loss\n" + "".join(f"{s},{v}\n" for s, v in train))
     with png(LOSS_PNG) as ax:
-        ax.plot(*zip(*train), label="train loss (completion tokens)")
+        ax.plot(*zip(*train, strict=True), label="train loss (completion tokens)")
         if evals:
-            ax.plot(*zip(*evals), "o--", label="eval loss (held-out calls)")
+            ax.plot(*zip(*evals, strict=True), "o--", label="eval loss (held-out calls)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title("junior_researcher LoRA SFT")

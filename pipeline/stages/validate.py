@@ -63,8 +63,8 @@ def run(params: Params) -> dict[str, Any]:
     summary = {
         "success": not failures,
         "failed_expectations": len(failures),
-        "quarantined_rows": int(len(quarantined)),
-        **{f"{s}_rows": int(len(f)) for s, f in frames.items()},
+        "quarantined_rows": len(quarantined),
+        **{f"{s}_rows": len(f) for s, f in frames.items()},
         **{f"{s}_expectations": len(r.get("results", [])) for s, r in raw.items()},
     }
     write_json(report_dir / "gx_results.json", raw)

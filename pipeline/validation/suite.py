@@ -47,7 +47,7 @@ class Failure:
         where = f"column '{self.column}'" if self.column else "table"
         text = f"[{self.split}] {self.expectation} on {where} ({self.rule})"
         if self.ids:
-            shown = ", ".join(f"{i} ({v!r})" if v is not None else str(i) for i, v in zip(self.ids[:10], self.values[:10]))
+            shown = ", ".join(f"{i} ({v!r})" if v is not None else str(i) for i, v in zip(self.ids[:10], self.values[:10], strict=False))
             more = f" and {len(self.ids) - 10} more" if len(self.ids) > 10 else ""
             text += f": {len(self.ids)} row(s): ids {shown}{more}"
         elif self.observed is not None:
@@ -68,7 +68,6 @@ def build_suite(split: str, frames: Mapping[str, pd.DataFrame], cfg: ValidatePar
     import great_expectations as gx
     import great_expectations.expectations as gxe
 
-    frame = frames[split]
     pool = pd.concat([frames[s] for s in ("train", "val") if s in frames])
     other_ids = sorted({i for s, f in frames.items() if s != split for i in f["id"].dropna()})
     suite = gx.ExpectationSuite(name=f"pubmedqa_tasks_{split}")
@@ -122,7 +121,7 @@ def run_suites(frames: Mapping[str, pd.DataFrame], cfg: ValidateParams, docs_dir
             definitions.append(ctx.validation_definitions.add(gx.ValidationDefinition(name=f"tasks_{split}", data=batch_def, suite=suite)))
         failures: list[Failure] = []
         raw: dict[str, Any] = {}
-        for split, vd in zip(prepared, definitions):
+        for split, vd in zip(prepared, definitions, strict=True):
             checkpoint = ctx.checkpoints.add(gx.Checkpoint(
                 name=f"validate_{split}", validation_definitions=[vd],
                 actions=[UpdateDataDocsAction(name="docs")] if docs_dir else [],
