@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pendulum
 from airflow.sdk import Asset, Param, TaskGroup, dag, task
@@ -43,7 +44,7 @@ RUN_PARAMS = {
 TRAINERS = {"sft": "train-sft", "ppo": "train-ppo", "bandit": "train-bandit"}
 
 
-def _apply_run_params(ctx: dict) -> None:
+def _apply_run_params(ctx: Any) -> None:
     """Point this process at the project, the pipeline run and the run's Param overrides."""
     import re
 
@@ -58,7 +59,7 @@ def _apply_run_params(ctx: dict) -> None:
             os.environ[env] = str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _record_failure(context: dict) -> None:
+def _record_failure(context: Any) -> None:
     """on_failure_callback: the failed task (and why) on the MLflow parent run; never raises."""
     ti = context["ti"]
     try:
@@ -125,7 +126,8 @@ def _run_stage(stage: str, *extra: str) -> None:
     dag_id="agent_retraining",
     description="Self-improvement loop of the PubMedQA research society",
     # weekly (Monday 03:00 UTC), or as soon as the source data is updated
-    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 1", timezone="UTC"), assets=[SOURCE_DATA]),
+    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 1", timezone="UTC"),
+                                 assets=[SOURCE_DATA]),  # type: ignore[list-item]  # the SDK Asset is serialized on parse
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
@@ -237,10 +239,8 @@ def agent_retraining() -> None:
             _apply_run_params(ctx)
             params = load_params(ctx["params"]["params_file"])
             uri, parent = tracking.setup(params), tracking.parent_run(params)
-            import mlflow
 
-            exp = mlflow.get_experiment_by_name(params.mlflow.experiment).experiment_id
-            print(f"MLflow: {uri}/#/experiments/{exp}/runs/{parent}")
+            print(f"MLflow: {uri}/#/experiments/{tracking.experiment_id(params)}/runs/{parent}")
         except Exception as exc:
             print(f"MLflow link unavailable: {exc}")
         return "report" if result["promoted"] else "not_promoted"

@@ -72,7 +72,6 @@ def _live_target(params: Params, role: str) -> str:
 
 def ensure_baselines(params: Params) -> dict[str, Any]:
     """Register the baseline (version 1 on a new registry) of every role without a ``champion`` and make it champion."""
-    import mlflow
     from mlflow.exceptions import MlflowException
 
     client = _client()
@@ -93,8 +92,9 @@ def ensure_baselines(params: Params) -> dict[str, Any]:
         else:
             tags = {"kind": "llm_supervisor", "policy": "llm"}
             info = {"kind": "llm_supervisor", "policy": "llm", "epsilon": params.agents.epsilon}
-        exp = mlflow.get_experiment_by_name(params.mlflow.experiment)
-        run = client.create_run(exp.experiment_id, run_name=f"baseline-{name}", tags={"pipeline.kind": "baseline"})
+        from pipeline import tracking
+
+        run = client.create_run(tracking.experiment_id(params), run_name=f"baseline-{name}", tags={"pipeline.kind": "baseline"})
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp, "baseline")
             path.mkdir()

@@ -36,8 +36,5 @@ def main(args: argparse.Namespace, params: Params) -> int:
             print("error: `run fail` needs --task", file=__import__("sys").stderr)
             return 2
         tracking.record_failure(params, args.task, args.error, args.try_number)
-    import mlflow
-
-    experiment = mlflow.get_experiment_by_name(params.mlflow.experiment)
-    print(f"{run_key} {mlflow_run} {experiment.experiment_id}")
+    print(f"{run_key} {mlflow_run} {tracking.experiment_id(params)}")
     return 0

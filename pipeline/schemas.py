@@ -17,7 +17,7 @@ Item = Annotated[str, StringConstraints(max_length=160)]
 Pmid = Annotated[str, StringConstraints(max_length=12)]
 
 
-class _Out(BaseModel):
+class StructuredOutput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     @classmethod
@@ -26,18 +26,18 @@ class _Out(BaseModel):
         return {"type": "json_schema", "json_schema": {"name": cls.__name__, "schema": cls.model_json_schema(), "strict": True}}
 
 
-class Hypothesis(_Out):
+class Hypothesis(StructuredOutput):
     hypothesis: str = Field(max_length=400)
     rationale: str = Field(max_length=400)
     evidence_pmids: list[Pmid] = Field(default_factory=list, max_length=5)
 
 
-class SupervisorChoice(_Out):
+class SupervisorChoice(StructuredOutput):
     chosen: int = Field(ge=0, le=2, description="index of the selected junior hypothesis")
     reason: str = Field(max_length=400)
 
 
-class Protocol(_Out):
+class Protocol(StructuredOutput):
     title: str = Field(max_length=120)
     objective: str = Field(max_length=300)
     methods: list[Item] = Field(min_length=1, max_length=5)
@@ -45,18 +45,18 @@ class Protocol(_Out):
     outcome_measures: list[Item] = Field(min_length=1, max_length=3)
 
 
-class Review(_Out):
+class Review(StructuredOutput):
     severity: Literal["CRITICAL", "MAJOR", "MINOR", "APPROVE"]
     issues: list[Item] = Field(default_factory=list, max_length=3)
     summary: str = Field(max_length=300)
 
 
-class PIDecision(_Out):
+class PIDecision(StructuredOutput):
     decision: Literal["GO", "NO-GO"]
     rationale: str = Field(max_length=600)
 
 
-class JudgeScores(_Out):
+class JudgeScores(StructuredOutput):
     novelty: float = Field(ge=0.0, le=1.0)
     feasibility: float = Field(ge=0.0, le=1.0)
     impact: float = Field(ge=0.0, le=1.0)
@@ -69,7 +69,7 @@ class JudgeScores(_Out):
 REVIEW_SCHEMAS = {"review": Review, "protocol": Protocol}
 
 
-class ToolCall(_Out):
+class ToolCall(StructuredOutput):
     """One ReAct step of a junior: call a tool, or stop and write the hypothesis."""
 
     tool: Literal["search_literature", "lookup_gene", "lookup_protein", "none"]

@@ -38,15 +38,25 @@ def setup(params: Params) -> str:
     return uri
 
 
+def experiment_id(params: Params) -> str:
+    """The pipeline experiment's id (``setup`` creates it); a clear error if it is gone."""
+    import mlflow
+
+    exp = mlflow.get_experiment_by_name(params.mlflow.experiment)
+    if exp is None:
+        raise RuntimeError(f"MLflow experiment {params.mlflow.experiment!r} not found at {mlflow.get_tracking_uri()}")
+    return str(exp.experiment_id)
+
+
 def parent_run(params: Params) -> str:
     """Find or create the parent run of the current pipeline run; returns its MLflow run id."""
     import mlflow
 
     setup(params)
     run_key = pipeline_run_id()
-    exp = mlflow.get_experiment_by_name(params.mlflow.experiment)
+    exp_id = experiment_id(params)
     found = mlflow.search_runs(
-        [exp.experiment_id],
+        [exp_id],
         filter_string=f"tags.`{RUN_TAG}` = '{run_key}' and tags.`pipeline.kind` = 'parent'",
         output_format="list",
         max_results=1,
@@ -54,7 +64,7 @@ def parent_run(params: Params) -> str:
     if found:
         return found[0].info.run_id
     client = mlflow.MlflowClient()
-    run = client.create_run(exp.experiment_id, run_name=f"pipeline-{run_key}", tags={RUN_TAG: run_key, "pipeline.kind": "parent"})
+    run = client.create_run(exp_id, run_name=f"pipeline-{run_key}", tags={RUN_TAG: run_key, "pipeline.kind": "parent"})
     return run.info.run_id
 
 

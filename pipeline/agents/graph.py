@@ -19,12 +19,10 @@ import random
 from dataclasses import dataclass
 from typing import Annotated, Any, TypedDict
 
-from pydantic import BaseModel
-
 from pipeline.agents.llm import LLMError, RoleClient
 from pipeline.agents.tools import Toolbox, timed_call
 from pipeline.config import AgentsParams
-from pipeline.schemas import Hypothesis, PIDecision, Protocol, Review, SupervisorChoice, ToolCall
+from pipeline.schemas import Hypothesis, PIDecision, Protocol, Review, StructuredOutput, SupervisorChoice, ToolCall
 
 JUNIORS = {
     "geneticist": "a geneticist: genes, variants, heritability",
@@ -127,7 +125,7 @@ class Society:
         spans.append({"kind": "decision", "name": "supervisor", "data": logged})
         return {"spans": spans, "selection": {**candidates[chosen], "index": chosen, "propensity": logged["propensity"]}}
 
-    async def _senior(self, agent: str, model: str, schema: type[BaseModel], prompt: str, state: SocietyState, key: str, tokens: int | None = None) -> dict[str, Any]:
+    async def _senior(self, agent: str, model: str, schema: type[StructuredOutput], prompt: str, state: SocietyState, key: str, tokens: int | None = None) -> dict[str, Any]:
         spans: list[dict[str, Any]] = []
         try:
             obj = await self.client.structured(agent, model, [{"role": "user", "content": prompt}], schema, spans, max_tokens=tokens)

@@ -11,9 +11,11 @@ import time
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-T = TypeVar("T", bound=BaseModel)
+from pipeline.schemas import StructuredOutput
+
+T = TypeVar("T", bound=StructuredOutput)
 
 
 class LLMError(RuntimeError):

@@ -35,14 +35,14 @@ def estimate(target: Sequence[Sequence[float]], chosen: Sequence[int], propensit
     n = len(chosen)
     if n == 0:
         raise ValueError("off-policy evaluation needs at least one logged decision")
-    idx = np.arange(n)
+    idx = range(n)
     a = np.asarray(chosen, dtype=int)
     p = np.asarray(propensity, dtype=float)
     if np.any(p <= 0):
         raise ValueError("logged propensities must be > 0")
     r = np.asarray(reward, dtype=float)
-    pi_chosen = np.array([target[i][a[i]] for i in idx])
-    q_chosen = np.array([q[i][a[i]] for i in idx])
+    pi_chosen = np.array([target[i][int(a[i])] for i in idx])
+    q_chosen = np.array([q[i][int(a[i])] for i in idx])
     dm = np.array([float(np.dot(target[i], q[i])) for i in idx])
     w = pi_chosen / p
     point = _point(w, r, dm, q_chosen)

@@ -57,6 +57,6 @@ def main(args: argparse.Namespace, params: Params) -> int:
             import mlflow
 
             stats = run(params)
-            mlflow.log_metrics(stats)
+            mlflow.log_metrics({k: float(v) for k, v in stats.items()})
     print(f"build-index: {stats} -> {params.rollouts.index_dir}/")
     return 0

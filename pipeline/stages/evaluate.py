@@ -69,8 +69,9 @@ def cache_key(params: Params, champions: dict[str, Any], roles: dict[str, str], 
 def _cached(params: Params, key: str) -> list[dict[str, Any]] | None:
     import mlflow
 
-    exp = mlflow.get_experiment_by_name(params.mlflow.experiment)
-    runs = mlflow.search_runs([exp.experiment_id], filter_string=f"tags.`eval.key` = '{key}' and attributes.status = 'FINISHED'",
+    from pipeline import tracking
+
+    runs = mlflow.search_runs([tracking.experiment_id(params)], filter_string=f"tags.`eval.key` = '{key}' and attributes.status = 'FINISHED'",
                               output_format="list", max_results=1)
     if not runs:
         return None
@@ -159,6 +160,8 @@ def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], t
         mlflow.flush_trace_async_logging()  # the traces must be stored before the evaluation reads them back
         data = [{"trace": _stored_trace(tid), "expectations": {"label": t.label}} for tid, t in zip(ids, traces, strict=True)]
         result = mlflow.genai.evaluate(data=data, scorers=_scorers(params, by_id, {t["id"]: t for t in tasks}, name))
+        if result.result_df is None:
+            raise RuntimeError(f"mlflow.genai.evaluate returned no result table for {name}")
         rows = {r["request"]["rollout_id"]: r for r in result.result_df.to_dict("records")}
         records = []
         for t in traces:

@@ -68,6 +68,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
 
 def log_to_mlflow(params: Params, result: dict[str, Any]) -> None:
     import mlflow
+    from mlflow.data.pandas_dataset import from_pandas
 
     mlflow.log_params({"source": params.data.source, "test_ids": params.data.test_ids,
                        "val_fraction": params.split.val_fraction, "seed": params.split.seed})
@@ -79,6 +80,6 @@ def log_to_mlflow(params: Params, result: dict[str, Any]) -> None:
     for split in ("train", "val", "test"):
         path = Path(params.data.out_dir) / f"{split}.parquet"
         frame = pd.read_parquet(path)
-        dataset = mlflow.data.from_pandas(frame[["id", "question", "final_decision"]], source=str(path), name=f"pubmedqa-{split}")
+        dataset = from_pandas(frame[["id", "question", "final_decision"]], source=str(path), name=f"pubmedqa-{split}")
         mlflow.log_input(dataset, context=split)
     mlflow.log_artifact(str(METRICS_FILE))

@@ -25,6 +25,13 @@ from pipeline.io import write_json
 METRICS_FILE = Path("reports/promotion.json")
 
 
+def _active_run_id() -> str:
+    import mlflow
+
+    run = mlflow.active_run()
+    return run.info.run_id if run else ""
+
+
 class PromotionError(RuntimeError):
     pass
 
@@ -85,13 +92,13 @@ def promote_role(params: Params, name: str, entry: dict[str, Any], current_champ
             out["routing_version"] = switch(params, name, cand, f"promote {name} v{cand.version}: {decision.detail}")
         except PromotionError as exc:
             registry.set_tags(name, cand.version, {"promotion.decision": "failed", "promotion.rule": "deployment", "promotion.detail": str(exc)[:4000],
-                                                   "promotion.run": mlflow.active_run().info.run_id})
+                                                   "promotion.run": _active_run_id()})
             raise
         from pipeline.serving import routing
 
         mlflow.log_artifact(str(routing.version_path(params, out["routing_version"])), artifact_path="routing")
     registry.set_tags(name, cand.version, {"promotion.decision": status, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
-                              "promotion.run": mlflow.active_run().info.run_id,
+                              "promotion.run": _active_run_id(),
                               "promotion.evidence": json.dumps({"candidate_run": entry["candidate"]["run_id"],
                                                                 "champion_run": entry["champion"]["run_id"],
                                                                 "difference": entry["difference"]})[:4000]})

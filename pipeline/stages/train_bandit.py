@@ -119,7 +119,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     print_table(estimates, len(examples))
     model_file = train_final(cfg, examples)
     plot(estimates)
-    result = {"decisions": len(examples), "ope": estimates,
+    result: dict[str, Any] = {"decisions": len(examples), "ope": estimates,
               "dr_gain": estimates["learned"]["dr"]["value"] - estimates["logging"]["dr"]["value"]}
     write_json(METRICS_FILE, result)
     if args.no_mlflow:
@@ -131,7 +131,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
 
         mlflow.log_params({**cfg.model_dump(), "decisions": len(examples)})
         mlflow.log_metrics({f"ope.{p}.{e}.{k}": v for p, t in estimates.items() for e, d in t.items() for k, v in d.items()})
-        mlflow.log_metric("ope.dr_gain", result["dr_gain"])
+        mlflow.log_metric("ope.dr_gain", float(result["dr_gain"]))
         mlflow.log_artifact(str(PLOT_PNG), artifact_path="plots")
         mlflow.log_artifact(str(METRICS_FILE))
         version = register(params, model_file, data_file, examples, mlflow.get_run(run.info.run_id))
