@@ -270,9 +270,10 @@ def agent_retraining() -> None:
         subprocess.run([*dvc, "commit", "--force", *stages], cwd=PROJECT_ROOT, check=True)
         subprocess.run([*dvc, "push"], cwd=PROJECT_ROOT, check=True)
 
-    @task(trigger_rule="all_done")
+    @task
     def close_run() -> None:
-        """Mark the MLflow parent run FINISHED or FAILED, whatever happened upstream."""
+        """Mark the MLflow parent run FINISHED or FAILED, whatever happened upstream (a teardown: it
+        always runs once `open_run` did, and does not decide the DAG run's state)."""
         from airflow.sdk import get_current_context
 
         ctx = get_current_context()
@@ -294,6 +295,7 @@ def agent_retraining() -> None:
     with TaskGroup("decide", prefix_group_id=False, tooltip="evaluate, promote, report", doc_md=GROUP_DOCS["decide"]):
         branches = trained >> evaluate() >> promote() >> promotion_gate() >> [report(), not_promoted()]
     with TaskGroup("record", prefix_group_id=False, tooltip="DVC + MLflow bookkeeping", doc_md=GROUP_DOCS["record"]):
-        branches >> version_outputs() >> close_run()
+        closed = branches >> version_outputs() >> close_run()
+        closed.as_teardown(setups=run)
 
 agent_retraining()

@@ -57,7 +57,8 @@ def test_stages_in_order(dagbag) -> None:
     assert dag.get_task("promotion_gate").downstream_task_ids == {"report", "not_promoted"}
     assert dag.get_task("version_outputs").upstream_task_ids == {"report", "not_promoted"}
     assert dag.get_task("version_outputs").trigger_rule == "none_failed_min_one_success"  # a skipped branch is not a failure
-    assert dag.get_task("close_run").trigger_rule == "all_done"
+    close = dag.get_task("close_run")  # a teardown: always runs, and a failed stage still fails the DAG run
+    assert close.is_teardown and close.trigger_rule == "all_done_setup_success" and dag.get_task("open_run").is_setup
 
 
 def test_schedule_and_params(dagbag) -> None:
