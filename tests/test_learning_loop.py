@@ -113,7 +113,7 @@ def test_make_run_learns_and_a_second_dvc_repro_is_a_noop(cycle: dict) -> None:
     assert (clone / "models/bandit/policy.vw").exists()
 
     children = _children(cycle)
-    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_bandit",
+    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_ppo", "train_bandit",
                              "evaluate", "promote", "report"}
     assert children["rollouts"].data.metrics["total.rollouts"] == 2
     assert children["datasets"].data.metrics["sft.rows"] > 0
