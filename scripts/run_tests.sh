@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 .venv/control/bin/ruff check pipeline dags
 .venv/control/bin/mypy
 # `make test` (and CI) leave out the e2e marker (a second whole-loop run, through Airflow): `make test-all` adds it.
-exec .venv/control/bin/python -m pytest -m "${PYTEST_MARKERS:-(slow or not slow) and not e2e}" -p no:cacheprovider "$@"
+exec .venv/control/bin/python -m pytest -m "${PYTEST_MARKERS:-(slow or not slow) and not e2e}" -p no:cacheprovider --durations=15 "$@"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import Params, load_params
-from pipeline.stages import build_index, ingest, rollouts, validate
+from pipeline.stages import build_index, ingest, validate
 from pipeline.services.process import free_port
 from tests.conftest import ROOT, set_param
 
@@ -42,32 +41,6 @@ def _with_stack(project: Path, stack: Params) -> dict[str, str]:
     workers = f"[{{name: {w.name}, model: '{w.model}', port: {w.port}}}]"
     return {"PIPELINE__SERVING__WORKERS": workers, "PIPELINE__SERVING__HOME": s.home, "PIPELINE__SERVING__ROUTING_DIR": s.routing_dir,
             "PIPELINE__SERVING__PROXY__PORT": str(s.proxy.port), "PIPELINE__SERVING__PROXY__KEY_FILE": s.proxy.key_file}
-
-
-@pytest.mark.slow
-def test_one_rollout_runs_the_whole_society(ready: Path, serving_stack: Params, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.serving import routing
-
-    routing.apply(serving_stack, 1)
-    for key, value in _with_stack(ready, serving_stack).items():
-        monkeypatch.setenv(key, value)
-    set_param(ready, "rollouts.limit", 1)
-    traces = asyncio.run(rollouts.run_shard(load_params(), 0, "it"))
-    assert len(traces) == 1
-    trace = traces[0]
-    assert trace["status"] == "ok", trace["error"]
-    called = {s["data"]["agent"] for s in trace["spans"] if s["kind"] == "llm"}
-    assert NINE_ROLES <= called
-    logical = {s["data"]["agent"]: s["data"]["logical_model"] for s in trace["spans"] if s["kind"] == "llm"}
-    assert logical["geneticist"] == "junior_researcher" and logical["peer_reviewer"] == "review_board" and logical["judge"] == "judge"
-    assert any(s["kind"] == "tool" and s["data"]["sender"] in {"geneticist", "pharmacologist", "neurologist"} for s in trace["spans"])
-    judged = {s["name"] for s in trace["spans"] if s["kind"] == "reward" and s["data"]["kind"] == "judge"}
-    assert judged == {f"judge.{c}" for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")}
-    final = [s for s in trace["spans"] if s["kind"] == "reward" and s["data"]["kind"] == "final"]
-    assert len(final) == 1 and 0.0 <= trace["reward"] <= 1.0 and trace["decision"] in ("GO", "NO-GO")
-    decision = [s for s in trace["spans"] if s["kind"] == "decision"][0]["data"]
-    assert 0 < decision["propensity"] <= 1 and len(decision["candidates"]) >= 1
-    assert trace["routing_version"] == 1 and trace["tokens"] > 0
 
 
 @pytest.mark.slow
@@ -156,6 +129,7 @@ def test_agent_lightning_collects_triplets_and_keeps_finished_rollouts_when_the_
             # the stored events alone rebuild the trainer's triplets (Agent Lightning's own trimming)
             rebuilt = [_to_triplet_format(Event.model_validate(e)) for e in record["events"]]
             assert sum(1 for e in rebuilt if e.event_type == "model_request" and e.data["response_token_ids"]) == len(c.triplets)
+        _assert_whole_society(store.read(trace_dir, completed[0].rollout_id)["trace"])
         # a third rollout, running when the gateway is killed
         headers = {"Authorization": f"Bearer {gw.key}"}
         body = [{"input": {k: v[0] for k, v in task_rows(tasks[2:]).items()}, "config": gateway.rollout_config(params), "rollout_id": "killed-mid-run"}]
@@ -172,3 +146,22 @@ def test_agent_lightning_collects_triplets_and_keeps_finished_rollouts_when_the_
     on_disk = {r["rollout_id"]: r for r in store.records(trace_dir)}
     assert finished <= set(on_disk) and all(on_disk[r]["events"] for r in finished)
     assert on_disk.get("killed-mid-run", {}).get("status") != "succeeded"
+
+
+def _assert_whole_society(trace: dict) -> None:
+    """One rollout ran every role of the society through the proxy (seniors through the gateway), the
+    juniors' tools, the judge and the supervisor's logged decision."""
+    assert trace["status"] == "ok", trace["error"]
+    called = {s["data"]["agent"] for s in trace["spans"] if s["kind"] == "llm"}
+    assert NINE_ROLES <= called
+    logical = {s["data"]["agent"]: s["data"]["logical_model"] for s in trace["spans"] if s["kind"] == "llm"}
+    assert logical["geneticist"] == "junior_researcher" and logical["peer_reviewer"] == "review_board" and logical["judge"] == "judge"
+    assert logical["principal_investigator"] == "senior_researcher"
+    assert any(s["kind"] == "tool" and s["data"]["sender"] in {"geneticist", "pharmacologist", "neurologist"} for s in trace["spans"])
+    judged = {s["name"] for s in trace["spans"] if s["kind"] == "reward" and s["data"]["kind"] == "judge"}
+    assert judged == {f"judge.{c}" for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")}
+    final = [s for s in trace["spans"] if s["kind"] == "reward" and s["data"]["kind"] == "final"]
+    assert len(final) == 1 and 0.0 <= trace["reward"] <= 1.0 and trace["decision"] in ("GO", "NO-GO")
+    decision = [s for s in trace["spans"] if s["kind"] == "decision"][0]["data"]
+    assert 0 < decision["propensity"] <= 1 and len(decision["candidates"]) >= 1
+    assert trace["routing_version"] == 1 and trace["tokens"] > 0
