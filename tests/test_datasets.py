@@ -11,7 +11,6 @@ import pytest
 from pipeline.config import load_params
 from pipeline.lineage import dvc_md5
 from pipeline.stages import datasets
-from pipeline.traces import adapters
 from tests.conftest import set_param
 
 SYSTEM = {"role": "system", "content": "You are a geneticist."}

@@ -51,7 +51,7 @@ def test_corrupt_input_fails_naming_each_problem(project: Path, pubmedqa: dict) 
     proc = _cli("validate", "--no-mlflow")
     assert proc.returncode == 1
     out = " ".join(proc.stderr.split())
-    assert f"expect_column_values_to_be_in_set on column 'final_decision'" in out and bad["perhaps"] in out and "'perhaps'" in out
+    assert "expect_column_values_to_be_in_set on column 'final_decision'" in out and bad["perhaps"] in out and "'perhaps'" in out
     assert "expect_column_value_lengths_to_be_between on column 'question'" in out and bad["empty"] in out
     assert "expect_column_values_to_be_unique on column 'id'" in out and bad["dup"] in out
     assert "[train]" in out
