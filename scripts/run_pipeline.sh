@@ -37,6 +37,7 @@ pipeline run ${PIPELINE_RUN_ID}: ${status}
   rollout traces  data/rollouts/shard-*.jsonl ; metrics reports/rollouts.json (dvc metrics show)
   datasets        data/datasets/{sft,rl,bandit} ; reports/datasets.json, reward histogram reports/plots/rewards.png (dvc plots show)
   sft adapter     models/sft/junior_researcher/{adapter,merged} ; reports/train_sft.json, loss curve reports/plots/sft_loss.png
+  rl adapter      models/ppo/senior_researcher/adapter ; reports/train_ppo.json, reward/KL curve reports/plots/ppo_reward.png ; RL trace store data/rl_traces/
   bandit policy   models/bandit/policy.vw ; off-policy estimates reports/bandit.json, reports/plots/bandit_ope.png
   evaluation      data/evaluation/summary.json ; reports/evaluate.json, reports/plots/evaluate.png ; notebooks/compare_checkpoints.ipynb
   test split      reports/test.json ; PubMedQA-format predictions reports/test/predictions.json
@@ -45,6 +46,7 @@ pipeline run ${PIPELINE_RUN_ID}: ${status}
   serving         LLM proxy http://127.0.0.1:4000/v1 (roles: junior_researcher supervisor senior_researcher review_board judge;
                   key in .secrets/proxy_key), routing: python -m pipeline route status ; logs .services/
   dvc             dvc.lock; remote 'local' -> dvc-remote/ ; \`dvc status\`, \`dvc metrics show\`
+  airflow UI      make airflow (the same loop as the agent_retraining DAG)
   services        stop with: make services-down
 EOT
 [ "$status" = FINISHED ]
