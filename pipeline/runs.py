@@ -2,7 +2,7 @@
 
 ``open`` prints the pipeline run id to export as ``PIPELINE_RUN_ID`` so that every stage process
 logs its child run under the same parent; ``close`` marks the parent finished or failed; ``fail``
-records a failed task on it (the DAG's failure callback).
+records a failed task on it (the DAG's failure callback); ``times`` prints each stage run's wall time.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pipeline.config import Params
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["open", "close", "fail"])
+    parser.add_argument("action", choices=["open", "close", "fail", "times"])
     parser.add_argument("--task", default=None, help="fail: the task that failed")
     parser.add_argument("--error", default="", help="fail: why")
     parser.add_argument("--try-number", type=int, default=None)
@@ -31,6 +31,10 @@ def main(args: argparse.Namespace, params: Params) -> int:
     mlflow_run = tracking.parent_run(params)
     if args.action == "close":
         tracking.finish_parent(params, args.status)
+    if args.action == "times":
+        for stage, seconds in tracking.stage_times(params):
+            print(f"  {stage:<18} {seconds / 60:5.1f} min")
+        return 0
     if args.action == "fail":
         if not args.task:
             print("error: `run fail` needs --task", file=__import__("sys").stderr)

@@ -87,6 +87,17 @@ def finish_parent(params: Params, status: str = "FINISHED") -> None:
     client.set_terminated(parent_run(params), status=status)
 
 
+def stage_times(params: Params) -> list[tuple[str, float]]:
+    """(stage, seconds) of the current pipeline run's stage runs, in start order."""
+    import mlflow
+
+    setup(params)
+    runs = mlflow.MlflowClient().search_runs(
+        [experiment_id(params)], f"tags.`{RUN_TAG}` = '{pipeline_run_id()}' and tags.`pipeline.kind` = 'stage'", max_results=500)
+    done = sorted((r for r in runs if r.info.end_time), key=lambda r: r.info.start_time)
+    return [(r.data.tags.get("pipeline.stage", r.info.run_name), (r.info.end_time - r.info.start_time) / 1000) for r in done]
+
+
 def record_failure(params: Params, task: str, error: str, try_number: int | None = None) -> str:
     """Note a failed orchestrator task on the parent run: ``failed.<task>`` tag + the list in ``failed_tasks``."""
     import mlflow

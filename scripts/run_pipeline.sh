@@ -25,6 +25,8 @@ for role, d in r["decisions"].items():
 print(f"champions: {r['champions']}; routing version live: v{r['routing_version']}")
 PY
 fi
+echo "stage wall times (MLflow stage runs of this pipeline run; stages DVC skipped are not listed):"
+python -m pipeline run times || true
 URI="${MLFLOW_TRACKING_URI:-$(python -c 'from pipeline.config import load_params; from pipeline.services.mlflow_server import tracking_uri; print(tracking_uri(load_params()))')}"
 cat <<EOT
 
