@@ -70,3 +70,26 @@ def test_gpu_image_pins_the_documented_verl_vllm_pair() -> None:
     pins = (INFRA.parent / "requirements/gpu-rl.txt").read_text()
     assert "verl==0.8.0" in pins and "agentlightning==1.0.2" in pins
     assert "FROM vllm/vllm-openai:v0.20.2" in (INFRA / "docker/Dockerfile.gpu-worker").read_text()
+
+
+def test_images_ports_and_env_names_agree_across_compose_k8s_and_params() -> None:
+    """One control image and one GPU image everywhere; the gateway where params.yaml says; the vLLM
+    image the GPU worker is built on; the key env names the code reads."""
+    import re as _re
+
+    from pipeline.config import load_params
+
+    texts = {p.relative_to(INFRA).as_posix(): p.read_text() for p in [*(INFRA / "k8s").rglob("*.yaml"), *(INFRA / "k8s").rglob("*.j2"),
+                                                                      INFRA / "docker-compose.yml"]}
+    ours = {m for t in texts.values() for m in _re.findall(r"((?:[\w.-]+/)*pubmedqa-society/[\w-]+)", t)}
+    assert {m.rsplit("/", 2)[-2] + "/" + m.rsplit("/", 1)[-1] for m in ours} == {"pubmedqa-society/control", "pubmedqa-society/gpu-worker"}
+    vllm_tags = {m for t in texts.values() for m in _re.findall(r"vllm/vllm-openai:(v[\d.]+)", t)}
+    assert vllm_tags == {_re.search(r"FROM vllm/vllm-openai:(v[\d.]+)", (INFRA / "docker/Dockerfile.gpu-worker").read_text()).group(1)}
+    params = load_params(INFRA.parent / "params.yaml", environ={})
+    gateway = texts["k8s/agl-gateway.yaml"]
+    assert f"port={params.ppo.agl.port}" in gateway and f"agl-server.pubmedqa.svc:{params.ppo.agl.port}" in gateway
+    assert "${oc.env:AGL_KEY}" in gateway and params.ppo.agl.key_env == "AGL_KEY"
+    job = texts["k8s/templates/agl-rollout-job.yaml.j2"]
+    from pipeline.rl.agent import TASK_ENV, TRACE_DIR_ENV
+
+    assert TASK_ENV in job and TRACE_DIR_ENV in job and "PIPELINE__ROLLOUTS__LLM_BASE_URL" in job
