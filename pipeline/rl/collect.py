@@ -36,7 +36,8 @@ def collect(params: Params, gw: Any, tasks: list[dict[str, Any]], n: int, endpoi
     hooks.on_startup()
     manager = AglRolloutManager(agl_base_url=gw.url, agl_key=gw.key, model=gw.model_name, step=step, train_rollout_n=n,
                                 rollout_timeout_seconds=params.ppo.agl.rollout_timeout_s, poll_interval_seconds=params.ppo.agl.poll_s,
-                                hooks=hooks, local_agent_class=AGENT_CLASS, local_env_map={"PUBMEDQA_TASK": "input"})
+                                hooks=hooks, local_agent_class=AGENT_CLASS, local_env_map={"PUBMEDQA_TASK": "input"},
+                                k8s_job_template_path=params.ppo.agl.job_template if params.ppo.agl.runner == "k8s" else None)
     manager.delete_model()
     manager.register_model(endpoints)
     return manager.enqueue_and_wait_until_completed(task_rows(tasks), is_train=True)

@@ -8,6 +8,7 @@ that died and the tail of its log; ``train_ppo`` calls it while the trainer runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -89,6 +90,8 @@ def running(params: Params, model_name: str, run_id: str = "agl", python: str | 
         for name in ("agl-controller", "agl-server"):
             if name in gw.procs:
                 stop(gw.service(name), grace_s=10)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    gw.procs[name].wait(10)  # reap it
 
 
 def rollout_config(params: Params) -> dict[str, object]:
