@@ -26,12 +26,16 @@ from tests.conftest import ROOT, copy_project
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 
-# sized to prove the mechanism: one task x 2 samples (shard 1 is empty), no review loop-back, a few SFT steps
+# sized to prove the mechanism: one task x 2 samples (shard 1 is empty), no review loop-back, no tool steps
+# (tests/test_rollouts_integration.py covers them), a few SFT and GRPO steps
 CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160", "PIPELINE__ROLLOUTS__SAMPLES_PER_TASK": "2", "PIPELINE__AGENTS__MAX_REVIEW_ROUNDS": "0",
-         "PIPELINE__AGENTS__MAX_TOOL_CALLS": "1", "PIPELINE__ROLLOUTS__MAX_FAILURE_RATE": "1.0",
+         "PIPELINE__AGENTS__MAX_TOOL_CALLS": "0", "PIPELINE__ROLLOUTS__MAX_FAILURE_RATE": "1.0",
          "PIPELINE__DATASETS__SFT__MIN_REWARD": "0.0", "PIPELINE__SFT__MAX_STEPS": "6", "PIPELINE__BANDIT__FOLDS": "2",
          "PIPELINE__BANDIT__BOOTSTRAP": "200", "PIPELINE__EVALUATE__LIMIT": "1", "PIPELINE__EVALUATE__BOOTSTRAP": "200",
          "PIPELINE__REPORT__LIMIT": "1", "PIPELINE__PPO__PROMPTS_PER_STEP": "1", "PIPELINE__PPO__MAX_COMPLETION_TOKENS": "32",
+         # the gate's evaluation runs on the junior adapter and the bandit: the senior adapter takes the same
+         # lora_adapter path (hot-load + evaluation routing), so a fourth society in `evaluate` would repeat it
+         "PIPELINE__PROMOTE__ROLES": "{junior_researcher: llm, supervisor_policy: policy}",
          # one validation task gives no CI (the gate would always say no): the gain decides here, so a
          # cycle can promote and the report then runs on the promoted adapter + bandit policy
          "PIPELINE__PROMOTE__REQUIRE_SIGNIFICANCE": "false"}
