@@ -118,6 +118,21 @@ def register_candidate(params: Params, name: str, model_uri: str, run_id: str, t
     return version
 
 
+def register_adapter(params: Params, run: Any, role: str, adapter_dir: str | Path, dataset_dir: str | Path, rows: list[dict[str, Any]],
+                     base_model: str, description: str, **extra_tags: Any) -> Any:
+    """A trained LoRA adapter folder: logged to ``run`` as ``adapter/`` and registered as ``role``'s
+    challenger, tagged ``kind: lora_adapter`` with its lineage (run, data, traces, base model)."""
+    import mlflow
+
+    from pipeline import lineage
+
+    mlflow.log_artifacts(str(adapter_dir), artifact_path="adapter")
+    tags = lineage.tags(run, dataset_dir, rows, params.rollouts.out_dir, role=role, kind="lora_adapter",
+                        **{"lineage.base_model": params.models.base.source, "lineage.base_model_path": base_model,
+                           "lineage.base_model_md5": lineage.dvc_md5(base_model)}, **extra_tags)
+    return register_candidate(params, role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags, description=description)
+
+
 def adapter_name(name: str, version: str | int) -> str:
     return f"{name}-v{version}"
 

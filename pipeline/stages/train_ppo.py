@@ -228,7 +228,7 @@ def _log_curves(history: list[dict[str, Any]]) -> None:
 def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     import mlflow
 
-    from pipeline import lineage, registry
+    from pipeline import registry
 
     cfg = params.ppo
     out = Path(cfg.out_dir)
@@ -248,14 +248,10 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
         if scored:
             mlflow.log_table({k: [r.get(k) for r in scored] for k in ("step", "agent", "task_id", "value", "validity", "judge", "aligned", "reason", "completion")},
                              artifact_file="completions.json")
-    mlflow.log_artifacts(str(out / "adapter"), artifact_path="adapter")
     rows = [{"run_id": r.get("run_id", "")} for r in load_prompts(params)]
-    tags = lineage.tags(run, data_dir(params), rows, params.rollouts.out_dir, role=cfg.role, kind="lora_adapter",
-                        backend=metrics["backend"], algorithm=metrics["algorithm"],
-                        **{"lineage.base_model": params.models.base.source, "lineage.base_model_path": cfg.base_model,
-                           "lineage.base_model_md5": lineage.dvc_md5(cfg.base_model)})
-    return registry.register_candidate(params, cfg.role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags,
-                                       description=f"LoRA adapter for the {cfg.role} role (online RL on the society's rollouts)")
+    return registry.register_adapter(params, run, cfg.role, out / "adapter", data_dir(params), rows, cfg.base_model,
+                                     f"LoRA adapter for the {cfg.role} role (online RL on the society's rollouts)",
+                                     backend=metrics["backend"], algorithm=metrics["algorithm"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

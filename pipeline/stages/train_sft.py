@@ -179,7 +179,7 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage."""
     import mlflow
 
-    from pipeline import lineage, registry
+    from pipeline import registry
 
     cfg = params.sft
     out = Path(cfg.out_dir)
@@ -192,14 +192,9 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     _log_curves(history)
     mlflow.log_artifact(str(LOSS_PNG), artifact_path="plots")
-    mlflow.log_artifacts(str(out / "adapter"), artifact_path="adapter")
     data = data_file(params)
-    tags = lineage.tags(run, data.parent, load_rows(data), params.rollouts.out_dir, role=cfg.role, kind="lora_adapter",
-                        backend=metrics["backend"], **{"lineage.base_model": params.models.base.source,
-                                                       "lineage.base_model_path": cfg.base_model,
-                                                       "lineage.base_model_md5": lineage.dvc_md5(cfg.base_model)})
-    return registry.register_candidate(params, cfg.role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags,
-                                    description=f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)")
+    return registry.register_adapter(params, run, cfg.role, out / "adapter", data.parent, load_rows(data), cfg.base_model,
+                                     f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)", backend=metrics["backend"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
