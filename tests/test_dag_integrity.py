@@ -123,17 +123,22 @@ def test_groups_params_schedule_and_callbacks(dagbag) -> None:
 def test_run_params_become_stage_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     from dags.agent_retraining import RUN_PARAMS, _apply_run_params
 
-    for env in RUN_PARAMS.values():
-        monkeypatch.delenv(env, raising=False)
     monkeypatch.chdir(ROOT)
-    _apply_run_params({"run_id": "manual__2026-01-01T00:00:00+00:00", "params": {
-        "shards": 3, "tasks": None, "samples_per_task": 4, "eval_limit": 8, "margin": 0.02, "dry_run": True}})
-    from pipeline.config import load_params
+    saved = dict(os.environ)
+    try:  # _apply_run_params writes os.environ (as in a task process): restore it whole, other tests load params too
+        for env in RUN_PARAMS.values():
+            os.environ.pop(env, None)
+        _apply_run_params({"run_id": "manual__2026-01-01T00:00:00+00:00", "params": {
+            "shards": 3, "tasks": None, "samples_per_task": 4, "eval_limit": 8, "margin": 0.02, "dry_run": True}})
+        from pipeline.config import load_params
 
-    p = load_params(ROOT / "params.yaml")
-    assert (p.rollouts.shards, p.rollouts.samples_per_task, p.evaluate.limit, p.promote.margin, p.promote.dry_run) == (3, 4, 8, 0.02, True)
-    assert p.rollouts.limit == load_params(ROOT / "params.yaml", environ={}).rollouts.limit  # None = params.yaml
-    assert os.environ["PIPELINE_RUN_ID"] == "manual__2026-01-01T00_00_00_00_00"
+        p = load_params(ROOT / "params.yaml")
+        assert (p.rollouts.shards, p.rollouts.samples_per_task, p.evaluate.limit, p.promote.margin, p.promote.dry_run) == (3, 4, 8, 0.02, True)
+        assert p.rollouts.limit == load_params(ROOT / "params.yaml", environ={}).rollouts.limit  # None = params.yaml
+        assert os.environ["PIPELINE_RUN_ID"] == "manual__2026-01-01T00_00_00_00_00"
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.mark.slow
@@ -145,9 +150,15 @@ def test_failure_callback_records_the_task_on_the_mlflow_parent_run(mlflow_serve
     from dags.agent_retraining import _record_failure
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.chdir(ROOT)
     ti = SimpleNamespace(task_id="train_ppo", try_number=3)
-    _record_failure({"ti": ti, "run_id": "scheduled__cb-test", "params": {"params_file": "params.yaml"},
-                     "exception": RuntimeError("stage train-ppo exited with 1")})
+    saved = dict(os.environ)
+    try:  # the callback sets PIPELINE_RUN_ID like a task process does: keep it out of the other tests
+        _record_failure({"ti": ti, "run_id": "scheduled__cb-test", "params": {"params_file": "params.yaml"},
+                         "exception": RuntimeError("stage train-ppo exited with 1")})
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     client = mlflow.MlflowClient(mlflow_server)
     exp = client.get_experiment_by_name("society-retraining")
     parent = client.search_runs([exp.experiment_id], "tags.`pipeline.run_id` = 'scheduled__cb-test' and tags.`pipeline.kind` = 'parent'")[0]
