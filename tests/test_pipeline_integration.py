@@ -37,8 +37,9 @@ def _env(mlflow_uri: str, run_id: str, **extra: str) -> dict[str, str]:
 
 
 # the whole loop, smaller still than tests/test_learning_loop.py (this checks orchestration, that one
-# checks learning): no tool steps, two SFT steps; serving on free ports
-SMALL_LOOP = {**CYCLE, "PIPELINE__AGENTS__MAX_TOOL_CALLS": "0", "PIPELINE__SFT__MAX_STEPS": "2"}
+# checks learning): two SFT steps; serving on free ports. The one tool step stays: without it a rollout
+# whose juniors all need a repair gives no SFT row and `datasets` fails the run (seen with 0 tool steps)
+SMALL_LOOP = {**CYCLE, "PIPELINE__SFT__MAX_STEPS": "2"}
 
 
 def _serving_env() -> dict[str, str]:
