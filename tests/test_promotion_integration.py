@@ -3,9 +3,11 @@ evaluation routing, the gate, routing on promotion, rollback, a failed promotion
 
 SmolLM2 behind the session's shared serving stack, its own MLflow server (the registry must start
 empty here). The worse junior is the random-weight test model, served for this module in the
-stack's spare worker slot ("offline", which the proxy already knows): its juniors never write a
-hypothesis, so every rollout it takes part in fails and scores 0. The slot is emptied again for the
-routing-failure test, where "offline" must be down.
+stack's spare worker slot ("offline", which the proxy already knows), so that routing to it verifies.
+While an evaluation runs, that worker is stopped: every rollout its juniors take part in fails and
+scores 0. (Random weights under guided decoding do sometimes write a valid hypothesis, and then the
+SmolLM2 judge's noise decides: a CI run saw 0.93 for a random-weight champion.) The slot is emptied
+again for the routing-failure test, where "offline" must be down.
 """
 
 from __future__ import annotations
@@ -109,6 +111,18 @@ def _served(promo: dict, role: str) -> str:
     return resp.headers["x-litellm-model-group"]
 
 
+def _evaluate_with_offline_down(promo: dict) -> subprocess.CompletedProcess:
+    """`evaluate` with the random-weight worker stopped (its juniors' calls fail), then the worker back up."""
+    from pipeline.serving import worker
+
+    tiny = promo["params"].serving.workers[1]
+    worker.down(promo["params"], tiny)
+    try:
+        return _cli(promo, "evaluate")
+    finally:
+        worker.up(promo["params"], tiny)
+
+
 def _champion(name: str) -> str:
     from pipeline import registry
 
@@ -122,7 +136,7 @@ def test_worse_candidate_is_not_promoted(promo: dict) -> None:
     assert version == "2" and _champion("junior_researcher") == "1"  # v1: the baseline, registered on first use
     assert MlflowClient().get_model_version("junior_researcher", "1").tags["kind"] == "base"
     before = _live(promo)
-    ev = _cli(promo, "evaluate")
+    ev = _evaluate_with_offline_down(promo)
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
     entry = summary["roles"]["junior_researcher"]
@@ -155,7 +169,7 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "2"), "it: random-weight champion")
     assert _served(promo, "junior_researcher") == "offline"
     version = _register(promo, "base")
-    ev = _cli(promo, "evaluate")
+    ev = _evaluate_with_offline_down(promo)
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     # two questions cannot make a bootstrap CI exclude 0 if SmolLM2 fails one of them; the significance
     # rule is unit-tested (test_promotion_gate.py), here the gain over a champion that scores 0 decides
