@@ -263,7 +263,8 @@ def agent_retraining() -> None:
         from airflow.sdk import get_current_context
 
         ctx = get_current_context()
-        reported = ctx["ti"].xcom_pull(task_ids="promotion_gate") == "report"
+        # whether `report` ran, from its task state (the branch's XCom shape differs across Airflow versions)
+        reported = ctx["ti"].get_ti_count(dag_id=ctx["dag"].dag_id, task_ids=["report"], run_ids=[ctx["run_id"]], states=["success"]) > 0
         skipped = {f"train_{t}" for t in TRAINERS if t not in ctx["params"]["trainers"]} | (set() if reported else {"report"})
         dvc = [sys.executable, "-m", "dvc"]
         stages = [s for s in STAGES if s not in skipped]
