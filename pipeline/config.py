@@ -164,6 +164,8 @@ class AgentsParams(_Strict):
     max_turns: int = Field(12, ge=1, description="LLM-call budget of one rollout before PI is forced")
     max_review_rounds: int = Field(2, ge=0)
     max_tool_calls: int = Field(2, ge=0, description="ReAct tool calls per junior")
+    min_tool_calls: int = Field(1, ge=0, description="ReAct steps that must call a tool before a junior may stop (capped by max_tool_calls): "
+                                "every hypothesis rests on at least that much looked-up evidence")
     max_tokens: int = Field(256, ge=16, description="completion cap per call; the protocol designer gets 4x, reviewers 2x, the PI at least 256")
     temperature: float = 0.7
     json_retries: int = Field(2, ge=0, description="repair attempts for invalid structured output")

@@ -74,3 +74,11 @@ class ToolCall(StructuredOutput):
 
     tool: Literal["search_literature", "lookup_gene", "lookup_protein", "none"]
     query: str = Field(max_length=80)
+
+
+class EvidenceCall(StructuredOutput):
+    """A ReAct step that must call a tool: the first ``agents.min_tool_calls`` steps of a junior use this schema,
+    so guided decoding cannot skip the evidence search (a tiny model otherwise often answers 'none' at once)."""
+
+    tool: Literal["search_literature", "lookup_gene", "lookup_protein"]
+    query: str = Field(max_length=80)

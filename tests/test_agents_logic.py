@@ -88,3 +88,30 @@ def test_tools_offline(tmp_path: Path) -> None:
     broken = Toolbox(tmp_path / "missing")
     result = broken.call("search_literature", "statins")
     assert not result.ok and "build-index" in result.text  # an error message for the agent, not an exception
+
+
+class _QuitterClient:
+    """A junior model that stops at once whenever the schema lets it ('none'), else searches."""
+
+    def __init__(self) -> None:
+        self.schemas: list[str] = []
+
+    async def structured(self, agent, model, messages, schema, spans, max_tokens=None):
+        self.schemas.append(schema.__name__)
+        fields = schema.model_fields
+        if "tool" in fields:
+            allowed = fields["tool"].annotation.__args__
+            return schema(tool="none" if "none" in allowed else "search_literature", query="statins")
+        return schema(hypothesis="h", rationale="r", evidence_pmids=[]) if "hypothesis" in fields else None
+
+
+@pytest.mark.parametrize("min_calls, max_calls, tool_spans", [(1, 2, 1), (2, 2, 2), (0, 2, 0), (3, 1, 1)])
+def test_junior_looks_up_evidence_before_it_may_stop(tmp_path: Path, min_calls: int, max_calls: int, tool_spans: int) -> None:
+    import asyncio
+
+    client = _QuitterClient()
+    society = Society(client=client, tools=Toolbox(tmp_path / "no-index"), cfg=AgentsParams(min_tool_calls=min_calls, max_tool_calls=max_calls),  # type: ignore[arg-type]
+                      rng=random.Random(0))
+    out = asyncio.run(society.junior("geneticist")({"task": {"question": "Do statins help?"}}))
+    assert sum(1 for s in out["spans"] if s["kind"] == "tool" and s["data"]["sender"] == "geneticist") == tool_spans
+    assert out["hypotheses"][0]["author"] == "geneticist"

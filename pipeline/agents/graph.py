@@ -22,7 +22,7 @@ from typing import Annotated, Any, TypedDict
 from pipeline.agents.llm import LLMError, RoleClient
 from pipeline.agents.tools import Toolbox, timed_call
 from pipeline.config import AgentsParams
-from pipeline.schemas import Hypothesis, PIDecision, Protocol, Review, StructuredOutput, SupervisorChoice, ToolCall
+from pipeline.schemas import EvidenceCall, Hypothesis, PIDecision, Protocol, Review, StructuredOutput, SupervisorChoice, ToolCall
 
 JUNIORS = {
     "geneticist": "a geneticist: genes, variants, heritability",
@@ -73,10 +73,11 @@ class Society:
                       "Call one tool at a time with a short query, or tool 'none' when ready.")
             notes: list[str] = []
             try:
-                for _ in range(self.cfg.max_tool_calls):
+                for step in range(self.cfg.max_tool_calls):
                     messages = [{"role": "system", "content": system},
                                 {"role": "user", "content": "Tool results so far:\n" + ("\n".join(notes) or "none") + "\nNext step as JSON."}]
-                    call = await self.client.structured(name, "junior_researcher", messages, ToolCall, spans, max_tokens=64)
+                    schema: type[ToolCall | EvidenceCall] = EvidenceCall if step < self.cfg.min_tool_calls else ToolCall
+                    call = await self.client.structured(name, "junior_researcher", messages, schema, spans, max_tokens=64)
                     if call is None or call.tool == "none":
                         break
                     result = timed_call(self.tools, name, call.tool, call.query, spans)
