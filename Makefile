@@ -5,7 +5,7 @@ export PYTHONPATH := $(CURDIR)
 export PIPELINE_MODEL_PYTHON := $(CURDIR)/.venv/model/bin/python
 export PATH := $(CURDIR)/$(CTL):$(PATH)
 
-.PHONY: setup run test test-all test-fast services-down airflow lock
+.PHONY: setup run test test-all test-fast services-down airflow lock prod-stack prod-run prod-down
 
 setup:            ## create/reuse the pinned control-plane and model-plane environments
 	@bash scripts/setup_envs.sh
@@ -28,3 +28,14 @@ airflow: setup    ## start `airflow standalone` on loopback with this repo's DAG
 
 services-down:    ## stop every local service this project started
 	@$(CTL)/python -m pipeline services down all
+
+prod-stack: setup ## the production executor on this host, no Docker: Postgres + Redis (Debian), S3 (moto), MLflow, Airflow CeleryExecutor with default + gpu workers
+	@bash scripts/setup_prod_stack.sh
+	@$(CTL)/python -m pipeline prod up
+
+prod-run: prod-stack ## one DAG run on the production executor (Params as CONF='{"tasks": 1}'); prints where each task ran
+	@$(CTL)/python -m pipeline prod dag-run --conf '$(or $(CONF),{})'
+
+prod-down:        ## stop the production-executor stack (its data stays in .prod/)
+	@$(CTL)/python -m pipeline prod down
+

@@ -25,6 +25,10 @@ from airflow.timetables.trigger import CronTriggerTimetable
 PROJECT_ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent))
 
 GPU_POOL = "gpu"  # created by `python -m pipeline services up airflow`; size it to the GPU workers in production
+# GPU-bound tasks: the `gpu` Celery queue (docker-compose, `make prod-stack`), and under the KubernetesExecutor a pod
+# from this template (infra/k8s/pod-template-gpu.yaml: nvidia.com/gpu, the GPU image); other executors ignore it.
+GPU: dict[str, Any] = {"queue": "gpu", "executor_config": {"pod_template_file": os.environ.get(
+    "PIPELINE_GPU_POD_TEMPLATE", "/opt/airflow/pod_templates/pod-template-gpu.yaml")}}
 STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_ppo", "train_bandit",
           "evaluate", "promote", "report"]
 
@@ -162,7 +166,7 @@ def agent_retraining() -> None:
     def validate() -> None:
         _run_stage("validate")
 
-    @task(queue="gpu", pool_slots=1)
+    @task(**GPU, pool_slots=1)
     def materialize_model() -> None:
         """Base checkpoint -> HF folder for the vLLM workers (model plane; `gpu` queue in production)."""
         _run_stage("materialize-model")
@@ -181,7 +185,7 @@ def agent_retraining() -> None:
         _apply_run_params(ctx)  # the `shards` Param, if set, decides how many mapped tasks there are
         return list(range(load_params(ctx["params"]["params_file"]).rollouts.shards))
 
-    @task(queue="gpu", max_active_tis_per_dagrun=2, map_index_template="shard {{ task.op_kwargs['shard'] }}")
+    @task(**GPU, max_active_tis_per_dagrun=2, map_index_template="shard {{ task.op_kwargs['shard'] }}")
     def rollouts(shard: int) -> None:
         """One shard of the train split; each mapped task writes only its own shard file."""
         _run_stage("rollouts", "--shard", str(shard))
@@ -195,12 +199,12 @@ def agent_retraining() -> None:
         """Traces -> SFT chat data (juniors), RL prompts (seniors), logged decisions (supervisor)."""
         _run_stage("datasets")
 
-    @task(queue="gpu", pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=6))
+    @task(**GPU, pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=6))
     def train_sft() -> None:
         """LoRA SFT of junior_researcher: unsloth on a GPU worker, TRL on CPU; registers a model version."""
         _train("sft")
 
-    @task(queue="gpu", pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=12))
+    @task(**GPU, pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=12))
     def train_ppo() -> None:
         """Online RL of senior_researcher: verl via Agent Lightning on a GPU worker, TRL GRPO on CPU; registers a version."""
         _train("ppo")
@@ -210,12 +214,12 @@ def agent_retraining() -> None:
         """VW contextual bandit for the supervisor + off-policy evaluation; registers supervisor_policy."""
         _train("bandit")
 
-    @task(queue="gpu", trigger_rule="none_failed_min_one_success")  # a trainer left out by the `trainers` Param is skipped
+    @task(**GPU, trigger_rule="none_failed_min_one_success")  # a trainer left out by the `trainers` Param is skipped
     def evaluate() -> None:
         """Each role's challenger vs its champion on the validation split (MLflow GenAI evaluation)."""
         _run_stage("evaluate")
 
-    @task(queue="gpu")
+    @task(**GPU)
     def promote() -> None:
         """The gate: promote a candidate that beat its champion (hot-load, routing version, alias)."""
         _run_stage("promote")
@@ -245,7 +249,7 @@ def agent_retraining() -> None:
             print(f"MLflow link unavailable: {exc}")
         return "report" if result["promoted"] else "not_promoted"
 
-    @task(queue="gpu")
+    @task(**GPU)
     def report() -> None:
         """The champion society on the official test split (the only reader of the test split)."""
         _run_stage("report")

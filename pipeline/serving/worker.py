@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -100,14 +101,24 @@ def models(worker: WorkerParams, timeout: float = 5.0) -> list[str]:
     return [m["id"] for m in resp.json()["data"]]
 
 
-def load_lora(worker: WorkerParams, name: str, path: str) -> None:
-    """Hot-load an adapter into a running worker; it is then served as model ``name``."""
-    if not Path(path, "adapter_config.json").exists():
+def load_lora(worker: WorkerParams, name: str, path: str, wait_s: float = 0.0) -> None:
+    """Hot-load an adapter into a running worker; it is then served as model ``name``.
+
+    ``path`` is as the worker sees it. With ``wait_s`` (an adapter published to the worker's S3 store,
+    which its sidecar has yet to copy) a refusal is retried until the deadline.
+    """
+    if wait_s == 0 and not Path(path, "adapter_config.json").exists():
         raise FileNotFoundError(f"{path}: not a PEFT adapter folder (no adapter_config.json)")
-    resp = httpx.post(f"{base_url(worker)}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(Path(path).resolve())}, timeout=120,
-                      headers=_headers())
-    if resp.status_code != 200:
-        raise ServiceError(f"worker {worker.name}: loading adapter {name} from {path} failed: {resp.status_code} {resp.text[:300]}")
+    lora_path = str(Path(path).resolve()) if wait_s == 0 else path
+    deadline = time.monotonic() + wait_s
+    while True:
+        resp = httpx.post(f"{base_url(worker)}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": lora_path}, timeout=120,
+                          headers=_headers())
+        if resp.status_code == 200:
+            return
+        if time.monotonic() >= deadline:
+            raise ServiceError(f"worker {worker.name}: loading adapter {name} from {path} failed: {resp.status_code} {resp.text[:300]}")
+        time.sleep(2.0)
 
 
 def unload_lora(worker: WorkerParams, name: str) -> None:
@@ -126,14 +137,26 @@ def pick(params: Params, name: str | None) -> list[WorkerParams]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["up", "down", "status", "load-lora", "unload-lora"])
+    parser.add_argument("action", choices=["up", "down", "status", "load-lora", "unload-lora", "sync-adapters"],
+                        help="sync-adapters: the vLLM sidecar, copying the worker's adapter_store (S3) into its adapter_dir")
     parser.add_argument("--worker", default=None, help="worker name (default: all in serving.workers)")
     parser.add_argument("--name", help="adapter name (load-lora/unload-lora)")
     parser.add_argument("--path", help="adapter folder (load-lora)")
+    parser.add_argument("--every", type=float, default=0.0, help="sync-adapters: repeat every N seconds (0: one pass)")
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
     workers = pick(params, args.worker)
+    if args.action == "sync-adapters":
+        from pipeline.serving import adapter_store
+
+        if len(workers) != 1 or workers[0].adapter_store is None or workers[0].adapter_dir is None:
+            raise SystemExit("error: sync-adapters needs --worker naming a worker with adapter_store and adapter_dir")
+        w = workers[0]
+        if args.every > 0:
+            adapter_store.sync_forever(w.adapter_store, w.adapter_dir, args.every)  # type: ignore[arg-type]
+        print(f"{w.name}: synced {adapter_store.sync(w.adapter_store, w.adapter_dir) or 'nothing new'} from {w.adapter_store}")  # type: ignore[arg-type]
+        return 0
     if args.action in ("load-lora", "unload-lora"):
         if len(workers) != 1 or not args.name or (args.action == "load-lora" and not args.path):
             raise SystemExit(f"error: {args.action} needs --worker, --name" + (" and --path" if args.action == "load-lora" else ""))

@@ -1,0 +1,100 @@
+"""The production executor on this host (`make prod-stack`): Postgres + Redis from Debian's packages,
+moto's S3 server, MLflow on Postgres with S3 artifacts, Airflow with the CeleryExecutor and one
+worker per queue; the whole DAG runs on it end to end (e2e: `make test-all`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import Params, load_params
+from pipeline.services.process import free_port
+from tests.conftest import ROOT, copy_project
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    from pipeline.services import prod_stack
+    from tests.test_pipeline_integration import SMALL_LOOP, _serving_env
+
+    if subprocess.run(["bash", str(ROOT / "scripts/setup_prod_stack.sh")], check=False).returncode != 0:
+        pytest.fail("scripts/setup_prod_stack.sh could not install postgresql/redis-server")
+    root = tmp_path_factory.mktemp("prod")
+    (root / "shared").symlink_to(ROOT.parent / "shared")
+    clone = copy_project(root / "proj")
+    home = root / "stack"
+    ports = {"PIPELINE__PROD_STACK__HOME": str(home), **{f"PIPELINE__PROD_STACK__{k.upper()}_PORT": str(free_port())
+                                                       for k in ("postgres", "redis", "s3", "mlflow", "airflow")}}
+    from pipeline.envs import model_python
+
+    # what the Celery workers (and so every task) inherit: the loop sized as the Airflow e2e test sizes it
+    work_env = {**SMALL_LOOP, **_serving_env(), **ports, "PIPELINE_MODEL_PYTHON": model_python(), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    saved = {k: os.environ.get(k) for k in work_env}
+    os.environ.update(work_env)
+    params = load_params(clone / "params.yaml")
+    try:
+        info = prod_stack.up(params, clone)
+        prod_stack.use_s3_remote(params, clone)
+        yield {"params": params, "clone": clone, "info": info, "home": home}
+    finally:
+        prod_stack.down(params)
+        subprocess.run([sys.executable, "-m", "pipeline", "services", "down", "serving"], cwd=clone, capture_output=True, check=False)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _s3_keys(params: Params, bucket: str) -> list[str]:
+    import boto3
+
+    from pipeline.services import prod_stack
+
+    env = prod_stack.s3_env(params.prod_stack)
+    s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+    return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])]
+
+
+def test_dag_runs_end_to_end_on_celery_with_gpu_tasks_on_the_gpu_worker(stack: dict) -> None:
+    import httpx
+    import mlflow
+
+    from pipeline.services import prod_stack
+
+    params, clone = stack["params"], stack["clone"]
+    health = httpx.get(f"{stack['info']['url']}/api/v2/monitor/health").json()
+    assert {health[c]["status"] for c in ("metadatabase", "scheduler", "dag_processor", "triggerer")} == {"healthy"}
+    result = prod_stack.dag_run(params, {"tasks": 1, "samples_per_task": 2, "shards": 2, "eval_limit": 1}, timeout_s=3000)
+    tis = result["task_instances"]
+    assert result["state"] == "success", [(t["task_id"], t["state"]) for t in tis]
+    assert prod_stack.misplaced(tis) == []
+    ran = {(t["task_id"], t["map_index"]): t for t in tis if t["state"] == "success"}
+    gpu = {t["task_id"] for t in ran.values() if t["queue"] == "gpu"}
+    assert {"rollouts", "train_sft", "evaluate", "promote"} <= gpu  # the DAG's GPU-bound tasks ...
+    assert all(t["hostname"].startswith("gpu-worker.") for t in ran.values() if t["queue"] == "gpu")  # ... ran on the gpu worker
+    assert any(t["hostname"].startswith("default-worker.") for t in ran.values() if t["queue"] == "default")
+    assert {("rollouts", 0), ("rollouts", 1)} <= set(ran)  # the mapped shards
+
+    # MLflow on Postgres with artifacts in S3; DVC pushed to the S3 remote
+    client = mlflow.MlflowClient(prod_stack.mlflow_uri(params.prod_stack))
+    exp = client.get_experiment_by_name(params.mlflow.experiment)
+    parents = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("pipeline.kind") == "parent"]
+    assert parents and parents[0].info.status == "FINISHED"
+    assert client.search_model_versions("name='junior_researcher'")
+    assert _s3_keys(params, "mlflow") and _s3_keys(params, "dvc")
+    status = subprocess.run([sys.executable, "-m", "dvc", "status", "--cloud"], cwd=clone, capture_output=True, text=True,
+                            env={**os.environ, **prod_stack.s3_env(params.prod_stack)})
+    assert status.returncode == 0 and "up to date" in status.stdout.lower(), status.stdout + status.stderr
+    promotion = json.loads((clone / "reports/promotion.json").read_text())
+    assert promotion["routing_version"] >= 1
