@@ -270,3 +270,37 @@ def test_cycle_evaluates_decides_and_reports_on_the_test_split(cycle: dict) -> N
         out = subprocess.run([sys.executable, script, str(clone / "reports/test/predictions.json")], cwd=work, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert f"Accuracy {report['official']['accuracy']:f}" in out.stdout and f"Macro-F1 {report['official']['macro_f1']:f}" in out.stdout
+
+
+def _find(node: object, name: str) -> dict | None:
+    """The entry named ``name`` anywhere in `dvc exp show --json` output."""
+    if isinstance(node, dict):
+        if node.get("name") == name and "data" in node:
+            return node
+        children = node.values()
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    for child in children:
+        if (found := _find(child, name)) is not None:
+            return found
+    return None
+
+
+def test_dvc_experiment_reruns_what_a_param_touches_and_exp_show_compares(cycle: dict) -> None:
+    """README's `dvc exp run --set-param ...` on the finished cycle (runs last: it changes the workspace):
+    only the stage whose param changed reruns, and `dvc exp show` lists the experiment with param and metrics."""
+    clone = cycle["clone"]
+    run = subprocess.run(["dvc", "exp", "run", "--name", "eps-02", "--set-param", "bandit.epsilon=0.2", "train_bandit"],
+                         cwd=clone, env=cycle["env"], capture_output=True, text=True)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "Running stage 'train_bandit'" in out
+    assert not any(f"Running stage '{s}'" in out for s in ("ingest", "rollouts", "datasets", "train_sft", "train_ppo"))
+    show = subprocess.run(["dvc", "exp", "show", "--json"], cwd=clone, env=cycle["env"], capture_output=True, text=True)
+    assert show.returncode == 0, show.stderr
+    exp = _find(json.loads(show.stdout), "eps-02")
+    assert exp is not None, show.stdout[:2000]
+    assert exp["data"]["params"]["params.yaml"]["data"]["bandit"]["epsilon"] == 0.2
+    assert "reports/bandit.json" in exp["data"]["metrics"]

@@ -42,8 +42,10 @@ def up(port: int = PORT) -> dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
     airflow = shutil.which("airflow") or str(Path(sys.executable).with_name("airflow"))
     service = Service("airflow", home)
+    # standalone starts its components as `airflow ...` from PATH: the same installation's, whatever PATH the caller has
+    env = {**airflow_env(home, port), "PATH": os.pathsep.join([str(Path(airflow).parent), os.environ.get("PATH", "")])}
     start(service, [airflow, "standalone"], f"http://{HOST}:{port}/api/v2/monitor/health",
-          env=airflow_env(home, port), timeout_s=240, cwd=REPO_ROOT, identity={"airflow_home": str(home)})
+          env=env, timeout_s=240, cwd=REPO_ROOT, identity={"airflow_home": str(home)})
     # GPU-bound tasks (train_sft) run in this pool; one slot = one GPU worker here
     subprocess.run([airflow, "pools", "set", "gpu", "1", "GPU-bound stages (train_sft)"], env={**os.environ, **airflow_env(home, port)},
                    check=True, capture_output=True)

@@ -333,6 +333,12 @@ def status(params: Params) -> dict[str, bool]:
     return {name: Service(name, home).pid() is not None for name in ORDER}
 
 
+def drop_s3_remote(project: Path) -> bool:
+    """Undo ``use_s3_remote`` (the stack's S3 goes away with it): the committed default remote is back."""
+    proc = subprocess.run([sys.executable, "-m", "dvc", "remote", "remove", "--local", "s3"], cwd=project, capture_output=True, check=False)
+    return proc.returncode == 0
+
+
 def use_s3_remote(params: Params, project: Path) -> None:
     """Point ``project``'s DVC at the stack's S3 remote, in ``.dvc/config.local`` (the committed default stays)."""
     cfg = params.prod_stack
@@ -410,7 +416,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
               f"S3 {info['s3']} (DVC remote {cfg.dvc_remote}, now this checkout's default in .dvc/config.local); home {info['home']}")
         return 0
     if args.action == "down":
-        print(f"prod stack: stopped {', '.join(down(params)) or 'nothing'}")
+        print(f"prod stack: stopped {', '.join(down(params)) or 'nothing'}"
+              + ("; DVC's default remote is the committed one again" if drop_s3_remote(REPO_ROOT) else ""))
         return 0
     if args.action == "buckets":
         from pipeline.services import buckets
