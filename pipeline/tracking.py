@@ -109,3 +109,20 @@ def record_failure(params: Params, task: str, error: str, try_number: int | None
     client.set_tag(parent, "failed_tasks", ",".join(dict.fromkeys([*failed, task])))
     client.set_tag(parent, f"failed.{task}", f"try {try_number}: {error}"[:4000] if try_number else error[:4000])
     return parent
+
+
+def _numeric(values: dict[str, Any]) -> dict[str, float]:
+    return {k.replace("/", "."): float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def log_training(config: dict[str, Any], history: list[dict[str, Any]], metrics: dict[str, Any], plot: str | os.PathLike[str]) -> None:
+    """What every trainer logs to its stage run: its config, the trainer's per-step history as metric
+    curves, the stage's summary metrics and its curve plot (so runs of different trainers compare alike)."""
+    import mlflow
+
+    mlflow.log_params(config)
+    for h in history:
+        if vals := _numeric({k: v for k, v in h.items() if k != "step"}):
+            mlflow.log_metrics(vals, step=int(h["step"]))
+    mlflow.log_metrics(_numeric(metrics))
+    mlflow.log_artifact(str(plot), artifact_path="plots")

@@ -216,8 +216,8 @@ def s3_up(cfg: ProdStackParams) -> None:
     start(service, [sys.executable, "-m", "moto.server", "-H", cfg.host, "-p", str(cfg.s3_port)],
           f"http://{cfg.host}:{cfg.s3_port}/moto-api/", timeout_s=60)
     env = s3_env(cfg)
-    os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
-    buckets.ensure(cfg.buckets, endpoint_url=env["AWS_ENDPOINT_URL"])
+    buckets.ensure(cfg.buckets, endpoint_url=env["AWS_ENDPOINT_URL"], region=env["AWS_DEFAULT_REGION"],
+                   access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"])
 
 
 def mlflow_up(cfg: ProdStackParams) -> None:
@@ -246,12 +246,18 @@ def _health(cfg: ProdStackParams, component: str) -> bool:
     return (body.get(component) or {}).get("status") == "healthy"
 
 
-def _celery_ready(cfg: ProdStackParams, name: str) -> bool:
+def worker_name(queue: str) -> str:
+    """The Celery node name of the worker serving ``queue``."""
+    return f"{queue}@{socket.gethostname()}"
+
+
+def worker_ready(cfg: ProdStackParams, queue: str) -> bool:
+    """The queue's Celery worker answers a ping through the broker."""
     from celery import Celery
 
     app = Celery(broker=f"redis://{cfg.host}:{cfg.redis_port}/0")
     try:
-        return bool(app.control.ping(destination=[name], timeout=1.0))
+        return bool(app.control.ping(destination=[worker_name(queue)], timeout=1.0))
     finally:
         app.close()
 
@@ -276,14 +282,13 @@ def airflow_up(cfg: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str
         start(Service(f"airflow-{component}", _home(cfg)), [airflow, component], lambda key=key: _health(cfg, key),  # type: ignore[misc]
               env=env, timeout_s=240, cwd=project, identity=ident)
     for queue, concurrency in cfg.workers.items():
-        name = f"{queue}@{socket.gethostname()}"
         worker_env = {**env, "PIPELINE_WORKER_QUEUE": queue,
                       "AIRFLOW__CORE__HOSTNAME_CALLABLE": "pipeline.services.prod_stack.worker_hostname",
                       # two workers on one host: each serves its task logs on its own port
                       "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port_for(cfg, f"log-{queue}"))}
         start(Service(f"airflow-worker-{queue}", _home(cfg)),
-              [airflow, "celery", "worker", "--queues", queue, "--concurrency", str(concurrency), "--celery-hostname", name],
-              lambda name=name: _celery_ready(cfg, name), env=worker_env, timeout_s=240, cwd=project,  # type: ignore[misc]
+              [airflow, "celery", "worker", "--queues", queue, "--concurrency", str(concurrency), "--celery-hostname", worker_name(queue)],
+              lambda queue=queue: worker_ready(cfg, queue), env=worker_env, timeout_s=240, cwd=project,  # type: ignore[misc]
               identity={**ident, "queue": queue, "concurrency": concurrency})
     password_file = home / "simple_auth_manager_passwords.json.generated"
     password = json.loads(password_file.read_text()).get("admin", "") if password_file.exists() else ""

@@ -228,21 +228,16 @@ def _log_curves(history: list[dict[str, Any]]) -> None:
 def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     import mlflow
 
-    from pipeline import registry
+    from pipeline import registry, tracking
 
     cfg = params.ppo
     out = Path(cfg.out_dir)
     history = json.loads((out / "log_history.json").read_text())
-    mlflow.log_params({**{k: v for k, v in cfg.model_dump().items() if k not in ("lora", "reward", "agl", "verl_overrides")},
-                       **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()},
-                       **{f"reward.{k}": v for k, v in cfg.reward.model_dump().items()}, "backend_used": metrics["backend"]})
-    for h in history:
-        vals = {k.replace("/", "."): float(v) for k, v in h.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if vals:
-            mlflow.log_metrics(vals, step=int(h["step"]))
-    mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     _log_curves(history)
-    mlflow.log_artifact(str(CURVE_PNG), artifact_path="plots")
+    tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k not in ("lora", "reward", "agl", "verl_overrides")},
+                           **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()},
+                           **{f"reward.{k}": v for k, v in cfg.reward.model_dump().items()}, "backend_used": metrics["backend"]},
+                          history, metrics, CURVE_PNG)
     if (out / "completions.jsonl").exists():
         scored = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
         if scored:

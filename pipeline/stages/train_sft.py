@@ -177,21 +177,15 @@ def _log_curves(history: list[dict[str, Any]]) -> None:
 
 def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage."""
-    import mlflow
-
-    from pipeline import registry
+    from pipeline import registry, tracking
 
     cfg = params.sft
     out = Path(cfg.out_dir)
     history = json.loads((out / "log_history.json").read_text())
-    mlflow.log_params({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
-                       **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"]})
-    for h in history:
-        mlflow.log_metrics({k: float(h[k]) for k in ("loss", "eval_loss", "grad_norm", "learning_rate") if isinstance(h.get(k), (int, float))},
-                           step=int(h["step"]))
-    mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     _log_curves(history)
-    mlflow.log_artifact(str(LOSS_PNG), artifact_path="plots")
+    tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
+                           **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"]},
+                          history, metrics, LOSS_PNG)
     data = data_file(params)
     return registry.register_adapter(params, run, cfg.role, out / "adapter", data.parent, load_rows(data), cfg.base_model,
                                      f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)", backend=metrics["backend"])
