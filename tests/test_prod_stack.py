@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +34,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("prod")
     (root / "shared").symlink_to(ROOT.parent / "shared")
     clone = copy_project(root / "proj")
-    home = root / "stack"
+    # Postgres runs as the `postgres` user when the tests run as root: its home must be traversable, which
+    # pytest's 0700 temp folders are not
+    home = Path(tempfile.mkdtemp(prefix="prod-stack-"))
+    home.chmod(0o755)
     ports = {"PIPELINE__PROD_STACK__HOME": str(home), **{f"PIPELINE__PROD_STACK__{k.upper()}_PORT": str(free_port())
                                                        for k in ("postgres", "redis", "s3", "mlflow", "airflow")}}
     from pipeline.envs import model_python
@@ -49,6 +54,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     finally:
         prod_stack.down(params)
         subprocess.run([sys.executable, "-m", "pipeline", "services", "down", "serving"], cwd=clone, capture_output=True, check=False)
+        shutil.rmtree(home, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

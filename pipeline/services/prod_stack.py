@@ -168,6 +168,9 @@ def postgres_up(cfg: ProdStackParams) -> None:
             shutil.chown(data.parent, "postgres")
             for d in (data, run):
                 shutil.chown(d, "postgres")
+            if subprocess.run(_as_postgres(["test", "-w", str(data)]), check=False).returncode != 0:
+                raise ServiceError(f"postgres: the postgres user cannot reach {data} (a parent directory is not traversable, "
+                                   "e.g. mode 0700): put prod_stack.home under a directory others may traverse")
         proc = subprocess.run(_as_postgres([_pg_bin("initdb"), "-D", str(data), "-U", "postgres", "-E", "UTF8", "--auth-local=trust",
                                             "--auth-host=scram-sha-256", "--no-instructions"]), capture_output=True, text=True, check=False)
         if proc.returncode != 0:
@@ -330,7 +333,14 @@ def up(params: Params, project: Path = REPO_ROOT) -> dict[str, str]:
 
 def down(params: Params) -> list[str]:
     home = _home(params.prod_stack)
-    return [name for name in reversed(ORDER) if stop(Service(name, home), grace_s=30)]
+    stopped = []
+    for name in reversed(ORDER):
+        t0 = time.monotonic()
+        if stop(Service(name, home), grace_s=30):
+            stopped.append(name)
+        if time.monotonic() - t0 > 10:
+            print(f"prod stack: {name} took {time.monotonic() - t0:.0f}s to stop", flush=True)
+    return stopped
 
 
 def status(params: Params) -> dict[str, bool]:
