@@ -11,6 +11,7 @@ value you want versioned belongs in ``params.yaml``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -381,7 +382,7 @@ def _apply_env_overrides(raw: dict[str, Any], environ: dict[str, str]) -> dict[s
             if not isinstance(child, dict):
                 raise ParamsError(f"{name}: '{key}' is not a section")
             node = child
-        node[keys[-1]] = yaml.safe_load(value)
+        node[keys[-1]] = load_yaml(value)
     return raw
 
 
@@ -395,13 +396,32 @@ def _format_errors(path: Path, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+class Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 booleans (only true/false), the rules DVC writes params.yaml by.
+
+    `dvc exp run --set-param` rewrites params.yaml with ruamel (YAML 1.2), which drops the quotes of
+    ``"yes"``/``"no"``; read with YAML 1.1 rules they would come back as booleans (``validate.labels``).
+    """
+
+
+Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_params(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Params:
     """Read, override from the environment, and validate; raise ParamsError naming bad keys."""
     path = Path(path or os.environ.get("PIPELINE_PARAMS") or DEFAULT_PARAMS)
     if not path.exists():
         raise ParamsError(f"{path}: params file not found")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):

@@ -63,3 +63,17 @@ def test_env_override_unknown_key_fails() -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ParamsError, match="not found"):
         load_params(tmp_path / "nope.yaml", environ={})
+
+
+def test_params_rewritten_by_dvc_set_param_still_load(tmp_path: Path) -> None:
+    """`dvc exp run --set-param` rewrites params.yaml with DVC's own YAML 1.2 writer, which drops the
+    quotes of "yes"/"no": they must still read as labels, not booleans."""
+    from dvc.utils.serialize import modify_yaml
+
+    path = tmp_path / "params.yaml"
+    path.write_text((ROOT / "params.yaml").read_text())
+    with modify_yaml(path) as doc:
+        doc["bandit"]["epsilon"] = 0.2
+    assert "labels: [yes, no, maybe]" in path.read_text()  # what DVC writes
+    params = load_params(path, environ={})
+    assert params.validate_.labels == ["yes", "no", "maybe"] and params.bandit.epsilon == 0.2
