@@ -69,3 +69,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServiceError as exc:  # a service that cannot be started or must not be used: say why, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        _flush_mlflow_traces()
+
+
+def _flush_mlflow_traces() -> None:
+    """Export the traces a stage logged before its process ends: left to MLflow's exit hook, the async
+    export queue can race its own thread pool's shutdown (a traceback in the stage's output, seen after
+    `rollouts` in `make run`)."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and hasattr(mlflow, "flush_trace_async_logging"):
+        try:
+            mlflow.flush_trace_async_logging()
+        except Exception as exc:  # never let bookkeeping fail a stage that succeeded
+            print(f"warning: MLflow trace export did not finish: {exc}", file=sys.stderr)
