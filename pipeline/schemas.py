@@ -21,9 +21,33 @@ class StructuredOutput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     @classmethod
+    def token_budget(cls) -> int:
+        """Completion tokens that always hold a complete answer. Guided decoding bounds every string
+        (maxLength) and list (maxItems), so the JSON ends within this; a lower cap cuts it into invalid
+        JSON that no repair attempt fixes (CI saw three juniors of one rollout fail that way). Counted at
+        2 characters a token (URL-like text from a small model is that dense), plus JSON punctuation."""
+        return _budget(cls.model_json_schema()) + 8
+
+    @classmethod
     def response_format(cls) -> dict[str, Any]:
         """OpenAI ``response_format`` for this schema (strict JSON schema)."""
         return {"type": "json_schema", "json_schema": {"name": cls.__name__, "schema": cls.model_json_schema(), "strict": True}}
+
+
+def _budget(node: dict[str, Any]) -> int:
+    if "enum" in node or "const" in node:
+        values = node.get("enum") or [node.get("const")]
+        return max(len(str(v)) for v in values) // 2 + 4
+    if options := node.get("anyOf") or node.get("oneOf"):
+        return max(_budget(o) for o in options)
+    kind = node.get("type")
+    if kind == "string":
+        return node.get("maxLength", 512) // 2 + 4
+    if kind == "array":
+        return node.get("maxItems", 8) * (_budget(node.get("items", {})) + 2) + 4
+    if kind == "object":
+        return sum(_budget(p) + 8 for p in node.get("properties", {}).values()) + 4
+    return 8  # numbers, booleans, null
 
 
 class Hypothesis(StructuredOutput):

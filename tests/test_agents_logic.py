@@ -115,3 +115,28 @@ def test_junior_looks_up_evidence_before_it_may_stop(tmp_path: Path, min_calls: 
     out = asyncio.run(society.junior("geneticist")({"task": {"question": "Do statins help?"}}))
     assert sum(1 for s in out["spans"] if s["kind"] == "tool" and s["data"]["sender"] == "geneticist") == tool_spans
     assert out["hypotheses"][0]["author"] == "geneticist"
+
+
+@pytest.mark.parametrize("name", ["Hypothesis", "EvidenceCall", "ToolCall", "SupervisorChoice", "Review", "PIDecision", "JudgeScores"])
+def test_token_budget_holds_the_longest_answer_the_schema_allows(name: str) -> None:
+    """Every string at its maxLength, every list at its maxItems, pretty-printed as a model writes it:
+    at 2 characters a token it fits the budget, so a cap of token_budget() never truncates the JSON."""
+    from pipeline import schemas
+
+    cls = getattr(schemas, name)
+    schema = cls.model_json_schema()
+
+    def longest(node: dict):
+        if "enum" in node:
+            return max(node["enum"], key=lambda v: len(str(v)))
+        kind = node.get("type")
+        if kind == "string":
+            return "x" * node.get("maxLength", 0)
+        if kind == "array":
+            return [longest(node["items"])] * node.get("maxItems", 0)
+        return node.get("maximum", 1)
+
+    doc = {k: longest(v) for k, v in schema["properties"].items()}
+    text = json.dumps(doc, indent=2)
+    cls.model_validate_json(text)
+    assert len(text) / 2 <= cls.token_budget(), (len(text), cls.token_budget())

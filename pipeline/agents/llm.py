@@ -18,6 +18,10 @@ from pipeline.schemas import StructuredOutput
 T = TypeVar("T", bound=StructuredOutput)
 
 
+
+BUDGET_CEILING = 768  # completion tokens a schema's budget may raise a call's cap to
+
+
 class LLMError(RuntimeError):
     pass
 
@@ -73,10 +77,14 @@ class RoleClient:
 
     async def structured(self, agent: str, model: str, messages: list[dict[str, str]], schema: type[T],
                          spans: list[dict[str, Any]], max_tokens: int | None = None) -> T | None:
-        """Validated object, or None after ``json_retries`` repairs (each attempt is a span)."""
+        """Validated object, or None after ``json_retries`` repairs (each attempt is a span).
+
+        The cap is raised to the schema's token budget (at most ``BUDGET_CEILING``, which keeps prompt +
+        completion inside a 2k context): a cap below it truncates a valid answer into invalid JSON."""
         history = list(messages)
+        cap = max(max_tokens or self.max_tokens, min(schema.token_budget(), BUDGET_CEILING))
         for attempt in range(self.json_retries + 1):
-            text = await self.chat(agent, model, history, spans, schema.response_format(), max_tokens)
+            text = await self.chat(agent, model, history, spans, schema.response_format(), cap)
             call = spans[-1]["data"]  # the llm span chat() just recorded: the datasets stage reads these two fields
             call.update(attempt=attempt + 1, parsed=False, schema=schema.__name__)
             try:
