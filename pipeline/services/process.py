@@ -217,8 +217,8 @@ def stop(service: Service, grace_s: float = 15.0) -> bool:
         return False
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        _reap(pid)
         if not _group_alive(pgid):
+            _reap(pid)  # the leader may have become a zombie only now
             return True
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
