@@ -37,10 +37,21 @@ def airflow_env(home: Path | None = None, port: int = PORT) -> dict[str, str]:
     }
 
 
+def airflow_bin() -> str:
+    """The `airflow` of this installation (also when its venv's bin/ is not on PATH)."""
+    return shutil.which("airflow") or str(Path(sys.executable).with_name("airflow"))
+
+
+def admin_password(home: Path) -> str:
+    """The simple auth manager's generated admin password ('' until the API server has written it)."""
+    path = home / "simple_auth_manager_passwords.json.generated"
+    return json.loads(path.read_text()).get("admin", "") if path.exists() else ""
+
+
 def up(port: int = PORT) -> dict[str, str]:
     home = airflow_home()
     home.mkdir(parents=True, exist_ok=True)
-    airflow = shutil.which("airflow") or str(Path(sys.executable).with_name("airflow"))
+    airflow = airflow_bin()
     service = Service("airflow", home)
     # standalone starts its components as `airflow ...` from PATH: the same installation's, whatever PATH the caller has
     env = {**airflow_env(home, port), "PATH": os.pathsep.join([str(Path(airflow).parent), os.environ.get("PATH", "")])}
@@ -50,10 +61,7 @@ def up(port: int = PORT) -> dict[str, str]:
     subprocess.run([airflow, "pools", "set", "gpu", "1", "GPU-bound stages (train_sft)"], env={**os.environ, **airflow_env(home, port)},
                    check=True, capture_output=True)
     password_file = home / "simple_auth_manager_passwords.json.generated"
-    password = ""
-    if password_file.exists():
-        password = json.loads(password_file.read_text()).get("admin", "")
-    return {"url": f"http://{HOST}:{port}", "user": "admin", "password": password, "password_file": str(password_file),
+    return {"url": f"http://{HOST}:{port}", "user": "admin", "password": admin_password(home), "password_file": str(password_file),
             "log": str(service.log_file)}
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from pipeline.config import Params, ProdStackParams
 from pipeline.envs import REPO_ROOT
+from pipeline.services import airflow_server
 from pipeline.services.process import Service, ServiceError, port_is_free, start, stop
 
 # our component -> the infra/docker-compose.yml service it stands for
@@ -235,10 +236,6 @@ def mlflow_up(cfg: ProdStackParams) -> None:
 
 # --- Airflow with the CeleryExecutor ------------------------------------------------------------
 
-def _airflow_bin() -> str:
-    return shutil.which("airflow") or str(Path(sys.executable).with_name("airflow"))
-
-
 def _health(cfg: ProdStackParams, component: str) -> bool:
     import httpx
 
@@ -269,7 +266,7 @@ def airflow_up(cfg: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str
     env = airflow_env(cfg, project)
     home = Path(env["AIRFLOW_HOME"])
     home.mkdir(parents=True, exist_ok=True)
-    airflow = _airflow_bin()
+    airflow = airflow_server.airflow_bin()
     full_env = {**os.environ, **env}
     migrate = subprocess.run([airflow, "db", "migrate"], env=full_env, capture_output=True, text=True, check=False)
     if migrate.returncode != 0:
@@ -293,9 +290,7 @@ def airflow_up(cfg: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str
               [airflow, "celery", "worker", "--queues", queue, "--concurrency", str(concurrency), "--celery-hostname", worker_name(queue)],
               lambda queue=queue: worker_ready(cfg, queue), env=worker_env, timeout_s=240, cwd=project,  # type: ignore[misc]
               identity={**ident, "queue": queue, "concurrency": concurrency})
-    password_file = home / "simple_auth_manager_passwords.json.generated"
-    password = json.loads(password_file.read_text()).get("admin", "") if password_file.exists() else ""
-    return {"url": airflow_url(cfg), "user": "admin", "password": password}
+    return {"url": airflow_url(cfg), "user": "admin", "password": airflow_server.admin_password(home)}
 
 
 def _free_port_for(cfg: ProdStackParams, name: str) -> int:
@@ -370,7 +365,7 @@ def _api(cfg: ProdStackParams) -> Any:
     import httpx
 
     home = _home(cfg) / "airflow"
-    password = json.loads((home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+    password = airflow_server.admin_password(home)
     token = httpx.post(f"{airflow_url(cfg)}/auth/token", json={"username": "admin", "password": password}, timeout=30).raise_for_status()
     return httpx.Client(base_url=f"{airflow_url(cfg)}/api/v2", headers={"Authorization": f"Bearer {token.json()['access_token']}"}, timeout=60)
 
