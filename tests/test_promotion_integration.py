@@ -3,11 +3,13 @@ evaluation routing, the gate, routing on promotion, rollback, a failed promotion
 
 SmolLM2 behind the session's shared serving stack, its own MLflow server (the registry must start
 empty here). The worse junior is the random-weight test model, served for this module in the
-stack's spare worker slot ("offline", which the proxy already knows), so that routing to it verifies.
-While an evaluation runs, that worker is stopped: every rollout its juniors take part in fails and
-scores 0. (Random weights under guided decoding do sometimes write a valid hypothesis, and then the
-SmolLM2 judge's noise decides: a CI run saw 0.93 for a random-weight champion.) The slot is emptied
-again for the routing-failure test, where "offline" must be down.
+stack's spare worker slot ("offline", which the proxy already knows) with a context of
+``BROKEN_CONTEXT`` tokens: the routing check's 4-token "hi" fits, no junior call does (vLLM answers
+400), so every rollout its juniors take part in fails and scores 0. Random weights alone are not
+worse for sure: guided decoding lets them write a valid hypothesis and the SmolLM2 judge's noise
+decides (CI runs saw a random-weight junior win by +0.74 and a random-weight champion score 0.93).
+Stopping the worker during `evaluate` does not work either: the stage brings the serving plane up
+first. The slot is emptied for the routing-failure test, where "offline" must be down.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.slow
 
 SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1}, "rollouts": {"retries": 0},
          "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}}
+BROKEN_CONTEXT = 96  # tokens: > the routing check's prompt + 4, < any junior call's max_tokens alone
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -50,7 +53,8 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
     raw = _merge(yaml.safe_load((ROOT / "params.yaml").read_text()), SMALL)
     raw["data"].update(source=str(PUBMEDQA / "ori_pqal.json"), test_ids=str(PUBMEDQA / "test_ground_truth.json"))
     s = serving_stack.serving
-    tiny = {**s.workers[1].model_dump(), "model": str(serving_models / "tiny")}  # the "offline" slot, serving random weights
+    # the "offline" slot, serving random weights with too short a context for any society call
+    tiny = {**s.workers[1].model_dump(), "model": str(serving_models / "tiny"), "max_model_len": BROKEN_CONTEXT}
     raw["serving"].update(home=s.home, routing_dir=s.routing_dir, proxy=s.proxy.model_dump(), workers=[s.workers[0].model_dump(), tiny])
     raw["mlflow"].update(home=str(root / "mlflow"), port=free_port(), experiment="promotion-it")
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -111,18 +115,6 @@ def _served(promo: dict, role: str) -> str:
     return resp.headers["x-litellm-model-group"]
 
 
-def _evaluate_with_offline_down(promo: dict) -> subprocess.CompletedProcess:
-    """`evaluate` with the random-weight worker stopped (its juniors' calls fail), then the worker back up."""
-    from pipeline.serving import worker
-
-    tiny = promo["params"].serving.workers[1]
-    worker.down(promo["params"], tiny)
-    try:
-        return _cli(promo, "evaluate")
-    finally:
-        worker.up(promo["params"], tiny)
-
-
 def _champion(name: str) -> str:
     from pipeline import registry
 
@@ -136,7 +128,7 @@ def test_worse_candidate_is_not_promoted(promo: dict) -> None:
     assert version == "2" and _champion("junior_researcher") == "1"  # v1: the baseline, registered on first use
     assert MlflowClient().get_model_version("junior_researcher", "1").tags["kind"] == "base"
     before = _live(promo)
-    ev = _evaluate_with_offline_down(promo)
+    ev = _cli(promo, "evaluate")
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
     entry = summary["roles"]["junior_researcher"]
@@ -169,7 +161,7 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "2"), "it: random-weight champion")
     assert _served(promo, "junior_researcher") == "offline"
     version = _register(promo, "base")
-    ev = _evaluate_with_offline_down(promo)
+    ev = _cli(promo, "evaluate")
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     # two questions cannot make a bootstrap CI exclude 0 if SmolLM2 fails one of them; the significance
     # rule is unit-tested (test_promotion_gate.py), here the gain over a champion that scores 0 decides
