@@ -178,6 +178,8 @@ class AgentsParams(_Strict):
     min_tool_calls: int = Field(1, ge=0, description="ReAct steps that must call a tool before a junior may stop (capped by max_tool_calls): "
                                 "every hypothesis rests on at least that much looked-up evidence")
     max_tokens: int = Field(256, ge=16, description="completion cap per call; the protocol designer gets 4x, reviewers 2x, the PI at least 256")
+    token_ceiling: int = Field(768, ge=16, description="most completion tokens a structured answer's schema budget may raise a "
+                               "call's cap to (StructuredOutput.token_budget); keeps prompt + completion inside the worker's context")
     temperature: float = 0.7
     json_retries: int = Field(2, ge=0, description="repair attempts for invalid structured output")
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")

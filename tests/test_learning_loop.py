@@ -63,6 +63,7 @@ def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
                "PIPELINE__SERVING__PROXY__PORT": str(free_port())}
     env = cycle_env(mlflow_server, run_id, **serving)
     proc = subprocess.run(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, capture_output=True, text=True)
+    (root / "make-run.log").write_text(proc.stdout + proc.stderr)  # stage wall times at the end of stdout
     try:
         yield {"clone": clone, "env": env, "run_id": run_id, "proc": proc, "mlflow": mlflow_server}
     finally:

@@ -8,18 +8,20 @@ validation error for a bounded number of repairs, then recorded as a failure (ne
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
 
 from pipeline.schemas import StructuredOutput
 
+if TYPE_CHECKING:
+    from typing import Self
+
+    from pipeline.config import AgentsParams
+
 T = TypeVar("T", bound=StructuredOutput)
 
-
-
-BUDGET_CEILING = 768  # completion tokens a schema's budget may raise a call's cap to
 
 
 class LLMError(RuntimeError):
@@ -28,13 +30,21 @@ class LLMError(RuntimeError):
 
 class RoleClient:
     def __init__(self, base_url: str, api_key: str, max_tokens: int = 256, temperature: float = 0.7,
-                 json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None) -> None:
+                 json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None, token_ceiling: int = 768) -> None:
         self.base_url = base_url.rstrip("/")
         self.routing = routing  # an evaluation routing table the proxy should route these calls by (None = the live one)
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.json_retries = json_retries
+        self.token_ceiling = token_ceiling
         self._http = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
+
+    @classmethod
+    def for_agents(cls, agents: AgentsParams, base_url: str, api_key: str, timeout_s: float, *, max_tokens: int | None = None,
+                   routing: str | None = None, **kwargs: Any) -> Self:
+        """A client sized by ``params.agents`` (every stage that runs the society or its judge builds one)."""
+        return cls(base_url, api_key, max_tokens or agents.max_tokens, agents.temperature, agents.json_retries, timeout_s,
+                   routing=routing, token_ceiling=agents.token_ceiling, **kwargs)
 
     def endpoint(self, model: str) -> tuple[str, dict[str, str] | None]:
         """(base URL, extra headers) a call for ``model`` goes to: the proxy for every role here; the RL
@@ -79,10 +89,10 @@ class RoleClient:
                          spans: list[dict[str, Any]], max_tokens: int | None = None) -> T | None:
         """Validated object, or None after ``json_retries`` repairs (each attempt is a span).
 
-        The cap is raised to the schema's token budget (at most ``BUDGET_CEILING``, which keeps prompt +
-        completion inside a 2k context): a cap below it truncates a valid answer into invalid JSON."""
+        The cap is raised to the schema's token budget (at most ``token_ceiling``, which keeps prompt +
+        completion inside the worker's context): a cap below it truncates a valid answer into invalid JSON."""
         history = list(messages)
-        cap = max(max_tokens or self.max_tokens, min(schema.token_budget(), BUDGET_CEILING))
+        cap = max(max_tokens or self.max_tokens, min(schema.token_budget(), self.token_ceiling))
         for attempt in range(self.json_retries + 1):
             text = await self.chat(agent, model, history, spans, schema.response_format(), cap)
             call = spans[-1]["data"]  # the llm span chat() just recorded: the datasets stage reads these two fields

@@ -34,8 +34,7 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
 
     async def main(bar: Progress, bar_id: Any) -> list[list[Trace]]:
         sem = asyncio.Semaphore(cfg.concurrency)
-        clients = [RoleClient(url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries, cfg.timeout_s,
-                              routing=routing) for _, routing in societies]
+        clients = [RoleClient.for_agents(params.agents, url, key, cfg.timeout_s, routing=routing) for _, routing in societies]
 
         async def one(i: int, task: dict[str, Any]) -> Trace:
             ids = {"run_id": run_id, "shard": 0, "task_id": task["id"], "rollout_id": f"{task['id']}-0"}

@@ -89,8 +89,7 @@ class SocietyAgent:
         rollout_id = m["rollout"]
         base_url, proxy_key, version = client_settings(params)
         cfg = params.rollouts
-        client = GatewayClient(base_url, proxy_key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries,
-                               cfg.timeout_s, gateway_url=os.environ["AGL_OPENAI_BASE_URL"], gateway_key=key)
+        client = GatewayClient.for_agents(params.agents, base_url, proxy_key, cfg.timeout_s, gateway_url=os.environ["AGL_OPENAI_BASE_URL"], gateway_key=key)
         tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
         policy = supervisor_policy(params, routing.active(params) if not params.rollouts.llm_base_url else None)
         ids = {"run_id": os.environ.get(RUN_ENV, "agl"), "shard": 0, "task_id": str(task["id"]), "rollout_id": rollout_id}

@@ -101,8 +101,7 @@ def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, 
             return [Feedback(name=c, value=params.judge.failure_score, rationale=why) for c in (*CRITERIA, "reward")]
 
         async def score() -> dict[str, Any]:
-            client = RoleClient(url, key, params.agents.max_tokens, params.agents.temperature, params.agents.json_retries,
-                                params.evaluate.timeout_s, routing=routing)
+            client = RoleClient.for_agents(params.agents, url, key, params.evaluate.timeout_s, routing=routing)
             state = {"protocol": t.protocol, "decision": {"decision": t.decision, "rationale": t.rationale}}
             try:
                 return await judge(client, params.judge, tasks[t.task_id], state, t.turns, [])

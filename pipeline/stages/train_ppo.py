@@ -94,7 +94,7 @@ def make_reward(params: Params, log: list[dict[str, Any]]) -> Any:
 
     async def senior_reward(prompts: list[Any], completions: list[Any], agent: list[str], label: list[str], question: list[str],
                             abstract: list[str], task_id: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
-        client = RoleClient(url, key, params.judge.max_tokens, params.agents.temperature, params.agents.json_retries, params.ppo.reward.timeout_s)
+        client = RoleClient.for_agents(params.agents, url, key, params.ppo.reward.timeout_s, max_tokens=params.judge.max_tokens)
         try:
             texts = [completion_text(c) for c in completions]
             results = await asyncio.gather(*[
