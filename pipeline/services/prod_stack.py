@@ -383,6 +383,12 @@ def dag_run(params: Params, conf: dict[str, Any], timeout_s: float = 3600.0, pol
     run = api.post(f"/dags/{DAG_ID}/dagRuns", json={"logical_date": None, "conf": conf}).raise_for_status().json()
     run_id = run["dag_run_id"]
     print(f"dag-run: {DAG_ID} {run_id} triggered; UI {airflow_url(cfg)}/dags/{DAG_ID}/runs/{run_id}", flush=True)
+    # Airflow 3.3's CronTriggerTimetable schedules the latest past cron point when a DAG is first unpaused
+    # (catchup=False ignores run_immediately=False there); with max_active_runs=1 that run goes first
+    ahead = [r["dag_run_id"] for r in api.get(f"/dags/{DAG_ID}/dagRuns", params={"state": ["queued", "running"]}).raise_for_status()
+             .json()["dag_runs"] if r["dag_run_id"] != run_id]
+    if ahead:
+        print(f"dag-run: waiting behind {', '.join(ahead)} (max_active_runs=1)", flush=True)
     seen: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
     while True:
