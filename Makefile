@@ -16,7 +16,7 @@ run: setup        ## set up, start local services, run the pipeline with DVC, pr
 test: setup       ## set up and run the whole test suite (unit, integration with real services, DAG, notebooks)
 	@bash scripts/run_tests.sh
 
-test-all: setup   ## everything in `make test` plus the end-to-end Airflow DAG run of the whole loop and the UI browser test (~15 min more)
+test-all: setup   ## `make test` plus the whole DAG under `airflow dags test` and on the CeleryExecutor stack, and the UI browser test (~45 min more)
 	@bash scripts/setup_browser.sh
 	@PYTEST_MARKERS="slow or not slow" bash scripts/run_tests.sh
 
