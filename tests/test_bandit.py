@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,7 @@ import pytest
 from pipeline.bandit import features, ope
 from pipeline.config import BanditParams
 from pipeline.stages.train_bandit import evaluate_offline
+from tests.conftest import ROOT
 
 AUTHORS = ["geneticist", "pharmacologist", "neurologist"]
 TOPICS = {"gene": "geneticist", "drug": "pharmacologist", "brain": "neurologist"}
@@ -77,6 +82,15 @@ def test_policy_file_and_mlflow_pyfunc_give_the_same_distribution(tmp_path: Path
     served = mlflow.pyfunc.load_model(info.model_uri).predict(pd.DataFrame([{"question": question, "candidates": cands}]))
     assert served[0] == pytest.approx(direct)
     assert load_policy(info.model_uri).pmf(question, cands) == pytest.approx(direct)
+    # what a stage's routing check does in a fresh process, before anything has pointed MLflow at the
+    # server (make run's report failed that way on a promoted policy: the client looked in ./mlflow.db)
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PIPELINE__MLFLOW__TRACKING_URI": mlflow_server,
+           "PYTHONPATH": str(ROOT), "PIPELINE_PARAMS": str(ROOT / "params.yaml")}
+    code = ("import json, sys; from pipeline.config import load_params; from pipeline.serving import routing; "
+            "print(json.dumps(routing.verify(load_params(), {'roles': {}, 'policies': {'supervisor_policy': sys.argv[1]}})))")
+    out = subprocess.run([sys.executable, "-c", code, info.model_uri], cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {}, out.stdout  # no problem: the policy loaded
 
 
 def test_supervisor_with_bandit_policy_logs_its_propensity(tmp_path: Path) -> None:
