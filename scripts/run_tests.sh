@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 # Lint and types first (seconds): pipeline/ and dags/ must be clean (config in pyproject.toml).
 .venv/control/bin/ruff check pipeline dags
 .venv/control/bin/mypy
-# `make test` (and CI) leave out the e2e marker (a second whole-loop run, through Airflow): `make test-all` adds it.
+# `make test` (and CI) leave out the e2e marker (whole-loop runs through Airflow, the prod stack, a killed shard):
+# `make test-all` adds it.
 exec .venv/control/bin/python -m pytest -m "${PYTEST_MARKERS:-(slow or not slow) and not e2e}" -p no:cacheprovider --durations=15 "$@"

@@ -1,7 +1,7 @@
 """The production executor on this host (`make prod-stack`): Postgres + Redis from Debian's packages,
 moto's S3 server, MLflow on Postgres with S3 artifacts, Airflow with the CeleryExecutor and one
-worker per queue. `make test` checks that every service answers and stores where it should; the
-whole DAG runs on it end to end in `make test-all` (e2e)."""
+worker per queue. Both tests are `make test-all`'s (e2e): every service answers and stores where it
+should, and the whole DAG runs on it end to end."""
 
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ def _s3_keys(params: Params, bucket: str) -> list[str]:
     return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])]
 
 
+@pytest.mark.e2e  # ~90 s of CI for what the DAG run below checks as well: `make test-all`
 def test_every_service_answers_and_stores_where_compose_would(stack: dict) -> None:
     import httpx
     import mlflow

@@ -43,7 +43,7 @@ def _with_stack(project: Path, stack: Params) -> dict[str, str]:
             "PIPELINE__SERVING__PROXY__PORT": str(s.proxy.port), "PIPELINE__SERVING__PROXY__KEY_FILE": s.proxy.key_file}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # `make test-all`: ~2 min of CI; the journal logic it relies on is unit-tested (test_agents_logic.py)
 def test_killed_shard_resumes_without_duplicates(ready: Path, serving_models: Path) -> None:
     """On the random-weight test model (fast), served by the stage itself on free ports, as `dvc repro`
     would. What it says is noise: a failed rollout is journaled like a good one, and resuming is what
