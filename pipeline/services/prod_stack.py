@@ -383,16 +383,14 @@ def dag_run(params: Params, conf: dict[str, Any], timeout_s: float = 3600.0, pol
     run = api.post(f"/dags/{DAG_ID}/dagRuns", json={"logical_date": None, "conf": conf}).raise_for_status().json()
     run_id = run["dag_run_id"]
     print(f"dag-run: {DAG_ID} {run_id} triggered; UI {airflow_url(cfg)}/dags/{DAG_ID}/runs/{run_id}", flush=True)
-    # Airflow 3.3's CronTriggerTimetable schedules the latest past cron point when a DAG is first unpaused
-    # (catchup=False ignores run_immediately=False there); with max_active_runs=1 that run goes first
-    ahead = [r["dag_run_id"] for r in api.get(f"/dags/{DAG_ID}/dagRuns", params={"state": ["queued", "running"]}).raise_for_status()
-             .json()["dag_runs"] if r["dag_run_id"] != run_id]
-    if ahead:
-        print(f"dag-run: waiting behind {', '.join(ahead)} (max_active_runs=1)", flush=True)
     seen: dict[str, str] = {}
+    said_ahead = False
     deadline = time.monotonic() + timeout_s
     while True:
         state = api.get(f"/dags/{DAG_ID}/dagRuns/{run_id}").raise_for_status().json()["state"]
+        if state == "queued" and not said_ahead and (ahead := _runs_ahead(api, run_id)):
+            said_ahead = True
+            print(f"dag-run: waiting behind {', '.join(ahead)} (max_active_runs=1)", flush=True)
         tis = api.get(f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances", params={"limit": 200}).raise_for_status().json()["task_instances"]
         for ti in tis:
             key = ti["task_id"] + (f"[{ti['map_index']}]" if ti["map_index"] >= 0 else "")
@@ -405,6 +403,14 @@ def dag_run(params: Params, conf: dict[str, Any], timeout_s: float = 3600.0, pol
             raise ServiceError(f"{DAG_ID} {run_id} still {state} after {timeout_s:.0f}s")
         time.sleep(poll_s)
     return {"run_id": run_id, "state": state, "task_instances": tis}
+
+
+def _runs_ahead(api: Any, run_id: str) -> list[str]:
+    """Active runs other than ``run_id``. Airflow 3.3's CronTriggerTimetable schedules the latest past cron
+    point when a DAG is first unpaused (``catchup=False`` ignores ``run_immediately=False`` there), a moment
+    after ``dag-run`` unpauses it; with ``max_active_runs=1`` that run goes first."""
+    runs = api.get(f"/dags/{DAG_ID}/dagRuns", params={"state": ["queued", "running"]}).raise_for_status().json()["dag_runs"]
+    return [r["dag_run_id"] for r in runs if r["dag_run_id"] != run_id]
 
 
 def misplaced(task_instances: list[dict[str, Any]]) -> list[str]:
