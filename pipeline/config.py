@@ -181,9 +181,13 @@ class AgentsParams(_Strict):
     token_ceiling: int = Field(768, ge=16, description="most completion tokens a structured answer's schema budget may raise a "
                                "call's cap to (StructuredOutput.token_budget); keeps prompt + completion inside the worker's context")
     temperature: float = 0.7
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI frequency_penalty on every society and judge call; "
+                                     "a small model's digit loops inside JSON strings waste whole token caps (docs/benchmarks-rollouts.md)")
     json_retries: int = Field(2, ge=0, description="repair attempts for invalid structured output")
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
     search_top_k: int = 3
+    concurrent_reviews: bool = Field(True, description="the peer reviewer and the safety officer review each protocol at the same time "
+                                     "(neither reads the other's review); false runs them one after the other")
     knowledge: KnowledgeParams = KnowledgeParams()
     context_chars: int = Field(1200, ge=0, description="chars of the task's own abstract handed to the juniors and the PI (0 = question only)")
     supervisor_policy: Literal["routed", "llm", "bandit"] = Field(

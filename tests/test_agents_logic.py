@@ -140,3 +140,53 @@ def test_token_budget_holds_the_longest_answer_the_schema_allows(name: str) -> N
     text = json.dumps(doc, indent=2)
     cls.model_validate_json(text)
     assert len(text) / 2 <= cls.token_budget(), (len(text), cls.token_budget())
+
+
+class _ScriptedClient:
+    """A whole society's answers: the safety officer finds a CRITICAL problem in round 0 only, so the graph must
+    go back to the refiner once; each reviewer takes a moment, so reviews in flight at once can be counted."""
+
+    def __init__(self) -> None:
+        self.agents: list[str] = []
+        self.in_flight = self.most_in_flight = 0
+
+    async def structured(self, agent, model, messages, schema, spans, max_tokens=None):
+        import asyncio
+
+        from pipeline import schemas
+
+        self.agents.append(agent)
+        spans.append({"kind": "llm", "name": agent, "data": {"agent": agent}})
+        if schema is schemas.Review:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            await asyncio.sleep(0.05)
+            self.in_flight -= 1
+            critical = agent == "safety_officer" and self.agents.count("safety_officer") == 1
+            return schemas.Review(severity="CRITICAL" if critical else "MINOR", issues=["dose"], summary=agent)
+        if "tool" in schema.model_fields:
+            return schema(tool="none" if schema is schemas.ToolCall else "search_literature", query="statins")
+        return {
+            schemas.Hypothesis: lambda: schemas.Hypothesis(hypothesis="h", rationale="r"),
+            schemas.SupervisorChoice: lambda: schemas.SupervisorChoice(chosen=0, reason="r"),
+            schemas.Protocol: lambda: schemas.Protocol(title="t", objective="o", methods=["m"], outcome_measures=["y"]),
+            schemas.PIDecision: lambda: schemas.PIDecision(decision="GO", rationale="r"),
+        }[schema]()
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_review_board_routes_by_the_worst_review_whether_concurrent_or_not(tmp_path: Path, concurrent: bool) -> None:
+    """Concurrent reviews change when the two reviewers run, not what the society does: the same calls,
+    the same CRITICAL -> refiner loop, both reviews of each round recorded before the round is routed."""
+    import asyncio
+
+    client = _ScriptedClient()
+    society = Society(client=client, tools=Toolbox(tmp_path / "no-index"), rng=random.Random(0),  # type: ignore[arg-type]
+                      cfg=AgentsParams(concurrent_reviews=concurrent, max_review_rounds=2, max_turns=40, epsilon=0.0))
+    state = asyncio.run(society.compile().ainvoke({"task": {"question": "Do statins help?"}, "review_round": 0}))
+    assert client.most_in_flight == (2 if concurrent else 1)
+    assert [(r["round"], r["severity"]) for r in sorted(state["reviews"], key=lambda r: (r["round"], r["reviewer"]))] == [
+        (0, "MINOR"), (0, "CRITICAL"), (1, "MINOR"), (1, "MINOR")]
+    seniors = [a for a in client.agents if a in ("hypothesis_refiner", "protocol_designer", "principal_investigator")]
+    assert seniors == ["hypothesis_refiner", "protocol_designer", "hypothesis_refiner", "protocol_designer", "principal_investigator"]
+    assert state["decision"]["decision"] == "GO" and state["review_round"] == 2

@@ -1,15 +1,19 @@
 """The society as a LangGraph graph.
 
-START ─┬─ geneticist ─────┐
-       ├─ pharmacologist ─┼─► supervisor ─► refiner ─► designer ─► peer_reviewer ─► safety_officer ─┐
-       └─ neurologist ────┘                   ▲            ▲                                         │
-                                              └ CRITICAL ──┴── MAJOR ◄───── route by severity ◄───────┘
+START ─┬─ geneticist ─────┐                                      ┌─ peer_reviewer ──┐
+       ├─ pharmacologist ─┼─► supervisor ─► refiner ─► designer ─┤                  ├─► close_round ─┐
+       └─ neurologist ────┘                   ▲            ▲       └─ safety_officer ─┘                │
+                                              └ CRITICAL ──┴── MAJOR ◄────────── route by severity ◄───┘
                                                                     MINOR/APPROVE or budget ─► principal_investigator ─► END
 (no hypothesis at all: supervisor ─► END, and the rollout fails without spending senior calls)
 
 Juniors run ReAct loops inside their node: each step asks for a ``ToolCall``; the tool result goes
 back to the calling agent (recorded as ``sender`` on the tool span) until it answers with a
-``Hypothesis``. Every node catches its own errors into the state, so a rollout never raises.
+``Hypothesis``. The review board (peer reviewer and safety officer) reviews each protocol
+concurrently: neither prompt includes the other's review, so running them one after the other
+(``agents.concurrent_reviews: false``) only lengthens the chain by one call per round; the round
+closes when both have answered and is routed by the worst severity of the two either way.
+Every node catches its own errors into the state, so a rollout never raises.
 """
 
 from __future__ import annotations
@@ -196,9 +200,14 @@ class Society:
         # no junior produced a hypothesis: nothing to refine, the rollout ends (and fails) here
         g.add_conditional_edges("supervisor", lambda state: "refiner" if state.get("selection") else END, ["refiner", END])
         g.add_edge("refiner", "designer")
-        g.add_edge("designer", "peer_reviewer")
-        g.add_edge("peer_reviewer", "safety_officer")
-        g.add_edge("safety_officer", "close_round")
+        if self.cfg.concurrent_reviews:
+            g.add_edge("designer", "peer_reviewer")
+            g.add_edge("designer", "safety_officer")
+            g.add_edge(["peer_reviewer", "safety_officer"], "close_round")  # waits for both
+        else:
+            g.add_edge("designer", "peer_reviewer")
+            g.add_edge("peer_reviewer", "safety_officer")
+            g.add_edge("safety_officer", "close_round")
         g.add_conditional_edges("close_round", self.route, ["refiner", "designer", "principal_investigator"])
         g.add_edge("principal_investigator", END)
         return g.compile()

@@ -23,20 +23,29 @@ if TYPE_CHECKING:
 T = TypeVar("T", bound=StructuredOutput)
 
 
-
 class LLMError(RuntimeError):
     pass
 
 
+def _float(value: str | None) -> float | None:
+    """A numeric response header (LiteLLM's own per-request overhead), None when absent or "None"."""
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
 class RoleClient:
     def __init__(self, base_url: str, api_key: str, max_tokens: int = 256, temperature: float = 0.7,
-                 json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None, token_ceiling: int = 768) -> None:
+                 json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None, token_ceiling: int = 768,
+                 frequency_penalty: float = 0.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.routing = routing  # an evaluation routing table the proxy should route these calls by (None = the live one)
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.json_retries = json_retries
         self.token_ceiling = token_ceiling
+        self.frequency_penalty = frequency_penalty
         self._http = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
 
     @classmethod
@@ -44,7 +53,7 @@ class RoleClient:
                    routing: str | None = None, **kwargs: Any) -> Self:
         """A client sized by ``params.agents`` (every stage that runs the society or its judge builds one)."""
         return cls(base_url, api_key, max_tokens or agents.max_tokens, agents.temperature, agents.json_retries, timeout_s,
-                   routing=routing, token_ceiling=agents.token_ceiling, **kwargs)
+                   routing=routing, token_ceiling=agents.token_ceiling, frequency_penalty=agents.frequency_penalty, **kwargs)
 
     def endpoint(self, model: str) -> tuple[str, dict[str, str] | None]:
         """(base URL, extra headers) a call for ``model`` goes to: the proxy for every role here; the RL
@@ -58,12 +67,17 @@ class RoleClient:
                    response_format: dict[str, Any] | None = None, max_tokens: int | None = None) -> str:
         body: dict[str, Any] = {"model": model, "messages": messages, "temperature": self.temperature,
                                 "max_tokens": max_tokens or self.max_tokens}
+        if self.frequency_penalty:
+            body["frequency_penalty"] = self.frequency_penalty
         if response_format:
             body["response_format"] = response_format
         if self.routing:
             body["metadata"] = {"routing": self.routing}
         t0 = time.perf_counter()
-        span: dict[str, Any] = {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": messages}}
+        # the request as sent (messages, caps, schema name below): benchmarks/bench_rollouts.py replays traces from these
+        span: dict[str, Any] = {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": messages,
+                                                                       "max_tokens": body["max_tokens"], "temperature": self.temperature,
+                                                                       "frequency_penalty": self.frequency_penalty}}
         base_url, headers = self.endpoint(model)
         try:
             resp = await self._http.post(f"{base_url}/chat/completions", json=body, headers=headers)
@@ -81,7 +95,8 @@ class RoleClient:
         span["data"].update(ok=True, output=output, usage=payload.get("usage", {}), latency_s=latency,
                             finish_reason=payload["choices"][0].get("finish_reason"),
                             served_model=resp.headers.get("x-litellm-model-name", payload.get("model")),
-                            deployment=resp.headers.get("x-litellm-model-group"))
+                            deployment=resp.headers.get("x-litellm-model-group"),
+                            proxy_overhead_ms=_float(resp.headers.get("x-litellm-overhead-duration-ms")))
         spans.append(span)
         return output
 
