@@ -181,7 +181,7 @@ class AgentsParams(_Strict):
     token_ceiling: int = Field(768, ge=16, description="most completion tokens a structured answer's schema budget may raise a "
                                "call's cap to (StructuredOutput.token_budget); keeps prompt + completion inside the worker's context")
     temperature: float = 0.7
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI frequency_penalty on every society and judge call; "
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI frequency_penalty on every society call (the judge has its own); "
                                      "a small model's digit loops inside JSON strings waste whole token caps (docs/benchmarks-rollouts.md)")
     json_retries: int = Field(2, ge=0, description="repair attempts for invalid structured output")
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
@@ -201,6 +201,9 @@ class JudgeParams(_Strict):
     weights: JudgeWeights
     max_tokens: int = 256
     failure_score: float = 0.0
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="the judge's own sampling penalty, apart from the society's: "
+                                     "a penalty on repeated tokens would push six scores away from repeating a digit, and "
+                                     "a lever tuned for the agents must not move the instrument that compares them")
 
 
 class RolloutsParams(_Strict):

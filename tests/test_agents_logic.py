@@ -190,3 +190,33 @@ def test_review_board_routes_by_the_worst_review_whether_concurrent_or_not(tmp_p
     seniors = [a for a in client.agents if a in ("hypothesis_refiner", "protocol_designer", "principal_investigator")]
     assert seniors == ["hypothesis_refiner", "protocol_designer", "hypothesis_refiner", "protocol_designer", "principal_investigator"]
     assert state["decision"]["decision"] == "GO" and state["review_round"] == 2
+
+
+def test_judge_samples_with_its_own_penalty_not_the_societys() -> None:
+    """The society's frequency penalty is a lever on the agents; the judge is the instrument that compares
+    them, so its requests carry judge.frequency_penalty (default none) whatever the agents use."""
+    import asyncio
+
+    import httpx
+
+    from pipeline.agents.llm import RoleClient
+    from pipeline.rewards.judge import judge
+
+    bodies: list[dict] = []
+    scores = json.dumps({**{k: 0.8 for k in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")}, "reason": "r"})
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        content = scores if body["model"] == "judge" else '{"hypothesis": "h", "rationale": "r"}'
+        return httpx.Response(200, json={"choices": [{"message": {"content": content}, "finish_reason": "stop"}], "usage": {}})
+
+    params = load_params(ROOT / "params.yaml", environ={})
+    client = RoleClient.for_agents(params.agents.model_copy(update={"frequency_penalty": 0.5}), "http://proxy/v1", "k", 30)
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    spans: list[dict] = []
+    asyncio.run(client.chat("junior_1", "junior_researcher", [{"role": "user", "content": "q"}], spans))
+    res = asyncio.run(judge(client, params.judge, {"question": "q", "contexts": ["a"]}, {"protocol": "p"}, 3, spans))
+    assert res["reason"] == "ok"
+    assert [(b["model"], b.get("frequency_penalty")) for b in bodies] == [("junior_researcher", 0.5), ("judge", None)]
+    assert [s["data"]["frequency_penalty"] for s in spans if s["kind"] == "llm"] == [0.5, 0.0]  # the trace says what was sent

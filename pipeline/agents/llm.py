@@ -64,11 +64,14 @@ class RoleClient:
         await self._http.aclose()
 
     async def chat(self, agent: str, model: str, messages: list[dict[str, str]], spans: list[dict[str, Any]],
-                   response_format: dict[str, Any] | None = None, max_tokens: int | None = None) -> str:
+                   response_format: dict[str, Any] | None = None, max_tokens: int | None = None,
+                   frequency_penalty: float | None = None) -> str:
+        """One call; ``frequency_penalty`` overrides the client's for this call (the judge scores with its own)."""
+        penalty = self.frequency_penalty if frequency_penalty is None else frequency_penalty
         body: dict[str, Any] = {"model": model, "messages": messages, "temperature": self.temperature,
                                 "max_tokens": max_tokens or self.max_tokens}
-        if self.frequency_penalty:
-            body["frequency_penalty"] = self.frequency_penalty
+        if penalty:
+            body["frequency_penalty"] = penalty
         if response_format:
             body["response_format"] = response_format
         if self.routing:
@@ -77,7 +80,7 @@ class RoleClient:
         # the request as sent (messages, caps, schema name below): benchmarks/bench_rollouts.py replays traces from these
         span: dict[str, Any] = {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": messages,
                                                                        "max_tokens": body["max_tokens"], "temperature": self.temperature,
-                                                                       "frequency_penalty": self.frequency_penalty}}
+                                                                       "frequency_penalty": penalty}}
         base_url, headers = self.endpoint(model)
         try:
             resp = await self._http.post(f"{base_url}/chat/completions", json=body, headers=headers)
@@ -101,7 +104,7 @@ class RoleClient:
         return output
 
     async def structured(self, agent: str, model: str, messages: list[dict[str, str]], schema: type[T],
-                         spans: list[dict[str, Any]], max_tokens: int | None = None) -> T | None:
+                         spans: list[dict[str, Any]], max_tokens: int | None = None, frequency_penalty: float | None = None) -> T | None:
         """Validated object, or None after ``json_retries`` repairs (each attempt is a span).
 
         The cap is raised to the schema's token budget (at most ``token_ceiling``, which keeps prompt +
@@ -109,7 +112,7 @@ class RoleClient:
         history = list(messages)
         cap = max(max_tokens or self.max_tokens, min(schema.token_budget(), self.token_ceiling))
         for attempt in range(self.json_retries + 1):
-            text = await self.chat(agent, model, history, spans, schema.response_format(), cap)
+            text = await self.chat(agent, model, history, spans, schema.response_format(), cap, frequency_penalty)
             call = spans[-1]["data"]  # the llm span chat() just recorded: the datasets stage reads these two fields
             call.update(attempt=attempt + 1, parsed=False, schema=schema.__name__)
             try:

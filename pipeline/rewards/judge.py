@@ -40,7 +40,8 @@ async def judge(client: RoleClient, cfg: JudgeParams, task: dict[str, Any], stat
               f"The team used {llm_calls} model calls. Score each criterion in [0, 1]: novelty, feasibility, impact, clarity, "
               "groundedness (agreement with the abstract), efficiency (fewer calls is better). JSON only.")
     try:
-        scores = await client.structured("judge", "judge", [{"role": "user", "content": prompt}], JudgeScores, spans, max_tokens=cfg.max_tokens)
+        scores = await client.structured("judge", "judge", [{"role": "user", "content": prompt}], JudgeScores, spans, max_tokens=cfg.max_tokens,
+                                         frequency_penalty=cfg.frequency_penalty)
         reason = "ok" if scores is not None else "judge returned invalid JSON after retries"
     except LLMError as exc:
         scores, reason = None, f"judge call failed: {exc}"
