@@ -152,6 +152,17 @@ def target(params: Params, name: str, version: Any, worker_of: str | None = None
     raise RegistryError(f"{name} v{version.version}: unknown kind {kind!r}; cannot route it")
 
 
+def _name_base_model(config: Path, model: str) -> None:
+    """Name the base model the way the serving engine does. Training records its own path for it
+    (``models/base``, a download folder); vLLM's filesystem resolver, which reloads adapters into a
+    restarted replica, only takes an adapter whose base model is the engine's ``--model``."""
+    from pipeline.io import write_json
+
+    cfg = json.loads(config.read_text())
+    if cfg.get("base_model_name_or_path") != model:
+        write_json(config, {**cfg, "base_model_name_or_path": model})
+
+
 def deploy(params: Params, name: str, version: Any, worker_of: str | None = None) -> str:
     """Make ``version`` reachable (hot-load an adapter into its worker) and return its target."""
     import mlflow
@@ -165,9 +176,7 @@ def deploy(params: Params, name: str, version: Any, worker_of: str | None = None
     w = next((w for w in params.serving.workers if w.name == worker_name), None)
     if w is None:
         raise RegistryError(f"{name} v{version.version}: no worker {worker_name!r} in serving.workers")
-    if adapter in workers.models(w):
-        return where
-    folder = Path(params.serving.home).resolve() / "adapters" / adapter
+    folder = workers.adapter_cache(params) / adapter  # kept even once loaded: a restarted local worker reloads from it
     if not (folder / "adapter_config.json").exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{adapter}-"))
@@ -177,6 +186,9 @@ def deploy(params: Params, name: str, version: Any, worker_of: str | None = None
             local.rename(folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    _name_base_model(folder / "adapter_config.json", workers.model_id(w))
+    if adapter in workers.models(w):
+        return where
     if w.adapter_store is None:
         workers.load_lora(w, adapter, str(folder))
         return where

@@ -146,4 +146,9 @@ def test_vllm_workers_load_adapters_from_s3_through_their_sidecar(tmp_path: Path
         mounts = {m["mountPath"] for m in containers["vllm"]["volumeMounts"]} & {m["mountPath"] for m in sidecar["volumeMounts"]}
         assert mounts == {worker.adapter_dir}
         assert "VLLM_API_KEY" not in env and any(e["name"] == "VLLM_ALLOW_RUNTIME_LORA_UPDATING" for e in containers["vllm"]["env"])
+        # every replica resolves adapters from the synced folder; promotion names the base model as this --model
+        vllm_env = {e["name"]: e.get("value") for e in containers["vllm"]["env"]}
+        args = containers["vllm"]["args"]
+        assert vllm_env.get("VLLM_LORA_RESOLVER_CACHE_DIR") == worker.adapter_dir, name
+        assert args[args.index("--model") + 1] == worker.model, name
     assert lora >= 1

@@ -159,3 +159,32 @@ def test_adapter_published_to_s3_reaches_the_worker_through_its_sidecar(params: 
         sidecar.terminate()
         print(sidecar.communicate(timeout=30)[0])
         s3.stop()
+
+
+def test_promoted_adapter_survives_a_worker_restart(params: Params, serving_models: Path, mlflow_server: str) -> None:
+    """A restart (services-down, a reboot, a rescheduled replica) loses every hot-loaded adapter while the
+    live routing still names one; the restarted worker must answer from it again, so `make run` after
+    `make services-down` (or a second replica behind a Service) keeps serving the promoted role."""
+    from types import SimpleNamespace
+
+    import mlflow
+
+    from pipeline import registry
+
+    mlflow.set_tracking_uri(mlflow_server)
+    with mlflow.start_run(run_name="restart-adapter") as run:
+        mlflow.log_artifacts(str(serving_models / "adapter-a"), "adapter")
+    version = SimpleNamespace(version="8", source=f"runs:/{run.info.run_id}/adapter", tags={"kind": "lora_adapter"})
+    base = params.serving.workers[0]
+    where = registry.deploy(params, "supervisor", version, worker_of="base")
+    adapter = where.split("/", 1)[1]
+    routing.apply(params, routing.write_version(params, {**routing.load_version(params, 1)["roles"], "supervisor": where}, "promoted"))
+    try:
+        worker.down(params, base)
+        worker.up(params, base)
+        assert adapter not in worker.models(base)  # the restart lost it
+        assert routing.verify(params, routing.active(params)) == {}
+        assert _chat(params, "supervisor").headers["x-litellm-model-name"] == f"hosted_vllm/{adapter}"
+        assert adapter in worker.models(base)
+    finally:
+        routing.apply(params, 1)

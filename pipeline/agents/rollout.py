@@ -28,11 +28,7 @@ def supervisor_policy(params: Params, table: dict[str, Any] | None) -> Any:
         return None
     from pipeline.bandit.policy import load_policy
 
-    if uri.startswith(("models:/", "runs:/")):
-        from pipeline import tracking
-
-        tracking.setup(params)  # the registry resolves the URI
-    return load_policy(uri)
+    return load_policy(uri, params)
 
 
 async def run_with_retries(params: Params, client: RoleClient, tools: Toolbox, task: dict[str, Any], ids: dict[str, Any],

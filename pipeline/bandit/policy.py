@@ -8,9 +8,12 @@ can be loaded from ``models:/supervisor_policy@champion`` like any other registe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.bandit import features, vw
+
+if TYPE_CHECKING:  # the logged pyfunc imports this module: keep its import surface to the bandit
+    from pipeline.config import Params
 
 try:  # the pyfunc base class is only needed where MLflow is installed (control plane)
     from mlflow.pyfunc import PythonModel
@@ -42,8 +45,16 @@ class SupervisorPolicyModel(PythonModel):  # type: ignore[misc,valid-type]
         return [self.policy.pmf(str(row["question"]), list(row["candidates"])) for row in rows]
 
 
-def load_policy(uri: str) -> BanditPolicy:
-    """From a ``.vw`` file, an MLflow model folder, or an MLflow URI (``models:/``, ``runs:/``)."""
+def load_policy(uri: str, params: Params | None = None) -> BanditPolicy:
+    """From a ``.vw`` file, an MLflow model folder, or an MLflow URI (``models:/``, ``runs:/``).
+
+    With ``params``, an MLflow URI resolves against the project's tracking server: callers run before
+    their stage's MLflow run starts, and without it the client looked in the default store (./mlflow.db)
+    and a promoted policy "did not exist" (make run's report)."""
+    if params is not None and uri.startswith(("models:/", "runs:/")):
+        from pipeline import tracking
+
+        tracking.setup(params)
     path = Path(uri)
     if path.is_file():
         return BanditPolicy(path)

@@ -4,8 +4,10 @@ Promotion publishes a version's adapter folder under the worker's ``adapter_stor
 (``s3://models/adapters/<worker>/<adapter>/``, a ``_COMPLETE`` marker written last); a sidecar next to
 each vLLM replica (``python -m pipeline serve sync-adapters``, infra/k8s/vllm-deployment.yaml) copies
 complete adapters into the worker's ``adapter_dir``; promotion then hot-loads ``<adapter_dir>/<adapter>``
-and retries while the sidecar has not copied it yet. Every replica syncs the same store, so a replica
-started later serves the same adapters (``--lora-modules`` not needed). Downloads land in a temp folder
+and retries while the sidecar has not copied it yet. Every replica syncs the same store, and vLLM's
+filesystem resolver (``VLLM_LORA_RESOLVER_CACHE_DIR`` = ``adapter_dir``) loads an adapter there on a
+replica's first request for it, so replicas the load request did not reach, or started later, serve it
+too (``--lora-modules`` not needed). Downloads land in a temp folder
 renamed into place: a worker never sees half an adapter.
 """
 

@@ -172,13 +172,7 @@ def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0, rout
             try:
                 from pipeline.bandit.policy import load_policy
 
-                if uri.startswith(("models:/", "runs:/")):
-                    from pipeline import tracking
-
-                    # a stage checks routing before its MLflow run starts: without this the client looked in
-                    # the default store (./mlflow.db) and a promoted policy "did not exist" (make run's report)
-                    tracking.setup(params)
-                load_policy(uri)
+                load_policy(uri, params)
             except Exception as exc:
                 problems[name] = f"{uri}: {type(exc).__name__}: {exc}"
     return problems

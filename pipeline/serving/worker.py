@@ -36,7 +36,7 @@ def served_name(worker: WorkerParams) -> str:
 
 
 def command(worker: WorkerParams, python: str) -> list[str]:
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(worker.model).resolve()),
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_id(worker),
            "--served-model-name", served_name(worker), "--host", worker.host, "--port", str(worker.port),
            "--max-model-len", str(worker.max_model_len), "--enable-lora", "--max-lora-rank", str(worker.max_lora_rank),
            "--max-loras", "4", "--dtype", worker.dtype, "--disable-uvicorn-access-log"]
@@ -62,14 +62,31 @@ def up(params: Params, worker: WorkerParams) -> str:
         return url
     if not Path(worker.model, "config.json").exists():
         raise ServiceError(f"worker {worker.name}: {worker.model} is not an HF model folder; run `python -m pipeline materialize-model`")
+    adapters = adapter_cache(params)
+    adapters.mkdir(parents=True, exist_ok=True)
     env = {
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if worker.runtime_lora else "False",
+        # vLLM's filesystem resolver: a request for an adapter this process has not loaded (it was
+        # hot-loaded before a restart) loads it from promotion's copy, so the live routing survives restarts
+        "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapters),
         "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
     }
     start(service(params, worker), command(worker, model_python()), f"{url}/health", env=env,
           timeout_s=params.serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity)
     return url
+
+
+def adapter_cache(params: Params) -> Path:
+    """Where promotion keeps the adapters it deploys to local workers (one folder per adapter name)."""
+    return Path(params.serving.home).resolve() / "adapters"
+
+
+def model_id(worker: WorkerParams) -> str:
+    """The base model as the worker's engine names it (``--model``): an adapter whose
+    ``base_model_name_or_path`` says otherwise is not resolved by vLLM's filesystem resolver."""
+    local = worker.host in ("127.0.0.1", "localhost")
+    return str(Path(worker.model).resolve()) if local else worker.model
 
 
 def _headers() -> dict[str, str]:
