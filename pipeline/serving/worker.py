@@ -52,7 +52,7 @@ def up(params: Params, worker: WorkerParams) -> str:
     from pipeline.envs import model_python
 
     url = base_url(worker)
-    if worker.host not in ("127.0.0.1", "localhost"):
+    if not is_local(worker):
         if http_ok(f"{url}/health"):
             return url  # a remote GPU worker configured on purpose: only health-checked
         raise ServiceError(f"worker {worker.name} at {url} is remote and not healthy; it is not started from here")
@@ -77,6 +77,11 @@ def up(params: Params, worker: WorkerParams) -> str:
     return url
 
 
+def is_local(worker: WorkerParams) -> bool:
+    """A loopback worker is started from here; any other host is a server someone runs on purpose."""
+    return worker.host in ("127.0.0.1", "localhost")
+
+
 def adapter_cache(params: Params) -> Path:
     """Where promotion keeps the adapters it deploys to local workers (one folder per adapter name)."""
     return Path(params.serving.home).resolve() / "adapters"
@@ -85,8 +90,7 @@ def adapter_cache(params: Params) -> Path:
 def model_id(worker: WorkerParams) -> str:
     """The base model as the worker's engine names it (``--model``): an adapter whose
     ``base_model_name_or_path`` says otherwise is not resolved by vLLM's filesystem resolver."""
-    local = worker.host in ("127.0.0.1", "localhost")
-    return str(Path(worker.model).resolve()) if local else worker.model
+    return str(Path(worker.model).resolve()) if is_local(worker) else worker.model
 
 
 def _headers() -> dict[str, str]:
