@@ -201,9 +201,26 @@ class JudgeParams(_Strict):
     weights: JudgeWeights
     max_tokens: int = 256
     failure_score: float = 0.0
+    temperature: float = Field(ge=0.0, description="the judge's own sampling temperature, apart from the agents': 0 makes the "
+                               "instrument deterministic, so score differences come from the protocols, not from the judge's dice")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="the judge's own sampling penalty, apart from the society's: "
                                      "a penalty on repeated tokens would push six scores away from repeating a digit, and "
                                      "a lever tuned for the agents must not move the instrument that compares them")
+
+
+class RewardParams(_Strict):
+    """A rollout's final reward: the judge's score and the PI's decision against the PubMedQA label (pipeline.rewards.judge)."""
+
+    judge: float = Field(ge=0, description="weight of the judge's weighted criteria score")
+    decision: float = Field(ge=0, description="weight of the decision credit: 1 when GO/NO-GO matches the yes/no label, 0 otherwise")
+    maybe_credit: float = Field(ge=0, le=1, description="decision credit of any GO/NO-GO on a 'maybe' label (no right answer: "
+                                "the same for both, so it pushes towards neither)")
+
+    @model_validator(mode="after")
+    def _positive_total(self) -> RewardParams:
+        if self.judge + self.decision <= 0:
+            raise ValueError("reward.judge and reward.decision must not both be zero")
+        return self
 
 
 class RolloutsParams(_Strict):
@@ -261,7 +278,8 @@ class PpoRewardParams(_Strict):
 
     validity: float = Field(0.2, ge=0, description="the completion parses as the agent's schema (0 otherwise, and the judge is skipped)")
     judge: float = Field(0.8, ge=0, description="the judge's weighted score of the completion, through the proxy")
-    alignment: float = Field(0.5, ge=0, description="principal_investigator only: GO/NO-GO agrees with the task's yes/no label")
+    alignment: float = Field(0.5, ge=0, description="principal_investigator only: the decision credit against the task's label "
+                             "(reward.maybe_credit on maybe labels; pipeline.rewards.judge.decision_credit)")
     timeout_s: float = Field(120.0, gt=0, description="a judge call slower than this scores 0 with reason 'timeout'")
 
 
@@ -330,7 +348,13 @@ class PromoteParams(_Strict):
         {"junior_researcher": "llm", "senior_researcher": "llm", "supervisor_policy": "policy"},
         description="registered model per trainable role; an llm role's name is also its routing role")
     margin: float = Field(0.0, ge=0.0, description="candidate mean reward must beat the champion's by more than this")
-    require_significance: bool = Field(True, description="the paired difference CI's lower bound must be above zero")
+    require_significance: bool = Field(True, description="the exact one-sided sign-flip test of the paired reward differences "
+                                       "must give p < alpha")
+    alpha: float = Field(0.05, gt=0.0, lt=1.0, description="significance level of the gate's paired test")
+    min_tasks: int = Field(25, ge=1, description="below this many paired validation tasks the decision is insufficient_evidence "
+                           "(never promotes); the default is the power calculation of docs/promotion.md")
+    max_accuracy_drop: float = Field(0.0, ge=0.0, le=1.0, description="reject a candidate whose judge reward rose while its decision "
+                                     "accuracy fell by more than this (rule accuracy_drop)")
     min_success_rate: float = Field(0.5, ge=0.0, le=1.0)
     min_decision_accuracy: float = Field(0.0, ge=0.0, le=1.0)
     dry_run: bool = Field(False, description="decide and record, never move aliases or routing")
@@ -365,6 +389,7 @@ class Params(_Strict):
     serving: ServingParams
     agents: AgentsParams = AgentsParams()
     judge: JudgeParams
+    reward: RewardParams
     rollouts: RolloutsParams = RolloutsParams()
     datasets: DatasetsParams = DatasetsParams()
     sft: SftParams = SftParams()

@@ -216,7 +216,9 @@ def test_judge_samples_with_its_own_penalty_not_the_societys() -> None:
     client._http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
     spans: list[dict] = []
     asyncio.run(client.chat("junior_1", "junior_researcher", [{"role": "user", "content": "q"}], spans))
-    res = asyncio.run(judge(client, params.judge, {"question": "q", "contexts": ["a"]}, {"protocol": "p"}, 3, spans))
+    res = asyncio.run(judge(client, params.judge, params.reward, {"question": "q", "contexts": ["a"]}, {"protocol": "p"}, 3, spans))
     assert res["reason"] == "ok"
     assert [(b["model"], b.get("frequency_penalty")) for b in bodies] == [("junior_researcher", 0.5), ("judge", None)]
     assert [s["data"]["frequency_penalty"] for s in spans if s["kind"] == "llm"] == [0.5, 0.0]  # the trace says what was sent
+    # the judge samples at its own temperature (0), the agents at theirs
+    assert [b["temperature"] for b in bodies] == [params.agents.temperature, params.judge.temperature] and params.judge.temperature == 0

@@ -29,32 +29,103 @@ def test_consistently_better_candidate_is_promoted() -> None:
     rng = random.Random(0)
     base = [rng.uniform(0.2, 0.5) for _ in range(30)]
     d = _compare(_records([b + 0.1 for b in base]), _records(base))
-    assert d.promote and d.rule == "promoted"
+    assert d.promote and d.rule == "promoted" and "p=0.0000" in d.detail
 
 
 def test_noisy_gain_is_not_significant() -> None:
     rng = random.Random(1)
     base = [rng.uniform(0.0, 1.0) for _ in range(8)]
     cand = [b + rng.choice([-0.5, 0.55]) for b in base]
-    d = _compare(_records(cand), _records(base))
-    assert not d.promote and d.rule == "significance" and "includes 0" in d.detail
-    assert _compare(_records(cand), _records(base), require_significance=False).promote == (sum(cand) > sum(base))
+    d = _compare(_records(cand), _records(base), min_tasks=8)
+    assert not d.promote and d.rule == "significance" and "p=" in d.detail
+    assert _compare(_records(cand), _records(base), min_tasks=8, require_significance=False).promote == (sum(cand) > sum(base))
 
 
 def test_margin_floors_and_order_of_rules() -> None:
     base = [0.3] * 10
-    assert _compare(_records([0.32] * 10), _records(base), margin=0.05).rule == "margin"
-    assert _compare(_records([0.3] * 10), _records(base)).rule == "margin"  # a tie never promotes
+    assert _compare(_records([0.32] * 10), _records(base), margin=0.05, min_tasks=10).rule == "margin"
+    assert _compare(_records([0.3] * 10), _records(base), min_tasks=10).rule == "margin"  # a tie never promotes
     failed = _records([0.9] * 10, ok=[True] * 4 + [False] * 6)
-    assert _compare(failed, _records(base)).rule == "min_success_rate"
+    assert _compare(failed, _records(base), min_tasks=10).rule == "min_success_rate"
     wrong = _records([0.9] * 10, decisions=["NO-GO"] * 10)
-    assert _compare(wrong, _records(base), min_decision_accuracy=0.5).rule == "min_decision_accuracy"
+    assert _compare(wrong, _records(base), min_decision_accuracy=0.5, min_tasks=10).rule == "min_decision_accuracy"
+    assert _compare(failed, _records(base)).rule == "insufficient_evidence"  # 10 < the default min_tasks: checked first
 
 
-def test_one_task_is_never_significant() -> None:
-    d = _compare(_records([0.9]), _records([0.1]))
-    assert not d.promote and d.rule == "significance" and "one task" in d.detail
-    assert _compare(_records([0.9]), _records([0.1]), require_significance=False).promote
+def test_two_tasks_both_up_is_insufficient_evidence_never_significant() -> None:
+    """What the old percentile bootstrap called significant: over 2 tasks its CI is [min, max] of the differences."""
+    cand, champ = _records([1.0, 1.0]), _records([0.785, 0.785])
+    d = _compare(cand, champ)
+    assert not d.promote and d.rule == "insufficient_evidence"
+    diff = paired_difference(cand, champ, 500)
+    assert diff["ci_low"] > 0  # the bootstrap interval excludes 0...
+    assert diff["p_value"] == pytest.approx(0.25)  # ...the exact test says p = 1/4
+    assert _compare(cand, champ, min_tasks=2).rule == "significance"  # even when the floor is lowered
+
+
+def test_judge_gain_bought_with_accuracy_is_rejected() -> None:
+    n = 30
+    labels = ["yes"] * n
+    champ = _records([0.5] * n, decisions=["GO"] * n, labels=labels)
+    cand = _records([0.9] * n, decisions=["GO"] * 20 + ["NO-GO"] * 10, labels=labels)
+    for r, c in zip(cand, champ, strict=True):
+        r["components"], c["components"] = {"judge": 0.95, "decision": float(r["decision"] == "GO")}, {"judge": 0.4, "decision": 1.0}
+    d = _compare(cand, champ)
+    assert not d.promote and d.rule == "accuracy_drop" and "McNemar p=" in d.detail
+    assert _compare(cand, champ, max_accuracy_drop=0.5).promote  # a tolerance that allows the drop lets it through
+
+
+def test_identical_models_are_never_promoted() -> None:
+    """A/A: the same rewards under another version number (common random numbers make them equal)."""
+    rng = random.Random(3)
+    base = [rng.uniform(0.0, 1.0) for _ in range(40)]
+    d = _compare(_records(list(base)), _records(base))
+    assert not d.promote and d.rule == "margin"
+
+
+def test_sign_flip_matches_scipy_permutation_test() -> None:
+    from scipy.stats import permutation_test
+
+    from pipeline.evaluation.significance import sign_flip
+
+    rng = random.Random(5)
+    for n in (2, 5, 9, 12):
+        diffs = [rng.gauss(0.1, 0.3) for _ in range(n)]
+        for alt in ("greater", "less", "two-sided"):
+            ref = permutation_test((diffs,), lambda x, axis: x.mean(axis=axis), permutation_type="samples",
+                                   alternative=alt, n_resamples=10**6).pvalue
+            assert sign_flip(diffs, alt) == pytest.approx(ref, abs=1e-9), (n, alt)
+    big = [rng.gauss(0.05, 0.3) for _ in range(40)]  # Monte Carlo above 16 tasks, close to scipy's own Monte Carlo
+    ref = permutation_test((big,), lambda x, axis: x.mean(axis=axis), permutation_type="samples", alternative="greater",
+                           n_resamples=20000, random_state=1).pvalue
+    assert sign_flip(big, "greater") == pytest.approx(ref, abs=0.02)
+    assert sign_flip([0.0] * 6, "greater") == 1.0  # no difference at all: nothing to see
+
+
+def test_mcnemar_exact_matches_scipy_binomtest() -> None:
+    from scipy.stats import binomtest
+
+    from pipeline.evaluation.significance import mcnemar_exact
+
+    rng = random.Random(7)
+    for _ in range(30):
+        n = rng.randint(1, 40)
+        a = [rng.random() < 0.7 for _ in range(n)]
+        b = [rng.random() < 0.5 for _ in range(n)]
+        res = mcnemar_exact(a, b)
+        m = res["b"] + res["c"]
+        for alt in ("two-sided", "greater", "less"):
+            got = mcnemar_exact(a, b, alt)["p_value"]
+            ref = binomtest(res["b"], m, 0.5, alternative=alt).pvalue if m else 1.0
+            assert got == pytest.approx(ref, abs=1e-12), (a, b, alt)
+
+
+def test_min_tasks_default_is_the_power_calculation() -> None:
+    from pipeline.evaluation.significance import min_tasks_for, minimum_detectable_effect
+
+    assert PromoteParams().min_tasks == min_tasks_for(0.5, 0.05, 0.8) == 25  # docs/promotion.md
+    assert min_tasks_for(5.0) == 5  # the exact test cannot reach p < 0.05 below 5 tasks, whatever the effect
+    assert minimum_detectable_effect(0.3, 25) == pytest.approx((1.6449 + 0.8416) * 0.3 / 5, abs=1e-3)
 
 
 def test_paired_difference_needs_the_same_tasks() -> None:

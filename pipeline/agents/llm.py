@@ -7,6 +7,9 @@ validation error for a bounded number of repairs, then recorded as a failure (ne
 
 from __future__ import annotations
 
+import contextvars
+import hashlib
+import json
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,6 +28,21 @@ T = TypeVar("T", bound=StructuredOutput)
 
 class LLMError(RuntimeError):
     pass
+
+
+# The sampling seed of the rollout running in this asyncio task (set by ``agents.rollout``): every call's
+# ``seed`` is derived from it, the agent and the exact messages, so two societies that send the same call
+# in the same rollout (a champion and a candidate evaluated on the same task) draw the same random numbers,
+# and a difference between them comes from the model that differs, not from the dice (common random numbers).
+ROLLOUT_SEED: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollout_seed", default=None)
+
+
+def call_seed(agent: str, messages: list[dict[str, str]]) -> int | None:
+    base = ROLLOUT_SEED.get()
+    if base is None:
+        return None
+    digest = hashlib.sha256(f"{base}\0{agent}\0{json.dumps(messages, sort_keys=True)}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 def _float(value: str | None) -> float | None:
@@ -65,13 +83,17 @@ class RoleClient:
 
     async def chat(self, agent: str, model: str, messages: list[dict[str, str]], spans: list[dict[str, Any]],
                    response_format: dict[str, Any] | None = None, max_tokens: int | None = None,
-                   frequency_penalty: float | None = None) -> str:
-        """One call; ``frequency_penalty`` overrides the client's for this call (the judge scores with its own)."""
+                   frequency_penalty: float | None = None, temperature: float | None = None) -> str:
+        """One call; ``frequency_penalty`` and ``temperature`` override the client's for this call (the judge
+        samples with its own)."""
         penalty = self.frequency_penalty if frequency_penalty is None else frequency_penalty
-        body: dict[str, Any] = {"model": model, "messages": messages, "temperature": self.temperature,
+        temp = self.temperature if temperature is None else temperature
+        body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temp,
                                 "max_tokens": max_tokens or self.max_tokens}
         if penalty:
             body["frequency_penalty"] = penalty
+        if (seed := call_seed(agent, messages)) is not None:
+            body["seed"] = seed
         if response_format:
             body["response_format"] = response_format
         if self.routing:
@@ -79,8 +101,8 @@ class RoleClient:
         t0 = time.perf_counter()
         # the request as sent (messages, caps, schema name below): benchmarks/bench_rollouts.py replays traces from these
         span: dict[str, Any] = {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": messages,
-                                                                       "max_tokens": body["max_tokens"], "temperature": self.temperature,
-                                                                       "frequency_penalty": penalty}}
+                                                                       "max_tokens": body["max_tokens"], "temperature": temp,
+                                                                       "frequency_penalty": penalty, "seed": body.get("seed")}}
         base_url, headers = self.endpoint(model)
         try:
             resp = await self._http.post(f"{base_url}/chat/completions", json=body, headers=headers)
@@ -104,7 +126,8 @@ class RoleClient:
         return output
 
     async def structured(self, agent: str, model: str, messages: list[dict[str, str]], schema: type[T],
-                         spans: list[dict[str, Any]], max_tokens: int | None = None, frequency_penalty: float | None = None) -> T | None:
+                         spans: list[dict[str, Any]], max_tokens: int | None = None, frequency_penalty: float | None = None,
+                         temperature: float | None = None) -> T | None:
         """Validated object, or None after ``json_retries`` repairs (each attempt is a span).
 
         The cap is raised to the schema's token budget (at most ``token_ceiling``, which keeps prompt +
@@ -112,7 +135,7 @@ class RoleClient:
         history = list(messages)
         cap = max(max_tokens or self.max_tokens, min(schema.token_budget(), self.token_ceiling))
         for attempt in range(self.json_retries + 1):
-            text = await self.chat(agent, model, history, spans, schema.response_format(), cap, frequency_penalty)
+            text = await self.chat(agent, model, history, spans, schema.response_format(), cap, frequency_penalty, temperature)
             call = spans[-1]["data"]  # the llm span chat() just recorded: the datasets stage reads these two fields
             call.update(attempt=attempt + 1, parsed=False, schema=schema.__name__)
             try:

@@ -12,10 +12,10 @@ import time
 from typing import Any
 
 from pipeline.agents.graph import Society
-from pipeline.agents.llm import RoleClient
+from pipeline.agents.llm import ROLLOUT_SEED, RoleClient
 from pipeline.agents.tools import Toolbox
 from pipeline.config import Params
-from pipeline.rewards.judge import alignment, judge
+from pipeline.rewards.judge import alignment, final_reward, judge
 from pipeline.traces.schema import Span, Trace
 
 
@@ -52,6 +52,7 @@ async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: 
     t0 = time.perf_counter()
     seed = params.rollouts.seed if seed is None else seed
     rng = random.Random(f"{seed}:{ids['rollout_id']}")  # exploration reproducible per rollout
+    ROLLOUT_SEED.set(f"{seed}:{ids['rollout_id']}")  # ...and every call's sampling seed (this task's context only)
     society = Society(client, tools, params.agents, rng, policy)
     state: dict[str, Any] = {"task": task}
     error = None
@@ -65,11 +66,16 @@ async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: 
     result: dict[str, Any] = {}
     if error is None and not (state.get("protocol") and state.get("decision")):
         error = "; ".join(state.get("errors", [])) or "society produced no protocol/decision"
-    if error is None and score:
-        result = await judge(client, params.judge, task, state, llm_calls, spans)
     decision = (state.get("decision") or {}).get("decision")
+    if error is None and score:
+        result = await judge(client, params.judge, params.reward, task, state, llm_calls, spans)
+    elif score:  # a failed rollout still says what its reward would be made of (it trains nothing: status failed)
+        value, components = final_reward(params.judge.failure_score, decision, task.get("final_decision"), params.reward)
+        spans.append({"kind": "reward", "name": "final", "data": {"value": value, "kind": "final", "components": components,
+                                                                  "reason": f"rollout failed, not judged: {error}"[:500]}})
     align = alignment(decision, task.get("final_decision"))
-    rewards = {**result.get("scores", {}), **({"aligned": float(align["aligned"])} if align["aligned"] is not None else {})}
+    rewards = {**result.get("scores", {}), **{f"reward_{k}": v for k, v in result.get("components", {}).items()},
+               **({"aligned": float(align["aligned"])} if align["aligned"] is not None else {})}
     return Trace(
         **ids, status="ok" if error is None else "failed", error=error, routing_version=routing_version,
         label=task.get("final_decision"), decision=decision, reward=result.get("reward"), rewards=rewards,

@@ -1,7 +1,17 @@
 """The promotion rule: which evidence lets a candidate replace its role's champion.
 
 Kept apart from the stage so it reads as the policy it is and is unit-tested on its own. Rules are
-checked in order and the first that fails decides, so the recorded ``rule`` says exactly why.
+checked in order and the first that fails decides, so the recorded ``rule`` says exactly why:
+
+1. ``insufficient_evidence``: fewer paired tasks than ``promote.min_tasks`` (docs/promotion.md
+   derives the default from a power calculation). Never promotes, whatever the numbers say.
+2. ``min_success_rate`` / ``min_decision_accuracy``: floors on the candidate alone.
+3. ``accuracy_drop``: the judge's part of the reward rose while decision accuracy against the
+   PubMedQA label fell by more than ``promote.max_accuracy_drop`` (a candidate that learned to
+   please the judge at the expense of being right).
+4. ``margin``: the mean reward gain must exceed ``promote.margin``.
+5. ``significance``: the exact one-sided sign-flip test of the paired reward differences must give
+   p < ``promote.alpha``.
 """
 
 from __future__ import annotations
@@ -10,6 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.config import PromoteParams
+
+INSUFFICIENT = "insufficient_evidence"
 
 
 @dataclass(frozen=True)
@@ -22,23 +34,34 @@ class Decision:
         return asdict(self)
 
 
+def _mean(summary: dict[str, Any], key: str) -> float | None:
+    return (summary.get(key) or {}).get("mean")
+
+
 def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, Any], cfg: PromoteParams) -> Decision:
     """``candidate``/``champion``: metrics summaries; ``diff``: the paired candidate-champion difference."""
-    success = candidate.get("success_rate", {}).get("mean", 0.0)
+    if diff["n"] < cfg.min_tasks:
+        return Decision(False, INSUFFICIENT, f"{diff['n']} paired task(s) < promote.min_tasks={cfg.min_tasks}: the difference "
+                                             f"{diff['mean']:+.4f} (p={diff.get('p_value', float('nan')):.3f}) cannot support a decision")
+    success = _mean(candidate, "success_rate") or 0.0
     if success < cfg.min_success_rate:
         return Decision(False, "min_success_rate", f"success rate {success:.2f} < {cfg.min_success_rate:.2f}")
-    accuracy = (candidate.get("decision_accuracy") or {}).get("mean")
+    accuracy = _mean(candidate, "decision_accuracy")
     if cfg.min_decision_accuracy > 0 and (accuracy is None or accuracy < cfg.min_decision_accuracy):
         return Decision(False, "min_decision_accuracy", f"decision accuracy {accuracy} < {cfg.min_decision_accuracy:.2f}")
+    judge_c, judge_b = _mean(candidate, "reward_judge"), _mean(champion, "reward_judge")
+    acc_b = _mean(champion, "decision_accuracy")
+    if None not in (judge_c, judge_b, accuracy, acc_b) and judge_c > judge_b and acc_b - accuracy > cfg.max_accuracy_drop:  # type: ignore[operator]
+        return Decision(False, "accuracy_drop", f"judge reward rose {judge_b:.4f} -> {judge_c:.4f} while decision accuracy fell "
+                                                f"{acc_b:.2f} -> {accuracy:.2f} (more than promote.max_accuracy_drop={cfg.max_accuracy_drop:.2f}; "
+                                                f"McNemar p={(diff.get('decision') or {}).get('p_value', float('nan')):.3f})")
     gain = candidate["reward"]["mean"] - champion["reward"]["mean"]
     if gain <= cfg.margin:
         return Decision(False, "margin", f"reward {candidate['reward']['mean']:.4f} vs champion {champion['reward']['mean']:.4f}: "
                                          f"gain {gain:+.4f} is not above the margin {cfg.margin:.4f}")
-    if cfg.require_significance and diff["n"] < 2:
-        return Decision(False, "significance", f"paired difference {diff['mean']:+.4f} over {diff['n']} task: one task gives no "
-                                               "confidence interval; raise evaluate.limit")
-    if cfg.require_significance and not diff["ci_low"] > 0:
-        return Decision(False, "significance", f"paired difference {diff['mean']:+.4f}, {diff['ci']:.0%} CI "
-                                               f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}] over {diff['n']} tasks includes 0")
-    return Decision(True, "promoted", f"gain {gain:+.4f} > margin {cfg.margin:.4f}; paired CI "
-                                      f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}] over {diff['n']} tasks")
+    p = diff.get("p_value", 1.0)
+    evidence = (f"paired difference {diff['mean']:+.4f} over {diff['n']} tasks, sign-flip p={p:.4f}, "
+                f"{diff['ci']:.0%} bootstrap CI [{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]")
+    if cfg.require_significance and not p < cfg.alpha:
+        return Decision(False, "significance", f"{evidence}: p is not below promote.alpha={cfg.alpha:g}")
+    return Decision(True, "promoted", f"gain {gain:+.4f} > margin {cfg.margin:.4f}; {evidence}")

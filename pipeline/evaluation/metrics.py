@@ -1,4 +1,5 @@
-"""Metrics of one evaluated society and the paired comparison of two, with bootstrap CIs.
+"""Metrics of one evaluated society and the paired comparison of two: bootstrap CIs to describe,
+exact tests to decide (``pipeline.evaluation.significance``).
 
 Pure functions over evaluation records (one dict per task: ``task_id``, ``label``, ``decision``,
 ``status``, ``reward``, ``scores``, ``turns``, ``tokens``, ``latency_s``), so the gate can be
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from pipeline.evaluation.significance import mcnemar_exact, sign_flip
 
 CRITERIA = ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")
 ANSWER = {"GO": "yes", "NO-GO": "no"}
@@ -52,6 +55,8 @@ def summarise(records: list[dict[str, Any]], n: int = 1000, ci: float = 0.95, se
             out[name] = {"mean": statistics.fmean(values), "ci_low": lo, "ci_high": hi, "n": len(values)}
 
     stat("reward", [float(r["reward"]) for r in records])
+    for part in ("judge", "decision"):  # the final reward's components (pipeline.rewards.judge.final_reward)
+        stat(f"reward_{part}", [float(r["components"][part]) for r in records if part in (r.get("components") or {})])
     for c in CRITERIA:
         stat(c, [float(r["scores"].get(c, 0.0)) for r in records])
     stat("success_rate", [float(r["status"] == "ok") for r in records])
@@ -68,16 +73,24 @@ def summarise(records: list[dict[str, Any]], n: int = 1000, ci: float = 0.95, se
 
 def paired_difference(candidate: list[dict[str, Any]], champion: list[dict[str, Any]], n: int = 1000, ci: float = 0.95,
                       seed: int = 0) -> dict[str, Any]:
-    """Candidate - champion reward over the same tasks, with a paired bootstrap CI (resampling tasks)."""
-    a = {r["task_id"]: float(r["reward"]) for r in candidate}
-    b = {r["task_id"]: float(r["reward"]) for r in champion}
-    common = sorted(set(a) & set(b))
+    """Candidate - champion over the same tasks: the reward difference with a paired bootstrap CI (to
+    describe) and the exact one-sided sign-flip p-value (to decide), and the exact McNemar test of
+    paired decision correctness on the yes/no-labelled tasks."""
+    a = {r["task_id"]: r for r in candidate}
+    b = {r["task_id"]: r for r in champion}
     if set(a) != set(b):
         raise ValueError(f"paired comparison needs the same tasks; only in candidate {sorted(set(a) - set(b))[:5]}, "
                          f"only in champion {sorted(set(b) - set(a))[:5]}")
-    diffs = [a[t] - b[t] for t in common]
+    common = sorted(a)
+    diffs = [float(a[t]["reward"]) - float(b[t]["reward"]) for t in common]
     lo, hi = bootstrap_ci(diffs, n, ci, seed)
-    return {"mean": statistics.fmean(diffs) if diffs else float("nan"), "ci_low": lo, "ci_high": hi, "n": len(diffs), "ci": ci}
+    decided = [t for t in common if a[t]["label"] in ("yes", "no")]
+    right = lambda r: answer(r["decision"]) == r["label"]  # noqa: E731
+    mcnemar = mcnemar_exact([right(a[t]) for t in decided], [right(b[t]) for t in decided])
+    return {"mean": statistics.fmean(diffs) if diffs else float("nan"), "ci_low": lo, "ci_high": hi, "n": len(diffs), "ci": ci,
+            "test": "sign_flip_exact" if len(diffs) <= 16 else "sign_flip_monte_carlo",
+            "p_value": sign_flip(diffs, "greater", seed=seed),
+            "decision": {**mcnemar, "accuracy_diff": (mcnemar["b"] - mcnemar["c"]) / len(decided) if decided else None}}
 
 
 def flat(summary: dict[str, Any], prefix: str = "") -> dict[str, float]:

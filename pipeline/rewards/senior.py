@@ -3,7 +3,8 @@
 value = ``validity`` x (1 schema-valid | 0.5 a JSON object that fails the schema
                        | 0.5 x the share of the schema's fields named in text that is not JSON)
       + ``judge``    x the judge's weighted score of the completion (through the proxy, as in rollouts)
-      + ``alignment`` x (PI only) GO/NO-GO agrees with the task's yes/no label.
+      + ``alignment`` x (PI only) the decision credit against the task's label (``decision_credit``:
+                       1 right, 0 wrong, ``reward.maybe_credit`` on a maybe label).
 
 Text that is not a JSON object is not judged (the served policy decodes under the schema's guided
 decoding, so such text can never reach the society); it keeps partial credit for the schema fields it
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline.agents.llm import RoleClient
 from pipeline.config import Params
-from pipeline.rewards.judge import alignment, judge
+from pipeline.rewards.judge import alignment, decision_credit, judge
 from pipeline.schemas import Hypothesis, PIDecision, Protocol
 
 SCHEMAS: dict[str, type[BaseModel]] = {"hypothesis_refiner": Hypothesis, "protocol_designer": Protocol, "principal_investigator": PIDecision}
@@ -80,14 +81,15 @@ async def score(client: RoleClient, params: Params, agent: str, text: str, task:
     data = obj.model_dump() if isinstance(obj, BaseModel) else obj
     state = {"decision": data, "protocol": "(the PI's decision on the team's protocol)"} if agent == "principal_investigator" else {"protocol": data}
     try:
-        res = await asyncio.wait_for(judge(client, params.judge, task, state, 1, []), w.timeout_s)
-        judged, judge_reason = float(res["reward"]), res["reason"]
+        res = await asyncio.wait_for(judge(client, params.judge, params.reward, task, state, 1, []), w.timeout_s)
+        judged, judge_reason = float(res["components"]["judge"]), res["reason"]
     except TimeoutError:
         judged, judge_reason = params.judge.failure_score, f"judge timed out after {w.timeout_s:g}s"
     value = w.validity * validity + w.judge * judged
     out.update(judge=judged, reason=f"{why}; judge: {judge_reason}")
     if agent == "principal_investigator":
-        aligned = alignment((data or {}).get("decision"), task.get("final_decision"))["aligned"]
-        out["aligned"] = aligned
-        value += w.alignment * float(bool(aligned))
+        decision = (data or {}).get("decision")
+        out["aligned"] = alignment(decision, task.get("final_decision"))["aligned"]
+        out["decision"] = decision_credit(decision, task.get("final_decision"), params.reward)
+        value += w.alignment * out["decision"]
     return {**out, "value": value}

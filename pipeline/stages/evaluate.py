@@ -88,7 +88,7 @@ def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, 
     from mlflow.genai.scorers import scorer
 
     from pipeline.agents.llm import RoleClient
-    from pipeline.rewards.judge import judge
+    from pipeline.rewards.judge import final_reward, judge
     from pipeline.serving import proxy
 
     url, key = proxy.client_settings(params)
@@ -98,18 +98,22 @@ def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, 
         t = traces[inputs["rollout_id"]]
         if t.status != "ok":
             why = f"rollout failed: {t.error}"
-            return [Feedback(name=c, value=params.judge.failure_score, rationale=why) for c in (*CRITERIA, "reward")]
+            value, parts = final_reward(params.judge.failure_score, t.decision, t.label, params.reward)
+            return [*(Feedback(name=c, value=params.judge.failure_score, rationale=why) for c in CRITERIA),
+                    *(Feedback(name=f"reward_{k}", value=v, rationale=why) for k, v in parts.items()),
+                    Feedback(name="reward", value=value, rationale=why)]
 
         async def score() -> dict[str, Any]:
             client = RoleClient.for_agents(params.agents, url, key, params.evaluate.timeout_s, routing=routing)
             state = {"protocol": t.protocol, "decision": {"decision": t.decision, "rationale": t.rationale}}
             try:
-                return await judge(client, params.judge, tasks[t.task_id], state, t.turns, [])
+                return await judge(client, params.judge, params.reward, tasks[t.task_id], state, t.turns, [])
             finally:
                 await client.aclose()
 
         result = asyncio.run(score())
         return [*(Feedback(name=c, value=result["scores"][c], rationale=result["reason"]) for c in CRITERIA),
+                *(Feedback(name=f"reward_{k}", value=v, rationale=result["reason"]) for k, v in result["components"].items()),
                 Feedback(name="reward", value=result["reward"], rationale=result["reason"])]
 
     @scorer(name="pubmedqa_answer")
@@ -167,6 +171,7 @@ def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], t
             row = rows[t.rollout_id]
             records.append({"task_id": t.task_id, "rollout_id": t.rollout_id, "label": t.label, "decision": t.decision,
                             "status": t.status, "error": t.error, "reward": float(row["reward/value"]),
+                            "components": {k: float(row[f"reward_{k}/value"]) for k in ("judge", "decision")},
                             "scores": {c: float(row[f"{c}/value"]) for c in CRITERIA}, "turns": t.turns, "tokens": t.tokens,
                             "latency_s": t.latency_s, "protocol": t.protocol, "trace_id": row["trace_id"]})
         summary = summarise(records, params.evaluate.bootstrap, params.evaluate.ci, params.evaluate.seed)
@@ -200,12 +205,16 @@ def run(params: Params) -> dict[str, Any]:
     from pipeline import registry
     from pipeline.data.splits import load_tasks
 
-    tasks = load_tasks(params, "val", params.evaluate.limit)
     champions = registry.ensure_baselines(params)
+    # the cycle = the challengers under evaluation: each cycle draws its own validation tasks (seeded, reproducible)
+    cycle = ",".join(f"{n}:v{c.version}" for n in params.promote.roles
+                     if (c := registry.by_alias(n, registry.CHALLENGER)) is not None and c.version != champions[n].version)
+    rotation = f"{params.evaluate.seed}:{cycle}"
+    tasks = load_tasks(params, "val", params.evaluate.limit, rotation=rotation)
     roles, policies = champion_table(params, champions)
     label = ",".join(f"{n}:v{v.version}" for n, v in champions.items())
     key = cache_key(params, champions, roles, policies, tasks)
-    summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "champion_versions": {n: v.version for n, v in champions.items()},
+    summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "task_rotation": rotation, "champion_versions": {n: v.version for n, v in champions.items()},
                                "roles": {}}
     # every society to run (name, table, tags, role, candidate version, target); the champion first unless cached
     candidates: list[tuple[str, dict[str, Any], dict[str, str], str, Any, str]] = []
@@ -249,9 +258,11 @@ def run(params: Params) -> dict[str, Any]:
                                   "difference": diff, "records": {"champion": champion_records, "candidate": records}}
         registry.set_tags(name, cand.version, {
             "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
-            "eval.diff": f"{diff['mean']:+.4f}", "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]", "eval.tasks": len(tasks)})
+            "eval.diff": f"{diff['mean']:+.4f}", "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]", "eval.tasks": len(tasks),
+            "eval.p_value": f"{diff['p_value']:.4f}", "eval.mcnemar_p": f"{diff['decision']['p_value']:.4f}"})
         print(f"evaluate: {name} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion {champ['reward']['mean']:.3f}; "
-              f"paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}); run {run_id}")
+              f"paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}, sign-flip p="
+              f"{diff['p_value']:.3f}; decisions McNemar p={diff['decision']['p_value']:.3f}); run {run_id}")
     return summary
 
 
@@ -267,7 +278,9 @@ def write_outputs(params: Params, summary: dict[str, Any]) -> None:
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     metrics = {role: {"candidate_version": int(e["candidate"]["version"]), "candidate_reward": e["candidate"]["metrics"]["reward"]["mean"],
                       "champion_reward": e["champion"]["metrics"]["reward"]["mean"], "diff": e["difference"]["mean"],
-                      "diff_ci_low": e["difference"]["ci_low"], "diff_ci_high": e["difference"]["ci_high"]}
+                      "diff_ci_low": e["difference"]["ci_low"], "diff_ci_high": e["difference"]["ci_high"],
+                      "diff_p_value": e["difference"]["p_value"], "decision_p_value": e["difference"]["decision"]["p_value"],
+                      "n": e["difference"]["n"]}
                for role, e in summary["roles"].items()}
     write_json(METRICS_FILE, {"tasks": len(summary["tasks"]), "roles": metrics})
 

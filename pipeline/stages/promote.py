@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Params
-from pipeline.evaluation.gate import Decision, decide
+from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide
 from pipeline.io import write_json
 
 METRICS_FILE = Path("reports/promotion.json")
@@ -84,7 +84,7 @@ def promote_role(params: Params, name: str, entry: dict[str, Any], current_champ
     out: dict[str, Any] = {"candidate": cand.version, "champion_before": current_champion, **decision.as_dict(),
                            "candidate_reward": entry["candidate"]["metrics"]["reward"]["mean"],
                            "champion_reward": entry["champion"]["metrics"]["reward"]["mean"], "difference": entry["difference"]}
-    status = "promoted" if decision.promote else "rejected"
+    status = "promoted" if decision.promote else INSUFFICIENT if decision.rule == INSUFFICIENT else "rejected"
     if decision.promote and params.promote.dry_run:
         status = "dry_run"
     if status == "promoted":

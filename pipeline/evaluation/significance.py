@@ -1,0 +1,99 @@
+"""Paired hypothesis tests the promotion gate decides by, exact (or conservative) at the sizes used.
+
+The percentile bootstrap the gate used before is anti-conservative at small n: over two tasks its
+interval is exactly [min, max] of the differences, so "both went up" (p = 1/4 under the null) read
+as significant. These two tests are valid at any n:
+
+- ``sign_flip``: the paired permutation test of the mean difference. Under H0 (candidate and
+  champion exchangeable per task) each difference's sign is a fair coin, so the p-value is the
+  share of the 2^n sign patterns whose mean is at least as large as the observed one. Exact
+  enumeration up to ``exact_max`` tasks, Monte Carlo above it with the (count + 1) / (draws + 1)
+  correction, which keeps the Monte Carlo p-value valid (never below the exact one in expectation).
+- ``mcnemar_exact``: the exact McNemar test of paired decision correctness: only discordant tasks
+  (one right, the other wrong) carry information, and under H0 each goes either way with p = 1/2,
+  so the p-value is a binomial tail.
+
+Pure numpy/stdlib so the gate runs in the control plane without scipy; the tests check both
+against scipy on synthetic data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+Alternative = Literal["greater", "less", "two-sided"]
+
+
+def sign_flip(diffs: Sequence[float], alternative: Alternative = "greater", exact_max: int = 16, draws: int = 20000,
+              seed: int = 0) -> float:
+    """p-value of the paired sign-flip permutation test of mean(diffs) = 0 (1.0 for no tasks)."""
+    x = np.asarray(diffs, dtype=float)
+    n = x.size
+    if n == 0:
+        return 1.0
+    observed = x.mean()
+    tol = 1e-12 * max(1.0, float(np.abs(x).max()))  # ties (e.g. zero differences) count as "at least as extreme"
+    if n <= exact_max:
+        signs = np.array(list(itertools.product((1.0, -1.0), repeat=n)))
+    else:
+        signs = np.random.default_rng(seed).choice((1.0, -1.0), size=(draws, n))
+    means = signs @ x / n
+    if alternative == "greater":
+        hits = means >= observed - tol
+    elif alternative == "less":
+        hits = means <= observed + tol
+    else:
+        hits = np.abs(means) >= abs(observed) - tol
+    count = int(hits.sum())
+    return count / len(means) if n <= exact_max else (count + 1) / (draws + 1)
+
+
+def _binom_cdf(k: int, n: int) -> float:
+    """P(X <= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(0, k + 1)) / 2**n if k >= 0 else 0.0
+
+
+def mcnemar_exact(candidate_right: Sequence[bool], champion_right: Sequence[bool], alternative: Alternative = "two-sided") -> dict[str, float]:
+    """Exact McNemar test on paired correctness: ``b`` = tasks only the candidate got right, ``c`` = only the
+    champion; p-value of b vs c under Binomial(b + c, 1/2) (1.0 with no discordant task)."""
+    if len(candidate_right) != len(champion_right):
+        raise ValueError(f"paired correctness needs the same tasks ({len(candidate_right)} vs {len(champion_right)})")
+    b = sum(bool(a) and not bool(c) for a, c in zip(candidate_right, champion_right, strict=True))
+    c = sum(bool(ch) and not bool(a) for a, ch in zip(candidate_right, champion_right, strict=True))
+    m = b + c
+    if m == 0:
+        p = 1.0
+    elif alternative == "greater":  # candidate better: b large
+        p = 1.0 - _binom_cdf(b - 1, m)
+    elif alternative == "less":
+        p = _binom_cdf(b, m)
+    else:
+        p = min(1.0, 2.0 * min(_binom_cdf(b, m), 1.0 - _binom_cdf(b - 1, m)))
+    return {"b": b, "c": c, "n": len(candidate_right), "p_value": float(p)}
+
+
+def min_tasks_for(effect_size: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """Tasks a one-sided paired test needs to detect a standardized mean difference ``effect_size``
+    (mean / sd of the paired differences) with the given power: the normal approximation
+    n = ((z_alpha + z_power) / d)^2, raised to the smallest n at which the exact sign-flip test can
+    reach ``alpha`` at all (2^-n <= alpha)."""
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf
+    n = math.ceil(((z(1 - alpha) + z(power)) / effect_size) ** 2)
+    return max(n, math.ceil(math.log2(1 / alpha)))
+
+
+def minimum_detectable_effect(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Smallest mean paired difference detectable at n tasks with the given sd of differences (normal approximation)."""
+    from statistics import NormalDist
+
+    if n < 1:
+        return float("inf")
+    z = NormalDist().inv_cdf
+    return (z(1 - alpha) + z(power)) * sd / math.sqrt(n)
