@@ -310,7 +310,10 @@ class PpoParams(_Strict):
     prompts_per_step: int = Field(2, ge=1, description="senior prompts (CPU) or tasks (GPU) per step")
     group_size: int = Field(2, ge=2, description="completions (CPU) or rollouts (GPU) sampled per prompt/task: GRPO's group n")
     max_prompt_tokens: int = Field(1024, ge=64)
-    max_completion_tokens: int = Field(64, ge=8)
+    max_completion_tokens: int = Field(64, ge=8, description="CPU GRPO completion cap; at least the schema budget of ppo.agents "
+                                       "(a cut completion is invalid JSON)")
+    agents: list[Literal["hypothesis_refiner", "protocol_designer", "principal_investigator"]] = Field(
+        ["principal_investigator"], min_length=1, description="CPU GRPO: the senior agents whose prompts it trains on")
     learning_rate: float = Field(5e-5, gt=0)
     kl_coef: float = Field(0.04, ge=0, description="KL penalty to the base policy (GRPO beta / verl kl_loss_coef)")
     temperature: float = Field(1.0, gt=0)

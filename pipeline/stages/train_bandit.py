@@ -103,6 +103,39 @@ def register(params: Params, model_file: Path, data_file: Path, examples: list[d
                                     description="Contextual bandit that picks the supervisor's hypothesis (VW cb_explore_adf)")
 
 
+def no_signal_reason(examples: list[dict[str, Any]]) -> str | None:
+    """Why these logged decisions cannot teach a policy anything, or None: a decision with one action has no
+    alternative to learn, and equal rewards everywhere make every policy worth the same."""
+    if all(len(e["actions"]) < 2 for e in examples):
+        return f"every one of the {len(examples)} logged decisions offered one action"
+    if len({round(float(e["reward"]), 9) for e in examples}) < 2:
+        return f"all {len(examples)} logged rewards are equal ({examples[0]['reward']:.4f})"
+    return None
+
+
+def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
+    """The outputs and MLflow say the data carried no signal; no policy is trained or registered."""
+    from pipeline.plots import png
+
+    out = Path(params.bandit.out_dir)
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "no_signal.json", {"no_signal": True, "no_signal_reason": reason})
+    write_json(METRICS_FILE, {"no_signal": True, "no_signal_reason": reason})
+    with png(PLOT_PNG) as ax:
+        ax.text(0.5, 0.5, f"no signal: {reason}"[:120], ha="center", va="center", wrap=True)
+        ax.set_axis_off()
+    print(f"train_bandit: no_signal, nothing trained or registered: {reason}")
+    if not no_mlflow:
+        import mlflow
+
+        from pipeline import tracking
+
+        with tracking.stage_run("train_bandit", params):
+            mlflow.set_tags({"no_signal": "true", "no_signal_reason": reason[:4000]})
+            mlflow.log_artifact(str(METRICS_FILE))
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mlflow", action="store_true")
 
@@ -115,6 +148,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if (reason := no_signal_reason(examples)) is not None:
+        return no_signal(params, f"{data_file}: {reason}", args.no_mlflow)
     estimates = evaluate_offline(cfg, examples)
     print_table(estimates, len(examples))
     model_file = train_final(cfg, examples)

@@ -44,15 +44,37 @@ def data_dir(params: Params) -> Path:
 
 
 def load_prompts(params: Params) -> list[dict[str, Any]]:
+    """The senior prompts of the agents ``ppo.agents`` names (the CPU trainer's data)."""
     from datasets import load_from_disk
 
     path = data_dir(params) / "hf"
     if not (path / "dataset_info.json").exists():
         raise FileNotFoundError(f"{path}: no senior RL prompts; run the datasets stage first")
-    rows = load_from_disk(str(path)).to_list()
+    rows = [r for r in load_from_disk(str(path)).to_list() if r.get("agent") in params.ppo.agents]
     if len(rows) < params.ppo.prompts_per_step:
-        raise ValueError(f"{path}: {len(rows)} senior prompts, ppo.prompts_per_step needs at least {params.ppo.prompts_per_step}")
+        raise ValueError(f"{path}: {len(rows)} senior prompts of ppo.agents={params.ppo.agents}, ppo.prompts_per_step needs at least "
+                         f"{params.ppo.prompts_per_step}")
     return rows
+
+
+def signal(scored: list[dict[str, Any]]) -> dict[str, Any]:
+    """Did the sampled completions carry a learning signal? GRPO's advantage is a completion's reward minus
+    its group's mean: a group whose rewards are all equal teaches nothing, and when every group is like
+    that the update is zero (KL aside) and the adapter is the base model with noise."""
+    import statistics
+
+    values = [float(r["value"]) for r in scored]
+    groups: dict[str, list[float]] = {}
+    for r in scored:
+        groups.setdefault(str(r["group"]), []).append(float(r["value"]))
+    flat = sum(1 for g in groups.values() if max(g) - min(g) <= 1e-9)
+    out: dict[str, Any] = {"completions_scored": len(scored), "groups": len(groups), "zero_advantage_groups": flat,
+                           "valid_fraction": sum(r["validity"] == 1.0 for r in scored) / len(scored) if scored else None,
+                           "reward_std": statistics.pstdev(values) if values else None}
+    reason = ("no completion was scored" if not scored else
+              f"every one of the {len(groups)} GRPO groups has equal rewards (reward std {out['reward_std']:.4f}): "
+              "all advantages are zero" if flat == len(groups) else None)
+    return {**out, "no_signal": reason is not None, "no_signal_reason": reason}
 
 
 def pick_backend(params: Params) -> str:
@@ -92,6 +114,8 @@ def make_reward(params: Params, log: list[dict[str, Any]]) -> Any:
 
     url, key = os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV]
 
+    calls = iter(range(1 << 30))
+
     async def senior_reward(prompts: list[Any], completions: list[Any], agent: list[str], label: list[str], question: list[str],
                             abstract: list[str], task_id: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
         client = RoleClient.for_agents(params.agents, url, key, params.ppo.reward.timeout_s, max_tokens=params.judge.max_tokens)
@@ -103,7 +127,9 @@ def make_reward(params: Params, log: list[dict[str, Any]]) -> Any:
         finally:
             await client.aclose()
         step = int(getattr(trainer_state, "global_step", 0) or 0) + 1
-        log.extend({"step": step, "task_id": tid, **r, "completion": t[:800]} for tid, r, t in zip(task_id, results, texts, strict=True))
+        call = next(calls)  # TRL's batch holds each prompt's group_size completions one after the other
+        log.extend({"step": step, "group": f"{call}-{i // params.ppo.group_size}", "task_id": tid, **r, "completion": t[:800]}
+                   for i, (tid, r, t) in enumerate(zip(task_id, results, texts, strict=True)))
         return [float(r["value"]) for r in results]
 
     return senior_reward
@@ -115,10 +141,18 @@ def train_trl(params: Params) -> dict[str, Any]:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
+
+    from pipeline.rewards.senior import SCHEMAS
+    from pipeline.rl.guided import GuidedGRPOTrainer, compile_grammars, prompt_key
 
     cfg = params.ppo
     rows = load_prompts(params)
+    budget = max(SCHEMAS[a].token_budget() for a in cfg.agents)
+    if cfg.max_completion_tokens < budget:
+        raise ValueError(f"ppo.max_completion_tokens={cfg.max_completion_tokens} is below the schema budget of ppo.agents "
+                         f"({budget} tokens): completions would be cut into invalid JSON")
+    agent_of = {prompt_key(r["prompt"]): r["agent"] for r in rows}
     columns = ("prompt", "agent", "label", "question", "abstract", "task_id")
     train_ds = Dataset.from_list([{k: (r.get(k) or "") if k != "prompt" else r[k] for k in columns} for r in rows])
     gpu = torch.cuda.is_available()
@@ -134,8 +168,10 @@ def train_trl(params: Params) -> dict[str, Any]:
                           beta=cfg.kl_coef, temperature=cfg.temperature, logging_steps=1, save_strategy="no", report_to="none",
                           seed=cfg.seed, data_seed=cfg.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0, disable_tqdm=False,
                           lr_scheduler_type="constant", warmup_steps=0)
-        trainer = GRPOTrainer(model=model, reward_funcs=[make_reward(params, scored)], args=args, train_dataset=train_ds,
-                              processing_class=tokenizer, peft_config=peft)
+        grammars = compile_grammars(tokenizer, model.config.vocab_size, {a: SCHEMAS[a] for a in cfg.agents})
+        trainer = GuidedGRPOTrainer(model=model, reward_funcs=[make_reward(params, scored)], args=args, train_dataset=train_ds,
+                                    processing_class=tokenizer, peft_config=peft, grammars=grammars,
+                                    agent_of=lambda prompt: agent_of[prompt_key(prompt)])
         t0 = time.perf_counter()
         result = trainer.train()
         seconds = time.perf_counter() - t0
@@ -153,12 +189,14 @@ def train_trl(params: Params) -> dict[str, Any]:
             key = r["reason"].split(":")[0]
             reasons[key] = reasons.get(key, 0) + 1
         metrics = {"backend": "trl", "algorithm": "grpo", "device": "cuda" if gpu else "cpu", "steps": result.global_step,
-                   "prompts": len(rows), "completions_scored": len(scored), "train_seconds": round(seconds, 2),
+                   "prompts": len(rows), "agents": list(cfg.agents), "decoding": "xgrammar JSON schema", **signal(scored),
+                   "train_seconds": round(seconds, 2),
                    "seconds_per_step": round(seconds / max(1, result.global_step), 2),
                    "reward_first": steps[0]["reward"] if steps else None, "reward_last": steps[-1]["reward"] if steps else None,
                    "reward_mean": sum(r["value"] for r in scored) / len(scored) if scored else None,
                    "kl_last": next((h["kl"] for h in reversed(steps) if "kl" in h), None),
-                   "valid_fraction": sum(r["validity"] == 1.0 for r in scored) / len(scored) if scored else None,
+                   "decision_accuracy": (sum(r["aligned"] is True for r in scored) / n_aligned
+                                         if (n_aligned := sum(r.get("aligned") is not None for r in scored)) else None),
                    "reward_reasons": reasons, "base_model": str(Path(cfg.base_model).resolve())}
         write_json(tmp / "train_meta.json", metrics)
     return metrics
@@ -200,7 +238,12 @@ def train_verl(params: Params, run_id: str) -> dict[str, Any]:
         adapter_from_checkpoint(ckpt, tmp / "adapter")
         recs = store.records(cfg.agl.trace_dir)
         rewards = [r["reward"] for r in recs if r.get("reward") is not None]
-        metrics = {"backend": "verl", "algorithm": cfg.algorithm, "device": "cuda", "steps": cfg.max_steps, "train_seconds": round(seconds, 2),
+        import statistics
+
+        std = statistics.pstdev(rewards) if rewards else None
+        metrics = {"reward_std": std, "no_signal": not std, "no_signal_reason": None if std else
+                   f"{len(rewards)} rollout rewards, all equal: every advantage was zero",
+                   "backend": "verl", "algorithm": cfg.algorithm, "device": "cuda", "steps": cfg.max_steps, "train_seconds": round(seconds, 2),
                    "seconds_per_step": round(seconds / cfg.max_steps, 2), "rollouts": len(recs), "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                    "base_model": policy_name}
         write_json(tmp / "train_meta.json", metrics)
@@ -243,6 +286,9 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
         if scored:
             mlflow.log_table({k: [r.get(k) for r in scored] for k in ("step", "agent", "task_id", "value", "validity", "judge", "aligned", "reason", "completion")},
                              artifact_file="completions.json")
+    if metrics.get("no_signal"):  # an adapter trained on zero advantages is the base model: nothing to register or evaluate
+        mlflow.set_tags({"no_signal": "true", "no_signal_reason": metrics["no_signal_reason"]})
+        return None
     rows = [{"run_id": r.get("run_id", "")} for r in load_prompts(params)]
     return registry.register_adapter(params, run, cfg.role, out / "adapter", data_dir(params), rows, cfg.base_model,
                                      f"LoRA adapter for the {cfg.role} role (online RL on the society's rollouts)",
@@ -258,7 +304,9 @@ def _summary(m: dict[str, Any]) -> str:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     return (f"train_ppo [{m['backend']}/{m['algorithm']}/{m['device']}]: {m['steps']} steps, {m['seconds_per_step']} s/step, reward "
             f"{fmt(m.get('reward_first'))} -> {fmt(m.get('reward_last'))} (mean {fmt(m.get('reward_mean'))}), KL {fmt(m.get('kl_last'))}, "
-            f"reasons {m.get('reward_reasons', {})}")
+            f"reasons {m.get('reward_reasons', {})}; valid {fmt(m.get('valid_fraction'))}, reward std {fmt(m.get('reward_std'))}, "
+            f"{m.get('zero_advantage_groups')}/{m.get('groups')} groups with zero advantage"
+            + (f"; NO SIGNAL: {m['no_signal_reason']}" if m.get("no_signal") else ""))
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
@@ -316,5 +364,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
             metrics = json.loads(METRICS_FILE.read_text())
         version = log_and_register(params, metrics, mlflow.get_run(run.info.run_id))
         mlflow.log_artifact(str(METRICS_FILE))
-        print(f"registered {params.ppo.role} version {version.version} (models:/{params.ppo.role}/{version.version})")
+        if version is None:
+            print(f"train_ppo: no_signal, nothing registered: {metrics['no_signal_reason']}")
+        else:
+            print(f"registered {params.ppo.role} version {version.version} (models:/{params.ppo.role}/{version.version})")
     return 0

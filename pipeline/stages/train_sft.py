@@ -203,6 +203,30 @@ def _summary(metrics: dict[str, Any]) -> str:
             f"{metrics['eval_loss']:.3f}, {tps}")
 
 
+def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
+    """Record that this cycle's data carried no signal: the stage's outputs say so, MLflow says so, nothing is registered."""
+    from pipeline.plots import png
+
+    metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0}
+    with atomic_dir(Path(params.sft.out_dir)) as tmp:
+        write_json(tmp / "train_meta.json", metrics)
+    write_json(METRICS_FILE, metrics)
+    write_text(LOSS_CSV, "step,loss\n")
+    with png(LOSS_PNG) as ax:
+        ax.text(0.5, 0.5, f"no signal: {reason}"[:120], ha="center", va="center", wrap=True)
+        ax.set_axis_off()
+    print(f"train_sft: no_signal, nothing trained or registered: {reason}")
+    if not no_mlflow:
+        import mlflow
+
+        from pipeline import tracking
+
+        with tracking.stage_run("train_sft", params):
+            mlflow.set_tags({"no_signal": "true", "no_signal_reason": reason[:4000]})
+            mlflow.log_artifact(str(METRICS_FILE))
+    return 0
+
+
 def main(args: argparse.Namespace, params: Params) -> int:
     from pipeline.envs import in_model_plane, run_in_model_plane
 
@@ -215,11 +239,13 @@ def main(args: argparse.Namespace, params: Params) -> int:
         write_json(METRICS_FILE, metrics)
         print(_summary(metrics))
         return 0
-    try:  # fail fast, before paying for torch, on data that cannot train
-        load_rows(data_file(params))
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    path = data_file(params)
+    if not path.exists():  # fail fast, before paying for torch: the datasets stage did not run
+        print(f"error: {path}: no SFT examples; run the datasets stage first", file=sys.stderr)
         return 1
+    rows = sum(1 for line in path.read_text().splitlines() if line.strip())
+    if rows < 2:  # no rollout passed the SFT filter: nothing to learn from, so nothing is trained or registered
+        return no_signal(params, f"{path}: {rows} SFT example(s) (training needs 2: one is held out for eval loss)", args.no_mlflow)
     argv = (["--params", args.params_path] if args.params_path else []) + ["train-sft", "--in-model-plane"]
     if args.no_mlflow:
         return run_in_model_plane(argv)

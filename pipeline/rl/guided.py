@@ -1,0 +1,63 @@
+"""GRPO on CPU with completions decoded under each senior role's JSON schema (model plane only).
+
+The served society decodes every senior answer under its schema (vLLM guided decoding), so an
+unconstrained completion from HF ``generate`` is a sample from a policy the society never runs: a
+135M model writes prose, the reward parser finds no JSON, every completion of a group scores the
+same and GRPO's advantages are all zero (the trainer "learns" from nothing). Here each row of a
+generation batch gets an xgrammar logits processor compiled from its agent's schema, the same
+grammar engine vLLM uses, so what GRPO samples and updates is the policy the society serves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+from trl import GRPOTrainer
+
+
+def prompt_key(prompt: Any) -> str:
+    """A dataset row's prompt (messages or text) as a lookup key."""
+    return json.dumps(prompt, sort_keys=True, default=str)
+
+
+def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[BaseModel]]) -> dict[str, Any]:
+    """One compiled JSON-schema grammar per agent, compact JSON (no free whitespace: a small model pads with it)."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    compiler = xgr.GrammarCompiler(info)
+    return {agent: compiler.compile_json_schema(json.dumps(schema.model_json_schema()), any_whitespace=False)
+            for agent, schema in schemas.items()}
+
+
+class GuidedGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer whose HF ``generate`` decodes each row under its agent's compiled grammar."""
+
+    def __init__(self, *args: Any, grammars: dict[str, Any], agent_of: Callable[[Any], str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._grammars, self._agent_of = grammars, agent_of
+        self._rows: list[Any] = []
+        model = self.model
+        plain = model.generate
+
+        def generate(*g_args: Any, **g_kwargs: Any) -> Any:
+            from transformers import LogitsProcessorList
+            from xgrammar.contrib.hf import LogitsProcessor
+
+            batch = g_kwargs["input_ids"].shape[0] if "input_ids" in g_kwargs else g_args[0].shape[0]
+            if len(self._rows) != batch:
+                raise RuntimeError(f"guided generation: {len(self._rows)} grammars for a batch of {batch} prompts")
+            processors = LogitsProcessorList([*(g_kwargs.pop("logits_processor", None) or []), LogitsProcessor(list(self._rows))])
+            return plain(*g_args, logits_processor=processors, **g_kwargs)
+
+        model.generate = generate  # the instance TRL unwraps for generation (no DDP/DeepSpeed wrapper on one CPU process)
+
+    def _generate(self, prompts: list[Any]) -> Any:
+        self._rows = [self._grammars[self._agent_of(p)] for p in prompts]
+        try:
+            return super()._generate(prompts)
+        finally:
+            self._rows = []
