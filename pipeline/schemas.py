@@ -80,13 +80,18 @@ class PIDecision(StructuredOutput):
     rationale: str = Field(max_length=600)
 
 
+# The judge scores on an 11-point integer scale (an enum to guided decoding): a float field let a small
+# model decode greedily (judge.temperature 0) into "0.8888888..." until the token cap cut the JSON.
+Score = Literal[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+
+
 class JudgeScores(StructuredOutput):
-    novelty: float = Field(ge=0.0, le=1.0)
-    feasibility: float = Field(ge=0.0, le=1.0)
-    impact: float = Field(ge=0.0, le=1.0)
-    clarity: float = Field(ge=0.0, le=1.0)
-    groundedness: float = Field(ge=0.0, le=1.0)
-    efficiency: float = Field(ge=0.0, le=1.0)
+    novelty: Score
+    feasibility: Score
+    impact: Score
+    clarity: Score
+    groundedness: Score
+    efficiency: Score
     reason: str = Field(max_length=400)
 
 

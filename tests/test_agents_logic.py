@@ -203,7 +203,7 @@ def test_judge_samples_with_its_own_penalty_not_the_societys() -> None:
     from pipeline.rewards.judge import judge
 
     bodies: list[dict] = []
-    scores = json.dumps({**{k: 0.8 for k in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")}, "reason": "r"})
+    scores = json.dumps({**{k: 8 for k in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")}, "reason": "r"})
 
     def answer(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)

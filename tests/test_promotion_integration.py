@@ -151,7 +151,12 @@ def test_worse_candidate_is_not_promoted(promo: dict) -> None:
     assert entry["difference"]["n"] == 2 and entry["champion"]["metrics"]["tasks"] == 2
     predictions = json.loads((promo["root"] / "data/evaluation/predictions/junior_researcher-candidate.json").read_text())
     assert set(predictions) == set(summary["tasks"]) and set(predictions.values()) <= {"yes", "no", "maybe"}
-    pr = _cli(promo, "promote")
+    assert entry["difference"]["p_value"] >= 0.25 and "p_value" in entry["difference"]["decision"]  # exact tests, next to the CI
+    pr = _cli(promo, "promote")  # 2 tasks < promote.min_tasks: no decision either way
+    assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
+    assert "junior_researcher v2: INSUFFICIENT_EVIDENCE (insufficient_evidence)" in pr.stdout, pr.stdout
+    assert json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]["junior_researcher"]["status"] == "insufficient_evidence"
+    pr = _cli(promo, "promote", PIPELINE__PROMOTE__MIN_TASKS="2")  # with the floor lowered, the numbers decide
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
     assert "junior_researcher v2: REJECTED" in pr.stdout, pr.stdout
     assert entry["candidate"]["metrics"]["reward"]["mean"] <= entry["champion"]["metrics"]["reward"]["mean"]
@@ -179,7 +184,7 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     _swap_evidence(promo, version)
     # two questions cannot make a bootstrap CI exclude 0 if SmolLM2 fails one of them; the significance
     # rule is unit-tested (test_promotion_gate.py), here the gain over a champion that scores 0 decides
-    pr = _cli(promo, "promote", PIPELINE__PROMOTE__REQUIRE_SIGNIFICANCE="false")
+    pr = _cli(promo, "promote", PIPELINE__PROMOTE__REQUIRE_SIGNIFICANCE="false", PIPELINE__PROMOTE__MIN_TASKS="2")
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
     assert f"junior_researcher v{version}: PROMOTED" in pr.stdout, pr.stdout
     assert _champion("junior_researcher") == version
@@ -212,7 +217,7 @@ def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None
     summary["roles"]["junior_researcher"]["champion"]["version"] = _champion("junior_researcher")
     summary_path.write_text(json.dumps(summary))  # the last evaluation's evidence (a win), now for this version
     p = promo["params"]  # the evidence is test 2's (2 tasks): the gain decides, as there
-    params = p.model_copy(update={"promote": p.promote.model_copy(update={"require_significance": False})})
+    params = p.model_copy(update={"promote": p.promote.model_copy(update={"require_significance": False, "min_tasks": 2})})
     before, champion = _live(promo), _champion("junior_researcher")
     with mlflow.start_run(run_name="it-promote-offline"), pytest.raises(PromotionError, match="offline") as err:
         promote_all(params)
@@ -238,3 +243,21 @@ def test_compare_checkpoints_notebook_renders(promo: dict, monkeypatch: pytest.M
     assert "junior_researcher v2" in html and "[" in html  # the metrics table with CIs, candidate rows by version
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2  # criteria bars + training curves
     nbformat.write(nb, promo["root"] / "compare_checkpoints.executed.ipynb")
+
+
+def test_identical_copy_of_the_champion_is_never_promoted(promo: dict) -> None:
+    """A/A: the champion's own model registered again under a new version number. Both societies run the
+    same tasks with the same per-call seeds (common random numbers), so the paired differences are judge-
+    and sampling-noise free; the gate, with its task floor lowered to the 2 tasks evaluated, must not promote."""
+    champion = _champion("junior_researcher")
+    target = _live(promo)["roles"]["junior_researcher"]
+    version = _register(promo, target)
+    ev = _cli(promo, "evaluate")
+    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
+    entry = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())["roles"]["junior_researcher"]
+    assert entry["candidate"]["target"] == entry["champion"]["target"] == target
+    pr = _cli(promo, "promote", PIPELINE__PROMOTE__MIN_TASKS="2")
+    assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
+    decision = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]["junior_researcher"]
+    assert decision["status"] == "rejected" and decision["rule"] in ("margin", "significance"), decision
+    assert _champion("junior_researcher") == champion and version != champion

@@ -17,21 +17,67 @@ def _write(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_train_sft_fails_on_missing_and_too_small_data(project: Path, capsys: pytest.CaptureFixture) -> None:
+def test_train_sft_fails_on_missing_data_and_reports_no_signal_without_rows(project: Path, capsys: pytest.CaptureFixture) -> None:
     args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None)
     assert train_sft.main(args, load_params()) == 1
     assert "data/datasets/sft/train.jsonl: no SFT examples; run the datasets stage first" in capsys.readouterr().err
     _write(project / "data/datasets/sft/train.jsonl", [{"prompt": [], "completion": [], "rollout_id": "1-0"}])
-    assert train_sft.main(args, load_params()) == 1
-    assert "1 SFT example row(s); training needs at least 2" in capsys.readouterr().err
-    assert not (project / "models/sft").exists()
+    assert train_sft.main(args, load_params()) == 0  # the cycle goes on: this role simply has no candidate
+    assert "no_signal, nothing trained or registered" in capsys.readouterr().out
+    report = json.loads((project / "reports/train_sft.json").read_text())
+    assert report["no_signal"] and "1 SFT example(s)" in report["no_signal_reason"]
+    assert not (project / "models/sft/junior_researcher/adapter").exists()
 
 
-def test_train_bandit_fails_on_too_few_decisions(project: Path, capsys: pytest.CaptureFixture) -> None:
+def _decision(reward: float, actions: int = 3) -> dict:
+    return {"context": "q", "actions": [f"a{i}" for i in range(actions)], "chosen": 0, "propensity": 0.9,
+            "logging_pmf": [0.9] + [0.1 / max(1, actions - 1)] * (actions - 1), "reward": reward}
+
+
+def test_train_bandit_fails_on_too_few_decisions_and_reports_no_signal(project: Path, capsys: pytest.CaptureFixture) -> None:
     _write(project / "data/datasets/bandit/train.jsonl", [{"chosen": 0}])
     assert train_bandit.main(argparse.Namespace(no_mlflow=True), load_params()) == 1
     assert "1 logged decision row(s); the bandit needs at least 2" in capsys.readouterr().err
     assert not (project / "models/bandit").exists()
+    assert "offered one action" in train_bandit.no_signal_reason([_decision(0.3, 1), _decision(0.7, 1)])
+    assert train_bandit.no_signal_reason([_decision(0.3), _decision(0.7)]) is None
+    _write(project / "data/datasets/bandit/train.jsonl", [_decision(0.4) for _ in range(4)])
+    assert train_bandit.main(argparse.Namespace(no_mlflow=True), load_params()) == 0
+    assert "all 4 logged rewards are equal" in capsys.readouterr().out
+    assert json.loads((project / "reports/bandit.json").read_text())["no_signal"]
+    assert not (project / "models/bandit/policy.vw").exists()
+
+
+def test_trainers_without_signal_register_nothing(project: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constant rewards: the GRPO check says no_signal and the stage's MLflow run registers no version (SFT and bandit alike)."""
+    import mlflow
+
+    from pipeline.stages import train_ppo
+
+    scored = [{"value": 0.2, "validity": 1.0, "group": f"0-{i // 2}"} for i in range(8)]
+    sig = train_ppo.signal(scored)
+    assert sig["no_signal"] and sig["zero_advantage_groups"] == sig["groups"] == 4 and sig["reward_std"] == 0.0
+    assert sig["valid_fraction"] == 1.0
+    varied = train_ppo.signal([{**r, "value": 0.2 + 0.1 * (i % 2)} for i, r in enumerate(scored)])
+    assert not varied["no_signal"] and varied["zero_advantage_groups"] == 0 and varied["reward_std"] > 0
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    params = load_params()
+    out = project / params.ppo.out_dir
+    out.mkdir(parents=True)
+    (out / "log_history.json").write_text("[]")
+    metrics = {"backend": "trl", "algorithm": "grpo", **sig}
+    mlflow.set_tracking_uri(mlflow_server)
+    client = mlflow.MlflowClient(mlflow_server)
+    count = lambda name: len(client.search_model_versions(f"name = '{name}'"))  # noqa: E731 - the server is shared by the session
+    before = {name: count(name) for name in (params.ppo.role, params.sft.role)}
+    with mlflow.start_run(run_name="no-signal-ppo") as run:
+        assert train_ppo.log_and_register(params, metrics, run) is None
+    assert mlflow.get_run(run.info.run_id).data.tags["no_signal"] == "true"
+    _write(project / "data/datasets/sft/train.jsonl", [])
+    args = argparse.Namespace(no_mlflow=False, in_model_plane=False, params_path=None)
+    assert train_sft.main(args, params) == 0
+    assert {name: count(name) for name in before} == before
 
 
 def test_sft_eval_slice_holds_out_whole_rollouts() -> None:

@@ -77,8 +77,8 @@ def prompt(task: dict[str, Any], state: dict[str, Any], llm_calls: int) -> str:
             f"Published abstract: {as_data('abstract', abstract)}\n"
             f"Proposed protocol: {as_data('protocol', state.get('protocol'))}\n"
             f"PI decision: {as_data('decision', decision.get('decision'))} rationale: {as_data('rationale', decision.get('rationale', ''))}\n"
-            f"The team used {llm_calls} model calls. Score each criterion in [0, 1] by this rubric only: novelty, feasibility, "
-            "impact, clarity, groundedness (agreement with the abstract), efficiency (fewer calls is better). JSON only.")
+            f"The team used {llm_calls} model calls. Score each criterion from 0 (worst) to 10 (best) by this rubric only: novelty, "
+            "feasibility, impact, clarity, groundedness (agreement with the abstract), efficiency (fewer calls is better). JSON only.")
 
 
 async def judge(client: RoleClient, cfg: JudgeParams, reward_cfg: RewardParams, task: dict[str, Any], state: dict[str, Any],
@@ -90,7 +90,8 @@ async def judge(client: RoleClient, cfg: JudgeParams, reward_cfg: RewardParams, 
         reason = "ok" if scores is not None else "judge returned invalid JSON after retries"
     except LLMError as exc:
         scores, reason = None, f"judge call failed: {exc}"
-    values = scores.model_dump() if scores is not None else {c: cfg.failure_score for c in CRITERIA}
+    values = ({**scores.model_dump(), **{c: getattr(scores, c) / 10 for c in CRITERIA}} if scores is not None
+              else {c: cfg.failure_score for c in CRITERIA})
     spans.extend({"kind": "reward", "name": f"judge.{c}", "data": {"value": float(values[c]), "kind": "judge", "reason": reason}}
                  for c in CRITERIA)
     judged = weighted_reward(values, cfg.weights.model_dump()) if scores is not None else cfg.failure_score

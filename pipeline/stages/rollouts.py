@@ -135,7 +135,7 @@ def summarise(traces: list[dict[str, Any]]) -> dict[str, float]:
         out[f"mean_{key}"] = statistics.fmean(t[key] for t in traces) if traces else 0.0
     rewards = [t["reward"] for t in ok if t["reward"] is not None]
     out["mean_reward"] = statistics.fmean(rewards) if rewards else 0.0
-    for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency", "aligned"):
+    for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency", "aligned", "reward_judge", "reward_decision"):
         vals = [t["rewards"][c] for t in ok if c in t["rewards"]]
         if vals:
             out[f"mean_{c}"] = statistics.fmean(vals)
