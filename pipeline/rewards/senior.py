@@ -25,9 +25,9 @@ from pydantic import BaseModel, ValidationError
 from pipeline.agents.llm import RoleClient
 from pipeline.config import Params
 from pipeline.rewards.judge import alignment, decision_credit, judge
-from pipeline.schemas import Hypothesis, PIDecision, Protocol
+from pipeline.schemas import Hypothesis, PIDecision, Protocol, StructuredOutput
 
-SCHEMAS: dict[str, type[BaseModel]] = {"hypothesis_refiner": Hypothesis, "protocol_designer": Protocol, "principal_investigator": PIDecision}
+SCHEMAS: dict[str, type[StructuredOutput]] = {"hypothesis_refiner": Hypothesis, "protocol_designer": Protocol, "principal_investigator": PIDecision}
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S)
 
 
