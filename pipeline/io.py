@@ -85,3 +85,23 @@ def read_rows(path: str | Path, minimum: int, noun: str, why: str) -> list[dict[
     if len(rows) < minimum:
         raise ValueError(f"{path}: {len(rows)} {noun} row(s); {why}")
     return rows
+
+
+class UnsafePathError(ValueError):
+    """A path built from a remote key or a registry value that would leave its folder."""
+
+
+def inside(base: str | Path, relative: str) -> Path:
+    """``base / relative`` when it stays inside ``base``; raises naming the value otherwise.
+
+    Remote keys and registry values are data, not paths: an S3 key ``a/../_COMPLETE`` or ``a//b``, an
+    absolute path, or a symlinked parent must never make a download or an rmtree reach outside its folder.
+    """
+    parts = relative.split("/")
+    if not relative or relative.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in relative or "\0" in relative:
+        raise UnsafePathError(f"{relative!r}: not a plain relative path (empty, '.', '..' or absolute segment)")
+    root = Path(base).resolve()
+    target = (root / relative).resolve()
+    if not target.is_relative_to(root) or target == root:
+        raise UnsafePathError(f"{relative!r} resolves to {target}, outside {root}")
+    return root / relative

@@ -14,13 +14,25 @@ renamed into place: a worker never sees half an adapter.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from pipeline.io import UnsafePathError, inside
+
 MARKER = "_COMPLETE"
+# An adapter's name is one path segment the engine can be asked for: letters, digits, '.', '_', '-',
+# not starting with '.' (so never '.' or '..'). Keys naming anything else are never synced.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_name(name: str) -> str:
+    if not ADAPTER_NAME.fullmatch(name):
+        raise UnsafePathError(f"{name!r}: not a valid adapter name (pattern {ADAPTER_NAME.pattern})")
+    return name
 
 
 def _split(uri: str) -> tuple[str, str]:
@@ -40,7 +52,7 @@ def publish(folder: str | Path, store: str, name: str) -> str:
     """Upload ``folder`` as adapter ``name`` under ``store``; the marker goes last. Returns its URI."""
     bucket, prefix = _split(store)
     s3 = _client()
-    base = f"{prefix}/{name}".strip("/")
+    base = f"{prefix}/{check_name(name)}".strip("/")
     files = [p for p in sorted(Path(folder).rglob("*")) if p.is_file()]
     if not any(p.name == "adapter_config.json" for p in files):
         raise FileNotFoundError(f"{folder}: not a PEFT adapter folder (no adapter_config.json)")
@@ -59,8 +71,10 @@ def complete(store: str) -> list[str]:
         for obj in page.get("Contents", []):
             rel = obj["Key"][len(prefix):].strip("/") if prefix else obj["Key"]
             name, _, rest = rel.partition("/")
-            if rest == MARKER:
+            if rest == MARKER and ADAPTER_NAME.fullmatch(name):
                 names.add(name)
+            elif rest == MARKER:
+                print(f"adapter store: ignoring s3://{bucket}/{obj['Key']}: {name!r} is not a valid adapter name", flush=True)
     return sorted(names)
 
 
@@ -72,7 +86,8 @@ def sync(store: str, dest: str | Path) -> list[str]:
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in complete(store):
-        if (dest / name / "adapter_config.json").exists():
+        final = inside(dest, check_name(name))
+        if (final / "adapter_config.json").exists():
             continue
         tmp = Path(tempfile.mkdtemp(dir=dest, prefix=f".{name}-"))
         try:
@@ -82,13 +97,15 @@ def sync(store: str, dest: str | Path) -> list[str]:
                     rel = obj["Key"][len(base) + 1:]
                     if rel == MARKER:
                         continue
-                    target = tmp / rel
+                    target = inside(tmp, rel)  # a hostile key ('../x', 'a//b', '/abs') fails the whole adapter
                     target.parent.mkdir(parents=True, exist_ok=True)
                     s3.download_file(bucket, obj["Key"], str(target))
             tmp.chmod(0o755)
-            shutil.rmtree(dest / name, ignore_errors=True)  # a leftover without adapter_config.json
-            tmp.rename(dest / name)
+            shutil.rmtree(final, ignore_errors=True)  # a leftover without adapter_config.json
+            tmp.rename(final)
             copied.append(name)
+        except UnsafePathError as exc:
+            print(f"adapter store: not syncing {name!r} from s3://{bucket}/{base}/: {exc}", flush=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return copied

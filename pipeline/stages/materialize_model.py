@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import BaseModelParams, Params, TestModelParams
-from pipeline.io import atomic_dir, write_json
+from pipeline.io import atomic_dir, inside, write_json
 
 METRICS_FILE = Path("reports/models.json")
 
@@ -81,7 +81,7 @@ def _download_s3(uri: str, dest: Path) -> Path:
     s3 = boto3.client("s3")
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
-            target = dest / obj["Key"][len(prefix):].lstrip("/")
+            target = inside(dest, obj["Key"][len(prefix):].lstrip("/"))  # a key with '..' never writes outside dest
             target.parent.mkdir(parents=True, exist_ok=True)
             s3.download_file(bucket, obj["Key"], str(target))
     return dest

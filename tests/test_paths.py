@@ -1,0 +1,85 @@
+"""Paths built from remote keys stay inside their folder: hostile S3 keys against a real S3 API (moto's server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.io import UnsafePathError, inside
+
+
+@pytest.mark.parametrize("key", ["../x", "a/../../x", "a//b", "/etc/passwd", "a/./b", "", "a\\..\\b", ".."])
+def test_inside_refuses_keys_that_leave_or_blur_the_folder(tmp_path: Path, key: str) -> None:
+    with pytest.raises(UnsafePathError):
+        inside(tmp_path, key)
+
+
+def test_inside_refuses_a_symlinked_escape(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "box").mkdir()
+    (tmp_path / "box" / "link").symlink_to(tmp_path / "out")
+    with pytest.raises(UnsafePathError, match="outside"):
+        inside(tmp_path / "box", "link/file")
+    assert inside(tmp_path / "box", "a/b.json") == (tmp_path / "box").resolve() / "a/b.json"
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from pipeline.services.process import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+                       "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="models")
+    try:
+        yield client
+    finally:
+        server.stop()
+
+
+def test_sidecar_never_leaves_its_adapter_dir_on_hostile_keys(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from pipeline.serving import adapter_store
+
+    dest = tmp_path / "synced" / "adapters"
+    dest.mkdir(parents=True)
+    canary = tmp_path / "synced" / "keep.txt"
+    canary.write_text("outside the adapter dir")
+    store = "s3://models/adapters/base"
+    put = lambda key, body=b"{}": s3.put_object(Bucket="models", Key=f"adapters/base/{key}", Body=body)  # noqa: E731
+    # the attack of issue 26: a marker "inside" an adapter that rmtree's the parent, and a file key that writes outside
+    put("../_COMPLETE", b"")  # adapter name '..': the old sidecar rmtree'd <adapter_dir>/.. (the canary's folder)
+    put("evil/../_COMPLETE", b"")
+    put("evil/adapter_config.json")
+    put("sneaky/adapter_config.json")
+    put("sneaky/../../keep.txt", b"overwritten")
+    put("sneaky//x.bin", b"x")
+    put("sneaky/_COMPLETE", b"")
+    put("good/adapter_config.json")
+    put("good/weights.safetensors", b"w")
+    put("good/_COMPLETE", b"")
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="models")["Contents"]]
+    assert "adapters/base/../_COMPLETE" in keys  # the S3 API keeps the hostile key as written
+    assert adapter_store.sync(store, dest) == ["good"]
+    assert sorted(p.name for p in dest.iterdir()) == ["good"]  # no half adapter, no temp folder left behind
+    assert canary.read_text() == "outside the adapter dir"
+    assert (dest / "good" / "weights.safetensors").read_bytes() == b"w"
+    with pytest.raises(UnsafePathError):
+        adapter_store.publish(dest / "good", store, "../escape")
+
+
+def test_materialize_s3_source_refuses_keys_outside_its_prefix_folder(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from pipeline.stages.materialize_model import _download_s3
+
+    s3.put_object(Bucket="models", Key="base/config.json", Body=b"{}")
+    s3.put_object(Bucket="models", Key="base/../../../escape.txt", Body=b"x")
+    with pytest.raises(UnsafePathError):
+        _download_s3("s3://models/base", tmp_path / "dl")
+    assert not (tmp_path / "escape.txt").exists() and not (tmp_path.parent / "escape.txt").exists()
