@@ -1,0 +1,129 @@
+"""`dvc repro` re-runs a stage when code it runs changes: each stage's deps cover its project-import closure.
+
+The closure follows every ``import`` of project code from the stage's module, inside functions too (most
+imports here are lazy), transitively. A file in it must sit under one of the stage's ``dvc.yaml`` deps,
+unless it is plumbing listed in ``PLUMBING`` with the reason it cannot change a stage's outputs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import yaml
+
+from pipeline.cli import COMMANDS
+from tests.conftest import ROOT
+
+# Files that run in every stage but cannot change what a stage writes (each with why). Kept short on purpose.
+PLUMBING = {
+    "pipeline/__init__.py": "package marker",
+    "pipeline/cli.py": "argument parsing and dispatch to the stage module",
+    "pipeline/config.py": "the params schema: the values themselves are DVC params deps",
+    "pipeline/io.py": "atomic writes and JSONL reading: how bytes land, not which",
+    "pipeline/tracking.py": "MLflow run bookkeeping (what is logged, not what the stage writes)",
+    "pipeline/runs.py": "pipeline run ids for MLflow grouping",
+    "pipeline/plots.py": "matplotlib figure saving for MLflow artifacts",
+    "pipeline/envs.py": "locating the model-plane interpreter (process dispatch)",
+    "pipeline/services/__init__.py": "package marker",
+    "pipeline/services/process.py": "process supervision of services (start, wait, stop)",
+    "pipeline/services/mlflow_server.py": "starts the local MLflow server (tracking, not outputs)",
+    "pipeline/services/airflow_server.py": "starts Airflow (never from a stage's computation)",
+    "pipeline/services/buckets.py": "S3 bucket bootstrap of the production stack",
+    "pipeline/services/cli.py": "the services command line",
+    "pipeline/services/prod_stack.py": "the production stack's process code (make prod-stack)",
+}
+
+
+def _module_file(name: str) -> Path | None:
+    base = ROOT / Path(*name.split("."))
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.exists():
+            return cand
+    return None
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    if path.name == "__init__.py":
+        package = package.rsplit(".", 1)[0] + "." + "__init__"
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parent = package.rsplit(".", node.level)[0]
+                mod = f"{parent}.{node.module}" if node.module else parent
+            else:
+                mod = node.module or ""
+            names.add(mod)
+            names.update(f"{mod}.{a.name}" for a in node.names)  # `from pipeline.x import module`
+    return {n for n in names if n == "pipeline" or n.startswith("pipeline.")}
+
+
+def closure(module: str) -> set[str]:
+    todo, seen = [module], set()
+    files: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        # importing pipeline.a.b runs pipeline/__init__ and pipeline/a/__init__ too
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            todo.append(".".join(parts[:i]))
+        path = _module_file(name)
+        if path is None:
+            continue
+        files.add(path.relative_to(ROOT).as_posix())
+        todo.extend(_imports(path))
+    return files
+
+
+def _render(text: str, params: dict) -> str:
+    import re
+
+    def value(match: re.Match) -> str:
+        node = params
+        for key in match.group(1).split("."):
+            node = node[key]
+        return str(node)
+
+    return re.sub(r"\$\{([^}]+)\}", value, text)
+
+
+def _marker(rel: str) -> bool:
+    """A package ``__init__.py`` holding nothing but a docstring: no code to change any output."""
+    if not rel.endswith("__init__.py"):
+        return False
+    body = ast.parse((ROOT / rel).read_text()).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+def uncovered() -> dict[str, list[str]]:
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    out: dict[str, list[str]] = {}
+    for name, stage in stages.items():
+        command = stage["cmd"].split()[3]
+        deps = [_render(d, params).rstrip("/") for d in stage.get("deps", [])]
+        missing = [f for f in sorted(closure(COMMANDS[command][0]))
+                   if f not in PLUMBING and not _marker(f) and not any(f == d or f.startswith(d + "/") for d in deps)]
+        if missing:
+            out[name] = missing
+    return out
+
+
+def test_every_stage_depends_on_the_code_it_runs() -> None:
+    missing = uncovered()
+    assert not missing, "code a stage runs that none of its dvc.yaml deps covers (a change there would re-run nothing):\n" + "\n".join(
+        f"  {stage}: {', '.join(files)}" for stage, files in missing.items())
+
+
+def test_the_closure_follows_lazy_imports() -> None:
+    files = closure("pipeline.stages.train_ppo")
+    assert "pipeline/rl/guided.py" in files  # imported inside train_trl
+    assert "pipeline/rewards/senior.py" in files and "pipeline/agents/llm.py" in files
