@@ -52,9 +52,12 @@ def _apply_run_params(ctx: Any) -> None:
     """Point this process at the project, the pipeline run and the run's Param overrides."""
     import re
 
+    from pipeline.config import allowed_params_file
+
     os.chdir(PROJECT_ROOT)
     os.environ["PIPELINE_RUN_ID"] = re.sub(r"[^A-Za-z0-9_.-]", "_", ctx["run_id"])
     params = ctx["params"]
+    allowed_params_file(params["params_file"], PROJECT_ROOT)  # refuses anything but the repo's params files
     if params.get("data_source"):
         os.environ["PIPELINE__DATA__SOURCE"] = params["data_source"]
     for name, env in RUN_PARAMS.items():

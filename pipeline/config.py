@@ -41,9 +41,22 @@ class Bounds(_Strict):
         return self
 
 
+class SourceAllowParams(_Strict):
+    """What a data source may be (a DAG run's data_source Param is checked against it before any read)."""
+
+    schemes: list[Literal["file", "http", "https", "s3", "hf"]] = Field(description="source schemes allowed (file = local paths)")
+    hosts: list[str] = Field(description="http(s) hosts and s3 buckets a source may name")
+    local_roots: list[str] = Field(description="folders local sources must lie in (resolved, symlinks followed)")
+    max_bytes: int = Field(gt=0, description="size cap of one source")
+    deadline_s: float = Field(gt=0, description="total time one read may take (not per socket operation)")
+    retries: int = Field(ge=0, le=5, description="extra attempts after a network error")
+
+
 class DataParams(_Strict):
-    source: str = Field(description="local path, hf://<dataset id>[:<config>], http(s):// URL or s3:// URI")
+    source: str = Field(description="local path, hf://<dataset id>[:<config>][@<revision>], http(s):// URL or s3:// URI")
     test_ids: str = Field(description="JSON mapping PMID -> label of the official 500-question test split")
+    source_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="pin of data.source's bytes (null: not pinned)")
+    allow: SourceAllowParams
     hf_split: str = "train"
     out_dir: str = "data/tasks"
 
@@ -450,6 +463,24 @@ Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:tr
 
 def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+PARAMS_DIR = "params"  # the other params files a DAG run may name (profiles, e.g. a GPU profile), tracked in the repo
+
+
+def allowed_params_file(name: str, root: str | Path) -> Path:
+    """The params file a DAG run may load: ``params.yaml`` or ``params/<file>.yaml`` inside ``root``, nothing else.
+
+    Whoever can trigger the DAG chooses ``params_file``, and a params file decides which code and models run
+    (a local MLflow model named in it is executed), so it must be one the repository carries."""
+    root = Path(root).resolve()
+    path = (root / name).resolve()
+    folder = (root / PARAMS_DIR).resolve()
+    if path != (root / DEFAULT_PARAMS).resolve() and not (path.parent == folder and path.suffix == ".yaml"):
+        raise ParamsError(f"params_file {name!r}: only {DEFAULT_PARAMS} or {PARAMS_DIR}/<name>.yaml of the project may be used")
+    if not path.is_file():
+        raise ParamsError(f"params_file {name!r}: {path} not found")
+    return path
 
 
 def load_params(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Params:

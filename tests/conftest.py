@@ -43,6 +43,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["data"]["source"] = str(SOURCE)
     params["data"]["test_ids"] = str(TEST_IDS)
+    params["data"]["allow"]["local_roots"] = [str(PUBMEDQA), "."]  # the shared data and this scratch project
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     monkeypatch.chdir(tmp_path)
     for key in [k for k in os.environ if k.startswith("PIPELINE__")]:

@@ -77,3 +77,19 @@ def test_params_rewritten_by_dvc_set_param_still_load(tmp_path: Path) -> None:
     assert "labels: [yes, no, maybe]" in path.read_text()  # what DVC writes
     params = load_params(path, environ={})
     assert params.validate_.labels == ["yes", "no", "maybe"] and params.bandit.epsilon == 0.2
+
+
+def test_a_dag_run_may_name_only_the_repos_params_files(tmp_path: Path) -> None:
+    from pipeline.config import ParamsError, allowed_params_file
+
+    (tmp_path / "params.yaml").write_text("{}")
+    (tmp_path / "params").mkdir()
+    (tmp_path / "params" / "gpu.yaml").write_text("{}")
+    (tmp_path / "evil.yaml").write_text("{}")
+    assert allowed_params_file("params.yaml", tmp_path) == (tmp_path / "params.yaml").resolve()
+    assert allowed_params_file("params/gpu.yaml", tmp_path) == (tmp_path / "params/gpu.yaml").resolve()
+    for name in ("evil.yaml", "/etc/passwd", "params/../evil.yaml", "../params.yaml", "params/sub/x.yaml", "params/gpu.yml"):
+        with pytest.raises(ParamsError, match="only params.yaml or params/<name>.yaml"):
+            allowed_params_file(name, tmp_path)
+    with pytest.raises(ParamsError, match="not found"):
+        allowed_params_file("params/missing.yaml", tmp_path)

@@ -137,7 +137,7 @@ def test_run_params_become_stage_overrides(monkeypatch: pytest.MonkeyPatch) -> N
     try:  # _apply_run_params writes os.environ (as in a task process): restore it whole, other tests load params too
         for env in RUN_PARAMS.values():
             os.environ.pop(env, None)
-        _apply_run_params({"run_id": "manual__2026-01-01T00:00:00+00:00", "params": {
+        _apply_run_params({"run_id": "manual__2026-01-01T00:00:00+00:00", "params": {"params_file": "params.yaml",
             "shards": 3, "tasks": None, "samples_per_task": 4, "eval_limit": 8, "margin": 0.02, "dry_run": True}})
         from pipeline.config import load_params
 
@@ -145,6 +145,10 @@ def test_run_params_become_stage_overrides(monkeypatch: pytest.MonkeyPatch) -> N
         assert (p.rollouts.shards, p.rollouts.samples_per_task, p.evaluate.limit, p.promote.margin, p.promote.dry_run) == (3, 4, 8, 0.02, True)
         assert p.rollouts.limit == load_params(ROOT / "params.yaml", environ={}).rollouts.limit  # None = params.yaml
         assert os.environ["PIPELINE_RUN_ID"] == "manual__2026-01-01T00_00_00_00_00"
+        from pipeline.config import ParamsError
+
+        with pytest.raises(ParamsError, match="only params.yaml"):  # a run cannot load a params file from anywhere
+            _apply_run_params({"run_id": "manual__x", "params": {"params_file": "/tmp/evil.yaml"}})
     finally:
         os.environ.clear()
         os.environ.update(saved)

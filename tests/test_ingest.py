@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -14,6 +15,8 @@ from pipeline.data.pubmedqa import load_tasks, split_tasks
 from pipeline.data.sources import SourceError
 from pipeline.stages import ingest
 from tests.conftest import SOURCE, TEST_IDS, set_param
+
+CHUNK_BYTES = 4096
 
 
 def _splits(root: Path) -> dict[str, pd.DataFrame]:
@@ -96,9 +99,64 @@ def test_http_source(project: Path) -> None:
         base = f"http://127.0.0.1:{server.server_address[1]}"
         set_param(project, "data.source", f"{base}/{SOURCE.name}")
         set_param(project, "data.test_ids", f"{base}/{TEST_IDS.name}")
+        with pytest.raises(SourceError, match="scheme 'http' is not in data.allow.schemes"):
+            ingest.run(load_params())  # the defaults allow https only
+        set_param(project, "data.allow.schemes", ["file", "http"])
+        with pytest.raises(SourceError, match="host '127.0.0.1' is not in data.allow.hosts"):
+            ingest.run(load_params())
+        set_param(project, "data.allow.hosts", ["127.0.0.1"])
         assert ingest.run(load_params())["rows"] == 1000
+        set_param(project, "data.allow.max_bytes", 1000)
+        with pytest.raises(SourceError, match="over the cap of 1000 bytes"):
+            ingest.run(load_params())
     finally:
         server.shutdown()
+
+
+def test_source_pin_deadline_and_local_roots(project: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """What a DAG run's data_source may name, and the bytes it must be: checked before anything is stored."""
+    import hashlib
+    import socket
+
+    from pipeline.config import SourceAllowParams
+    from pipeline.data.sources import read_bytes
+
+    outside = tmp_path_factory.mktemp("elsewhere") / "x.json"
+    outside.write_text("{}")
+    set_param(project, "data.source", str(outside))
+    with pytest.raises(SourceError, match="outside data.allow.local_roots"):
+        ingest.run(load_params())
+    assert not (project / "data/tasks").exists()  # nothing written
+    set_param(project, "data.source", str(SOURCE))
+    set_param(project, "data.source_sha256", "0" * 64)
+    with pytest.raises(SourceError, match="does not match the pinned"):
+        ingest.run(load_params())
+    set_param(project, "data.source_sha256", hashlib.sha256(SOURCE.read_bytes()).hexdigest())
+    assert ingest.run(load_params())["rows"] == 1000
+    # a server that answers its headers and then trickles: the total deadline stops it, not the socket timeout
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def trickle() -> None:
+        conn, _ = srv.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
+        try:
+            for _ in range(100):
+                conn.sendall(b" " * CHUNK_BYTES)
+                time.sleep(0.2)
+        except OSError:
+            pass
+        conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    allow = SourceAllowParams(schemes=["http"], hosts=["127.0.0.1"], local_roots=[], max_bytes=1 << 30, deadline_s=1.0, retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(SourceError, match="deadline"):
+        read_bytes(f"http://127.0.0.1:{srv.getsockname()[1]}/slow.json", timeout_s=30, allow=allow)
+    assert time.monotonic() - t0 < 5
+    srv.close()
 
 
 @pytest.mark.slow
@@ -122,6 +180,7 @@ def test_s3_source_against_moto_server(project: Path, monkeypatch: pytest.Monkey
         s3.upload_file(str(TEST_IDS), "pubmedqa", "pqal/test_ground_truth.json")
         set_param(project, "data.source", "s3://pubmedqa/pqal/ori_pqal.json")
         set_param(project, "data.test_ids", "s3://pubmedqa/pqal/test_ground_truth.json")
+        set_param(project, "data.allow.hosts", ["pubmedqa"])  # s3 buckets are named like hosts
         assert ingest.run(load_params())["test"]["rows"] == 500
         set_param(project, "data.source", "s3://pubmedqa/pqal/absent.json")
         with pytest.raises(SourceError, match="absent.json: S3 read failed"):

@@ -59,6 +59,8 @@ def _runs(mlflow_uri: str, run_id: str) -> list:
 
 
 def _corrupt(dest: Path) -> Path:
+    """A copy of PQA-L with one bad label, under the project's data/ (a local root data.allow permits)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads((ROOT.parent / "shared/data/pubmedqa/ori_pqal.json").read_text())
     test_ids = set(json.loads((ROOT.parent / "shared/data/pubmedqa/test_ground_truth.json").read_text()))
     victim = next(k for k in data if k not in test_ids)
@@ -68,7 +70,7 @@ def _corrupt(dest: Path) -> Path:
 
 
 def test_corrupt_input_stops_dvc_pipeline(clone: Path, mlflow_server: str) -> None:
-    bad = _corrupt(clone.parent / "bad.json")
+    bad = _corrupt(clone / "data/incoming/bad.json")
     env = _env(mlflow_server, f"it-{uuid.uuid4().hex[:6]}", PIPELINE__DATA__SOURCE=str(bad))
     proc = subprocess.run(["dvc", "repro", "validate"], cwd=clone, env=env, capture_output=True, text=True)
     assert proc.returncode != 0
@@ -112,7 +114,10 @@ def test_airflow_dag_runs_stages_and_versions_outputs(clone: Path, mlflow_server
     assert "up to date" in status.stdout, status.stdout
 
     validated = (clone / "data/validated/train.parquet").read_bytes()
-    bad = _corrupt(tmp_path / "bad.json")
+    outside = _corrupt(tmp_path / "bad.json")  # a file outside data.allow.local_roots: refused before it is read
+    proc = _airflow(clone, home, mlflow_server, "", "dags", "test", "agent_retraining", "-c", json.dumps({"data_source": str(outside)}))
+    assert proc.returncode != 0 and "outside data.allow.local_roots" in proc.stdout + proc.stderr
+    bad = _corrupt(clone / "data/incoming/bad.json")
     proc = _airflow(clone, home, mlflow_server, "", "dags", "test", "agent_retraining", "-c", json.dumps({"data_source": str(bad)}))
     log = proc.stdout + proc.stderr
     assert "validation failed" in log and "'perhaps'" in log

@@ -52,6 +52,7 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
     root = tmp_path_factory.mktemp("promotion")
     raw = _merge(yaml.safe_load((ROOT / "params.yaml").read_text()), SMALL)
     raw["data"].update(source=str(PUBMEDQA / "ori_pqal.json"), test_ids=str(PUBMEDQA / "test_ground_truth.json"))
+    raw["data"]["allow"]["local_roots"] = [str(PUBMEDQA)]
     s = serving_stack.serving
     # the "offline" slot, serving random weights with too short a context for any society call
     tiny = {**s.workers[1].model_dump(), "model": str(serving_models / "tiny"), "max_model_len": BROKEN_CONTEXT}

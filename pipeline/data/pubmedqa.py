@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from pipeline.data.sources import SourceError, read_bytes
+from pipeline.data.sources import SourceError, check_allowed, read_bytes
+
+if TYPE_CHECKING:
+    from pipeline.config import SourceAllowParams
 
 COLUMNS = ["id", "question", "contexts", "labels", "meshes", "long_answer", "final_decision", "year"]
 SPLITS = ("train", "val", "test")
@@ -86,12 +89,14 @@ def _deep_dict(value: Any) -> Any:
     return value
 
 
-def load_tasks(source: str, hf_split: str = "train") -> pd.DataFrame:
-    """Read PQA-L from any supported source into the (unsplit) task table."""
+def load_tasks(source: str, hf_split: str = "train", allow: SourceAllowParams | None = None, sha256: str | None = None) -> pd.DataFrame:
+    """Read PQA-L from any supported source into the (unsplit) task table (``allow``: what sources may be)."""
     if source.startswith("hf://"):
+        if allow is not None:
+            check_allowed(source, allow)
         rows = _load_hf(source[len("hf://"):], hf_split)
     else:
-        rows = [normalise_record(pmid, rec) for pmid, rec in _records_from_json(read_bytes(source), source)]
+        rows = [normalise_record(pmid, rec) for pmid, rec in _records_from_json(read_bytes(source, allow=allow, sha256=sha256), source)]
     if not rows:
         raise SourceError(f"{source}: no records")
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -100,13 +105,14 @@ def load_tasks(source: str, hf_split: str = "train") -> pd.DataFrame:
 def _load_hf(spec: str, split: str) -> list[dict[str, Any]]:
     import datasets
 
+    spec, _, revision = spec.partition("@")  # hf://<id>[:<config>][@<revision>]: pin a commit for reproducible ingests
     name, _, config = spec.partition(":")
-    ds = datasets.load_dataset(name, config or None, split=split)
+    ds = datasets.load_dataset(name, config or None, split=split, revision=revision or None)
     return [normalise_record(str(r["pubid"]), r) for r in ds]
 
 
-def load_test_ids(uri: str) -> dict[str, str]:
-    doc = json.loads(read_bytes(uri))
+def load_test_ids(uri: str, allow: SourceAllowParams | None = None) -> dict[str, str]:
+    doc = json.loads(read_bytes(uri, allow=allow))
     if not isinstance(doc, dict):
         raise SourceError(f"{uri}: expected an object of PMID -> label")
     return {str(k): str(v) for k, v in doc.items()}

@@ -29,8 +29,8 @@ def stats(table: pd.DataFrame) -> dict[str, Any]:
 def run(params: Params) -> dict[str, Any]:
     from pipeline.data.pubmedqa import SPLITS, load_tasks, load_test_ids, split_tasks
 
-    tasks = load_tasks(params.data.source, params.data.hf_split)
-    test_ids = load_test_ids(params.data.test_ids)
+    tasks = load_tasks(params.data.source, params.data.hf_split, allow=params.data.allow, sha256=params.data.source_sha256)
+    test_ids = load_test_ids(params.data.test_ids, allow=params.data.allow)
     table = split_tasks(tasks, test_ids, params.split.val_fraction, params.split.seed)
     missing_test = sorted(set(test_ids) - set(tasks["id"]))
     with atomic_dir(params.data.out_dir) as tmp:
