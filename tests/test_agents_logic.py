@@ -67,6 +67,35 @@ def test_journal_drops_truncated_line_and_dedupes(tmp_path: Path) -> None:
     assert set(done) == {"1-0", "2-0"} and json.loads(done["1-0"])["v"] == 2
 
 
+def test_foreign_journal_is_set_aside_not_merged(tmp_path: Path) -> None:
+    from pipeline.stages.rollouts import open_journal
+
+    path = tmp_path / ".shard-00000.jsonl.partial"
+    a = json.dumps({"rollout_id": "1-0", "v": 1})
+    path.write_text(json.dumps({"journal_config": "k1"}) + "\n" + a + "\n" + '{"rollout_id": "2-0", "v"')
+    assert open_journal(path, "k1") == {"1-0": a}  # same configuration: resumed, the cut line dropped
+    assert path.read_text() == json.dumps({"journal_config": "k1"}) + "\n" + a + "\n"
+    assert open_journal(path, "k2") == {}  # another configuration (e.g. a promotion since): not merged
+    assert (tmp_path / ".shard-00000.jsonl.partial.foreign-k1").read_text().count("1-0") == 1
+    path.write_text(a + "\n")  # a journal from before journals carried their configuration
+    assert open_journal(path, "k2") == {} and (tmp_path / ".shard-00000.jsonl.partial.foreign-unversioned").exists()
+
+
+def test_a_second_writer_on_a_shard_is_refused(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from pipeline.stages.rollouts import shard_lock
+
+    journal = tmp_path / ".shard-00000.jsonl.partial"
+    other = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; from pipeline.stages.rollouts import shard_lock\n"
+             f"with shard_lock(Path({str(journal)!r})): pass")
+    with shard_lock(journal):
+        proc = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True)
+        assert proc.returncode != 0 and "another process is writing this shard" in proc.stderr
+    assert subprocess.run([sys.executable, "-c", other], capture_output=True, text=True).returncode == 0  # released
+
+
 def test_summarise_counts_failures_and_components() -> None:
     traces = [{"status": "ok", "turns": 10, "tokens": 100, "latency_s": 1.0, "reward": 0.5, "label": "yes", "rewards": {"novelty": 0.5, "aligned": 1.0}},
               {"status": "failed", "turns": 0, "tokens": 0, "latency_s": 0.1, "reward": None, "label": "maybe", "rewards": {}}]

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import hashlib
 import json
 import os
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +56,64 @@ def journal_path(params: Params, shard: int) -> Path:
 
 
 def read_journal(path: Path) -> dict[str, str]:
-    """rollout_id -> line, for every complete line (a line cut by a crash is dropped)."""
+    """rollout_id -> line, for every complete line (a line cut by a crash is dropped; the header has no rollout_id)."""
     done: dict[str, str] = {}
     if not path.exists():
         return done
     for line in path.read_text().splitlines():
         try:
             done[json.loads(line)["rollout_id"]] = line
-        except (json.JSONDecodeError, KeyError):
+        except (json.JSONDecodeError, KeyError, TypeError):
             continue
     return done
+
+
+def journal_key(params: Params, shard: int, version: Any, tasks: list[dict[str, Any]]) -> str:
+    """What a journal's rollouts were produced under: a crashed run's rollouts may be resumed only by a run
+    with the same society, judge, reward, sampling, routing version and tasks (not e.g. after a promotion)."""
+    doc = {"agents": params.agents.model_dump(), "judge": params.judge.model_dump(), "reward": params.reward.model_dump(),
+           "rollouts": params.rollouts.model_dump(include={"seed", "samples_per_task", "shards", "limit", "llm_base_url"}),
+           "routing_version": version, "shard": shard, "tasks": [str(t["id"]) for t in tasks]}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def open_journal(path: Path, key: str) -> dict[str, str]:
+    """The rollouts a crashed run of this same configuration left (``key``), rewritten under its header. A journal
+    written under another configuration is set aside (renamed ``*.foreign-<key>``), never merged."""
+    text = path.read_text() if path.exists() else ""
+    first = text.split("\n", 1)[0]
+    try:
+        header = json.loads(first).get("journal_config") if first else None
+    except (json.JSONDecodeError, AttributeError):
+        header = None
+    done = read_journal(path)
+    if text.strip() and header != key:
+        aside = path.with_name(f"{path.name}.foreign-{header or 'unversioned'}")
+        path.rename(aside)
+        print(f"rollouts: {path} was written under another configuration ({header} != {key}); "
+              f"set aside as {aside.name}, {len(done)} rollout(s) not reused", file=sys.stderr)
+        done = {}
+    with atomic_open(path) as fh:  # without a possibly truncated tail, before appending to it
+        fh.write(json.dumps({"journal_config": key}) + "\n")
+        fh.writelines(line + "\n" for line in done.values())
+    return done
+
+
+@contextlib.contextmanager
+def shard_lock(journal: Path) -> Iterator[None]:
+    """One writer per shard: a second process on the same shard fails at once instead of interleaving lines."""
+    import fcntl
+
+    lock = journal.with_name(journal.name + ".lock")
+    with open(lock, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{journal}: another process is writing this shard (lock {lock} held)") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def client_settings(params: Params) -> tuple[str, str, int | None]:
@@ -77,27 +128,27 @@ def client_settings(params: Params) -> tuple[str, str, int | None]:
 
 
 async def run_shard(params: Params, shard: int, run_id: str, progress: Any = None) -> list[dict[str, Any]]:
+    tasks = shard_tasks(params, shard)
+    journal = journal_path(params, shard)
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    with shard_lock(journal):
+        return await _run_shard(params, shard, run_id, tasks, journal, progress)
+
+
+async def _run_shard(params: Params, shard: int, run_id: str, tasks: list[dict[str, Any]], journal: Path, progress: Any) -> list[dict[str, Any]]:
     from pipeline.agents.llm import RoleClient
     from pipeline.agents.rollout import run_with_retries, supervisor_policy
     from pipeline.agents.tools import Toolbox
     from pipeline.serving import routing
 
-    tasks = shard_tasks(params, shard)
-    journal = journal_path(params, shard)
-    journal.parent.mkdir(parents=True, exist_ok=True)
-    if shard_path(params, shard).exists() and not journal.exists():
-        journal.touch()  # a finished shard is being rerun: start a fresh journal, replace the shard at the end
-    done = read_journal(journal)
     base_url, key, version = client_settings(params)
+    done = open_journal(journal, journal_key(params, shard, version, tasks))  # a finished shard rerun starts fresh: no journal
     cfg = params.rollouts
     client = RoleClient.for_agents(params.agents, base_url, key, cfg.timeout_s)
     tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
     policy = supervisor_policy(params, routing.active(params) if not params.rollouts.llm_base_url else None)
     sem = asyncio.Semaphore(cfg.concurrency)
     lock = asyncio.Lock()
-    # rewrite the journal without a possibly truncated tail before appending to it
-    with atomic_open(journal) as fh:
-        fh.writelines(line + "\n" for line in done.values())
     samples = [(t, k) for t in tasks for k in range(cfg.samples_per_task)]
     order = [rollout_id(t, k) for t, k in samples]
     todo = [(t, k) for t, k in samples if rollout_id(t, k) not in done]
@@ -124,7 +175,7 @@ async def run_shard(params: Params, shard: int, run_id: str, progress: Any = Non
         await client.aclose()
     with atomic_open(shard_path(params, shard)) as fh:
         fh.writelines(done[r] + "\n" for r in order)
-    journal.unlink()
+    journal.unlink()  # noqa: ASYNC240 - one unlink after the last write
     return [json.loads(done[r]) for r in order]
 
 
