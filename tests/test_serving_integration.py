@@ -52,13 +52,19 @@ def test_every_role_answers_through_the_proxy(params: Params) -> None:
 
 def test_proxy_requires_its_key(params: Params) -> None:
     url, _ = proxy.client_settings(params)
-    resp = httpx.post(f"{url}/chat/completions", headers={"Authorization": "Bearer sk-wrong"}, timeout=30,
-                      json={"model": "judge", "messages": [{"role": "user", "content": "hi"}]})
-    # without a DB LiteLLM answers an unknown key with 400 "No connected db." (no virtual keys exist)
-    assert resp.status_code in (400, 401, 403), resp.text
-    assert "choices" not in resp.json()
-    no_key = httpx.post(f"{url}/chat/completions", timeout=30, json={"model": "judge", "messages": [{"role": "user", "content": "hi"}]})
-    assert no_key.status_code >= 400 and "choices" not in no_key.text, no_key.text
+    body = {"model": "judge", "messages": [{"role": "user", "content": "hi"}]}
+    wrong = httpx.post(f"{url}/chat/completions", headers={"Authorization": "Bearer sk-wrong"}, timeout=30, json=body)
+    assert wrong.status_code == 401 and "invalid API key" in wrong.text and "choices" not in wrong.text, wrong.text
+    no_key = httpx.post(f"{url}/chat/completions", timeout=30, json=body)
+    assert no_key.status_code == 401 and "missing API key" in no_key.text, no_key.text
+
+
+def test_unrouted_names_are_refused(params: Params) -> None:
+    """The proxy serves role names only: a deployment or an adapter folder the engine can see is not a model name."""
+    routing.apply(params, 1)
+    for name in ("base", "base/adapter-a", "base/../adapter-a"):
+        resp = _chat(params, name)
+        assert resp.status_code == 404 and "not a role of routing version" in resp.text, (name, resp.status_code, resp.text[:300])
 
 
 @pytest.mark.parametrize("schema", [Review, Protocol], ids=["review", "protocol"])

@@ -129,3 +129,30 @@ def test_evaluation_tables_are_named_safely_and_never_fall_back(params, monkeypa
     assert evald["model"] == "base/cand" and evald["metadata"]["routing_version"] == "eval:cand-1"
     with pytest.raises(ValueError, match="does not exist"):
         asyncio.run(hook(None, None, {"model": "junior_researcher", "metadata": {"routing": "gone"}}, "completion"))
+
+
+def test_proxy_serves_role_names_only_and_checks_its_key(params, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit view of the two proxy hooks (the served stack's answers: test_serving_integration.py)."""
+    import asyncio
+
+    from litellm.proxy._types import ProxyException
+
+    from pipeline.serving.auth import user_api_key_auth
+    from pipeline.serving.role_router import RoleRouter
+
+    active = proxy.active_file(params)
+    active.parent.mkdir(parents=True, exist_ok=True)
+    active.write_text('{"version": 3, "roles": {"junior_researcher": "base/cand"}}')
+    monkeypatch.setenv("PIPELINE_ROUTING_ACTIVE", str(active))
+    hook = RoleRouter().async_pre_call_hook
+    for name in ("base", "base/cand", "base/../../etc", "cand"):
+        with pytest.raises(ProxyException, match="not a role of routing version 3") as err:
+            asyncio.run(hook(None, None, {"model": name}, "completion"))
+        assert err.value.code == "404"
+    monkeypatch.setenv("LITELLM_MASTER_KEY", "sk-right")
+    assert asyncio.run(user_api_key_auth(None, "Bearer sk-right")).user_role == "proxy_admin"
+    for presented, why in ((None, "missing API key"), ("", "missing API key"), ("Bearer sk-wrong", "invalid API key")):
+        with pytest.raises(ProxyException, match=why) as err:
+            asyncio.run(user_api_key_auth(None, presented))
+        assert err.value.code == "401" and "sk-right" not in err.value.message
+    assert yaml.safe_load(proxy.write_config(params).read_text())["general_settings"]["custom_auth"] == "pipeline.serving.auth.user_api_key_auth"

@@ -79,7 +79,7 @@ def write_config(params: Params) -> Path:
         "model_list": [{"model_name": name, "litellm_params": lp} for name, lp in deployments(params).items()],
         "litellm_settings": {"callbacks": "pipeline.serving.role_router.role_router", "drop_params": False,
                              "request_timeout": params.serving.proxy.request_timeout_s},
-        "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY"},
+        "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY", "custom_auth": "pipeline.serving.auth.user_api_key_auth"},
     }
     path = Path(params.serving.home).resolve() / "litellm.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
