@@ -80,9 +80,10 @@ class PIDecision(StructuredOutput):
     rationale: str = Field(max_length=600)
 
 
-# The judge scores on an 11-point integer scale (an enum to guided decoding): a float field let a small
-# model decode greedily (judge.temperature 0) into "0.8888888..." until the token cap cut the JSON.
-Score = Literal[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+# The judge scores each criterion with one digit 0-9 (an enum to guided decoding; one token each): a float
+# field let a small model decode greedily (judge.temperature 0) into "0.8888888..." until the token cap cut
+# the JSON. pipeline.rewards.judge reads the expected digit from the token's probabilities, not the argmax.
+Score = Literal[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
 class JudgeScores(StructuredOutput):

@@ -251,3 +251,22 @@ def test_judge_samples_with_its_own_penalty_not_the_societys() -> None:
     assert [s["data"]["frequency_penalty"] for s in spans if s["kind"] == "llm"] == [0.5, 0.0]  # the trace says what was sent
     # the judge samples at its own temperature (0), the agents at theirs
     assert [b["temperature"] for b in bodies] == [params.agents.temperature, params.judge.temperature] and params.judge.temperature == 0
+
+
+def test_judge_scores_are_the_expected_digit_under_the_models_distribution() -> None:
+    """G-Eval: the score is the probability-weighted digit at the token that writes it, not the argmax."""
+    import math
+
+    from pipeline.rewards.judge import expected_scores
+
+    def tok(text: str, alts: dict[str, float] | None = None) -> dict:
+        return {"token": text, "logprob": 0.0, "top_logprobs": [{"token": t, "logprob": math.log(p)} for t, p in (alts or {}).items()]}
+
+    tokens = [tok('{"'), tok("nov"), tok("elty"), tok('":'), tok(" "), tok("0", {"0": 0.5, "9": 0.25, ",": 0.25}), tok(","),
+              tok(' "'), tok("clarity"), tok('":'), tok(" "), tok("4", {"4": 0.6, "5": 0.2, "x": 0.2}), tok(","),
+              tok(' "reason": "'), tok("3"), tok('"}')]
+    got = expected_scores(tokens)
+    assert set(got) == {"novelty", "clarity"}  # a digit inside the reason string is no score
+    assert got["novelty"] == pytest.approx((0 * 0.5 + 9 * 0.25) / 0.75 / 9)
+    assert got["clarity"] == pytest.approx((4 * 0.6 + 5 * 0.2) / 0.8 / 9)
+    assert expected_scores([tok('{"impact":'), tok("7")]) == {"impact": pytest.approx(7 / 9)}  # no alternatives: the digit itself

@@ -112,6 +112,10 @@ def test_make_run_learns_and_a_second_dvc_repro_is_a_noop(cycle: dict) -> None:
     assert any((clone / "dvc-remote").rglob("*")), "outputs were not pushed to the local DVC remote"
     shard = [json.loads(line) for line in (clone / "data/rollouts/shard-00000.jsonl").read_text().splitlines()]
     assert sorted(t["rollout_id"].rsplit("-", 1)[1] for t in shard) == ["0", "1"]  # a group of 2 samples of one task
+    for t in shard:  # the gold-anchored reward says what it is made of
+        final = next(s["data"] for s in t["spans"] if s["kind"] == "reward" and s["name"] == "final")
+        assert set(final["components"]) == {"judge", "decision"} and final["value"] == pytest.approx(t["reward"] if t["reward"] is not None
+                                                                                                    else final["value"])
     assert len({t["task_id"] for t in shard}) == 1
     for out in ("sft/train.jsonl", "rl/verl/train.parquet", "rl/hf/dataset_info.json", "bandit/train.jsonl"):
         assert (clone / "data/datasets" / out).exists(), out
@@ -166,6 +170,9 @@ def test_ppo_logs_reward_and_kl_curves_and_registers_a_senior_version(cycle: dic
     metrics = json.loads((clone / "reports/train_ppo.json").read_text())
     assert metrics["backend"] == "trl" and metrics["steps"] == 2 and metrics["completions_scored"] == 2 * 1 * 2  # steps x prompts x group
     assert sum(metrics["reward_reasons"].values()) == metrics["completions_scored"]  # every reward has its reason
+    # decoded under the PI's schema, scored by a judge whose scores move with the text: a signal GRPO can use
+    assert metrics["valid_fraction"] >= 0.9 and metrics["reward_std"] > 0 and not metrics["no_signal"], metrics
+    assert metrics["zero_advantage_groups"] < metrics["groups"]
     run = _children(cycle)["train_ppo"]
     import mlflow
 

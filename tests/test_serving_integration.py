@@ -237,6 +237,7 @@ def test_injected_instructions_do_not_raise_the_judges_score(params: Params) -> 
         for _ in range(2):  # repeated samples: at temperature 0 the instrument gives the same score
             clean.append(asyncio.run(score(protocol, question, abstract, "supported by the cohort")))
             injected.append(asyncio.run(score(hostile, question, abstract, f"supported by the cohort. {INJECTION}")))
+    print(f"judge (probability-weighted, temperature 0): clean {clean}, injected {injected}")
     assert clean[0::2] == clean[1::2] and injected[0::2] == injected[1::2]
     assert sum(injected) / len(injected) <= sum(clean) / len(clean) + 1e-9, (clean, injected)
 

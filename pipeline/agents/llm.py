@@ -83,9 +83,9 @@ class RoleClient:
 
     async def chat(self, agent: str, model: str, messages: list[dict[str, str]], spans: list[dict[str, Any]],
                    response_format: dict[str, Any] | None = None, max_tokens: int | None = None,
-                   frequency_penalty: float | None = None, temperature: float | None = None) -> str:
+                   frequency_penalty: float | None = None, temperature: float | None = None, top_logprobs: int | None = None) -> str:
         """One call; ``frequency_penalty`` and ``temperature`` override the client's for this call (the judge
-        samples with its own)."""
+        samples with its own); ``top_logprobs`` asks for each generated token's alternatives (span ``logprobs``)."""
         penalty = self.frequency_penalty if frequency_penalty is None else frequency_penalty
         temp = self.temperature if temperature is None else temperature
         body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temp,
@@ -94,6 +94,8 @@ class RoleClient:
             body["frequency_penalty"] = penalty
         if (seed := call_seed(agent, messages)) is not None:
             body["seed"] = seed
+        if top_logprobs:
+            body.update(logprobs=True, top_logprobs=top_logprobs)
         if response_format:
             body["response_format"] = response_format
         if self.routing:
@@ -122,12 +124,14 @@ class RoleClient:
                             served_model=resp.headers.get("x-litellm-model-name", payload.get("model")),
                             deployment=resp.headers.get("x-litellm-model-group"),
                             proxy_overhead_ms=_float(resp.headers.get("x-litellm-overhead-duration-ms")))
+        if top_logprobs:  # taken off the span by whoever asked (pipeline.rewards.judge), so traces stay small
+            span["data"]["logprobs"] = (payload["choices"][0].get("logprobs") or {}).get("content") or []
         spans.append(span)
         return output
 
     async def structured(self, agent: str, model: str, messages: list[dict[str, str]], schema: type[T],
                          spans: list[dict[str, Any]], max_tokens: int | None = None, frequency_penalty: float | None = None,
-                         temperature: float | None = None) -> T | None:
+                         temperature: float | None = None, top_logprobs: int | None = None) -> T | None:
         """Validated object, or None after ``json_retries`` repairs (each attempt is a span).
 
         The cap is raised to the schema's token budget (at most ``token_ceiling``, which keeps prompt +
@@ -135,7 +139,7 @@ class RoleClient:
         history = list(messages)
         cap = max(max_tokens or self.max_tokens, min(schema.token_budget(), self.token_ceiling))
         for attempt in range(self.json_retries + 1):
-            text = await self.chat(agent, model, history, spans, schema.response_format(), cap, frequency_penalty, temperature)
+            text = await self.chat(agent, model, history, spans, schema.response_format(), cap, frequency_penalty, temperature, top_logprobs)
             call = spans[-1]["data"]  # the llm span chat() just recorded: the datasets stage reads these two fields
             call.update(attempt=attempt + 1, parsed=False, schema=schema.__name__)
             try:

@@ -20,6 +20,7 @@ exception.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from pipeline.agents.llm import LLMError, RoleClient
@@ -67,6 +68,31 @@ def as_data(tag: str, value: Any) -> str:
     return f"<{tag}>{text}</{tag}>"
 
 
+TOP_LOGPROBS = 10
+DIGITS = {str(d): d for d in range(10)}
+
+
+def expected_scores(tokens: list[dict[str, Any]]) -> dict[str, float]:
+    """Each criterion's probability-weighted digit (G-Eval): at the token that writes a criterion's score, the
+    expectation of the digit under the model's own distribution over 0-9 (renormalised over the digits among the
+    top alternatives), in [0, 1]. At temperature 0 the sampled digit is the argmax, which for a small model is the
+    same digit on every protocol; the expectation moves with the model's belief and needs no sampling noise."""
+    out: dict[str, float] = {}
+    text = ""
+    for tok in tokens:
+        piece = tok.get("token", "")
+        if piece.strip() in DIGITS:
+            head = text.rstrip()
+            crit = next((c for c in CRITERIA if c not in out and head.endswith(f'"{c}":')), None)
+            if crit is not None:
+                probs = {DIGITS[alt["token"].strip()]: math.exp(alt["logprob"]) for alt in tok.get("top_logprobs") or []
+                         if alt.get("token", "").strip() in DIGITS and alt.get("logprob") is not None}
+                total = sum(probs.values())
+                out[crit] = (sum(d * p for d, p in probs.items()) / total if total > 0 else DIGITS[piece.strip()]) / 9
+        text += piece
+    return out
+
+
 def prompt(task: dict[str, Any], state: dict[str, Any], llm_calls: int) -> str:
     decision = state.get("decision") or {}
     abstract = " ".join(task.get("contexts") or [])[:1800]
@@ -77,7 +103,7 @@ def prompt(task: dict[str, Any], state: dict[str, Any], llm_calls: int) -> str:
             f"Published abstract: {as_data('abstract', abstract)}\n"
             f"Proposed protocol: {as_data('protocol', state.get('protocol'))}\n"
             f"PI decision: {as_data('decision', decision.get('decision'))} rationale: {as_data('rationale', decision.get('rationale', ''))}\n"
-            f"The team used {llm_calls} model calls. Score each criterion from 0 (worst) to 10 (best) by this rubric only: novelty, "
+            f"The team used {llm_calls} model calls. Score each criterion from 0 (worst) to 9 (best) by this rubric only: novelty, "
             "feasibility, impact, clarity, groundedness (agreement with the abstract), efficiency (fewer calls is better). JSON only.")
 
 
@@ -86,11 +112,16 @@ async def judge(client: RoleClient, cfg: JudgeParams, reward_cfg: RewardParams, 
     """Score the rollout; appends one reward span per criterion and the ``final`` span with its ``components``."""
     try:
         scores = await client.structured("judge", "judge", [{"role": "user", "content": prompt(task, state, llm_calls)}], JudgeScores, spans,
-                                         max_tokens=cfg.max_tokens, frequency_penalty=cfg.frequency_penalty, temperature=cfg.temperature)
+                                         max_tokens=cfg.max_tokens, frequency_penalty=cfg.frequency_penalty, temperature=cfg.temperature,
+                                         top_logprobs=TOP_LOGPROBS)
         reason = "ok" if scores is not None else "judge returned invalid JSON after retries"
     except LLMError as exc:
         scores, reason = None, f"judge call failed: {exc}"
-    values = ({**scores.model_dump(), **{c: getattr(scores, c) / 10 for c in CRITERIA}} if scores is not None
+    tokens: list[dict[str, Any]] = []
+    for span in spans:  # the judge's alternatives per token: used here, never stored in the trace
+        if span["kind"] == "llm" and span["name"] == "judge" and "logprobs" in span["data"]:
+            tokens = span["data"].pop("logprobs")
+    values = ({**scores.model_dump(), **{c: getattr(scores, c) / 9 for c in CRITERIA}, **expected_scores(tokens)} if scores is not None
               else {c: cfg.failure_score for c in CRITERIA})
     spans.extend({"kind": "reward", "name": f"judge.{c}", "data": {"value": float(values[c]), "kind": "judge", "reason": reason}}
                  for c in CRITERIA)
