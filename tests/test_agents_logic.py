@@ -70,15 +70,17 @@ def test_journal_drops_truncated_line_and_dedupes(tmp_path: Path) -> None:
 def test_foreign_journal_is_set_aside_not_merged(tmp_path: Path) -> None:
     from pipeline.stages.rollouts import open_journal
 
-    path = tmp_path / ".shard-00000.jsonl.partial"
+    (tmp_path / "rollouts").mkdir()
+    path = tmp_path / "rollouts" / ".shard-00000.jsonl.partial"
     a = json.dumps({"rollout_id": "1-0", "v": 1})
     path.write_text(json.dumps({"journal_config": "k1"}) + "\n" + a + "\n" + '{"rollout_id": "2-0", "v"')
     assert open_journal(path, "k1") == {"1-0": a}  # same configuration: resumed, the cut line dropped
     assert path.read_text() == json.dumps({"journal_config": "k1"}) + "\n" + a + "\n"
     assert open_journal(path, "k2") == {}  # another configuration (e.g. a promotion since): not merged
-    assert (tmp_path / ".shard-00000.jsonl.partial.foreign-k1").read_text().count("1-0") == 1
+    assert (tmp_path / ".rollouts.shard-00000.jsonl.partial.foreign-k1").read_text().count("1-0") == 1  # beside the output folder
     path.write_text(a + "\n")  # a journal from before journals carried their configuration
-    assert open_journal(path, "k2") == {} and (tmp_path / ".shard-00000.jsonl.partial.foreign-unversioned").exists()
+    assert open_journal(path, "k2") == {} and (tmp_path / ".rollouts.shard-00000.jsonl.partial.foreign-unversioned").exists()
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == [path.name]  # nothing else inside the output folder
 
 
 def test_a_second_writer_on_a_shard_is_refused(tmp_path: Path) -> None:
@@ -87,13 +89,15 @@ def test_a_second_writer_on_a_shard_is_refused(tmp_path: Path) -> None:
 
     from pipeline.stages.rollouts import shard_lock
 
-    journal = tmp_path / ".shard-00000.jsonl.partial"
+    (tmp_path / "rollouts").mkdir()
+    journal = tmp_path / "rollouts" / ".shard-00000.jsonl.partial"
     other = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; from pipeline.stages.rollouts import shard_lock\n"
              f"with shard_lock(Path({str(journal)!r})): pass")
     with shard_lock(journal):
         proc = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True)
         assert proc.returncode != 0 and "another process is writing this shard" in proc.stderr
     assert subprocess.run([sys.executable, "-c", other], capture_output=True, text=True).returncode == 0  # released
+    assert not any((tmp_path / "rollouts").iterdir())  # the lock is not in the output folder
 
 
 def test_summarise_counts_failures_and_components() -> None:

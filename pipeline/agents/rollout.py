@@ -52,7 +52,8 @@ async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: 
     t0 = time.perf_counter()
     seed = params.rollouts.seed if seed is None else seed
     rng = random.Random(f"{seed}:{ids['rollout_id']}")  # exploration reproducible per rollout
-    ROLLOUT_SEED.set(f"{seed}:{ids['rollout_id']}")  # ...and every call's sampling seed (this task's context only)
+    if params.agents.seeded_calls:  # ...and every call's sampling seed (this task's context only)
+        ROLLOUT_SEED.set(f"{seed}:{ids['rollout_id']}")
     society = Society(client, tools, params.agents, rng, policy)
     state: dict[str, Any] = {"task": task}
     error = None

@@ -88,7 +88,7 @@ def open_journal(path: Path, key: str) -> dict[str, str]:
         header = None
     done = read_journal(path)
     if text.strip() and header != key:
-        aside = path.with_name(f"{path.name}.foreign-{header or 'unversioned'}")
+        aside = path.parent.parent / f".{path.parent.name}{path.name}.foreign-{header or 'unversioned'}"  # beside the output folder
         path.rename(aside)
         print(f"rollouts: {path} was written under another configuration ({header} != {key}); "
               f"set aside as {aside.name}, {len(done)} rollout(s) not reused", file=sys.stderr)
@@ -101,10 +101,11 @@ def open_journal(path: Path, key: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def shard_lock(journal: Path) -> Iterator[None]:
-    """One writer per shard: a second process on the same shard fails at once instead of interleaving lines."""
+    """One writer per shard: a second process on the same shard fails at once instead of interleaving lines. The lock
+    file lives beside the output folder, not in it (it is no output, and it outlives the run)."""
     import fcntl
 
-    lock = journal.with_name(journal.name + ".lock")
+    lock = journal.parent.parent / f".{journal.parent.name}{journal.name}.lock"
     with open(lock, "a") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
