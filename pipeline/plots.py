@@ -26,3 +26,10 @@ def png(dest: str | Path, size: tuple[float, float] = (6, 3.5)) -> Iterator[Any]
             fig.savefig(tmp, dpi=110, format="png")
     finally:
         plt.close(fig)
+
+
+def message(dest: str | Path, text: str) -> None:
+    """A figure that says why there is no curve (a stage whose data carried no signal still owes its plot)."""
+    with png(dest) as ax:
+        ax.text(0.5, 0.5, text[:120], ha="center", va="center", wrap=True)
+        ax.set_axis_off()

@@ -126,3 +126,13 @@ def log_training(config: dict[str, Any], history: list[dict[str, Any]], metrics:
             mlflow.log_metrics(vals, step=int(h["step"]))
     mlflow.log_metrics(_numeric(metrics))
     mlflow.log_artifact(str(plot), artifact_path="plots")
+
+
+def record_no_signal(stage: str, params: Params, reason: str, report: str | os.PathLike[str]) -> None:
+    """The stage's MLflow run for a cycle whose data carried no signal: tagged with the reason, the report attached,
+    nothing registered (so there is no challenger for `evaluate` to spend rollouts on)."""
+    import mlflow
+
+    with stage_run(stage, params):
+        mlflow.set_tags({"no_signal": "true", "no_signal_reason": reason[:4000]})
+        mlflow.log_artifact(str(report))

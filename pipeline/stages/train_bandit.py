@@ -115,24 +115,15 @@ def no_signal_reason(examples: list[dict[str, Any]]) -> str | None:
 
 def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
     """The outputs and MLflow say the data carried no signal; no policy is trained or registered."""
-    from pipeline.plots import png
+    from pipeline import plots, tracking
 
-    out = Path(params.bandit.out_dir)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(Path(params.bandit.out_dir)) as tmp:
         write_json(tmp / "no_signal.json", {"no_signal": True, "no_signal_reason": reason})
     write_json(METRICS_FILE, {"no_signal": True, "no_signal_reason": reason})
-    with png(PLOT_PNG) as ax:
-        ax.text(0.5, 0.5, f"no signal: {reason}"[:120], ha="center", va="center", wrap=True)
-        ax.set_axis_off()
+    plots.message(PLOT_PNG, f"no signal: {reason}")
     print(f"train_bandit: no_signal, nothing trained or registered: {reason}")
     if not no_mlflow:
-        import mlflow
-
-        from pipeline import tracking
-
-        with tracking.stage_run("train_bandit", params):
-            mlflow.set_tags({"no_signal": "true", "no_signal_reason": reason[:4000]})
-            mlflow.log_artifact(str(METRICS_FILE))
+        tracking.record_no_signal("train_bandit", params, reason, METRICS_FILE)
     return 0
 
 

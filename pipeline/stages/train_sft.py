@@ -205,25 +205,17 @@ def _summary(metrics: dict[str, Any]) -> str:
 
 def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
     """Record that this cycle's data carried no signal: the stage's outputs say so, MLflow says so, nothing is registered."""
-    from pipeline.plots import png
+    from pipeline import plots, tracking
 
     metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0}
     with atomic_dir(Path(params.sft.out_dir)) as tmp:
         write_json(tmp / "train_meta.json", metrics)
     write_json(METRICS_FILE, metrics)
     write_text(LOSS_CSV, "step,loss\n")
-    with png(LOSS_PNG) as ax:
-        ax.text(0.5, 0.5, f"no signal: {reason}"[:120], ha="center", va="center", wrap=True)
-        ax.set_axis_off()
+    plots.message(LOSS_PNG, f"no signal: {reason}")
     print(f"train_sft: no_signal, nothing trained or registered: {reason}")
     if not no_mlflow:
-        import mlflow
-
-        from pipeline import tracking
-
-        with tracking.stage_run("train_sft", params):
-            mlflow.set_tags({"no_signal": "true", "no_signal_reason": reason[:4000]})
-            mlflow.log_artifact(str(METRICS_FILE))
+        tracking.record_no_signal("train_sft", params, reason, METRICS_FILE)
     return 0
 
 
