@@ -9,7 +9,7 @@ in their metadata; the live routing is never touched. The judge runs as a scorer
 its scores sit together in the MLflow UI; the scores are read back from that evaluation.
 
 The champion's evaluation is cached: a finished evaluation run tagged with the same key (champion
-versions, their targets, evaluation/agent/judge params, validation data and index hashes) is
+versions, their targets, evaluation/agent/judge/reward params, validation data and index hashes) is
 reused instead of run again.
 
 Outputs: ``<evaluate.out_dir>/summary.json`` (per role: both evaluations, the paired
@@ -61,7 +61,7 @@ def cache_key(params: Params, champions: dict[str, Any], roles: dict[str, str], 
 
     doc = {"champions": {k: v.version for k, v in champions.items()}, "roles": roles, "policies": policies,
            "evaluate": params.evaluate.model_dump(exclude={"out_dir", "concurrency"}), "agents": params.agents.model_dump(),
-           "judge": params.judge.model_dump(), "val": dvc_md5(split_file(params, "val")), "index": dvc_md5(params.rollouts.index_dir),
+           "judge": params.judge.model_dump(), "reward": params.reward.model_dump(), "val": dvc_md5(split_file(params, "val")), "index": dvc_md5(params.rollouts.index_dir),
            "tasks": [t["id"] for t in tasks]}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
