@@ -128,11 +128,18 @@ def log_training(config: dict[str, Any], history: list[dict[str, Any]], metrics:
     mlflow.log_artifact(str(plot), artifact_path="plots")
 
 
+def tag_no_signal(reason: str) -> None:
+    """Mark the active run: its trainer's data carried no signal (the reason says why), so nothing was registered."""
+    import mlflow
+
+    mlflow.set_tags({"no_signal": "true", "no_signal_reason": reason[:4000]})
+
+
 def record_no_signal(stage: str, params: Params, reason: str, report: str | os.PathLike[str]) -> None:
     """The stage's MLflow run for a cycle whose data carried no signal: tagged with the reason, the report attached,
     nothing registered (so there is no challenger for `evaluate` to spend rollouts on)."""
     import mlflow
 
     with stage_run(stage, params):
-        mlflow.set_tags({"no_signal": "true", "no_signal_reason": reason[:4000]})
+        tag_no_signal(reason)
         mlflow.log_artifact(str(report))

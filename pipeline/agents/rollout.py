@@ -15,7 +15,7 @@ from pipeline.agents.graph import Society
 from pipeline.agents.llm import ROLLOUT_SEED, RoleClient
 from pipeline.agents.tools import Toolbox
 from pipeline.config import Params
-from pipeline.rewards.judge import alignment, final_reward, judge
+from pipeline.rewards.judge import alignment, final_reward, final_span, judge
 from pipeline.traces.schema import Span, Trace
 
 
@@ -72,8 +72,7 @@ async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: 
         result = await judge(client, params.judge, params.reward, task, state, llm_calls, spans)
     elif score:  # a failed rollout still says what its reward would be made of (it trains nothing: status failed)
         value, components = final_reward(params.judge.failure_score, decision, task.get("final_decision"), params.reward)
-        spans.append({"kind": "reward", "name": "final", "data": {"value": value, "kind": "final", "components": components,
-                                                                  "reason": f"rollout failed, not judged: {error}"[:500]}})
+        spans.append(final_span(value, components, f"rollout failed, not judged: {error}"[:500]))
     align = alignment(decision, task.get("final_decision"))
     rewards = {**result.get("scores", {}), **{f"reward_{k}": v for k, v in result.get("components", {}).items()},
                **({"aligned": float(align["aligned"])} if align["aligned"] is not None else {})}

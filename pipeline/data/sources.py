@@ -31,9 +31,7 @@ class SourceError(RuntimeError):
 def check_allowed(uri: str, allow: SourceAllowParams) -> None:
     """Raise naming the rule when ``uri`` is outside what ``data.allow`` permits."""
     parsed = urllib.parse.urlparse(uri)
-    scheme = parsed.scheme or "file"
-    if uri.startswith("hf://"):
-        scheme = "hf"
+    scheme = parsed.scheme or "file"  # hf://… parses with scheme "hf"
     if scheme not in allow.schemes:
         raise SourceError(f"{uri}: scheme '{scheme}' is not in data.allow.schemes {allow.schemes}")
     if scheme in ("http", "https", "s3") and parsed.hostname not in allow.hosts:

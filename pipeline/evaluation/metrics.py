@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.evaluation.significance import mcnemar_exact, sign_flip
+from pipeline.evaluation.significance import EXACT_MAX, mcnemar_exact, sign_flip
 
 CRITERIA = ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")
 ANSWER = {"GO": "yes", "NO-GO": "no"}
@@ -88,7 +88,7 @@ def paired_difference(candidate: list[dict[str, Any]], champion: list[dict[str, 
     right = lambda r: answer(r["decision"]) == r["label"]  # noqa: E731
     mcnemar = mcnemar_exact([right(a[t]) for t in decided], [right(b[t]) for t in decided])
     return {"mean": statistics.fmean(diffs) if diffs else float("nan"), "ci_low": lo, "ci_high": hi, "n": len(diffs), "ci": ci,
-            "test": "sign_flip_exact" if len(diffs) <= 16 else "sign_flip_monte_carlo",
+            "test": "sign_flip_exact" if len(diffs) <= EXACT_MAX else "sign_flip_monte_carlo",
             "p_value": sign_flip(diffs, "greater", seed=seed),
             "decision": {**mcnemar, "accuracy_diff": (mcnemar["b"] - mcnemar["c"]) / len(decided) if decided else None}}
 

@@ -27,9 +27,10 @@ from typing import Literal
 import numpy as np
 
 Alternative = Literal["greater", "less", "two-sided"]
+EXACT_MAX = 16  # tasks up to which the sign-flip test enumerates all 2^n patterns (65,536 at 16)
 
 
-def sign_flip(diffs: Sequence[float], alternative: Alternative = "greater", exact_max: int = 16, draws: int = 20000,
+def sign_flip(diffs: Sequence[float], alternative: Alternative = "greater", exact_max: int = EXACT_MAX, draws: int = 20000,
               seed: int = 0) -> float:
     """p-value of the paired sign-flip permutation test of mean(diffs) = 0 (1.0 for no tasks)."""
     x = np.asarray(diffs, dtype=float)

@@ -61,6 +61,11 @@ def final_reward(judge_value: float, decision: str | None, label: str | None, cf
     return value, components
 
 
+def final_span(value: float, components: dict[str, float], reason: str) -> dict[str, Any]:
+    """The rollout's ``final`` reward span: the value and what it is made of (trainers, reports and plots split it)."""
+    return {"kind": "reward", "name": "final", "data": {"value": value, "kind": "final", "components": components, "reason": reason}}
+
+
 def as_data(tag: str, value: Any) -> str:
     """Untrusted text as inert data: JSON-encoded (quotes, newlines escaped) with ``<``/``>`` escaped too,
     so nothing inside can close the tag or open another one."""
@@ -128,7 +133,6 @@ async def judge(client: RoleClient, cfg: JudgeParams, reward_cfg: RewardParams, 
     judged = weighted_reward(values, cfg.weights.model_dump()) if scores is not None else cfg.failure_score
     decision = (state.get("decision") or {}).get("decision")
     reward, components = final_reward(judged, decision, task.get("final_decision"), reward_cfg)
-    spans.append({"kind": "reward", "name": "final", "data": {"value": reward, "kind": "final", "components": components,
-                                                              "reason": reason if scores is None else values.get("reason", "")}})
+    spans.append(final_span(reward, components, reason if scores is None else str(values.get("reason", ""))))
     return {"scores": {c: float(values[c]) for c in CRITERIA}, "reward": reward, "components": components, "judge_ok": scores is not None,
             "reason": reason}

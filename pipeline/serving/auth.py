@@ -14,7 +14,7 @@ from typing import Any
 
 from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAuth
 
-KEY_ENV = "LITELLM_MASTER_KEY"
+from pipeline.serving.proxy import KEY_ENV
 
 
 def _refuse(message: str) -> ProxyException:

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
+from litellm.proxy._types import ProxyException
 
 EVAL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
 
@@ -51,8 +52,6 @@ class RoleRouter(CustomLogger):
         role = data.get("model")
         target = table.get("roles", {}).get(role)
         if not target:  # a deployment or adapter name (`base/<any folder the engine sees>`) is never served directly
-            from litellm.proxy._types import ProxyException
-
             raise ProxyException(message=f"model {str(role)[:80]!r} is not a role of routing version {table.get('version')}: this proxy "
                                          f"serves the role names {sorted(table.get('roles', {}))} only", type="invalid_request_error",
                                  param="model", code=404)

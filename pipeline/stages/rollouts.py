@@ -77,6 +77,12 @@ def journal_key(params: Params, shard: int, version: Any, tasks: list[dict[str, 
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def beside(journal: Path, suffix: str) -> Path:
+    """A file about a shard's journal kept beside the output folder, not in it (no output of the stage):
+    ``data/rollouts/.shard-00000.jsonl.partial`` -> ``data/.rollouts.shard-00000.jsonl.partial<suffix>``."""
+    return journal.parent.parent / f".{journal.parent.name}{journal.name}{suffix}"
+
+
 def open_journal(path: Path, key: str) -> dict[str, str]:
     """The rollouts a crashed run of this same configuration left (``key``), rewritten under its header. A journal
     written under another configuration is set aside (renamed ``*.foreign-<key>``), never merged."""
@@ -88,7 +94,7 @@ def open_journal(path: Path, key: str) -> dict[str, str]:
         header = None
     done = read_journal(path)
     if text.strip() and header != key:
-        aside = path.parent.parent / f".{path.parent.name}{path.name}.foreign-{header or 'unversioned'}"  # beside the output folder
+        aside = beside(path, f".foreign-{header or 'unversioned'}")
         path.rename(aside)
         print(f"rollouts: {path} was written under another configuration ({header} != {key}); "
               f"set aside as {aside.name}, {len(done)} rollout(s) not reused", file=sys.stderr)
@@ -105,7 +111,7 @@ def shard_lock(journal: Path) -> Iterator[None]:
     file lives beside the output folder, not in it (it is no output, and it outlives the run)."""
     import fcntl
 
-    lock = journal.parent.parent / f".{journal.parent.name}{journal.name}.lock"
+    lock = beside(journal, ".lock")
     with open(lock, "a") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)

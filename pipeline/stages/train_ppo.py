@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -114,7 +115,7 @@ def make_reward(params: Params, log: list[dict[str, Any]]) -> Any:
 
     url, key = os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV]
 
-    calls = iter(range(1 << 30))
+    calls = itertools.count()
 
     async def senior_reward(prompts: list[Any], completions: list[Any], agent: list[str], label: list[str], question: list[str],
                             abstract: list[str], task_id: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
@@ -287,7 +288,7 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
             mlflow.log_table({k: [r.get(k) for r in scored] for k in ("step", "agent", "task_id", "value", "validity", "judge", "aligned", "reason", "completion")},
                              artifact_file="completions.json")
     if metrics.get("no_signal"):  # an adapter trained on zero advantages is the base model: nothing to register or evaluate
-        mlflow.set_tags({"no_signal": "true", "no_signal_reason": metrics["no_signal_reason"]})
+        tracking.tag_no_signal(metrics["no_signal_reason"])
         return None
     rows = [{"run_id": r.get("run_id", "")} for r in load_prompts(params)]
     return registry.register_adapter(params, run, cfg.role, out / "adapter", data_dir(params), rows, cfg.base_model,
