@@ -169,6 +169,12 @@ def agent_retraining() -> None:
     def validate() -> None:
         _run_stage("validate")
 
+    @task(**GPU)
+    def preflight_gpu() -> None:
+        """`preflight gpu` on the GPU worker itself: the verl config composes, the devices fit, routing names served
+        models, every GPU package imports; a CPU profile (no GPU stage said) passes with nothing to check."""
+        _run_stage("preflight", "gpu", "--imports", "--if-gpu")
+
     @task(**GPU, pool_slots=1)
     def materialize_model() -> None:
         """Base checkpoint -> HF folder for the vLLM workers (model plane; `gpu` queue in production)."""
@@ -292,7 +298,7 @@ def agent_retraining() -> None:
     run = open_run()
     with TaskGroup("prepare", prefix_group_id=False, tooltip="data and model", doc_md=GROUP_DOCS["prepare"]):
         validated = run >> ingest() >> validate()
-        model = run >> materialize_model()
+        model = run >> preflight_gpu() >> materialize_model()
         index = validated >> build_index()
     with TaskGroup("collect", prefix_group_id=False, tooltip="rollouts -> training data", doc_md=GROUP_DOCS["collect"]):
         shards = rollouts.expand(shard=shard_ids())

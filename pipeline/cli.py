@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "services": ("pipeline.services.cli", "start/stop local MLflow and Airflow"),
     "prod": ("pipeline.services.prod_stack", "the production executor on this host: Postgres, Redis, S3, MLflow, Airflow + Celery workers"),
     "run": ("pipeline.runs", "open/close the MLflow parent run of a pipeline run"),
+    "preflight": ("pipeline.preflight", "check a GPU profile before a GPU job (verl config, GPU memory, routing, packages); no GPU needed"),
 }
 
 
@@ -56,12 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from pipeline.config import ParamsError, load_params
 
+    path = getattr(args, "params", None) or top.params  # `preflight gpu --params FILE` names it after the command
     try:
-        params = load_params(top.params)
+        params = load_params(path)
     except ParamsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    args.params_path = top.params
+    args.params_path = path
     from pipeline.services.process import ServiceError
 
     try:

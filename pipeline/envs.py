@@ -3,7 +3,12 @@
 The control plane (Airflow, DVC, MLflow, agents) and the CPU model plane (vLLM, torch, TRL) pin
 libraries that cannot share a venv, so stages that need torch re-run themselves under the model
 plane's interpreter. ``scripts/setup_envs.sh`` creates both and links them under ``.venv/``;
-production images set ``PIPELINE_MODEL_PYTHON`` instead.
+production images set ``PIPELINE_MODEL_PYTHON`` instead (the GPU image: its own interpreter).
+
+The plane is said, never guessed: a stage's ``main`` is the control plane (MLflow run, registry)
+wherever it runs, and it re-runs itself with ``--in-model-plane`` for the part that needs torch.
+Guessing "model plane" from ``import torch`` broke the GPU image, whose one interpreter has both:
+training ran there but nothing was logged or registered.
 """
 
 from __future__ import annotations
@@ -28,14 +33,6 @@ def model_python() -> str:
         "model-plane interpreter not found: run `make setup` (creates .venv/model) "
         "or set PIPELINE_MODEL_PYTHON to a Python with vllm/torch/transformers"
     )
-
-
-def in_model_plane() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def run_in_model_plane(argv: Sequence[str]) -> int:

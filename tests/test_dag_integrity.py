@@ -48,6 +48,8 @@ def test_stages_in_order(dagbag) -> None:
     dag = dagbag.dags["agent_retraining"]
     assert dag.get_task("validate").upstream_task_ids == {"ingest"}
     assert dag.get_task("build_index").upstream_task_ids == {"validate"}
+    assert dag.get_task("materialize_model").upstream_task_ids == {"preflight_gpu"}  # nothing holds a GPU before the profile is checked
+    assert dag.get_task("preflight_gpu").upstream_task_ids == {"open_run"}
     assert dag.get_task("rollouts").upstream_task_ids == {"build_index", "materialize_model", "shard_ids"}
     assert dag.get_task("datasets").upstream_task_ids == {"rollout_metrics"}
     assert dag.get_task("train_sft").upstream_task_ids == {"datasets"}

@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from typing import Annotated, Any, TypedDict
 
-from pipeline.agents.llm import LLMError, RoleClient
+from pipeline.agents.llm import DESIGNER_TOKENS, LLMError, RoleClient
 from pipeline.agents.tools import Toolbox, timed_call
 from pipeline.config import AgentsParams
 from pipeline.schemas import EvidenceCall, Hypothesis, PIDecision, Protocol, Review, StructuredOutput, SupervisorChoice, ToolCall
@@ -152,7 +152,7 @@ class Society:
         critique = "\n".join(f"- {r['severity']}: {'; '.join(r['issues'])}" for r in state.get("reviews", [])[-2:])
         prompt = (f"You design experimental protocols. Hypothesis: {hyp}\nReviewer concerns:\n{critique or 'none'}\n"
                   "Return a concise protocol as JSON (title, objective, methods, controls, outcome_measures).")
-        return await self._senior("protocol_designer", "senior_researcher", Protocol, prompt, state, "protocol", tokens=4 * self.cfg.max_tokens)
+        return await self._senior("protocol_designer", "senior_researcher", Protocol, prompt, state, "protocol", tokens=DESIGNER_TOKENS * self.cfg.max_tokens)
 
     def reviewer(self, agent: str, focus: str):
         async def node(state: SocietyState) -> dict[str, Any]:

@@ -25,6 +25,14 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound=StructuredOutput)
 
+DESIGNER_TOKENS = 4  # the protocol designer's cap, in agents.max_tokens: a protocol is the society's longest answer
+
+
+def senior_completion_ceiling(agents: AgentsParams) -> int:
+    """The most completion tokens a senior_researcher call may ask for (the designer's cap, or a schema budget
+    raised up to ``token_ceiling``): what an RL trainer's response length must cover, or it trains on cut answers."""
+    return max(DESIGNER_TOKENS * agents.max_tokens, agents.token_ceiling)
+
 
 class LLMError(RuntimeError):
     pass

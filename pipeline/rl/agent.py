@@ -25,10 +25,9 @@ from typing import Any
 import httpx
 
 from pipeline.agents.llm import RoleClient
+from pipeline.rl.store import RUN_ENV, TRACE_DIR_ENV
 
 TASK_ENV = "PUBMEDQA_TASK"
-RUN_ENV = "PUBMEDQA_RL_RUN_ID"
-TRACE_DIR_ENV = "PUBMEDQA_RL_TRACE_DIR"  # set by pipeline.rl.gateway for the controller and its rollouts
 TRAINED_ROLES = ("senior_researcher",)
 _EVENT_URL = re.compile(r"^(?P<base>.*)/api/rollouts/(?P<rollout>[^/]+)/attempt/(?P<attempt>[^/]+)/events/?$")
 
@@ -104,7 +103,8 @@ class SocietyAgent:
                     (await http.post(event_url, json={"event_type": "society_reward", "data": {"name": span.name, **span.data}})).raise_for_status()
             (await http.post(event_url, json={"event_type": "reward", "data": {"value": reward, "source": "agent", "reason": reason}})).raise_for_status()
             events = (await http.get(f"{m['base']}/api/rollouts/{rollout_id}/events")).raise_for_status().json()
-        store.write(os.environ.get(TRACE_DIR_ENV) or params.ppo.agl.trace_dir, {"rollout_id": rollout_id, "task_id": str(task["id"]), "status": "succeeded" if trace.status == "ok" else "failed",
+        store.write(os.environ.get(TRACE_DIR_ENV) or params.ppo.agl.trace_dir, {"rollout_id": rollout_id, "run_id": ids["run_id"], "task_id": str(task["id"]),
+                                               "status": "succeeded" if trace.status == "ok" else "failed",
                                                "reward": reward, "reason": reason, "trace": trace.model_dump(mode="json"), "events": events,
                                                "triplets": len(store.triplets(events)), "written_by": "agent", "persisted_at": time.time()})
 

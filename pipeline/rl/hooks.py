@@ -15,8 +15,7 @@ from typing import Any
 from agentlightning.hooks import RolloutHooks
 
 from pipeline.rl import store
-
-TRACE_DIR_ENV = "PUBMEDQA_RL_TRACE_DIR"
+from pipeline.rl.store import RUN_ENV, TRACE_DIR_ENV
 
 
 class TraceStoreHooks(RolloutHooks):
@@ -33,12 +32,14 @@ class TraceStoreHooks(RolloutHooks):
         flat = [e.model_dump(mode="json") if hasattr(e, "model_dump") else e for attempt in events.values() for e in attempt]
         rewards = [e["data"].get("value") for e in flat if e.get("event_type") == "reward"]
         store.write(self.trace_dir, {**(existing or {}), "rollout_id": rollout.rollout_id, "status": "succeeded",
+                                     "run_id": (existing or {}).get("run_id") or os.environ.get(RUN_ENV),
                                      "input": rollout.input, "events": flat, "reward": rewards[-1] if rewards else None,
                                      "written_by": (existing or {}).get("written_by", "hooks"), "persisted_at": time.time()})
 
     def on_failed(self, rollout: Any, trace_writer: Any) -> None:
         existing = store.read(self.trace_dir, rollout.rollout_id) or {}
         store.write(self.trace_dir, {**existing, "rollout_id": rollout.rollout_id, "status": "failed", "input": rollout.input,
+                                     "run_id": existing.get("run_id") or os.environ.get(RUN_ENV),
                                      "error": rollout.status.error_message or existing.get("error") or "failed",
                                      "events": existing.get("events", []), "reward": existing.get("reward"),
                                      "written_by": existing.get("written_by", "hooks"), "persisted_at": time.time()})

@@ -20,6 +20,8 @@ from typing import Any
 from pipeline.io import write_json
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+TRACE_DIR_ENV = "PUBMEDQA_RL_TRACE_DIR"  # set by pipeline.rl.gateway (controller, rollouts) and train_ppo (trainer, hooks)
+RUN_ENV = "PUBMEDQA_RL_RUN_ID"  # the train_ppo MLflow run a record was collected for
 
 
 def path(trace_dir: str | Path, rollout_id: str) -> Path:

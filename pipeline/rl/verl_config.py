@@ -1,25 +1,66 @@
-"""verl's Hydra config for LightningRL, generated from ``params.ppo`` (one source of truth).
+"""verl's config for LightningRL, composed from Agent Lightning's own verl config plus ``params.ppo``.
 
-``overrides`` are applied on top of verl's own ``ppo_trainer`` defaults (so a verl upgrade keeps its
-new defaults); ``agentlightning_section`` is the block ``agentlightning.verl`` reads. Pure functions:
-unit-tested here, consumed on GPU workers by ``pipeline.rl.verl_main``.
+Agent Lightning 1.0.2 ships ``agentlightning/verl/config.yaml``: verl's ``ppo_trainer`` defaults plus
+what makes it LightningRL (``per_rollout_mean`` policy loss, rollout-level advantage, entropy, no
+overlong-prompt filter). Composing verl's bare ``ppo_trainer`` silently loses those, so
+:func:`compose` always starts from Agent Lightning's file and applies :func:`overrides` on top (a
+verl upgrade keeps its new defaults; an unknown key fails composition).
+
+Both config folders are found from the *installed* packages without importing them
+(``importlib.util.find_spec``), so ``python -m pipeline preflight gpu`` composes the exact config a
+GPU worker would train with on any machine that has the two wheels installed, GPU or not
+(``requirements/contract.txt`` installs verl without its GPU dependencies here). Hydra's
+``pkg://verl/...`` search path of Agent Lightning's file would import verl (and torch); it is
+replaced by the same folder as a ``file://`` path.
 """
 
 from __future__ import annotations
 
-import shutil
+import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline.agents.llm import senior_completion_ceiling
 from pipeline.config import Params
 from pipeline.rl.gateway import AGENT_CLASS, HOOKS_FILE
 
+REDACTED = "<redacted>"
+
+
+class VerlConfigError(RuntimeError):
+    """verl's config cannot be composed (a package missing, an unknown key, a value verl refuses)."""
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)  # a top-level name: found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise VerlConfigError(f"{name} is not installed in {sys.executable}: the GPU image installs it "
+                              "(requirements/gpu.lock.txt); `make setup` installs it without GPU dependencies for preflight")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def config_dirs() -> tuple[Path, Path]:
+    """(Agent Lightning's verl config folder, verl's trainer config folder) of the installed packages."""
+    agl = _package_dir("agentlightning") / "verl"
+    verl = _package_dir("verl") / "trainer" / "config"
+    for folder, file in ((agl, "config.yaml"), (verl, "ppo_trainer.yaml")):
+        if not (folder / file).is_file():
+            raise VerlConfigError(f"{folder / file}: not found; the installed package does not carry the config this project composes")
+    return agl, verl
+
 
 def overrides(params: Params, checkpoints: str | Path, experiment: str) -> list[str]:
+    """The project's Hydra overrides over Agent Lightning's verl config, from ``params`` only."""
     cfg = params.ppo
     model = str(Path(cfg.base_model).resolve())
-    lora = [] if cfg.full_finetune else [f"actor_rollout_ref.model.lora_rank={cfg.lora.r}", f"actor_rollout_ref.model.lora_alpha={cfg.lora.alpha}",
-                                         f"actor_rollout_ref.model.target_modules=[{','.join(cfg.lora.target_modules)}]"]
+    lora = [] if cfg.full_finetune else [
+        f"actor_rollout_ref.model.lora_rank={cfg.lora.r}", f"actor_rollout_ref.model.lora_alpha={cfg.lora.alpha}",
+        f"actor_rollout_ref.model.target_modules=[{','.join(cfg.lora.target_modules)}]",
+        # Agent Lightning's gateway reaches verl's vLLM over HTTP by the base model's name, and verl attaches the
+        # adapter only in its own generate(): unmerged, every rollout would sample the frozen base policy.
+        "actor_rollout_ref.model.lora.merge=true",
+    ]
     out = [
         f"algorithm.adv_estimator={cfg.algorithm}",
         f"data.train_batch_size={cfg.prompts_per_step}",
@@ -36,17 +77,23 @@ def overrides(params: Params, checkpoints: str | Path, experiment: str) -> list[
         "actor_rollout_ref.rollout.mode=async",
         f"actor_rollout_ref.rollout.n={cfg.group_size}",
         f"actor_rollout_ref.rollout.temperature={cfg.temperature}",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={cfg.rollout_gpu_share}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={cfg.rollout_tensor_parallel}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
         f"trainer.total_training_steps={cfg.max_steps}",
         "trainer.total_epochs=1000",
         f"trainer.n_gpus_per_node={cfg.gpus}",
         "trainer.nnodes=1",
-        "trainer.logger=[console,mlflow]",
+        # verl's own MLflow logger would log the whole config (the gateway key included) as params: the stage
+        # logs the curves itself from the file logger's JSONL (VERL_FILE_LOGGER_PATH)
+        "trainer.logger=[console,file]",
         f"trainer.project_name={params.mlflow.experiment}",
         f"trainer.experiment_name={experiment}",
         f"trainer.default_local_dir={Path(checkpoints).resolve()}",
+        # `auto` reloads the last run's checkpoint, sets global_steps past total_training_steps, and Agent
+        # Lightning's fit() returns without training: every run starts from the base model
+        "trainer.resume_mode=disable",
         f"trainer.save_freq={cfg.max_steps}",
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",
@@ -57,6 +104,7 @@ def overrides(params: Params, checkpoints: str | Path, experiment: str) -> list[
 
 
 def agentlightning_section(params: Params, agl_url: str, agl_key: str) -> dict[str, Any]:
+    """What ``agentlightning.verl`` reads, merged over its defaults (its trainer reads the key from here)."""
     cfg = params.ppo.agl
     return {
         "agl_base_url": agl_url,
@@ -71,12 +119,58 @@ def agentlightning_section(params: Params, agl_url: str, agl_key: str) -> dict[s
     }
 
 
-def adapter_from_checkpoint(checkpoints: Path, dest: Path) -> None:
-    """verl saves ``global_step_<N>/actor/lora_adapter`` (PEFT) for LoRA runs: the newest one becomes ``dest``."""
-    steps = sorted(checkpoints.glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
-    if not steps:
-        raise FileNotFoundError(f"{checkpoints}: verl saved no global_step_* checkpoint")
-    adapter = steps[-1] / "actor" / "lora_adapter"
-    if not (adapter / "adapter_config.json").exists():
-        raise FileNotFoundError(f"{adapter}: no PEFT adapter (ppo.full_finetune runs produce a full model, which needs its own worker)")
-    shutil.copytree(adapter, dest)
+def compose(params: Params, checkpoints: str | Path, experiment: str, agl_url: str, agl_key: str) -> Any:
+    """The trainer's full config (an OmegaConf DictConfig), exactly as ``pipeline.rl.verl_main`` trains with it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    agl, verl = config_dirs()
+    try:
+        with initialize_config_dir(config_dir=str(agl), version_base=None):
+            config = hydra_compose(config_name="config", overrides=[f"hydra.searchpath=[file://{verl}]",
+                                                                     *overrides(params, checkpoints, experiment)])
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise VerlConfigError(f"verl config from {agl / 'config.yaml'} + params.ppo does not compose: {exc}") from exc
+    OmegaConf.set_struct(config, False)
+    config.agentlightning = OmegaConf.merge(config.agentlightning, agentlightning_section(params, agl_url, agl_key))
+    return config
+
+
+def contract(params: Params, config: Any) -> list[str]:
+    """What the project relies on in the composed config; one message per broken promise (empty: all hold)."""
+    def get(key: str) -> Any:
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if node is not None else None
+        return node
+
+    problems = []
+    for key, want in (("actor_rollout_ref.actor.policy_loss.loss_mode", "per_rollout_mean"),
+                      ("algorithm.enable_rollout_level_advantage", True), ("trainer.resume_mode", "disable")):
+        if get(key) != want:
+            problems.append(f"{key} is {get(key)!r}, LightningRL needs {want!r}")
+    if not params.ppo.full_finetune and get("actor_rollout_ref.model.lora.merge") is not True:
+        problems.append("actor_rollout_ref.model.lora.merge is not true: rollouts through the gateway would sample the base policy")
+    ceiling = senior_completion_ceiling(params.agents)
+    if (get("data.max_response_length") or 0) < ceiling:
+        problems.append(f"data.max_response_length={get('data.max_response_length')} is below the agents' completion ceiling "
+                        f"({ceiling} tokens: agents.max_tokens x designer, agents.token_ceiling): senior answers would train cut")
+    tp, gpus = get("actor_rollout_ref.rollout.tensor_model_parallel_size"), get("trainer.n_gpus_per_node")
+    if not isinstance(tp, int) or not isinstance(gpus, int) or tp > gpus or gpus % tp:
+        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide trainer.n_gpus_per_node={gpus}")
+    if get("trainer.logger") is not None and "mlflow" in list(get("trainer.logger")):
+        problems.append("trainer.logger includes mlflow: verl would log the whole config, the gateway key included, as MLflow params")
+    return problems
+
+
+def printable(config: Any) -> str:
+    """The config as YAML with the gateway key redacted (it is in the config because Agent Lightning reads it there)."""
+    from omegaconf import OmegaConf
+
+    copy: Any = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
+    if copy.get("agentlightning", {}).get("agl_key"):
+        copy.agentlightning.agl_key = REDACTED
+    return str(OmegaConf.to_yaml(copy))

@@ -1,8 +1,9 @@
-"""GPU worker entry point of ``train_ppo`` (verl backend): compose verl's config and call ``run_ppo``.
+"""GPU worker entry point of ``train_ppo`` (verl backend): compose the config and call ``run_ppo``.
 
 Started by the control plane with ``AGL_BASE_URL``/``AGL_KEY`` of the gateway it supervises. The
 training "dataset" is the train tasks behind the senior prompts (one rollout of the whole society
 per task and group member), not the prompts themselves: the agent builds its prompts as it goes.
+The config is :func:`pipeline.rl.verl_config.compose`'s, the same one ``preflight gpu`` prints.
 """
 
 from __future__ import annotations
@@ -18,14 +19,12 @@ def main() -> None:
     parser.add_argument("--params", default=None)
     args = parser.parse_args()
     from agentlightning.verl import entrypoint
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
 
     from pipeline.config import load_params
     from pipeline.data.splits import load_tasks
     from pipeline.rl.collect import task_rows
-    from pipeline.rl.verl_config import agentlightning_section, overrides
-    from pipeline.stages.train_ppo import load_prompts
+    from pipeline.rl.prompts import load_prompts
+    from pipeline.rl.verl_config import compose, contract
 
     params = load_params(args.params)
     wanted = {r["task_id"] for r in load_prompts(params)}
@@ -33,11 +32,12 @@ def main() -> None:
     cols = task_rows(tasks)
     rows = [{"data_id": d, "task_json": j, "prompt": [{"role": "user", "content": json.loads(j)["question"]}],
              "extra_info": {"index": i}} for i, (d, j) in enumerate(zip(cols["data_id"], cols["task_json"], strict=True))]
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=overrides(params, os.environ["PUBMEDQA_RL_CHECKPOINTS"], "train_ppo"))
-    OmegaConf.set_struct(config, False)
-    config.agentlightning = OmegaConf.create(agentlightning_section(params, os.environ["AGL_BASE_URL"], os.environ["AGL_KEY"]))
-    Path(os.environ["PUBMEDQA_RL_CHECKPOINTS"]).mkdir(parents=True, exist_ok=True)
+    checkpoints = os.environ["PUBMEDQA_RL_CHECKPOINTS"]
+    config = compose(params, checkpoints, "train_ppo", os.environ["AGL_BASE_URL"], os.environ["AGL_KEY"])
+    broken = contract(params, config)
+    if broken:
+        raise SystemExit("verl config breaks the project's contract:\n  - " + "\n  - ".join(broken))
+    Path(checkpoints).mkdir(parents=True, exist_ok=True)
     entrypoint.run_ppo(config, train_dataset=rows, val_dataset=rows[:1])
 
 

@@ -42,6 +42,8 @@ def command(worker: WorkerParams, python: str) -> list[str]:
            "--max-loras", "4", "--dtype", worker.dtype, "--disable-uvicorn-access-log"]
     if worker.enforce_eager:
         cmd.append("--enforce-eager")
+    if worker.gpu_memory_utilization is not None:  # a GPU worker takes its planned share, not vLLM's ~0.9 default
+        cmd += ["--gpu-memory-utilization", str(worker.gpu_memory_utilization)]
     if worker.lora_modules:
         cmd += ["--lora-modules", *[f"{name}={Path(path).resolve()}" for name, path in worker.lora_modules.items()]]
     return cmd
@@ -72,6 +74,8 @@ def up(params: Params, worker: WorkerParams) -> str:
         "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
     }
+    if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
+        env["CUDA_VISIBLE_DEVICES"] = str(worker.device)
     start(service(params, worker), command(worker, model_python()), f"{url}/health", env=env,
           timeout_s=params.serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity)
     return url

@@ -33,29 +33,12 @@ from typing import Any
 
 from pipeline.config import Params
 from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.rl.prompts import data_dir, load_prompts
 
 METRICS_FILE = Path("reports/train_ppo.json")
 CURVE_CSV = Path("reports/plots/ppo_reward.csv")
 CURVE_PNG = Path("reports/plots/ppo_reward.png")
 JUDGE_URL_ENV, JUDGE_KEY_ENV = "PPO_JUDGE_BASE_URL", "PPO_JUDGE_KEY"
-
-
-def data_dir(params: Params) -> Path:
-    return Path(params.datasets.out_dir) / "rl"
-
-
-def load_prompts(params: Params) -> list[dict[str, Any]]:
-    """The senior prompts of the agents ``ppo.agents`` names (the CPU trainer's data)."""
-    from datasets import load_from_disk
-
-    path = data_dir(params) / "hf"
-    if not (path / "dataset_info.json").exists():
-        raise FileNotFoundError(f"{path}: no senior RL prompts; run the datasets stage first")
-    rows = [r for r in load_from_disk(str(path)).to_list() if r.get("agent") in params.ppo.agents]
-    if len(rows) < params.ppo.prompts_per_step:
-        raise ValueError(f"{path}: {len(rows)} senior prompts of ppo.agents={params.ppo.agents}, ppo.prompts_per_step needs at least "
-                         f"{params.ppo.prompts_per_step}")
-    return rows
 
 
 def signal(scored: list[dict[str, Any]]) -> dict[str, Any]:
@@ -78,32 +61,44 @@ def signal(scored: list[dict[str, Any]]) -> dict[str, Any]:
     return {**out, "no_signal": reason is not None, "no_signal_reason": reason}
 
 
-def pick_backend(params: Params) -> str:
+def pick_backend(params: Params) -> tuple[str, str | None]:
+    """(backend, why ``auto`` fell back to TRL or None), decided in the model plane where torch is."""
     import importlib.util
 
     import torch
 
     want = params.ppo.backend
-    gpu = torch.cuda.is_available()
-    if want == "verl" and not (gpu and importlib.util.find_spec("verl")):
-        raise RuntimeError("ppo.backend=verl needs a CUDA device and verl installed (the GPU worker image); use trl or auto")
-    if want == "verl" or (want == "auto" and gpu and importlib.util.find_spec("verl") and importlib.util.find_spec("agentlightning")):
-        return "verl"
-    return "trl"
+    if want == "trl":
+        return "trl", None
+    missing = [m for m in ("verl", "agentlightning") if importlib.util.find_spec(m) is None]
+    why = "no CUDA device" if not torch.cuda.is_available() else (f"{', '.join(missing)} not installed" if missing else None)
+    if why is None:
+        return "verl", None
+    if want == "verl":
+        raise RuntimeError(f"ppo.backend=verl: {why} (the GPU worker image has CUDA, verl and agentlightning); use trl or auto")
+    return "trl", f"ppo.backend=auto fell back to TRL GRPO: {why}"
 
 
-def resolve_backend(params: Params) -> str:
-    """``ppo.backend`` with ``auto`` decided by the model plane (the control plane has no torch)."""
-    if params.ppo.backend != "auto":
-        return params.ppo.backend
+def resolve_backend(params: Params, params_path: str | None) -> tuple[str, str | None]:
+    """:func:`pick_backend` asked of the model plane's interpreter (the control plane has no torch)."""
+    if params.ppo.backend == "trl":
+        return "trl", None
     import subprocess
 
-    from pipeline.envs import model_python
+    from pipeline.envs import REPO_ROOT, model_python
 
-    probe = ("import importlib.util as u, torch; "
-             "print('verl' if torch.cuda.is_available() and u.find_spec('verl') and u.find_spec('agentlightning') else 'trl')")
-    out = subprocess.run([model_python(), "-c", probe], capture_output=True, text=True, check=False)
-    return out.stdout.strip() or "trl"
+    probe = ("import json, sys; from pipeline.config import load_params; from pipeline.stages.train_ppo import pick_backend\n"
+             "try:\n print(json.dumps(pick_backend(load_params(sys.argv[1] or None))))\n"
+             "except RuntimeError as exc:\n print(json.dumps(['error', str(exc)]))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([model_python(), "-c", probe, params_path or ""], capture_output=True, text=True, check=False, env=env, timeout=300)
+    try:
+        backend, why = json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError) as exc:
+        raise RuntimeError(f"could not ask the model plane ({model_python()}) for a ppo backend: {out.stderr[-1500:]}") from exc
+    if backend == "error":
+        raise RuntimeError(why)
+    return backend, why
 
 
 # --- CPU: TRL GRPO on the senior prompts --------------------------------------------------------
@@ -205,23 +200,63 @@ def train_trl(params: Params) -> dict[str, Any]:
 
 # --- GPU: verl through Agent Lightning --------------------------------------------------------------
 
-def train_verl(params: Params, run_id: str) -> dict[str, Any]:
-    """Control plane: gateway + controller + verl trainer, supervised; the adapter from verl's last checkpoint."""
-    import subprocess
+def _relay(stream: Any, secrets_: list[str]) -> None:
+    """Print the trainer's output line by line with the gateway key masked: Agent Lightning's task runner
+    pprints the resolved config, and the key is in it (its trainer reads it there)."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        for secret in secrets_:
+            line = line.replace(secret, "<redacted>")
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
+
+def verl_history(path: Path) -> list[dict[str, Any]]:
+    """verl's file logger (``trainer.logger`` ``file``): one ``{"step", "data"}`` line per step -> the curve rows."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        data = rec.get("data", {})
+        rows.append({"step": rec["step"], "reward": data.get("critic/rewards/mean", data.get("critic/score/mean")),
+                     "kl": data.get("actor/kl_loss"), "entropy": data.get("actor/entropy"), "pg_loss": data.get("actor/pg_loss"),
+                     "response_length": data.get("response_length/mean"), "step_seconds": data.get("timing_s/step")})
+    return [r for r in rows if r["reward"] is not None]
+
+
+def train_verl(params: Params, run_id: str) -> dict[str, Any]:
+    """Control plane: gateway + controller + verl trainer, supervised; the adapter through verl's model merger."""
+    import shutil
+    import statistics
+    import subprocess
+    import threading
+
+    from pipeline import gpu_memory
     from pipeline.envs import REPO_ROOT, model_python
     from pipeline.rl import gateway, store
-    from pipeline.rl.verl_config import adapter_from_checkpoint
+    from pipeline.rl.checkpoint import adapter_from_checkpoint
 
     cfg = params.ppo
+    crowded = gpu_memory.oversubscribed(gpu_memory.plan(params))
+    if crowded:  # vLLM would refuse to start after minutes of setup: say it now, the way `preflight gpu` does
+        raise RuntimeError("; ".join(crowded) + " (python -m pipeline preflight gpu plans the devices)")
     policy_name = str(Path(cfg.base_model).resolve())  # verl registers its rollout servers under the model path
     ckpt = Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".checkpoints").resolve()
-    with gateway.running(params, policy_name, run_id=run_id) as gw:
+    shutil.rmtree(ckpt, ignore_errors=True)  # a previous run's global_step_N must never become this run's adapter
+    ckpt.mkdir(parents=True)
+    trace_dir = Path(cfg.agl.trace_dir).resolve()
+    with gateway.running(params, policy_name, run_id=run_id, trace_dir=trace_dir) as gw:
         env = {**os.environ, "AGL_BASE_URL": gw.url, "AGL_KEY": gw.key, "PUBMEDQA_RL_CHECKPOINTS": str(ckpt),
+               store.TRACE_DIR_ENV: str(trace_dir), store.RUN_ENV: run_id, "VERL_FILE_LOGGER_PATH": str(ckpt / "metrics.jsonl"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         argv = [model_python(), "-m", "pipeline.rl.verl_main"] + (["--params", os.environ["PIPELINE_PARAMS"]] if os.environ.get("PIPELINE_PARAMS") else [])
         t0 = time.perf_counter()
-        trainer = subprocess.Popen(argv, env=env, start_new_session=True)
+        trainer = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        relay = threading.Thread(target=_relay, args=(trainer.stdout, [gw.key]), daemon=True)
+        relay.start()
         try:
             while trainer.poll() is None:
                 gw.check()  # a dead gateway/controller would leave the trainer waiting for rollouts forever
@@ -232,23 +267,30 @@ def train_verl(params: Params, run_id: str) -> dict[str, Any]:
             os.killpg(trainer.pid, signal.SIGTERM)
             trainer.wait(60)
             raise
+        finally:
+            relay.join(10)
         if trainer.returncode != 0:
             raise RuntimeError(f"verl trainer exited with code {trainer.returncode} (its output is above)")
         seconds = time.perf_counter() - t0
+    history = verl_history(ckpt / "metrics.jsonl")
+    recs = [r for r in store.records(trace_dir) if r.get("run_id") == run_id]  # this run's rollouts, not every past run's
+    rewards = [float(r["reward"]) for r in recs if r.get("reward") is not None]
+    std = statistics.pstdev(rewards) if rewards else None
+    steps = len(history)
     with atomic_dir(Path(cfg.out_dir)) as tmp:
-        adapter_from_checkpoint(ckpt, tmp / "adapter")
-        recs = store.records(cfg.agl.trace_dir)
-        rewards = [r["reward"] for r in recs if r.get("reward") is not None]
-        import statistics
-
-        std = statistics.pstdev(rewards) if rewards else None
-        metrics = {"reward_std": std, "no_signal": not std, "no_signal_reason": None if std else
-                   f"{len(rewards)} rollout rewards, all equal: every advantage was zero",
-                   "backend": "verl", "algorithm": cfg.algorithm, "device": "cuda", "steps": cfg.max_steps, "train_seconds": round(seconds, 2),
-                   "seconds_per_step": round(seconds / cfg.max_steps, 2), "rollouts": len(recs), "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        adapter_from_checkpoint(ckpt, tmp / "adapter", model_python())
+        metrics = {"backend": "verl", "algorithm": cfg.algorithm, "device": f"cuda x{cfg.gpus}", "steps": steps,
+                   "train_seconds": round(seconds, 2), "seconds_per_step": round(seconds / steps, 2) if steps else None,
+                   "rollouts": len(recs), "valid_fraction": (sum(r.get("status") == "succeeded" for r in recs) / len(recs)) if recs else None,
+                   "reward_std": std, "reward_mean": statistics.fmean(rewards) if rewards else None,
+                   "reward_first": history[0]["reward"] if history else None, "reward_last": history[-1]["reward"] if history else None,
+                   "kl_last": next((h["kl"] for h in reversed(history) if h.get("kl") is not None), None),
+                   "no_signal": not std or not steps,
+                   "no_signal_reason": (None if std and steps else f"verl logged {steps} training steps" if not steps else
+                                        f"{len(rewards)} rollout rewards of this run, all equal: every advantage was zero"),
                    "base_model": policy_name}
         write_json(tmp / "train_meta.json", metrics)
-        write_json(tmp / "log_history.json", json.loads((ckpt / "metrics.json").read_text()) if (ckpt / "metrics.json").exists() else [])
+        write_json(tmp / "log_history.json", history)
     return metrics
 
 
@@ -311,14 +353,16 @@ def _summary(m: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline.envs import in_model_plane, run_in_model_plane
+    """Control plane (what the DAG and dvc.yaml run, on any worker): MLflow run, backend, registration.
+    ``--in-model-plane`` (said by the control plane, never guessed from what imports) trains with TRL."""
+    from pipeline.envs import run_in_model_plane
 
-    if args.in_model_plane or in_model_plane():
+    if args.in_model_plane:
         try:
-            backend = pick_backend(params)
+            backend, why = pick_backend(params)
             if backend == "verl":
                 raise RuntimeError("the verl backend is driven from the control plane (`python -m pipeline train-ppo`)")
-            metrics = train_trl(params)
+            metrics = {**train_trl(params), "fallback_reason": why}
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -334,35 +378,38 @@ def main(args: argparse.Namespace, params: Params) -> int:
         return 0
     try:  # fail fast, before paying for torch or services, on data that cannot train
         load_prompts(params)
-    except (FileNotFoundError, ValueError) as exc:
+        backend, why = resolve_backend(params, args.params_path)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if why:
+        print(f"train_ppo: {why}")
     from pipeline.serving import stack
 
     url, key = stack.ensure(params)  # the judge scores completions through the proxy
     os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV] = url, os.environ.get("LLM_API_KEY", key)
-    gpu_backend = resolve_backend(params) == "verl"
     argv = (["--params", args.params_path] if args.params_path else []) + ["train-ppo", "--in-model-plane"]
     from pipeline import tracking
 
-    if args.no_mlflow and not gpu_backend:
+    if args.no_mlflow and backend == "trl":
         return run_in_model_plane(argv)
     with tracking.stage_run("train_ppo", params) as run:
         import mlflow
 
-        if gpu_backend:
+        mlflow.set_tags({"backend": backend, "fallback_reason": why or ""})
+        if backend == "verl":
             try:
                 metrics = train_verl(params, run.info.run_id)
             except Exception as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
-            write_json(METRICS_FILE, metrics)
+            write_json(METRICS_FILE, {**metrics, "fallback_reason": why})
             print(_summary(metrics))
         else:
             rc = run_in_model_plane(argv)
             if rc != 0:
                 return rc
-            metrics = json.loads(METRICS_FILE.read_text())
+        metrics = json.loads(METRICS_FILE.read_text())
         version = log_and_register(params, metrics, mlflow.get_run(run.info.run_id))
         mlflow.log_artifact(str(METRICS_FILE))
         if version is None:

