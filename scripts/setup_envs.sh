@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Create (or reuse) the two pinned environments and link them as .venv/control and .venv/model.
 #
-# Each venv lives in a cache keyed by the hash of its lock file and interpreter, so a fresh clone
-# (CI) on a machine that already built them links in seconds, and changing a lock builds anew
-# without touching the old one. Override the cache with PIPELINE_VENV_ROOT.
+# Each venv lives in a cache keyed by the hash of its lock file, requirements/contract.txt and its
+# interpreter, so a fresh clone (CI) on a machine that already built them links in seconds, and
+# changing a lock builds anew without touching the old one. Override the cache with PIPELINE_VENV_ROOT.
+#
+# requirements/contract.txt (verl and its import closure, no GPU dependencies) goes into both venvs
+# with --no-deps after the lock: the control venv reads verl's Hydra YAML, the model venv runs verl's
+# model merger and checkpoint manager on CPU (contract tests, pipeline/rl/checkpoint.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,11 +16,21 @@ PY312="${PIPELINE_PY312:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versio
 PY311="${PIPELINE_PY311:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versions/3.11.7/bin/python}"
 mkdir -p "$ROOT" .venv
 
+CONTRACT=requirements/contract.txt
+
+# name==version pins of a requirements file, names normalised (PEP 503), comments dropped
+pins() { sed -e 's/#.*//' -e 's/;.*//' -e 's/[[:space:]]//g' "$1" | awk -F'==' 'NF == 2 { n = tolower($1); gsub(/[-_.]+/, "-", n); print n "==" $2 }'; }
+
 build() {  # name python lockfile
   local name=$1 py=$2 lock=$3
+  # --no-deps on top of the lock would silently replace a locked version: a shared package must share its pin
+  local clash
+  clash=$(awk -F'==' 'NR == FNR { lock[$1] = $2; next } ($1 in lock) && lock[$1] != $2 { printf "%s (lock %s, contract %s) ", $1, lock[$1], $2 }' \
+          <(pins "$lock") <(pins "$CONTRACT"))
+  [ -z "$clash" ] || { echo "setup: $CONTRACT pins differ from $lock: $clash" >&2; exit 1; }
   [ -x "$py" ] || { echo "setup: interpreter $py for '$name' not found (set PIPELINE_PY312/PIPELINE_PY311)" >&2; exit 1; }
   local key
-  key=$( (cat "$lock"; "$py" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+  key=$( (cat "$lock" "$CONTRACT"; "$py" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
   local dir="$ROOT/$name-$key"
   if [ ! -f "$dir/.complete" ]; then
     echo "setup: building $name environment in $dir (first time only)"
@@ -25,6 +39,7 @@ build() {  # name python lockfile
     "$dir/bin/python" -m pip install -q --upgrade pip
     # The lock is a full resolution: --no-deps installs exactly it, with no resolver surprises.
     "$dir/bin/python" -m pip install -q --no-deps -r "$lock"
+    "$dir/bin/python" -m pip install -q --no-deps -r "$CONTRACT"
     touch "$dir/.complete"
   fi
   ln -sfn "$dir" ".venv/$name"

@@ -16,7 +16,7 @@ from pipeline.config import load_params
 from pipeline.rewards import senior
 from pipeline.rl import store
 from pipeline.rl.agent import GatewayClient, final_reward, parse_task
-from pipeline.rl.verl_config import adapter_from_checkpoint, agentlightning_section, overrides
+from pipeline.rl.verl_config import agentlightning_section, overrides
 from pipeline.traces.schema import Span, Trace
 from tests.conftest import ROOT
 

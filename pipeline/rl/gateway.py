@@ -4,11 +4,18 @@ Both are Hydra apps of the control-plane environment; we pass only overrides, ne
 stays in the environment: ``key=${oc.env:AGL_KEY}``), and point Hydra's run directory under
 ``serving.home`` so nothing lands in the repository. ``Gateway.check()`` raises naming the process
 that died and the tail of its log; ``train_ppo`` calls it while the trainer runs.
+
+Where rollouts run decides where the gateway must be reachable: the local runner's subprocesses and
+the trainer reach it on loopback; the k8s runner's Jobs run in other pods, so the server binds
+``ppo.agl.host`` (0.0.0.0) and the controller hands the Jobs ``ppo.agl.advertise_url`` (a Service in
+front of this pod, infra/k8s/agl-gateway.yaml) as ``agl_server.agent_url``; the Jobs go to
+``ppo.agl.k8s_namespace``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import secrets
 import subprocess
@@ -19,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import Params
+from pipeline.config import AglParams, Params
 from pipeline.envs import REPO_ROOT
 from pipeline.services.process import Service, ServiceError, free_port, http_ok, port_is_free, stop
 
@@ -33,6 +40,7 @@ class Gateway:
     key: str
     model_name: str
     home: Path
+    agent_url: str = ""  # the gateway as the rollouts reach it (= url for the local runner)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -56,20 +64,45 @@ def _spawn(home: Path, name: str, argv: list[str], env: dict[str, str]) -> subpr
     return proc
 
 
+def local_host(cfg: AglParams) -> str:
+    """Where processes of this pod (the controller, the trainer) reach the server: loopback when it binds every address."""
+    try:
+        return "127.0.0.1" if ipaddress.ip_address(cfg.host).is_unspecified else cfg.host
+    except ValueError:
+        return cfg.host
+
+
+def controller_overrides(params: Params, url: str) -> list[str]:
+    """agl-controller's Hydra overrides (AGL 1.0.2 config/controller.yaml): the store at ``url``; with the k8s runner,
+    the Jobs' namespace and the URL they reach the gateway at (``agl_server.agent_url``, their AGL_OPENAI_BASE_URL)."""
+    cfg = params.ppo.agl
+    out = [f"runner_type={cfg.runner}", f"agl_server.url={url}", "agl_server.key=${oc.env:AGL_KEY}"]
+    if cfg.runner == "local":
+        return [*out, f"local_runner.maximum_size={cfg.max_parallel}", f"local_runner.poll_interval={cfg.poll_s}"]
+    return [*out, f"agl_server.agent_url={cfg.advertise_url}", f"k8s_runner.namespace={cfg.k8s_namespace}",
+            f"k8s_runner.poll_interval={cfg.poll_s}"]
+
+
 @contextmanager
 def running(params: Params, model_name: str, run_id: str = "agl", python: str | None = None,
             trace_dir: str | Path | None = None) -> Iterator[Gateway]:
     """agl-server + agl-controller (``ppo.agl.runner``) up for the block; both stopped after, whatever happened."""
     cfg = params.ppo.agl
     home = Path(params.serving.home).resolve() / "agl"
-    port = cfg.port if port_is_free(cfg.host, cfg.port) else free_port(cfg.host)
-    url = f"http://{cfg.host}:{port}"
+    if cfg.runner == "k8s":  # the Service behind advertise_url forwards to this port: no fallback
+        if not port_is_free(cfg.host, cfg.port):
+            raise ServiceError(f"ppo.agl.port {cfg.port} on {cfg.host} is taken; rollout Jobs reach the gateway at "
+                               f"{cfg.advertise_url}, whose Service forwards to that port")
+        port = cfg.port
+    else:
+        port = cfg.port if port_is_free(cfg.host, cfg.port) else free_port(cfg.host)
+    url = f"http://{local_host(cfg)}:{port}"
     key = os.environ.get(cfg.key_env) or secrets.token_urlsafe(24)
     python = python or sys.executable
     env = {**os.environ, "AGL_KEY": key, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
            "PUBMEDQA_RL_TRACE_DIR": str(Path(trace_dir or cfg.trace_dir).resolve()), "PUBMEDQA_RL_RUN_ID": run_id}
     hydra = [f"hydra.run.dir={home}/hydra", "hydra.output_subdir=null"]
-    gw = Gateway(url=url, key=key, model_name=model_name, home=home)
+    gw = Gateway(url=url, key=key, model_name=model_name, home=home, agent_url=(cfg.advertise_url or url) if cfg.runner == "k8s" else url)
     try:
         gw.procs["agl-server"] = _spawn(home, "agl-server", [python, "-m", "agentlightning.server", f"host={cfg.host}", f"port={port}",
                                                             "key=${oc.env:AGL_KEY}", f"default_proxy.model_name={model_name}", *hydra], env)
@@ -79,10 +112,8 @@ def running(params: Params, model_name: str, run_id: str = "agl", python: str | 
             if time.monotonic() > deadline:
                 raise ServiceError(f"agl-server not healthy at {url}/healthz after {cfg.startup_timeout_s:.0f}s (log {home}/agl-server.log)")
             time.sleep(0.3)
-        runner = [f"runner_type={cfg.runner}", f"agl_server.url={url}", "agl_server.key=${oc.env:AGL_KEY}"]
-        runner += ([f"local_runner.maximum_size={cfg.max_parallel}", f"local_runner.poll_interval={cfg.poll_s}"] if cfg.runner == "local"
-                   else [f"k8s_runner.poll_interval={cfg.poll_s}"])
-        gw.procs["agl-controller"] = _spawn(home, "agl-controller", [python, "-m", "agentlightning.controller", *runner, *hydra], env)
+        gw.procs["agl-controller"] = _spawn(home, "agl-controller", [python, "-m", "agentlightning.controller",
+                                                                    *controller_overrides(params, url), *hydra], env)
         time.sleep(1.0)
         gw.check()
         yield gw
