@@ -99,8 +99,13 @@ def _command(params: Params, host: str) -> list[str]:
 
 
 def up(params: Params, host: str | None = None) -> str:
+    """Start the proxy unless it answers; a proxy on another host (compose, Kubernetes) is only health-checked."""
     url = base_url(params)
     health = f"{url}/health/liveliness"
+    if params.serving.proxy.host not in ("127.0.0.1", "localhost"):
+        if http_ok(health):
+            return url
+        raise ServiceError(f"proxy at {url} is remote and not healthy; it is not started from here")
     service = Service("proxy", Path(params.serving.home).resolve())
     identity = {"config": str(Path(params.serving.home).resolve() / "litellm.yaml")}
     if claim(service, identity, params.serving.proxy.host, params.serving.proxy.port, health, "serving.proxy.port"):
