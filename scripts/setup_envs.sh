@@ -21,6 +21,18 @@ CONTRACT=requirements/contract.txt
 # name==version pins of a requirements file, names normalised (PEP 503), comments dropped
 pins() { sed -e 's/#.*//' -e 's/;.*//' -e 's/[[:space:]]//g' "$1" | awk -F'==' 'NF == 2 { n = tolower($1); gsub(/[-_.]+/, "-", n); print n "==" $2 }'; }
 
+# verl's wheel also installs top-level `tests` and `scripts` packages into site-packages; run from
+# outside the checkout, `import tests` would find verl's instead of this repository's.
+drop_stray_packages() {
+  "$1" - <<'EOF'
+import importlib.metadata, pathlib, shutil
+dist = importlib.metadata.distribution("verl")
+for top in ("tests", "scripts"):
+    if any(f.parts[0] == top for f in dist.files or []):
+        shutil.rmtree(pathlib.Path(str(dist.locate_file(top))), ignore_errors=True)
+EOF
+}
+
 build() {  # name python lockfile
   local name=$1 py=$2 lock=$3
   # --no-deps on top of the lock would silently replace a locked version: a shared package must share its pin
@@ -40,6 +52,7 @@ build() {  # name python lockfile
     # The lock is a full resolution: --no-deps installs exactly it, with no resolver surprises.
     "$dir/bin/python" -m pip install -q --no-deps -r "$lock"
     "$dir/bin/python" -m pip install -q --no-deps -r "$CONTRACT"
+    drop_stray_packages "$dir/bin/python"
     touch "$dir/.complete"
   fi
   ln -sfn "$dir" ".venv/$name"

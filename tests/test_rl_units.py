@@ -138,14 +138,3 @@ def test_verl_config_follows_params(params, tmp_path: Path) -> None:
     section = agentlightning_section(params, "http://gw", "k")
     assert Path(section["hooks"]).exists() and section["local"]["agent_class"] == "pipeline.rl.agent:SocietyAgent"
     assert section["trace_aggregator"]["level"] == "transition"
-
-
-def test_adapter_comes_from_the_newest_verl_checkpoint(tmp_path: Path) -> None:
-    for step in (2, 10):
-        adapter = tmp_path / "ckpt" / f"global_step_{step}" / "actor" / "lora_adapter"
-        adapter.mkdir(parents=True)
-        (adapter / "adapter_config.json").write_text(json.dumps({"step": step}))
-    adapter_from_checkpoint(tmp_path / "ckpt", tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text()) == {"step": 10}
-    with pytest.raises(FileNotFoundError, match="no global_step"):
-        adapter_from_checkpoint(tmp_path / "empty", tmp_path / "out2")

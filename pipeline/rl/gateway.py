@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pipeline.config import AglParams, Params
 from pipeline.envs import REPO_ROOT
+from pipeline.rl import store
 from pipeline.services.process import Service, ServiceError, free_port, http_ok, port_is_free, stop
 
 AGENT_CLASS = "pipeline.rl.agent:SocietyAgent"
@@ -100,7 +101,7 @@ def running(params: Params, model_name: str, run_id: str = "agl", python: str | 
     key = os.environ.get(cfg.key_env) or secrets.token_urlsafe(24)
     python = python or sys.executable
     env = {**os.environ, "AGL_KEY": key, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-           "PUBMEDQA_RL_TRACE_DIR": str(Path(trace_dir or cfg.trace_dir).resolve()), "PUBMEDQA_RL_RUN_ID": run_id}
+           store.TRACE_DIR_ENV: str(Path(trace_dir or cfg.trace_dir).resolve()), store.RUN_ENV: run_id}
     hydra = [f"hydra.run.dir={home}/hydra", "hydra.output_subdir=null"]
     gw = Gateway(url=url, key=key, model_name=model_name, home=home, agent_url=(cfg.advertise_url or url) if cfg.runner == "k8s" else url)
     try:
