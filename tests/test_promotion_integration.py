@@ -200,6 +200,40 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     assert _champion("junior_researcher") == "2" and _served(promo, "junior_researcher") == "offline"
 
 
+def test_promote_killed_after_each_step_then_rerun_leaves_alias_routing_and_tags_agreeing(promo: dict) -> None:
+    """SIGKILL `promote` right after each step of a switch, run it again (as the DAG's retry does): the rerun
+    settles the interrupted switch and the role ends promoted once, with alias, live routing and tags agreeing."""
+    from mlflow import MlflowClient
+
+    from pipeline import registry
+    from pipeline.promotion import STEPS, intent_file, switch
+
+    summary_path = promo["root"] / "data/evaluation/summary.json"
+    won = json.loads(summary_path.read_text())  # base beat the broken champion v2 (the previous test's evidence)
+    for step in STEPS:
+        switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "2"), f"it: broken champion before {step}")
+        version = _register(promo, "base")
+        won["roles"]["junior_researcher"]["candidate"]["version"] = version
+        summary_path.write_text(json.dumps(won))
+        gate = {"PIPELINE__PROMOTE__REQUIRE_SIGNIFICANCE": "false", "PIPELINE__PROMOTE__MIN_TASKS": "2"}
+        killed = _cli(promo, "promote", PIPELINE_FAILPOINT=f"switch.{step}", **gate)
+        assert killed.returncode == -9, (step, killed.stdout[-2000:], killed.stderr[-2000:])
+        assert intent_file(promo["params"]).exists()
+        rerun = _cli(promo, "promote", **gate)
+        assert rerun.returncode == 0, (step, rerun.stdout[-3000:], rerun.stderr[-3000:])
+        assert "reconcile:" in rerun.stdout and not intent_file(promo["params"]).exists()
+        live = _live(promo)
+        tags = MlflowClient().get_model_version("junior_researcher", version).tags
+        assert _champion("junior_researcher") == version and live["roles"]["junior_researcher"] == "base", step
+        assert _served(promo, "junior_researcher") == "base", step
+        assert tags["promotion.decision"] == "promoted" and tags["promotion.previous_champion"] == "2", (step, tags)
+        assert tags["promotion.routing_version"] == str(live["version"]), (step, tags, live)
+        report = json.loads((promo["root"] / "reports/promotion.json").read_text())
+        assert report["promoted"] == ["junior_researcher"] and report["routing_version"] == live["version"], step
+        assert registry.by_alias("junior_researcher", registry.CHALLENGER) is None, step
+    switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "2"), "it: broken champion again")
+
+
 def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None:
     """The candidate won on evidence but its backend is down when it is routed in (the "offline"
     slot, stopped now; the proxy still routes to it)."""

@@ -5,19 +5,25 @@ A version is a file ``v<N>.yaml`` mapping every role to a deployment (``<worker>
 models:/supervisor_policy/3}``; absent or ``llm`` = the supervisor LLM). Hand-written versions live
 in git (``serving.routing_dir``); versions written by promotion or ``route new`` go to
 ``<serving.home>/routing/versions/`` and are also logged to MLflow by the promotion that wrote them,
-so no generated file is left untracked in the work tree. Numbers are global across both. Applying one replaces the proxy's active routing file
-atomically (the proxy is not restarted, so in-flight requests finish on the old target), then
-sends one live request per role through the proxy and checks the deployment that answered; any
-failure restores the previous version and the command fails. History is kept next to the active
-file, so ``rollback`` knows the version before the current one.
+so no generated file is left untracked in the work tree. Numbers are global across both. Applying one
+first sends one request per role through the proxy *under that version* (as an evaluation table,
+``metadata.routing``, so live traffic never sees an unverified version) and checks the deployment
+that answered; only then does it replace the proxy's active routing file atomically (the proxy is
+not restarted, so in-flight requests finish on the old target). Any failure leaves the previous
+version live and the command fails. History is kept next to the active file, so ``rollback`` knows
+the version before the current one. Every mutation (a new version number, apply, rollback) holds
+one lock (:func:`lock`), so concurrent writers cannot take the same number or interleave.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,32 @@ from pipeline.serving.worker import served_name
 
 class RoutingError(RuntimeError):
     pass
+
+
+_held: dict[str, int] = {}  # lock file -> depth held by this process (re-entrant: a switch applies under its own lock)
+
+
+@contextmanager
+def lock(params: Params) -> Iterator[None]:
+    """The routing lock: one writer of routing versions, the active file and the champion switch at a time."""
+    path = proxy.active_file(params).with_name("routing.lock")
+    key = str(path)
+    if _held.get(key):
+        _held[key] += 1
+        try:
+            yield
+        finally:
+            _held[key] -= 1
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        _held[key] = 1
+        try:
+            yield
+        finally:
+            _held[key] = 0
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def generated_dir(params: Params) -> Path:
@@ -88,15 +120,16 @@ def load_version(params: Params, version: int) -> dict[str, Any]:
 
 def write_version(params: Params, roles: dict[str, str], description: str = "", policies: dict[str, str] | None = None) -> int:
     """Write the next version file (used by `route new` and by promotion); returns its number."""
-    number = (versions(params) or [0])[-1] + 1
-    doc: dict[str, Any] = {"description": description, "roles": roles}
-    if policies:
-        doc["policies"] = policies
-    path = generated_dir(params) / f"v{number}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text(path, yaml.safe_dump(doc, sort_keys=False))
-    load_version(params, number)
-    return number
+    with lock(params):
+        number = (versions(params) or [0])[-1] + 1
+        doc: dict[str, Any] = {"description": description, "roles": roles}
+        if policies:
+            doc["policies"] = policies
+        path = generated_dir(params) / f"v{number}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, yaml.safe_dump(doc, sort_keys=False))
+        load_version(params, number)
+        return number
 
 
 def policy(table: dict[str, Any] | None, name: str) -> str:
@@ -188,24 +221,34 @@ def _activate(params: Params, table: dict[str, Any] | None) -> None:
 
 
 def apply(params: Params, version: int) -> dict[str, Any]:
-    """Make ``version`` live and verify it; on failure the previous version stays live."""
-    table = load_version(params, version)
-    previous = active(params)
-    _activate(params, table)
-    problems = verify(params, table)
-    if problems:
-        _activate(params, previous)
-        _record(params, {"version": version, "status": "failed", "problems": problems,
-                         "restored": previous and previous["version"]})
-        lines = "\n".join(f"  - {role}: {why}" for role, why in problems.items())
-        kept = f"version {previous['version']} stays live" if previous else "no version is live"
-        raise RoutingError(f"routing version {version} failed verification; {kept}:\n{lines}")
-    _record(params, {"version": version, "status": "applied", "previous": previous and previous["version"]})
-    return table
+    """Verify ``version`` through the proxy as an evaluation table, then make it live; on failure the previous version stays live."""
+    with lock(params):
+        table = load_version(params, version)
+        previous = active(params)
+        name = f"verify-v{version}"
+        write_eval(params, name, table["roles"], table.get("policies"))
+        try:
+            problems = verify(params, table, routing=name)
+        finally:
+            eval_file(params, name).unlink(missing_ok=True)
+        if problems:
+            _record(params, {"version": version, "status": "failed", "problems": problems,
+                             "kept": previous and previous["version"]})
+            lines = "\n".join(f"  - {role}: {why}" for role, why in problems.items())
+            kept = f"version {previous['version']} stays live" if previous else "no version is live"
+            raise RoutingError(f"routing version {version} failed verification; {kept}:\n{lines}")
+        _activate(params, table)
+        _record(params, {"version": version, "status": "applied", "previous": previous and previous["version"]})
+        return table
 
 
 def rollback(params: Params) -> dict[str, Any]:
     """Re-apply the version that was live before the current one."""
+    with lock(params):
+        return _rollback(params)
+
+
+def _rollback(params: Params) -> dict[str, Any]:
     current = active(params)
     if current is None:
         raise RoutingError("no routing version is live; nothing to roll back")

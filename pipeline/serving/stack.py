@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 from pathlib import Path
 
+from pipeline import promotion
 from pipeline.config import Params
 from pipeline.serving import proxy, routing, worker
 
@@ -29,6 +30,11 @@ def ensure(params: Params) -> tuple[str, str]:
         live = routing.active(params)
         if live is None or routing.verify(params, live):
             routing.apply(params, live["version"] if live else routing.versions(params)[-1])
+    if promotion.pending(params):  # a switch a crash interrupted: alias and routing must agree before anything is served
+        from pipeline import tracking
+
+        tracking.setup(params)
+        promotion.reconcile(params)
     return proxy.client_settings(params)
 
 

@@ -21,6 +21,9 @@ from typing import Any
 from pipeline.config import Params
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide
 from pipeline.io import write_json
+from pipeline.promotion import PromotionError, reconcile, switch
+
+__all__ = ["PromotionError", "promote_all", "promote_role", "switch"]
 
 METRICS_FILE = Path("reports/promotion.json")
 
@@ -32,50 +35,22 @@ def _active_run_id() -> str:
     return run.info.run_id if run else ""
 
 
-class PromotionError(RuntimeError):
-    pass
-
-
-def switch(params: Params, name: str, to: Any, description: str, record: bool = True) -> int:
-    """Route role ``name`` to version ``to`` (new routing version, applied and verified), then move
-    ``champion``; on any failure both stay as they were. Returns the routing version now live."""
-    from pipeline import registry
-    from pipeline.services.process import ServiceError
-    from pipeline.serving import routing
-
-    live = routing.active(params)
-    if live is None:
-        raise PromotionError("no routing version is live; start the serving plane first")
-    kind = params.promote.roles[name]
-    try:
-        where = registry.deploy(params, name, to, live["roles"].get(name))
-    except (ServiceError, registry.RegistryError, OSError) as exc:
-        raise PromotionError(f"{name} v{to.version} could not be deployed: {exc}") from exc
-    roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
-    (roles if kind == "llm" else policies)[name] = where
-    number = routing.write_version(params, roles, description, policies)
-    try:
-        routing.apply(params, number)  # verifies live; restores the previous version itself on failure
-    except routing.RoutingError as exc:
-        raise PromotionError(f"{name} v{to.version}: {exc}") from exc
-    previous = registry.by_alias(name, registry.CHAMPION)
-    try:
-        registry.set_alias(name, registry.CHAMPION, to.version)
-    except Exception as exc:
-        routing.apply(params, live["version"])
-        raise PromotionError(f"{name}: moving the champion alias failed ({exc}); routing restored to v{live['version']}") from exc
-    if record:  # a rollback does not record what it replaced: rolling back twice must not undo itself
-        registry.set_tags(name, to.version, {"promotion.previous_champion": previous.version if previous else "",
-                                "promotion.routing_version": number, "promotion.previous_routing_version": live["version"]})
-    return number
-
-
 def promote_role(params: Params, name: str, entry: dict[str, Any], current_champion: str) -> dict[str, Any]:
     import mlflow
 
     from pipeline import registry
 
     cand = registry.get_version(name, entry["candidate"]["version"])
+    if str(cand.version) == str(current_champion) and cand.tags.get("promotion.decision") == "promoted":
+        # a retried promote (the DAG retries the task) after this switch completed: recognise it, change nothing
+        print(f"promote: {name} v{cand.version} was already promoted by run {cand.tags.get('promotion.run', '?')}")
+        if registry.by_alias(name, registry.CHALLENGER) is not None:
+            registry.delete_alias(name, registry.CHALLENGER)
+        return {"candidate": cand.version, "champion_before": cand.tags.get("promotion.previous_champion", ""), "status": "promoted",
+                "promote": True, "rule": cand.tags.get("promotion.rule", ""), "detail": cand.tags.get("promotion.detail", "already promoted"),
+                "routing_version": int(cand.tags.get("promotion.routing_version", 0)) or None, "already": True,
+                "candidate_reward": entry["candidate"]["metrics"]["reward"]["mean"],
+                "champion_reward": entry["champion"]["metrics"]["reward"]["mean"], "difference": entry["difference"]}
     if str(entry["champion"]["version"]) != str(current_champion):
         decision = Decision(False, "stale", f"evaluated against champion v{entry['champion']['version']}, "
                                             f"but the champion is now v{current_champion}; evaluate again")
@@ -87,9 +62,13 @@ def promote_role(params: Params, name: str, entry: dict[str, Any], current_champ
     status = "promoted" if decision.promote else INSUFFICIENT if decision.rule == INSUFFICIENT else "rejected"
     if decision.promote and params.promote.dry_run:
         status = "dry_run"
+    tags = {"promotion.decision": status, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
+            "promotion.run": _active_run_id(),
+            "promotion.evidence": json.dumps({"candidate_run": entry["candidate"]["run_id"], "champion_run": entry["champion"]["run_id"],
+                                              "difference": entry["difference"]})[:4000]}
     if status == "promoted":
-        try:
-            out["routing_version"] = switch(params, name, cand, f"promote {name} v{cand.version}: {decision.detail}")
+        try:  # the decision's tags are written by the switch itself, once the alias moved (or by a reconcile after a crash)
+            out["routing_version"] = switch(params, name, cand, f"promote {name} v{cand.version}: {decision.detail}", tags=tags)
         except PromotionError as exc:
             registry.set_tags(name, cand.version, {"promotion.decision": "failed", "promotion.rule": "deployment", "promotion.detail": str(exc)[:4000],
                                                    "promotion.run": _active_run_id()})
@@ -97,11 +76,8 @@ def promote_role(params: Params, name: str, entry: dict[str, Any], current_champ
         from pipeline.serving import routing
 
         mlflow.log_artifact(str(routing.version_path(params, out["routing_version"])), artifact_path="routing")
-    registry.set_tags(name, cand.version, {"promotion.decision": status, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
-                              "promotion.run": _active_run_id(),
-                              "promotion.evidence": json.dumps({"candidate_run": entry["candidate"]["run_id"],
-                                                                "champion_run": entry["champion"]["run_id"],
-                                                                "difference": entry["difference"]})[:4000]})
+    else:
+        registry.set_tags(name, cand.version, tags)
     registry.delete_alias(name, registry.CHALLENGER)  # decided: the next cycle's trainer names the next challenger
     out["status"] = status
     return out
@@ -113,6 +89,7 @@ def promote_all(params: Params) -> dict[str, Any]:
     from pipeline import registry
     from pipeline.serving import routing
 
+    reconcile(params)
     summary = json.loads(Path(params.evaluate.out_dir, "summary.json").read_text())
     decisions: dict[str, Any] = {}
     failure: PromotionError | None = None
@@ -145,7 +122,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     from pipeline import tracking
     from pipeline.serving import stack
 
-    stack.ensure(params)
+    stack.ensure(params)  # reconciles a switch a crash interrupted before anything else
     try:
         with tracking.stage_run("promote", params) as run:
             result = promote_all(params)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipeline import registry
 from pipeline.config import Params
+from pipeline.promotion import PromotionError, reconcile, switch
 
 
 def rollback(params: Params, name: str) -> tuple[str, str, int]:
     """Returns (from version, to version, routing version now live)."""
-    from pipeline import registry
-    from pipeline.stages.promote import PromotionError, switch
-
+    reconcile(params)  # a promotion a crash interrupted is settled first: "the previous champion" must be the real one
     if name not in params.promote.roles:
         raise PromotionError(f"unknown role {name!r}; trainable roles are {list(params.promote.roles)}")
     current = registry.by_alias(name, registry.CHAMPION)
@@ -37,7 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, params: Params) -> int:
     from pipeline import tracking
     from pipeline.serving import stack
-    from pipeline.stages.promote import PromotionError
 
     stack.ensure(params)
     tracking.setup(params)
