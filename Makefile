@@ -5,7 +5,7 @@ export PYTHONPATH := $(CURDIR)
 export PIPELINE_MODEL_PYTHON := $(CURDIR)/.venv/model/bin/python
 export PATH := $(CURDIR)/$(CTL):$(PATH)
 
-.PHONY: setup run test test-all test-fast services-down airflow lock prod-stack prod-run prod-down
+.PHONY: setup run test test-all test-fast services-down airflow lock lock-gpu prod-stack prod-run prod-down
 
 setup:            ## create/reuse the pinned control-plane and model-plane environments
 	@bash scripts/setup_envs.sh
@@ -25,6 +25,9 @@ test-fast: setup  ## unit tests only (no services)
 
 airflow: setup    ## start `airflow standalone` on loopback with this repo's DAGs; prints UI URL + login
 	@$(CTL)/python -m pipeline services up airflow
+
+lock-gpu: setup   ## re-resolve the GPU image's lock (requirements/gpu.in -> gpu.lock.txt) with uv; CHECK=1 only checks it is current
+	@bash scripts/lock_gpu.sh $(if $(CHECK),--check)
 
 services-down:    ## stop every local service this project started
 	@$(CTL)/python -m pipeline services down all

@@ -377,6 +377,8 @@ class PpoParams(_Strict):
     gpus: int = Field(1, ge=1, description="verl: trainer.n_gpus_per_node")
     rollout_gpu_share: float = Field(0.5, gt=0, le=1, description="verl: actor_rollout_ref.rollout.gpu_memory_utilization, the share "
                                      "of each training GPU its rollout vLLM takes")
+    attention: Literal["sdpa", "flash_attention_2"] = Field("sdpa", description="verl actor/critic attention; flash_attention_2 "
+                                                             "needs flash-attn, which the GPU image does not build (docs/gpu.md)")
     rollout_tensor_parallel: int = Field(1, ge=1, description="verl: actor_rollout_ref.rollout.tensor_model_parallel_size (verl's "
                                          "default 2 cannot start on one GPU); must divide ppo.gpus")
     actor_memory_gib: float = Field(16.0, gt=0, description="verl: actor (+ fused reference) memory per training GPU: weights, "

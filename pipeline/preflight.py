@@ -6,6 +6,8 @@ the GPU tasks before they hold a GPU for minutes and fail (docs/gpu.md):
 - ``verl config``: the trainer's full config, composed from Agent Lightning's verl config and the
   project's overrides against the *installed* verl (unknown keys fail), keeps LightningRL's loss and
   advantage, LoRA merged for serving during RL, no resume, a response budget that covers the agents;
+- ``verl validation``: verl's own ``validate_config`` (batch sizes against GPUs, micro batches, the
+  actor and rollout dataclasses) accepts it, run under the model plane's interpreter;
 - ``gpu memory``: serving workers + verl's rollout engine + actor per device fit;
 - ``routing``: every tracked routing version names deployments the profile's workers serve;
 - ``serving``: each worker's context holds a senior prompt and its longest answer;
@@ -26,7 +28,7 @@ from pathlib import Path
 from pipeline import gpu_memory
 from pipeline.agents.llm import senior_completion_ceiling
 from pipeline.config import Params
-from pipeline.envs import REPO_ROOT
+from pipeline.envs import REPO_ROOT, model_python
 from pipeline.rl import verl_config
 from pipeline.serving import routing
 
@@ -62,6 +64,11 @@ def check_verl(params: Params, print_config: bool) -> str:
         raise ValueError("; ".join(broken))
     agl, verl = verl_config.config_dirs()
     return f"composed {agl / 'config.yaml'} over {verl} with {len(verl_config.overrides(params, '.', 'x'))} overrides"
+
+
+def check_verl_validation(params: Params) -> str:
+    config = verl_config.compose(params, Path(params.ppo.out_dir + ".checkpoints"), "train_ppo", "http://<gateway>", "<per-run key>")
+    return verl_config.validate(config, model_python())
 
 
 def check_memory(params: Params) -> str:
@@ -106,10 +113,10 @@ def locked() -> dict[str, str]:
     return pins
 
 
-def check_packages(imports: bool) -> str:
+def check_packages(params: Params, imports: bool) -> str:
     pins = locked()
-    wanted = sorted({p for pkgs in STAGE_PACKAGES.values() for p in pkgs})
-    missing = [p for p in wanted if p not in pins]
+    wanted = sorted({p for pkgs in STAGE_PACKAGES.values() for p in pkgs} | ({"flash_attn"} if params.ppo.attention == "flash_attention_2" else set()))
+    missing = [p for p in wanted if p.replace("_", "-") not in pins]
     if missing:
         raise ValueError(f"not pinned in {GPU_LOCK.name}: {', '.join(missing)}")
     if imports:
@@ -121,7 +128,7 @@ def check_packages(imports: bool) -> str:
                 broken.append(f"{name} ({type(exc).__name__}: {str(exc)[:120]})")
         if broken:
             raise ValueError("do not import: " + "; ".join(broken))
-    return ", ".join(f"{p}=={pins[p]}" for p in wanted) + (" (imported)" if imports else " (pinned; --imports on the worker imports them)")
+    return ", ".join(f"{p}=={pins[p.replace('_', '-')]}" for p in wanted) + (" (imported)" if imports else " (pinned; --imports on the worker imports them)")
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
@@ -131,17 +138,18 @@ def main(args: argparse.Namespace, params: Params) -> int:
         return 0
     checks: list[tuple[str, Callable[[], str]]] = [
         ("verl config", lambda: check_verl(params, args.print_config)),
+        ("verl validation", lambda: check_verl_validation(params)),
         ("gpu memory", lambda: check_memory(params)),
         ("routing", lambda: check_routing(params)),
         ("serving", lambda: check_serving(params)),
         ("evaluation", lambda: check_evaluation(params)),
-        ("packages", lambda: check_packages(args.imports)),
+        ("packages", lambda: check_packages(params, args.imports)),
     ]
     failed = 0
     for name, check in checks:
         try:
             print(f"PASS {name}: {check()}")
-        except (ValueError, routing.RoutingError, verl_config.VerlConfigError) as exc:
+        except (ValueError, RuntimeError, routing.RoutingError, verl_config.VerlConfigError) as exc:
             failed += 1
             print(f"FAIL {name}: {exc}")
     print(f"preflight gpu ({args.params_path or 'params.yaml'}): " + (f"{failed} check(s) failed" if failed else "all checks passed"))

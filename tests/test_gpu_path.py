@@ -158,7 +158,7 @@ def test_preflight_passes_the_gpu_profile_and_prints_the_config() -> None:
     out = _preflight("--params", str(GPU_PROFILE), "--print-config")
     assert out.returncode == 0, out.stdout + out.stderr
     for text in ("loss_mode: per_rollout_mean", "enable_rollout_level_advantage: true", "merge: true", "resume_mode: disable",
-                 "PASS verl config", "PASS gpu memory", "PASS routing", "PASS packages", "all checks passed"):
+                 "PASS verl config", "PASS verl validation", "PASS gpu memory", "PASS routing", "PASS packages", "all checks passed"):
         assert text in out.stdout
 
 
@@ -169,6 +169,8 @@ def test_preflight_passes_the_gpu_profile_and_prints_the_config() -> None:
     ({"ppo": {"max_completion_tokens": 64}}, "FAIL verl config: data.max_response_length=64 is below the agents' completion ceiling"),
     ({"evaluate": {"limit": 2}}, "FAIL evaluation: evaluate.limit=2 < promote.min_tasks=25"),
     ({"ppo": {"rollout_tensor_parallel": 2}}, "tensor_model_parallel_size=2 does not divide trainer.n_gpus_per_node=1"),
+    # composes, plans and keeps the contract, but verl's own validate_config refuses 8 tasks x 4 rollouts on 3 GPUs
+    ({"ppo": {"gpus": 3}}, "FAIL verl validation: verl"),
 ])
 def test_preflight_refuses_a_broken_profile_naming_it(overlay: dict, named: str, tmp_path: Path) -> None:
     out = _preflight("--params", str(_profile(tmp_path, overlay)))
@@ -185,3 +187,45 @@ def test_the_dags_preflight_passes_a_cpu_profile_with_nothing_to_check() -> None
     out = subprocess.run([sys.executable, "-m", "pipeline", "--params", str(ROOT / "params.yaml"), "preflight", "gpu", "--if-gpu"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and "names no GPU stage" in out.stdout and "PASS" not in out.stdout
+
+
+def test_verl_signal_counts_this_runs_rollouts_and_refuses_flat_rewards() -> None:
+    mine = [{"run_id": "r", "status": "succeeded", "reward": v} for v in (0.2, 0.6)]
+    assert train_ppo.verl_signal(mine, steps=2)["no_signal"] is False
+    flat = train_ppo.verl_signal([{**r, "reward": 0.0} for r in mine], steps=2)
+    assert flat["no_signal"] and "all equal" in flat["no_signal_reason"] and flat["reward_std"] == 0.0
+    assert "logged 0 training steps" in train_ppo.verl_signal(mine, steps=0)["no_signal_reason"]
+
+
+def test_verl_unpads_without_flash_attn_in_every_ray_worker() -> None:
+    """verl 0.8.0 imports flash_attn.bert_padding on any non-NPU device to unpad every batch; the GPU image has no
+    flash-attn (no wheel for torch 2.11 / CUDA 13), so the first step died. The workers' setup hook routes the
+    helpers to verl's pure-torch ones; the model venv (verl, no flash-attn, no GPU) shows both sides."""
+    from pipeline.envs import model_python
+
+    code = """
+import torch
+from verl.utils import attention_utils
+x, mask = torch.arange(24.0).reshape(2, 3, 4), torch.tensor([[1, 1, 0], [1, 0, 0]])
+try:
+    attention_utils.unpad_input(x, mask)
+    raise SystemExit("unpad_input worked without flash-attn: the defect is gone upstream, drop the patch")
+except ModuleNotFoundError as exc:
+    assert "flash_attn" in str(exc), exc
+from pipeline.rl.verl_patches import use_torch_padding
+assert use_torch_padding()
+out = attention_utils.unpad_input(x, mask)
+assert torch.equal(out[0], x[mask.bool()]), out[0]
+assert torch.equal(attention_utils.pad_input(out[0], out[1], 2, 3), x * mask[..., None])
+print("ok")
+"""
+    out = subprocess.run([model_python(), "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr[-3000:]
+
+
+def test_the_workers_setup_hook_is_ours_and_attention_needs_no_flash_attn(gpu, tmp_path: Path) -> None:
+    config = verl_config.compose(gpu, tmp_path, "x", "http://gw", "k")
+    assert config.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == "pipeline.rl.verl_patches.setup_worker"
+    model = config.actor_rollout_ref.model
+    assert model.override_config.attn_implementation == "sdpa" and model.use_remove_padding is False

@@ -72,8 +72,8 @@ def test_rollout_job_template_renders_one_job_with_the_task() -> None:
 
 
 def test_gpu_image_pins_the_documented_verl_vllm_pair() -> None:
-    pins = (INFRA.parent / "requirements/gpu-rl.txt").read_text()
-    assert "verl==0.8.0" in pins and "agentlightning==1.0.2" in pins
+    pins = (INFRA.parent / "requirements/gpu.lock.txt").read_text().splitlines()
+    assert "verl==0.8.0" in pins and "agentlightning==1.0.2" in pins and "vllm==0.20.2" in pins
     assert "FROM vllm/vllm-openai:v0.20.2" in (INFRA / "docker/Dockerfile.gpu-worker").read_text()
 
 

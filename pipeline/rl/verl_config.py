@@ -50,6 +50,14 @@ def config_dirs() -> tuple[Path, Path]:
     return agl, verl
 
 
+def attention(kind: str, model: str) -> list[str]:
+    """The actor's (or critic's) attention: ``sdpa`` needs no flash-attn (the GPU image has none); verl's
+    remove-padding path is flash-attn's varlen kernel, so it goes with ``flash_attention_2`` only."""
+    if kind == "flash_attention_2":
+        return [f"+{model}.override_config.attn_implementation=flash_attention_2", f"{model}.use_remove_padding=true"]
+    return [f"+{model}.override_config.attn_implementation=sdpa", f"{model}.use_remove_padding=false"]
+
+
 def overrides(params: Params, checkpoints: str | Path, experiment: str) -> list[str]:
     """The project's Hydra overrides over Agent Lightning's verl config, from ``params`` only."""
     cfg = params.ppo
@@ -68,6 +76,7 @@ def overrides(params: Params, checkpoints: str | Path, experiment: str) -> list[
         f"data.max_response_length={cfg.max_completion_tokens}",
         f"actor_rollout_ref.model.path={model}",
         *lora,
+        *attention(cfg.attention, "actor_rollout_ref.model"),
         f"actor_rollout_ref.actor.optim.lr={cfg.learning_rate}",
         f"actor_rollout_ref.actor.use_kl_loss={str(cfg.kl_coef > 0).lower()}",
         f"actor_rollout_ref.actor.kl_loss_coef={cfg.kl_coef}",
@@ -97,9 +106,12 @@ def overrides(params: Params, checkpoints: str | Path, experiment: str) -> list[
         f"trainer.save_freq={cfg.max_steps}",
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",
+        # every Ray worker: Agent Lightning's loss registration + verl's padding helpers in pure torch without flash-attn
+        "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pipeline.rl.verl_patches.setup_worker",
     ]
     if cfg.algorithm == "gae":
-        out += [f"critic.model.path={model}", f"critic.optim.lr={cfg.learning_rate}", "critic.ppo_micro_batch_size_per_gpu=1"]
+        out += [f"critic.model.path={model}", f"critic.optim.lr={cfg.learning_rate}", "critic.ppo_micro_batch_size_per_gpu=1",
+                *attention(cfg.attention, "critic.model")]
     return out + list(cfg.verl_overrides)
 
 
@@ -164,6 +176,29 @@ def contract(params: Params, config: Any) -> list[str]:
     if get("trainer.logger") is not None and "mlflow" in list(get("trainer.logger")):
         problems.append("trainer.logger includes mlflow: verl would log the whole config, the gateway key included, as MLflow params")
     return problems
+
+
+def validate(config: Any, python: str, timeout_s: float = 300.0) -> str:
+    """verl's own validation of ``config`` under ``python`` (``pipeline.rl.verl_validate``); raises VerlConfigError with its output."""
+    import subprocess
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    from pipeline.envs import REPO_ROOT
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as fh:
+        fh.write(OmegaConf.to_yaml(config))
+        fh.flush()
+        try:
+            out = subprocess.run([python, "-m", "pipeline.rl.verl_validate", fh.name], capture_output=True, text=True, timeout=timeout_s,
+                                 cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise VerlConfigError(f"verl's validation under {python} took over {timeout_s:.0f}s") from exc
+    if out.returncode != 0:
+        lines = [line for line in (out.stderr or out.stdout).strip().splitlines() if line.strip()]
+        raise VerlConfigError(f"verl {python} refuses the config: {lines[-1] if lines else f'exit {out.returncode}'}")
+    return f"verl's validate_config and RolloutConfig accept it (under {python})"
 
 
 def printable(config: Any) -> str:

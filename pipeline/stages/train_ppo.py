@@ -227,10 +227,23 @@ def verl_history(path: Path) -> list[dict[str, Any]]:
     return [r for r in rows if r["reward"] is not None]
 
 
+def verl_signal(recs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Did this run's rollouts carry a learning signal? GRPO's advantage is zero when every reward in a group
+    is equal; all rollout rewards equal (or no step logged) means the adapter is the base model."""
+    import statistics
+
+    rewards = [float(r["reward"]) for r in recs if r.get("reward") is not None]
+    std = statistics.pstdev(rewards) if rewards else None
+    reason = (f"verl logged {steps} training steps" if not steps else
+              f"{len(rewards)} rollout rewards of this run, all equal (std {std}): every advantage was zero" if not std else None)
+    return {"rollouts": len(recs), "valid_fraction": (sum(r.get("status") == "succeeded" for r in recs) / len(recs)) if recs else None,
+            "reward_std": std, "reward_mean": statistics.fmean(rewards) if rewards else None,
+            "no_signal": reason is not None, "no_signal_reason": reason}
+
+
 def train_verl(params: Params, run_id: str) -> dict[str, Any]:
     """Control plane: gateway + controller + verl trainer, supervised; the adapter through verl's model merger."""
     import shutil
-    import statistics
     import subprocess
     import threading
 
@@ -274,21 +287,14 @@ def train_verl(params: Params, run_id: str) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
     history = verl_history(ckpt / "metrics.jsonl")
     recs = [r for r in store.records(trace_dir) if r.get("run_id") == run_id]  # this run's rollouts, not every past run's
-    rewards = [float(r["reward"]) for r in recs if r.get("reward") is not None]
-    std = statistics.pstdev(rewards) if rewards else None
-    steps = len(history)
     with atomic_dir(Path(cfg.out_dir)) as tmp:
         adapter_from_checkpoint(ckpt, tmp / "adapter", model_python())
+        steps = len(history)
         metrics = {"backend": "verl", "algorithm": cfg.algorithm, "device": f"cuda x{cfg.gpus}", "steps": steps,
                    "train_seconds": round(seconds, 2), "seconds_per_step": round(seconds / steps, 2) if steps else None,
-                   "rollouts": len(recs), "valid_fraction": (sum(r.get("status") == "succeeded" for r in recs) / len(recs)) if recs else None,
-                   "reward_std": std, "reward_mean": statistics.fmean(rewards) if rewards else None,
                    "reward_first": history[0]["reward"] if history else None, "reward_last": history[-1]["reward"] if history else None,
                    "kl_last": next((h["kl"] for h in reversed(history) if h.get("kl") is not None), None),
-                   "no_signal": not std or not steps,
-                   "no_signal_reason": (None if std and steps else f"verl logged {steps} training steps" if not steps else
-                                        f"{len(rewards)} rollout rewards of this run, all equal: every advantage was zero"),
-                   "base_model": policy_name}
+                   **verl_signal(recs, steps), "base_model": policy_name}
         write_json(tmp / "train_meta.json", metrics)
         write_json(tmp / "log_history.json", history)
     return metrics
