@@ -7,9 +7,15 @@ policy the LLM supervisor itself (kind ``llm_supervisor``). Trainers register th
 new version and point ``challenger`` at it; only promotion moves ``champion``.
 
 A version's ``kind`` says how the society reaches it: ``base`` -> its recorded deployment,
-``lora_adapter`` -> ``<worker>/<name>-v<N>`` once hot-loaded into the worker that serves the role's
-champion, ``contextual_bandit`` -> ``models:/<name>/<N>`` named in the routing's ``policies``,
+``lora_adapter`` -> ``<worker>/<name>-v<N>-<sha256[:12]>`` once hot-loaded into the worker that serves
+the role's champion, ``contextual_bandit`` -> ``models:/<name>/<N>`` named in the routing's ``policies``,
 ``llm_supervisor`` -> ``llm``.
+
+**Served = trained.** Every trained version carries ``sha256``, the digest of its artifact
+(``pipeline.digest``) computed from the trainer's own output before it is logged. ``deploy`` verifies
+the downloaded artifact against it before anything is hot-loaded or routed and refuses a mismatch
+naming both digests; the adapter's served name carries the digest, so a registry reset that reuses
+version numbers can never be answered by the old weights cached under the same name.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Params
+from pipeline.digest import artifact_sha256, served_name
 
 CHAMPION, CHALLENGER = "champion", "challenger"
+SHA256_TAG = "sha256"
 
 
 class RegistryError(RuntimeError):
@@ -108,10 +116,14 @@ def ensure_baselines(params: Params) -> dict[str, Any]:
     return champions
 
 
-def register_candidate(params: Params, name: str, model_uri: str, run_id: str, tags: dict[str, Any], description: str = "") -> Any:
-    """A trainer's output: a new version (after the baseline exists), aliased ``challenger``."""
+def register_candidate(params: Params, name: str, model_uri: str, run_id: str, tags: dict[str, Any], description: str = "",
+                       artifact: str | Path | None = None) -> Any:
+    """A trainer's output: a new version (after the baseline exists), aliased ``challenger``; ``artifact`` (the
+    trainer's local output, the same bytes it logged) gives the version its ``sha256`` tag."""
     from pipeline import lineage
 
+    if artifact is not None:
+        tags = {**tags, SHA256_TAG: artifact_sha256(artifact)}
     ensure_baselines(params)
     version = lineage.register_version(name, model_uri, run_id, tags, description)
     set_alias(name, CHALLENGER, version.version)
@@ -130,11 +142,21 @@ def register_adapter(params: Params, run: Any, role: str, adapter_dir: str | Pat
     tags = lineage.tags(run, dataset_dir, rows, params.rollouts.out_dir, role=role, kind="lora_adapter",
                         **{"lineage.base_model": params.models.base.source, "lineage.base_model_path": base_model,
                            "lineage.base_model_md5": lineage.dvc_md5(base_model)}, **extra_tags)
-    return register_candidate(params, role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags, description=description)
+    return register_candidate(params, role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags, description=description,
+                              artifact=adapter_dir)
 
 
-def adapter_name(name: str, version: str | int) -> str:
-    return f"{name}-v{version}"
+def adapter_name(name: str, version: Any) -> str:
+    """The name a worker serves a LoRA version under: role, version and digest (a reused version number never collides)."""
+    return served_name(name, version.version, expected_sha256(name, version))
+
+
+def expected_sha256(name: str, version: Any) -> str:
+    digest = version.tags.get(SHA256_TAG)
+    if not digest:
+        raise RegistryError(f"{name} v{version.version} has no {SHA256_TAG} tag (registered before versions carried their digest): "
+                            "retrain or re-register it; an unverifiable artifact is never served")
+    return str(digest)
 
 
 def target(params: Params, name: str, version: Any, worker_of: str | None = None) -> str:
@@ -144,7 +166,7 @@ def target(params: Params, name: str, version: Any, worker_of: str | None = None
         return version.tags["deployment"]
     if kind == "lora_adapter":
         worker = (worker_of or _live_target(params, name)).partition("/")[0]
-        return f"{worker}/{adapter_name(name, version.version)}"
+        return f"{worker}/{adapter_name(name, version)}"
     if kind == "contextual_bandit":
         return f"models:/{name}/{version.version}"
     if kind == "llm_supervisor":
@@ -176,12 +198,17 @@ def deploy(params: Params, name: str, version: Any, worker_of: str | None = None
     w = next((w for w in params.serving.workers if w.name == worker_name), None)
     if w is None:
         raise RegistryError(f"{name} v{version.version}: no worker {worker_name!r} in serving.workers")
+    want = expected_sha256(name, version)
     folder = workers.adapter_cache(params) / adapter  # kept even once loaded: a restarted local worker reloads from it
-    if not (folder / "adapter_config.json").exists():
+    if not (folder / "adapter_config.json").exists() or artifact_sha256(folder) != want:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{adapter}-"))
         try:
             local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp)))
+            got = artifact_sha256(local)
+            if got != want:
+                raise RegistryError(f"{name} v{version.version}: the registry's artifact {version.source} has sha256 {got}, but the version "
+                                    f"was registered with {want}: not what was trained, refusing to serve it")
             shutil.rmtree(folder, ignore_errors=True)
             local.rename(folder)
         finally:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from pydantic import ValidationError
 
+from pipeline.digest import served_digest
 from pipeline.schemas import StructuredOutput
 
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class RoleClient:
                             finish_reason=payload["choices"][0].get("finish_reason"),
                             served_model=resp.headers.get("x-litellm-model-name", payload.get("model")),
                             deployment=resp.headers.get("x-litellm-model-group"),
+                            # the weights that answered: a LoRA deployment's name carries its verified sha256 prefix
+                            digest=served_digest(resp.headers.get("x-litellm-model-group")),
                             proxy_overhead_ms=_float(resp.headers.get("x-litellm-overhead-duration-ms")))
         if top_logprobs:  # taken off the span by whoever asked (pipeline.rewards.judge), so traces stay small
             span["data"]["logprobs"] = (payload["choices"][0].get("logprobs") or {}).get("content") or []

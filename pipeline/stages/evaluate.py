@@ -32,6 +32,7 @@ from typing import Any
 
 from pipeline.config import Params
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, paired_difference, summarise
+from pipeline.evaluation.served import check_served
 from pipeline.io import atomic_dir, write_json
 
 METRICS_FILE = Path("reports/evaluate.json")
@@ -55,11 +56,38 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:80]
 
 
+SCORING_CODE = ("pipeline/agents", "pipeline/rewards", "pipeline/evaluation", "pipeline/schemas.py", "pipeline/traces", "pipeline/bandit")
+
+
+def code_sha256(paths: tuple[str, ...] = SCORING_CODE) -> str:
+    """sha256 of the Python source that runs and scores a society (prompts, graph, schemas, judge, rewards)."""
+    from pipeline.envs import REPO_ROOT
+
+    h = hashlib.sha256()
+    for rel in paths:
+        root = REPO_ROOT / rel
+        for f in sorted([root] if root.is_file() else root.rglob("*.py")):
+            h.update(f"{f.relative_to(REPO_ROOT).as_posix()}\0".encode() + f.read_bytes() + b"\n")
+    return h.hexdigest()
+
+
+def served_models(params: Params) -> dict[str, Any]:
+    """Each worker's settings and, for a model folder here, its content hash: the weights a base deployment serves."""
+    from pipeline.lineage import dvc_md5
+
+    return {w.name: {**w.model_dump(exclude={"port", "host", "adapter_sync_wait_s"}),
+                     "model_md5": dvc_md5(w.model) if Path(w.model).exists() else None} for w in params.serving.workers}
+
+
 def cache_key(params: Params, champions: dict[str, Any], roles: dict[str, str], policies: dict[str, str], tasks: list[dict[str, Any]]) -> str:
+    """Everything that decides a champion's scores: a cached champion evaluation is reused only when all of it is equal
+    (versions and routing targets, whose LoRA names carry their sha256; the served base weights and worker settings;
+    the code of the society, judge and schemas; the agents', judge's, reward's and evaluation's params; the tasks)."""
     from pipeline.data.splits import split_file
     from pipeline.lineage import dvc_md5
 
-    doc = {"champions": {k: v.version for k, v in champions.items()}, "roles": roles, "policies": policies,
+    doc = {"champions": {k: v.version for k, v in champions.items()}, "champion_sha256": {k: v.tags.get("sha256") for k, v in champions.items()},
+           "roles": roles, "policies": policies, "served": served_models(params), "code": code_sha256(),
            "evaluate": params.evaluate.model_dump(exclude={"out_dir", "concurrency"}), "agents": params.agents.model_dump(),
            "judge": params.judge.model_dump(), "reward": params.reward.model_dump(), "val": dvc_md5(split_file(params, "val")), "index": dvc_md5(params.rollouts.index_dir),
            "tasks": [t["id"] for t in tasks]}
@@ -243,6 +271,10 @@ def run(params: Params) -> dict[str, Any]:
 
     traces = society.run_many(params, tasks, [(s[1], s[0]) for s in societies], tracking.pipeline_run_id(), score=False,
                               description=f"evaluate {len(societies)} societies x {len(tasks)} tasks")
+    for society_, society_traces in zip(societies, traces, strict=True):
+        role, version, deployment = society_[3], society_[4], society_[5]
+        if role is not None and deployment is not None and params.promote.roles[role] == "llm":  # answered by the version evaluated
+            check_served(society_traces, role, version.version, deployment)
     scored = {s[0]: score(params, s[0], s[1], t, tasks, s[2]) for s, t in zip(societies, traces, strict=True)}
     if champion_records is None:
         champion_records, champion_run = scored[societies[0][0]]

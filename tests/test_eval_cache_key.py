@@ -1,0 +1,44 @@
+"""A cached champion evaluation is reused only when everything that scored it is the same (#27: prompts, judge,
+schemas, served weights, worker settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_params
+from pipeline.stages import evaluate
+from tests.conftest import ROOT
+
+
+def test_the_scoring_code_hash_moves_with_a_prompt_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for rel in evaluate.SCORING_CODE:
+        target = tmp_path / rel
+        if rel.endswith(".py"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text("X = 1\n")
+        else:
+            target.mkdir(parents=True, exist_ok=True)
+            (target / "mod.py").write_text("PROMPT = 'You design experimental protocols.'\n")
+    monkeypatch.setattr("pipeline.envs.REPO_ROOT", tmp_path)
+    before = evaluate.code_sha256()
+    (tmp_path / "pipeline/agents/__pycache__").mkdir()
+    (tmp_path / "pipeline/agents/__pycache__/mod.cpython-312.pyc").write_bytes(b"\x00")  # bytecode is not the code
+    assert evaluate.code_sha256() == before
+    (tmp_path / "pipeline/agents/mod.py").write_text("PROMPT = 'You design careful experimental protocols.'\n")
+    assert evaluate.code_sha256() != before
+
+
+def test_served_weights_and_worker_settings_are_part_of_the_key(tmp_path: Path) -> None:
+    model = tmp_path / "base"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    env = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: '{model}', port: 8100}}]"}
+    params = load_params(ROOT / "params.yaml", environ=env)
+    served = evaluate.served_models(params)
+    assert served["base"]["model_md5"] and served["base"]["max_model_len"] == 2048
+    (model / "model.safetensors").write_bytes(b"other weights")
+    assert evaluate.served_models(params)["base"]["model_md5"] != served["base"]["model_md5"]
+    longer = load_params(ROOT / "params.yaml", environ={"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: '{model}', port: 8100, max_model_len: 4096}}]"})
+    assert evaluate.served_models(longer)["base"] != evaluate.served_models(params)["base"]
