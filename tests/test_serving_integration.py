@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from pipeline.config import Params
+from pipeline.digest import artifact_sha256
 from pipeline.schemas import Protocol, Review
 from pipeline.serving import proxy, routing, worker
 
@@ -152,7 +153,8 @@ def test_adapter_published_to_s3_reaches_the_worker_through_its_sidecar(params: 
     try:
         with mlflow.start_run(run_name="s3-adapter") as run:
             mlflow.log_artifacts(str(serving_models / "adapter-a"), "adapter")
-        version = SimpleNamespace(version="7", source=f"runs:/{run.info.run_id}/adapter", tags={"kind": "lora_adapter"})
+        version = SimpleNamespace(version="7", source=f"runs:/{run.info.run_id}/adapter",
+                                  tags={"kind": "lora_adapter", "sha256": artifact_sha256(serving_models / "adapter-a")})
         where = registry.deploy(p, "supervisor", version, worker_of="base")
         adapter = where.split("/", 1)[1]
         assert (tmp_path / "synced" / adapter / "adapter_config.json").exists()  # copied by the sidecar, not by deploy
@@ -180,7 +182,8 @@ def test_promoted_adapter_survives_a_worker_restart(params: Params, serving_mode
     mlflow.set_tracking_uri(mlflow_server)
     with mlflow.start_run(run_name="restart-adapter") as run:
         mlflow.log_artifacts(str(serving_models / "adapter-a"), "adapter")
-    version = SimpleNamespace(version="8", source=f"runs:/{run.info.run_id}/adapter", tags={"kind": "lora_adapter"})
+    version = SimpleNamespace(version="8", source=f"runs:/{run.info.run_id}/adapter",
+                              tags={"kind": "lora_adapter", "sha256": artifact_sha256(serving_models / "adapter-a")})
     base = params.serving.workers[0]
     where = registry.deploy(params, "supervisor", version, worker_of="base")
     adapter = where.split("/", 1)[1]
