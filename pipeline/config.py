@@ -147,6 +147,8 @@ class ServingParams(_Strict):
     workers: list[WorkerParams]
     proxy: ProxyParams = ProxyParams()
     routing_dir: str = "serving/routing"
+    live_file: str = Field("serving/live-routing.json", description="the live routing table as a tracked file (a DVC dep of rollouts "
+                           "and evaluate): a promotion or rollback changes it, so the next `dvc repro` rolls out with the new champions")
     roles: list[str] = ["junior_researcher", "supervisor", "senior_researcher", "review_board", "judge"]
     verify_max_tokens: int = 4
     startup_timeout_s: float = 300.0

@@ -99,7 +99,7 @@ def _lock_md5(clone: Path, stage: str, path: str) -> str:
     return next(o["md5"] for o in lock["stages"][stage]["outs"] if o["path"] == path)
 
 
-def test_make_run_learns_and_a_second_dvc_repro_is_a_noop(cycle: dict) -> None:
+def test_make_run_learns_and_the_next_repro_rolls_out_with_the_promoted_champions(cycle: dict) -> None:
     proc, clone = cycle["proc"], cycle["clone"]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"pipeline run {cycle['run_id']}: FINISHED" in proc.stdout
@@ -138,10 +138,20 @@ def test_make_run_learns_and_a_second_dvc_repro_is_a_noop(cycle: dict) -> None:
     artifacts = [a.path for a in client.list_artifacts(children["validate"].info.run_id, "validation")]
     assert "validation/gx_results.json" in artifacts and "validation/data_docs" in artifacts
 
-    again = subprocess.run(["dvc", "repro"], cwd=clone, env=cycle["env"], capture_output=True, text=True)
-    assert again.returncode == 0
-    assert "Data and pipelines are up to date" in again.stdout + again.stderr
-    assert "Running stage" not in again.stdout
+    # the loop iterates: a promotion rewrote serving/live-routing.json (a dep of rollouts), so the next repro rolls out
+    # again, with the new champions; without one, nothing changed and nothing re-runs
+    again = subprocess.run(["dvc", "repro", "rollouts"], cwd=clone, env=cycle["env"], capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    live = json.loads((clone / "serving/live-routing.json").read_text())
+    assert live["version"] == promotion["routing_version"]
+    if promotion["promoted"]:
+        assert live["version"] != 1 and "Running stage 'rollouts'" in again.stdout, again.stdout[-3000:]
+        second = [json.loads(line) for line in (clone / "data/rollouts/shard-00000.jsonl").read_text().splitlines()]
+        assert second and {t["routing_version"] for t in second} == {promotion["routing_version"]}
+    else:
+        assert "Running stage" not in again.stdout
+    settled = subprocess.run(["dvc", "repro", "rollouts"], cwd=clone, env=cycle["env"], capture_output=True, text=True)
+    assert settled.returncode == 0 and "Running stage" not in settled.stdout  # same routing, same inputs: up to date
 
 
 def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
@@ -298,10 +308,11 @@ def _find(node: object, name: str) -> dict | None:
 
 
 def test_dvc_experiment_reruns_what_a_param_touches_and_exp_show_compares(cycle: dict) -> None:
-    """README's `dvc exp run --set-param ...` on the finished cycle (runs last: it changes the workspace):
-    only the stage whose param changed reruns, and `dvc exp show` lists the experiment with param and metrics."""
+    """README's `dvc exp run --set-param ...` on the finished cycle (runs last: it changes the workspace): the stage
+    whose param changed reruns, and `dvc exp show` lists the experiment with param and metrics. `-s`: after a promotion
+    the workspace's rollouts are a second cycle's (the first test), so everything downstream of them is stale."""
     clone = cycle["clone"]
-    run = subprocess.run(["dvc", "exp", "run", "--name", "eps-02", "--set-param", "bandit.epsilon=0.2", "train_bandit"],
+    run = subprocess.run(["dvc", "exp", "run", "--name", "eps-02", "--set-param", "bandit.epsilon=0.2", "-s", "train_bandit"],
                          cwd=clone, env=cycle["env"], capture_output=True, text=True)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]

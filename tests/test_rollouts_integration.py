@@ -40,7 +40,8 @@ def _with_stack(project: Path, stack: Params) -> dict[str, str]:
     w = s.workers[0]  # only the running worker: `rollouts` brings up every configured one
     workers = f"[{{name: {w.name}, model: '{w.model}', port: {w.port}}}]"
     return {"PIPELINE__SERVING__WORKERS": workers, "PIPELINE__SERVING__HOME": s.home, "PIPELINE__SERVING__ROUTING_DIR": s.routing_dir,
-            "PIPELINE__SERVING__PROXY__PORT": str(s.proxy.port), "PIPELINE__SERVING__PROXY__KEY_FILE": s.proxy.key_file}
+            "PIPELINE__SERVING__PROXY__PORT": str(s.proxy.port), "PIPELINE__SERVING__PROXY__KEY_FILE": s.proxy.key_file,
+            "PIPELINE__SERVING__LIVE_FILE": s.live_file}
 
 
 @pytest.mark.e2e  # `make test-all`: ~2 min of CI; the journal logic it relies on is unit-tested (test_agents_logic.py)

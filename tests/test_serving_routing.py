@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -24,7 +25,8 @@ def params(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return load_params(ROOT / "params.yaml", environ={
         "PIPELINE__SERVING__WORKERS": WORKERS, "PIPELINE__SERVING__HOME": str(tmp_path / "home"),
         "PIPELINE__SERVING__ROUTING_DIR": str(tmp_path / "versions"),
-        "PIPELINE__SERVING__PROXY__KEY_FILE": str(tmp_path / "secrets" / "key")})
+        "PIPELINE__SERVING__PROXY__KEY_FILE": str(tmp_path / "secrets" / "key"),
+        "PIPELINE__SERVING__LIVE_FILE": str(tmp_path / "live-routing.json")})
 
 
 def test_committed_version_covers_every_role() -> None:
@@ -156,3 +158,24 @@ def test_proxy_serves_role_names_only_and_checks_its_key(params, monkeypatch: py
             asyncio.run(user_api_key_auth(None, presented))
         assert err.value.code == "401" and "sk-right" not in err.value.message
     assert yaml.safe_load(proxy.write_config(params).read_text())["general_settings"]["custom_auth"] == "pipeline.serving.auth.user_api_key_auth"
+
+
+def test_the_live_table_is_tracked_and_rewritten_only_when_it_changes(params) -> None:
+    """serving.live_file is a DVC dep of rollouts/evaluate: the same routing must keep the same bytes (no spurious re-run)."""
+    live = Path(params.serving.live_file)
+    table = routing.load_version(params, 1)
+    routing._track(params, {**table, "applied_at": 1.0})
+    first = live.read_text()
+    assert json.loads(first) == {"version": 1, "roles": table["roles"], "policies": {}}
+    stamp = live.stat().st_mtime_ns
+    routing._track(params, {**table, "applied_at": 2.0})
+    assert live.stat().st_mtime_ns == stamp
+    routing._track(params, {**table, "version": 2, "roles": {**table["roles"], "judge": "base/adapter-a"}})
+    assert json.loads(live.read_text())["version"] == 2
+
+
+def test_the_committed_live_table_is_the_committed_first_version() -> None:
+    """A fresh clone's first `make run` applies v1: the tracked file must already say so, or rollouts would look changed."""
+    params = load_params(ROOT / "params.yaml", environ={})
+    table = routing.load_version(params, 1)
+    assert json.loads((ROOT / params.serving.live_file).read_text()) == {"version": 1, "roles": table["roles"], "policies": {}}

@@ -218,6 +218,17 @@ def _activate(params: Params, table: dict[str, Any] | None) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, {**table, "applied_at": time.time()})
+    _track(params, table)
+
+
+def _track(params: Params, table: dict[str, Any]) -> None:
+    """The live table in ``serving.live_file``, rewritten only when it changes (DVC hashes it: the same routing
+    must not look new). The proxy reads the service-state copy; this one says what produced the traces."""
+    live = Path(params.serving.live_file)
+    doc = {"version": table["version"], "roles": table["roles"], "policies": table.get("policies") or {}}
+    text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
+    if not live.exists() or live.read_text() != text:
+        write_text(live, text)
 
 
 def apply(params: Params, version: int) -> dict[str, Any]:
