@@ -39,3 +39,11 @@ def test_no_import_cycles() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def test_no_lower_module_imports_a_stage() -> None:
+    """Stages sit on top: a library module that imports a stage drags the stage's CLI and its whole closure into
+    every caller (and into the stage's DVC deps), and invites cycles."""
+    offenders = {m: sorted(n for n in deps if n.startswith("pipeline.stages.")) for m, deps in _graph().items()
+                 if not m.startswith("pipeline.stages") and m != "pipeline.cli"}
+    assert not {m: d for m, d in offenders.items() if d}

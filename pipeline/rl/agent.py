@@ -75,7 +75,7 @@ class SocietyAgent:
         from pipeline.config import load_params
         from pipeline.rl import store
         from pipeline.serving import routing
-        from pipeline.stages.rollouts import client_settings
+        from pipeline.serving.routing import society_endpoint
 
         event_url = os.environ["AGL_EVENT_URL"]
         m = _EVENT_URL.match(event_url)
@@ -86,7 +86,7 @@ class SocietyAgent:
         params = load_params()
         task = parse_task(os.environ[TASK_ENV])
         rollout_id = m["rollout"]
-        base_url, proxy_key, version = client_settings(params)
+        base_url, proxy_key, version = society_endpoint(params)
         cfg = params.rollouts
         client = GatewayClient.for_agents(params.agents, base_url, proxy_key, cfg.timeout_s, gateway_url=os.environ["AGL_OPENAI_BASE_URL"], gateway_key=key)
         tools = Toolbox(cfg.index_dir, params.agents.search_top_k)

@@ -178,6 +178,19 @@ def _record(params: Params, entry: dict[str, Any]) -> None:
         fh.write(json.dumps({**entry, "at": datetime.now(UTC).isoformat()}) + "\n")
 
 
+def society_endpoint(params: Params) -> tuple[str, str, int | None]:
+    """(OpenAI base URL, key, live routing version) a society's calls go to: ``rollouts.llm_base_url`` when set
+    (an external endpoint, no routing), else the proxy with the live version the traces record."""
+    import os
+
+    base = params.rollouts.llm_base_url  # load_params has already applied PIPELINE__ROLLOUTS__LLM_BASE_URL
+    if base:
+        return base, os.environ.get("LLM_API_KEY", "none"), None
+    url, key = proxy.client_settings(params)
+    live = active(params)
+    return url, os.environ.get("LLM_API_KEY", key), live["version"] if live else None
+
+
 def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0, routing: str | None = None) -> dict[str, str]:
     """One live request per role through the proxy (through evaluation table ``routing`` when given);
     role -> problem for each that failed. A routed policy must load."""

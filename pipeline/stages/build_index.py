@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from pipeline import metrics_files
 from pipeline.config import Params
 from pipeline.io import write_json
 
@@ -36,6 +37,7 @@ def run(params: Params) -> dict[str, int]:
     dbs = fetch_knowledge(params)
     stats = build_index(frames, Path(params.rollouts.index_dir), build_gene_table(*dbs) if dbs else None)
     write_json(METRICS_FILE, stats)
+    metrics_files.write("build_index", stats)
     return stats
 
 

@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from pipeline import metrics_files
 from pipeline.config import Params
 from pipeline.io import atomic_dir, atomic_path, write_json, write_text
 from pipeline.traces import adapters
@@ -162,6 +163,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     result = write(params, built)
     reward_plots(params, built)
     write_json(METRICS_FILE, result)
+    metrics_files.write("datasets", result)
     _report(result, built)
     if args.no_mlflow:
         return 0

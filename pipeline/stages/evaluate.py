@@ -37,6 +37,7 @@ from pipeline.io import atomic_dir, write_json
 
 METRICS_FILE = Path("reports/evaluate.json")
 PLOT = Path("reports/plots/evaluate.png")
+PLOT_CSV = Path("reports/plots/evaluate.csv")  # the same bars for `dvc plots`
 
 
 def champion_table(params: Params, champions: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
@@ -209,12 +210,17 @@ def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], t
 
 
 def plot(summary: dict[str, Any]) -> None:
+    from pipeline.io import write_text
     from pipeline.plots import png
 
     bars: dict[str, list[float]] = {}
     for role, entry in summary["roles"].items():
         bars.setdefault(f"champion ({entry['champion']['label']})", [entry["champion"]["metrics"][c]["mean"] for c in (*CRITERIA, "reward")])
         bars[f"{role} v{entry['candidate']['version']}"] = [entry["candidate"]["metrics"][c]["mean"] for c in (*CRITERIA, "reward")]
+    # one bar per criterion and society, named by role (not version) so `dvc plots diff` lines cycles up
+    by_society = dict(zip(["champion", *summary["roles"]], bars.values(), strict=True)) if bars else {}
+    write_text(PLOT_CSV, "bar,criterion,society,mean\n" + "".join(
+        f"{c}: {s},{c},{s},{values[i]}\n" for i, c in enumerate((*CRITERIA, "reward")) for s, values in by_society.items()))
     with png(PLOT, size=(8, 3.8)) as ax:
         if not bars:
             ax.text(0.5, 0.5, "no candidates this cycle", ha="center", va="center")
@@ -314,7 +320,11 @@ def write_outputs(params: Params, summary: dict[str, Any]) -> None:
                       "diff_p_value": e["difference"]["p_value"], "decision_p_value": e["difference"]["decision"]["p_value"],
                       "n": e["difference"]["n"]}
                for role, e in summary["roles"].items()}
-    write_json(METRICS_FILE, {"tasks": len(summary["tasks"]), "roles": metrics})
+    report = {"tasks": len(summary["tasks"]), "roles": metrics}
+    write_json(METRICS_FILE, report)
+    from pipeline import metrics_files
+
+    metrics_files.write("evaluate", report)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from pipeline import metrics_files
 from pipeline.config import Params
 from pipeline.io import atomic_dir, write_json
 
@@ -39,6 +40,7 @@ def run(params: Params) -> dict[str, Any]:
     result = stats(table)
     result["test_ids_missing_from_source"] = len(missing_test)
     write_json(METRICS_FILE, result)
+    metrics_files.write("ingest", result)
     return result
 
 

@@ -27,6 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from pipeline import metrics_files
 from pipeline.config import BaseModelParams, Params, TestModelParams
 from pipeline.io import atomic_dir, inside, write_json
 
@@ -161,6 +162,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     if args.in_model_plane:  # said by the control plane that spawned us, never guessed from what imports
         result = run(params, args.which)
         write_json(METRICS_FILE, result)
+        metrics_files.write("materialize_model", result)
         print(json.dumps(result, indent=1))
         return 0
     argv = (["--params", args.params_path] if args.params_path else []) + ["materialize-model", "--which", args.which, "--in-model-plane"]

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline import metrics_files
 from pipeline.config import Params
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide
 from pipeline.io import write_json
@@ -110,6 +111,7 @@ def promote_all(params: Params) -> dict[str, Any]:
     mlflow.log_dict(result, "promotion.json")
     if failure is not None:
         write_json(METRICS_FILE, result)
+        metrics_files.write("promote", result)
         raise failure
     return result
 
@@ -130,6 +132,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
         print(f"error: promotion failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
         return 1
     write_json(METRICS_FILE, result)
+    metrics_files.write("promote", result)
     print(f"promote: promoted {result['promoted'] or 'nothing'}; champions {result['champions']}; routing v{result['routing_version']} live; "
           f"evidence in MLflow run {run.info.run_id}")
     return 0

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline import metrics_files
 from pipeline.config import Params
 from pipeline.evaluation.metrics import answer, flat, macro_f1, summarise
 from pipeline.io import atomic_dir, write_json
@@ -66,4 +67,5 @@ def main(args: argparse.Namespace, params: Params) -> int:
     with tracking.stage_run("report", params):
         result = run(params)
     write_json(METRICS_FILE, result)
+    metrics_files.write("report", result)
     return 0

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeline import metrics_files
 from pipeline.config import Params
 from pipeline.io import atomic_open, write_json
 
@@ -123,17 +124,6 @@ def shard_lock(journal: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def client_settings(params: Params) -> tuple[str, str, int | None]:
-    from pipeline.serving import proxy, routing
-
-    base = params.rollouts.llm_base_url  # load_params has already applied PIPELINE__ROLLOUTS__LLM_BASE_URL
-    if base:
-        return base, os.environ.get("LLM_API_KEY", "none"), None
-    url, key = proxy.client_settings(params)
-    live = routing.active(params)
-    return url, os.environ.get("LLM_API_KEY", key), live["version"] if live else None
-
-
 async def run_shard(params: Params, shard: int, run_id: str, progress: Any = None) -> list[dict[str, Any]]:
     tasks = shard_tasks(params, shard)
     journal = journal_path(params, shard)
@@ -148,7 +138,7 @@ async def _run_shard(params: Params, shard: int, run_id: str, tasks: list[dict[s
     from pipeline.agents.tools import Toolbox
     from pipeline.serving import routing
 
-    base_url, key, version = client_settings(params)
+    base_url, key, version = routing.society_endpoint(params)
     done = open_journal(journal, journal_key(params, shard, version, tasks))  # a finished shard rerun starts fresh: no journal
     cfg = params.rollouts
     client = RoleClient.for_agents(params.agents, base_url, key, cfg.timeout_s)
@@ -287,6 +277,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
                 log_traces([json.loads(line) for line in shard_path(params, s).read_text().splitlines()])
     if args.shard is None:
         write_json(METRICS_FILE, results)
+        metrics_files.write("rollouts", results)
     total = results["total"]
     failure_rate = 1 - total["success_rate"]
     print(f"rollouts: {int(total['rollouts'])} rollouts, success {total['success_rate']:.0%}, mean reward {total['mean_reward']:.3f} "

@@ -5,8 +5,8 @@ with cost = -reward. Before trusting it, the learned policy is compared with the
 (the LLM supervisor with epsilon-greedy exploration) by IPS, SNIPS and doubly-robust estimates
 with bootstrap CIs (``pipeline.bandit.ope``); the policy and the DR reward model are cross-fitted
 over ``bandit.folds`` folds, so no decision is scored by a model that trained on it. The final
-policy, trained on every decision, is registered as a version of ``supervisor_policy`` (an MLflow
-pyfunc whose ``predict`` returns each row's action distribution).
+policy, trained on every decision, is registered as a version of ``supervisor_policy`` (a self-contained
+MLflow pyfunc whose ``predict`` returns each row's action distribution; ``log_model``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pipeline.io import atomic_dir, read_rows, write_json
 
 METRICS_FILE = Path("reports/bandit.json")
 PLOT_PNG = Path("reports/plots/bandit_ope.png")
+PLOT_CSV = Path("reports/plots/bandit_ope.csv")  # the same estimates for `dvc plots`
+PLOT_COLUMNS = "bar,estimator,policy,value,ci_low,ci_high\n"
 REGISTERED_NAME = "supervisor_policy"
 
 
@@ -62,9 +64,12 @@ def print_table(estimates: dict[str, dict[str, dict[str, float]]], n: int) -> No
 
 
 def plot(estimates: dict[str, dict[str, dict[str, float]]]) -> None:
+    from pipeline.io import write_text
     from pipeline.plots import png
 
     names = list(next(iter(estimates.values())))
+    write_text(PLOT_CSV, PLOT_COLUMNS + "".join(f"{n}: {p},{n},{p},{t[n]['value']},{t[n]['ci_low']},{t[n]['ci_high']}\n"
+                                                for n in names for p, t in estimates.items()))
     with png(PLOT_PNG) as ax:
         for j, (policy, table) in enumerate(estimates.items()):
             xs = [i + (j - 0.5) * 0.3 for i in range(len(names))]
@@ -89,18 +94,63 @@ def train_final(cfg: BanditParams, examples: list[dict[str, Any]]) -> Path:
     return out / "policy.vw"
 
 
-def register(params: Params, model_file: Path, data_file: Path, examples: list[dict[str, Any]], run: Any) -> Any:
-    import mlflow
+CODE_PACKAGE = "supervisor_bandit"  # what mlflow_model.py imports from the model's code/ folder
+CODE_FILES = ("vw_policy.py", "features.py")  # of pipeline/bandit: the policy's inference, stdlib + vowpalwabbit only
+PIP_REQUIREMENTS = ["vowpalwabbit==9.11.9", "pandas"]
+INPUT_EXAMPLE = {"question": "Does the BRCA1 gene variant change outcomes in patients treated with the drug?",
+                 "candidates": [{"author": "geneticist", "hypothesis": "The variant changes outcomes through DNA repair.",
+                                 "rationale": "BRCA1 repairs DNA.", "evidence_pmids": ["12345678"]},
+                                {"author": "pharmacologist", "hypothesis": "The drug works the same with or without the variant.",
+                                 "rationale": "", "evidence_pmids": []}]}
 
-    from pipeline import lineage, registry
+
+def signature() -> Any:
+    """Rows of ``question`` + ``candidates`` (hypothesis dicts) -> each row's action distribution."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, DataType, Schema
+    from mlflow.types.schema import Array, Object, Property
+
+    candidate = Object([Property("author", DataType.string), Property("hypothesis", DataType.string),
+                        Property("rationale", DataType.string, required=False),
+                        Property("evidence_pmids", Array(DataType.string), required=False)])
+    return ModelSignature(inputs=Schema([ColSpec(DataType.string, "question"), ColSpec(Array(candidate), "candidates")]),
+                          outputs=Schema([ColSpec(Array(DataType.double))]))
+
+
+def log_model(model_file: Path, name: str = REGISTERED_NAME) -> Any:
+    """Log the policy as a self-contained MLflow pyfunc in the active run: ``mlflow_model.py`` as the model's
+    code, ``CODE_FILES`` as the package ``CODE_PACKAGE`` in its ``code/`` folder, the ``.vw`` file as the
+    artifact ``vw_model``, a signature and an input example. Nothing of the ``pipeline`` package is needed
+    to load it."""
+    import shutil
+    import tempfile
+
+    import mlflow
+    import pandas as pd
+
     from pipeline.bandit import mlflow_model
 
-    info = mlflow.pyfunc.log_model(name="supervisor_policy", python_model=mlflow_model.__file__,
-                                   artifacts={"vw_model": str(model_file)}, pip_requirements=["vowpalwabbit==9.11.9", "pandas"])
+    src = Path(mlflow_model.__file__).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        package = Path(tmp, CODE_PACKAGE)
+        package.mkdir()
+        (package / "__init__.py").write_text('"""The supervisor policy\'s inference code, logged with the model (pipeline/bandit)."""\n')
+        for rel in CODE_FILES:
+            shutil.copyfile(src / rel, package / rel)
+        return mlflow.pyfunc.log_model(name=name, python_model=mlflow_model.__file__, artifacts={"vw_model": str(model_file)},
+                                       code_paths=[str(package)], signature=signature(), input_example=pd.DataFrame([INPUT_EXAMPLE]),
+                                       pip_requirements=PIP_REQUIREMENTS)
+
+
+def register(params: Params, model_file: Path, data_file: Path, examples: list[dict[str, Any]], run: Any) -> Any:
+    from pipeline import lineage, registry
+
+    info = log_model(model_file)
     tags = lineage.tags(run, data_file.parent, examples, params.rollouts.out_dir, role="supervisor", kind="contextual_bandit",
                         **{"lineage.base_model": "vw --cb_explore_adf"})
     return registry.register_candidate(params, REGISTERED_NAME, info.model_uri, run.info.run_id, tags,
-                                    description="Contextual bandit that picks the supervisor's hypothesis (VW cb_explore_adf)")
+                                       description="Contextual bandit that picks the supervisor's hypothesis (VW cb_explore_adf)",
+                                       artifact=model_file)  # sha256 of policy.vw: load_policy checks it before VW reads the file
 
 
 def no_signal_reason(examples: list[dict[str, Any]]) -> str | None:
@@ -119,7 +169,13 @@ def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
 
     with atomic_dir(Path(params.bandit.out_dir)) as tmp:
         write_json(tmp / "no_signal.json", {"no_signal": True, "no_signal_reason": reason})
-    write_json(METRICS_FILE, {"no_signal": True, "no_signal_reason": reason})
+    report = {"no_signal": True, "no_signal_reason": reason}
+    write_json(METRICS_FILE, report)
+    from pipeline import metrics_files
+    from pipeline.io import write_text
+
+    metrics_files.write("train_bandit", report)
+    write_text(PLOT_CSV, PLOT_COLUMNS)
     plots.message(PLOT_PNG, f"no signal: {reason}")
     print(f"train_bandit: no_signal, nothing trained or registered: {reason}")
     if not no_mlflow:
@@ -148,6 +204,9 @@ def main(args: argparse.Namespace, params: Params) -> int:
     result: dict[str, Any] = {"decisions": len(examples), "ope": estimates,
               "dr_gain": estimates["learned"]["dr"]["value"] - estimates["logging"]["dr"]["value"]}
     write_json(METRICS_FILE, result)
+    from pipeline import metrics_files
+
+    metrics_files.write("train_bandit", result)
     if args.no_mlflow:
         return 0
     from pipeline import tracking

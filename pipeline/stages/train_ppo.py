@@ -306,7 +306,7 @@ def _log_curves(history: list[dict[str, Any]]) -> None:
     from pipeline.plots import png
 
     rows = [h for h in history if "reward" in h]
-    write_text(CURVE_CSV, "step,reward,kl\n" + "".join(f"{h['step']},{h['reward']},{h.get('kl', '')}\n" for h in rows))
+    write_text(CURVE_CSV, "step,reward,kl\n" + "".join(f"{h['step']},{h['reward']},{'' if h.get('kl') is None else h['kl']}\n" for h in rows))
     with png(CURVE_PNG) as ax:
         steps = [h["step"] for h in rows]
         ax.plot(steps, [h["reward"] for h in rows], "o-", label="mean reward of sampled completions")
@@ -373,6 +373,9 @@ def main(args: argparse.Namespace, params: Params) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         write_json(METRICS_FILE, metrics)
+        from pipeline import metrics_files
+
+        metrics_files.write("train_ppo", metrics)
         # the CPU path's training samples are its scored completions: into the RL trace store with them
         import shutil
 
@@ -410,6 +413,9 @@ def main(args: argparse.Namespace, params: Params) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
             write_json(METRICS_FILE, {**metrics, "fallback_reason": why})
+            from pipeline import metrics_files
+
+            metrics_files.write("train_ppo", metrics)
             print(_summary(metrics))
         else:
             rc = run_in_model_plane(argv)

@@ -26,11 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline import metrics_files
 from pipeline.config import Params, SftParams
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
 
 METRICS_FILE = Path("reports/train_sft.json")
 LOSS_CSV = Path("reports/plots/sft_loss.csv")
+EVAL_CSV = Path("reports/plots/sft_eval_loss.csv")
 LOSS_PNG = Path("reports/plots/sft_loss.png")
 
 
@@ -166,12 +168,15 @@ def train(params: Params) -> dict[str, Any]:
     return metrics
 
 
-def _log_curves(history: list[dict[str, Any]]) -> None:
+def _log_curves(history: list[dict[str, Any]], eval_before: float | None = None) -> None:
     from pipeline.plots import png
 
     train = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    # the base model's eval loss at step 0, then each evaluation (the final one repeats the last step's: kept once)
+    evals = sorted({h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}.items())
+    evals = ([(0, eval_before)] if eval_before is not None else []) + evals
     write_text(LOSS_CSV, "step,loss\n" + "".join(f"{s},{v}\n" for s, v in train))
+    write_text(EVAL_CSV, "step,eval_loss\n" + "".join(f"{s},{v}\n" for s, v in evals))
     with png(LOSS_PNG) as ax:
         ax.plot(*zip(*train, strict=True), label="train loss (completion tokens)")
         if evals:
@@ -191,7 +196,7 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     cfg = params.sft
     out = Path(cfg.out_dir)
     history = json.loads((out / "log_history.json").read_text())
-    _log_curves(history)
+    _log_curves(history, metrics.get("eval_loss_before"))
     mlflow.set_tags({"backend": metrics["backend"], "fallback_reason": metrics.get("fallback_reason") or ""})
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"]},
@@ -221,7 +226,9 @@ def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
     with atomic_dir(Path(params.sft.out_dir)) as tmp:
         write_json(tmp / "train_meta.json", metrics)
     write_json(METRICS_FILE, metrics)
+    metrics_files.write("train_sft", metrics)
     write_text(LOSS_CSV, "step,loss\n")
+    write_text(EVAL_CSV, "step,eval_loss\n")
     plots.message(LOSS_PNG, f"no signal: {reason}")
     print(f"train_sft: no_signal, nothing trained or registered: {reason}")
     if not no_mlflow:
@@ -239,6 +246,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         write_json(METRICS_FILE, metrics)
+        metrics_files.write("train_sft", metrics)
         print(_summary(metrics))
         return 0
     path = data_file(params)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from pipeline import metrics_files
 from pipeline.config import Params
 from pipeline.io import atomic_dir, write_json
 
@@ -70,6 +71,7 @@ def run(params: Params) -> dict[str, Any]:
     write_json(report_dir / "gx_results.json", raw)
     write_json(report_dir / "failures.json", {"final": failure_dicts(failures), "before_quarantine": failure_dicts(first_pass)})
     write_json(METRICS_FILE, summary)
+    metrics_files.write("validate", summary)
     if failures:
         raise ValidationFailed([f.describe() for f in failures], str(report_dir))
     with atomic_dir(cfg.out_dir) as tmp:
