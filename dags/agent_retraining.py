@@ -66,6 +66,15 @@ def _apply_run_params(ctx: Any) -> None:
             os.environ[env] = str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _params_file(ctx: Any) -> str:
+    """The file every task of this run reads: the run's effective params (written by `open_run` from the params
+    file and the run's Params, logged on the MLflow run), so every stage, MLflow and dvc.lock see the same values."""
+    from pipeline.runs import effective_file
+
+    path = effective_file(os.environ["PIPELINE_RUN_ID"])
+    return str(path) if (PROJECT_ROOT / path).exists() else ctx["params"]["params_file"]
+
+
 def _record_failure(context: Any) -> None:
     """on_failure_callback: the failed task (and why) on the MLflow parent run; never raises."""
     ti = context["ti"]
@@ -122,7 +131,7 @@ def _run_stage(stage: str, *extra: str) -> None:
     _apply_run_params(ctx)
     from pipeline.cli import main
 
-    rc = main(["--params", ctx["params"]["params_file"], stage, *extra])
+    rc = main(["--params", _params_file(ctx), stage, *extra])
     if rc == 1 and stage == "validate":
         raise AirflowFailException("validation failed: see the task log and reports/validation/")
     if rc != 0:
@@ -158,7 +167,7 @@ def _run_stage(stage: str, *extra: str) -> None:
 def agent_retraining() -> None:
     @task
     def open_run() -> str:
-        _run_stage("run", "open")
+        _run_stage("run", "open", "--write-params")  # the run's effective params file: what every later task reads
         return os.environ["PIPELINE_RUN_ID"]
 
     @task
@@ -192,7 +201,7 @@ def agent_retraining() -> None:
 
         ctx = get_current_context()
         _apply_run_params(ctx)  # the `shards` Param, if set, decides how many mapped tasks there are
-        return list(range(load_params(ctx["params"]["params_file"]).rollouts.shards))
+        return list(range(load_params(_params_file(ctx)).rollouts.shards))
 
     @task(**GPU, max_active_tis_per_dagrun=2, map_index_template="shard {{ task.op_kwargs['shard'] }}")
     def rollouts(shard: int) -> None:
@@ -250,7 +259,7 @@ def agent_retraining() -> None:
 
             ctx = get_current_context()
             _apply_run_params(ctx)
-            params = load_params(ctx["params"]["params_file"])
+            params = load_params(_params_file(ctx))
             uri, parent = tracking.setup(params), tracking.parent_run(params)
 
             print(f"MLflow: {uri}/#/experiments/{tracking.experiment_id(params)}/runs/{parent}")
@@ -279,10 +288,9 @@ def agent_retraining() -> None:
         # whether `report` ran, from its task state (the branch's XCom shape differs across Airflow versions)
         reported = ctx["ti"].get_ti_count(dag_id=ctx["dag"].dag_id, task_ids=["report"], run_ids=[ctx["run_id"]], states=["success"]) > 0
         skipped = {f"train_{t}" for t in TRAINERS if t not in ctx["params"]["trainers"]} | (set() if reported else {"report"})
-        dvc = [sys.executable, "-m", "dvc"]
         stages = [s for s in STAGES if s not in skipped]
-        subprocess.run([*dvc, "commit", "--force", *stages], cwd=PROJECT_ROOT, check=True)
-        subprocess.run([*dvc, "push"], cwd=PROJECT_ROOT, check=True)
+        _run_stage("run", "commit-lock", "--stages", *stages)  # dvc.lock records the values this run used
+        subprocess.run([sys.executable, "-m", "dvc", "push"], cwd=PROJECT_ROOT, check=True)
 
     @task
     def close_run() -> None:

@@ -570,6 +570,18 @@ def read_params_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
     return _deep_merge(read_params_file(path.parent / parent, (*_seen, path.resolve())), raw)
 
 
+def effective_raw(path: str | Path | None = None, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The params file as written (``extends`` resolved) with the environment's ``PIPELINE__`` overrides applied,
+    validated: what a run's stages actually use, in the file's own shape (not a dump of every default)."""
+    path = Path(path or os.environ.get("PIPELINE_PARAMS") or DEFAULT_PARAMS)
+    raw = _apply_env_overrides(read_params_file(path), dict(os.environ if environ is None else environ))
+    try:
+        Params.model_validate(raw)
+    except ValidationError as exc:
+        raise ParamsError(_format_errors(path, exc)) from None
+    return raw
+
+
 def load_params(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Params:
     """Read (with ``extends``), override from the environment, and validate; raise ParamsError naming bad keys."""
     path = Path(path or os.environ.get("PIPELINE_PARAMS") or DEFAULT_PARAMS)

@@ -1,20 +1,59 @@
 """Open and close the MLflow parent run of one pipeline run (``make run`` and the DAG use this).
 
 ``open`` prints the pipeline run id to export as ``PIPELINE_RUN_ID`` so that every stage process
-logs its child run under the same parent; ``close`` marks the parent finished or failed; ``fail``
-records a failed task on it (the DAG's failure callback); ``times`` prints each stage run's wall time.
+logs its child run under the same parent; with ``--write-params`` it also writes the run's
+*effective* params (the params file plus this process's ``PIPELINE__`` overrides, i.e. a DAG run's
+UI Params) to ``.runs/<run id>/params.yaml`` and logs it on the parent run: every later task of the
+run reads that file. ``commit-lock`` records the run's outputs in ``dvc.lock`` with the values that
+produced them (DVC reads ``params.yaml``, so the effective file stands in for it during ``dvc commit``
+and the original comes back after: a later ``dvc status`` then says which stages ran with other
+values than the file holds). ``close`` marks the parent finished or failed; ``fail`` records a failed
+task on it (the DAG's failure callback); ``times`` prints each stage run's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+from pathlib import Path
 
-from pipeline.config import Params
+import yaml
+
+from pipeline.config import DEFAULT_PARAMS, Params, effective_raw
+from pipeline.io import write_text
+
+RUNS_DIR = Path(".runs")
+
+
+def effective_file(run_key: str) -> Path:
+    return RUNS_DIR / run_key / "params.yaml"
+
+
+def write_effective(params_path: str | None, run_key: str) -> Path:
+    """The run's effective params as a file (the params file's shape, overrides applied)."""
+    out = effective_file(run_key)
+    write_text(out, f"# effective params of pipeline run {run_key}: {params_path or DEFAULT_PARAMS} + the run's overrides\n"
+               + yaml.safe_dump(effective_raw(params_path), sort_keys=False))
+    return out
+
+
+def commit_lock(effective: Path, stages: list[str]) -> None:
+    """``dvc commit --force STAGES`` with the effective params standing in for params.yaml (restored whatever happens)."""
+    target = Path(DEFAULT_PARAMS)
+    saved = target.read_bytes()
+    try:
+        target.write_bytes(effective.read_bytes())
+        subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", *stages], check=True)
+    finally:
+        target.write_bytes(saved)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["open", "close", "fail", "times"])
+    parser.add_argument("action", choices=["open", "close", "fail", "times", "commit-lock"])
+    parser.add_argument("--write-params", action="store_true", help="open: write the run's effective params to .runs/<run id>/params.yaml")
+    parser.add_argument("--stages", nargs="*", default=[], help="commit-lock: the stages whose outputs this run produced")
     parser.add_argument("--task", default=None, help="fail: the task that failed")
     parser.add_argument("--error", default="", help="fail: why")
     parser.add_argument("--try-number", type=int, default=None)
@@ -28,7 +67,17 @@ def main(args: argparse.Namespace, params: Params) -> int:
     if args.run_id:
         os.environ[tracking.RUN_ID_ENV] = args.run_id
     run_key = tracking.pipeline_run_id()
+    if args.action == "commit-lock":
+        effective = Path(args.params_path) if args.params_path else effective_file(run_key)
+        commit_lock(effective, args.stages)
+        print(f"dvc.lock: {len(args.stages)} stage(s) committed with the params of {effective}")
+        return 0
     mlflow_run = tracking.parent_run(params)
+    if args.action == "open" and args.write_params:
+        from mlflow import MlflowClient
+
+        path = write_effective(args.params_path, run_key)
+        MlflowClient().log_artifact(mlflow_run, str(path), "params")
     if args.action == "close":
         tracking.finish_parent(params, args.status)
     if args.action == "times":

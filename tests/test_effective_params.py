@@ -1,0 +1,52 @@
+"""An honest lock under Airflow (#27): a DAG run's effective params (its params file + its UI Params) are one file that
+every task reads, that MLflow keeps, and that dvc.lock records, instead of params.yaml's values."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import runs
+from pipeline.config import load_params
+from tests.conftest import ROOT
+
+
+def test_the_effective_file_is_the_params_file_plus_the_runs_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(ROOT / "params", tmp_path / "params")
+    monkeypatch.setenv("PIPELINE__PROMOTE__MARGIN", "0.1")  # a DAG run's `margin` Param
+    path = runs.write_effective("params/gpu.yaml", "run-1")
+    assert path == Path(".runs/run-1/params.yaml")
+    raw = yaml.safe_load(path.read_text())
+    assert "extends" not in raw and raw["promote"]["margin"] == 0.1 and raw["ppo"]["backend"] == "verl"  # the profile, resolved
+    monkeypatch.delenv("PIPELINE__PROMOTE__MARGIN")
+    params = load_params(path)  # a later task, without the run's environment, reads the same values
+    assert params.promote.margin == 0.1 and params.validate_.labels == ["yes", "no", "maybe"]
+    untouched = runs.write_effective(None, "run-2")  # no overrides: the file's own values, nothing else
+    assert yaml.safe_load(untouched.read_text()) == yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def test_dvc_lock_records_the_values_that_produced_the_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True, env=env)
+    (tmp_path / "params.yaml").write_text("promote:\n  margin: 0.0\n")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  promote:\n    cmd: echo\n    params: [promote]\n    outs: [decision.txt]\n")
+    (tmp_path / "decision.txt").write_text("promoted with margin 0.1\n")
+    effective = tmp_path / ".runs/r/params.yaml"
+    effective.parent.mkdir(parents=True)
+    effective.write_text("promote:\n  margin: 0.1\n")
+    monkeypatch.chdir(tmp_path)
+    runs.commit_lock(effective, ["promote"])
+    lock = yaml.safe_load((tmp_path / "dvc.lock").read_text())
+    assert lock["stages"]["promote"]["params"]["params.yaml"]["promote"] == {"margin": 0.1}
+    assert (tmp_path / "params.yaml").read_text() == "promote:\n  margin: 0.0\n"  # the file is back as it was
+    status = subprocess.run([sys.executable, "-m", "dvc", "status", "promote"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert "modified:" in status.stdout and "promote" in status.stdout  # honest: the output was produced with other values than the file holds
