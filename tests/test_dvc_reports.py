@@ -101,7 +101,9 @@ def test_headlines_are_few_and_exist_in_the_committed_report(stage: str) -> None
     headlines = metrics_files.HEADLINES[stage]
     assert len(headlines) <= metrics_files.MAX_KEYS
     assert len(set(headlines)) == len(headlines)
-    missing = [h for h in headlines if not metrics_files.lookup(report, h)]
+    # a no-signal run has no training figures and a cycle without a challenger no per-role ones: only a headline the
+    # report could never hold is a mistake
+    missing = [h for h in headlines if not metrics_files.lookup(report, h) and not report.get("no_signal") and "*" not in h]
     assert not missing, f"{stage}: not in {_detailed_report(_dvc()['stages'][stage])}: {missing}"
     selected = metrics_files.select(stage, report)
     assert 0 < len(selected) <= metrics_files.MAX_KEYS, f"{stage}: {len(selected)} keys: `dvc metrics show` would not fit"
