@@ -108,9 +108,12 @@ def test_prod_stack_is_what_compose_describes(tmp_path: Path) -> None:
 
     compose = yaml.safe_load((INFRA / "docker-compose.yml").read_text())
     assert set(prod_stack.COMPOSE.values()) <= set(compose["services"])
-    # compose's other services: the serving plane (started by the stages here), init steps (db migrate, buckets: same code)
-    assert set(compose["services"]) - set(prod_stack.COMPOSE.values()) == {"litellm", "vllm-base", "airflow-init", "minio-init"}
+    # compose's other services: the serving plane (started by the stages here), init steps (db migrate, buckets, MLflow's
+    # users: the same code)
+    assert set(compose["services"]) - set(prod_stack.COMPOSE.values()) == {"litellm", "vllm-base", "airflow-init", "minio-init",
+                                                                           "mlflow-init"}
     assert compose["services"]["minio-init"]["command"] == "python -m pipeline prod buckets"
+    assert compose["services"]["mlflow-init"]["command"] == "python -m pipeline prod mlflow-users"
     compose_env = compose["x-airflow"]["environment"]
     params = load_params(INFRA.parent / "params.yaml", environ={"PIPELINE__PROD_STACK__HOME": str(tmp_path)})
     ours = prod_stack.airflow_env(params.prod_stack)
@@ -658,3 +661,231 @@ def test_a_remote_proxy_is_health_checked_never_started_here(tmp_path: Path) -> 
                                                         "PIPELINE__SERVING__HOME": str(tmp_path)})
     with pytest.raises(ServiceError, match="remote and not healthy; it is not started from here"):
         proxy.up(params)
+
+
+# --- i. every service asks for credentials; no secret on a command line (issue #26) ---------------------------------
+
+def _example_secrets() -> set[str]:
+    """The secret variables of the committed example env files: every name left empty there (the rest are settings)."""
+    names: set[str] = set()
+    for path in INFRA.glob("*.example"):
+        for line in path.read_text().splitlines():
+            if line and not line.startswith("#") and line.endswith("="):
+                names.add(line[:-1])
+    return names
+
+
+def test_compose_mlflow_runs_the_basic_auth_app(tmp_path: Path) -> None:
+    """compose's MLflow is the basic-auth app with the same auth settings `make prod-stack` writes (every user reads,
+    grants write), its admin password and Flask key from mlflow.env (which only MLflow's services read), its stores'
+    URIs without passwords; the Airflow services authenticate as the writer user mlflow-init creates."""
+    import configparser
+
+    from pipeline.config import load_params
+    from pipeline.services import prod_stack
+
+    compose = yaml.safe_load((INFRA / "docker-compose.yml").read_text())
+    services = compose["services"]
+    mlflow = services["mlflow"]
+    (argv,) = _compose_argvs(_interpolate(mlflow["command"]))
+    assert argv[:3] == ["mlflow", "server", "--app-name"] and _flag(argv, "--app-name") == "basic-auth"
+    assert "--backend-store-uri" not in argv
+    env = mlflow["environment"]
+    assert urlsplit(env["MLFLOW_BACKEND_STORE_URI"]).password is None and env["PGPASSWORD"] == "${POSTGRES_PASSWORD}"
+    mount = next(m for m in mlflow["volumes"] if m.split(":")[1] == env["MLFLOW_AUTH_CONFIG_PATH"])
+    ini = configparser.ConfigParser()
+    ini.read(INFRA / mount.split(":")[0])
+    params = load_params(ROOT / "params.yaml", environ={"PIPELINE__PROD_STACK__HOME": str(tmp_path)})
+    ours = configparser.ConfigParser()
+    ours.read_string(prod_stack.mlflow_auth_ini(params.prod_stack))
+    assert ini["mlflow"]["default_permission"] == ours["mlflow"]["default_permission"] == "READ"
+    assert {k: v for k, v in ini["mlflow"].items() if k != "database_uri"} == {k: v for k, v in ours["mlflow"].items() if k != "database_uri"}
+    for config in (ini, ours):
+        uri = urlsplit(config["mlflow"]["database_uri"])
+        assert uri.path == "/mlflow_auth" and uri.password is None and "admin_password" not in config["mlflow"]
+    assert "mlflow_auth" in (INFRA / "postgres-init.sql").read_text() and "mlflow_auth" in prod_stack.DATABASES
+    # the server's own secrets: mlflow.env, read by MLflow's services only
+    holders = {name for name, svc in services.items() if "mlflow.env" in (svc.get("env_file") or [])}
+    assert holders == {"mlflow", "mlflow-init"}
+    server_secrets = {"MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_READER_PASSWORD"}
+    example = (INFRA / "mlflow.env.example").read_text()
+    assert all(f"\n{name}=\n" in example for name in server_secrets)
+    assert not any(name in (INFRA / "env.example").read_text() for name in server_secrets)
+    # the Airflow services: the writer user, its password from the environment
+    airflow_env = compose["x-airflow"]["environment"]
+    assert airflow_env["MLFLOW_TRACKING_USERNAME"] == prod_stack.MLFLOW_USERS["writer"]
+    assert airflow_env["MLFLOW_TRACKING_PASSWORD"] == "${MLFLOW_WRITER_PASSWORD}"  # noqa: S105 - a variable's name
+    assert compose["x-airflow"]["depends_on"]["mlflow-init"] == {"condition": "service_completed_successfully"}
+    # Kubernetes: the pods that log to MLflow read the writer's credentials from a Secret
+    values = yaml.safe_load((K8S / "airflow-values.yaml").read_text())
+    pods = _pods()
+    for label, env_from in (("airflow-values.yaml", yaml.safe_load(values["extraEnvFrom"])),
+                            ("Pod/gpu-task", pods["Pod/gpu-task"][2]["containers"][0]["envFrom"]),
+                            ("RayCluster/verl/head", pods["RayCluster/verl/head"][2]["containers"][0]["envFrom"])):
+        assert {"secretRef": {"name": "mlflow-writer-credentials"}} in env_from, label
+
+
+def test_compose_redis_requires_a_password_from_a_secret() -> None:
+    """Redis reads requirepass from a compose secret on its stdin (no argv), the secret is .env's REDIS_PASSWORD, and the
+    Celery broker URL of every Airflow service carries that password; Postgres asks for SCRAM passwords on the socket too."""
+    compose = yaml.safe_load((INFRA / "docker-compose.yml").read_text())
+    redis = compose["services"]["redis"]
+    shell, flag, script = redis["command"]
+    assert (shell, flag) == ("sh", "-c")
+    assert script.startswith("exec redis-server - <<EOF\n") and "requirepass $$(cat /run/secrets/redis_password)" in script
+    assert redis["secrets"] == ["redis_password"] and compose["secrets"]["redis_password"] == {"environment": "REDIS_PASSWORD"}
+    assert "REDIS_PASSWORD" in _example_secrets()
+    broker = compose["x-airflow"]["environment"]["AIRFLOW__CELERY__BROKER_URL"]
+    url = urlsplit(_interpolate(broker, {"REDIS_PASSWORD": "from-the-env"}))
+    assert url.scheme == "redis" and url.hostname == "redis" and url.password == "from-the-env"  # noqa: S105 - a test value
+    postgres = compose["services"]["postgres"]["environment"]
+    assert postgres["POSTGRES_HOST_AUTH_METHOD"] == "scram-sha-256"
+    assert set(postgres["POSTGRES_INITDB_ARGS"].split()) == {"--auth-local=scram-sha-256", "--auth-host=scram-sha-256"}
+
+
+def test_no_secret_on_any_command_line_in_compose() -> None:
+    """`ps` in a container shows every argv: no compose command or healthcheck interpolates a secret variable (the
+    empty names of the example env files), and none carries a URL with a password."""
+    compose = yaml.safe_load((INFRA / "docker-compose.yml").read_text())
+    secret_names = _example_secrets()
+    assert {"POSTGRES_PASSWORD", "REDIS_PASSWORD", "MLFLOW_WRITER_PASSWORD", "MLFLOW_AUTH_ADMIN_PASSWORD", "VLLM_API_KEY",
+            "LITELLM_MASTER_KEY", "AWS_SECRET_ACCESS_KEY"} <= secret_names
+    for name, svc in compose["services"].items():
+        lines = [svc.get("command") or "", (svc.get("healthcheck") or {}).get("test") or ""]
+        text = "\n".join(" ".join(map(str, x)) if isinstance(x, list) else str(x) for x in lines)
+        used = set(re.findall(r"\$\{?(\w+)", text.replace("$$", "")))
+        assert not used & secret_names, f"{name}: {sorted(used & secret_names)} on a command line"
+        assert not re.search(r"://[^/\s:@]*:[^/\s@]+@", text), f"{name}: a URL with a password on a command line"
+
+
+# --- j. NetworkPolicies and the Ray dashboard --------------------------------------------------------------------
+
+# pods these manifests do not define, with the labels they carry: the Airflow chart's (its own labels: tier=airflow on
+# every pod it creates) and the services deployed beside the manifests (the labels infra/README.md asks for)
+OTHER_PODS = {
+    "airflow-worker": {"tier": "airflow", "component": "worker", "release": "airflow"},   # a KubernetesExecutor task pod
+    "airflow-api-server": {"tier": "airflow", "component": "api-server", "release": "airflow"},
+    "airflow-scheduler": {"tier": "airflow", "component": "scheduler", "release": "airflow"},
+    "redis": {"tier": "airflow", "component": "redis", "release": "airflow"},
+    "postgres": {"app.kubernetes.io/name": "postgresql", "app.kubernetes.io/instance": "airflow"},
+    "litellm": {"app": "litellm"}, "mlflow": {"app": "mlflow"}, "minio": {"app": "minio"},
+}
+AIRFLOW_PODS = {"airflow-worker", "airflow-api-server", "airflow-scheduler", "redis", "gpu-task"}
+RAY_PODS = {"ray-head", "ray-worker"}
+# who the architecture needs to reach each pod, on the port it serves (docs/architecture.md, infra/README.md)
+EXPECTED_INGRESS: dict[tuple[str, int], set[str]] = {
+    ("litellm", 4000): AIRFLOW_PODS | {"ray-head", "rollout"},
+    ("vllm-society", 8000): {"litellm", "gpu-task", "ray-head"},
+    ("vllm-judge", 8001): {"litellm", "gpu-task", "ray-head"},
+    ("mlflow", 5000): AIRFLOW_PODS | {"ray-head"},
+    ("minio", 9000): AIRFLOW_PODS | {"ray-head", "mlflow", "vllm-society"},   # vllm-society: its sync-adapters sidecar
+    ("ray-head", 8090): RAY_PODS | {"rollout"},                                  # the RL gateway (agl-gateway)
+    ("ray-head", 8265): RAY_PODS,                                                # Ray's dashboard (on loopback anyway)
+    ("ray-head", 6379): RAY_PODS,                                                # Ray's GCS
+    ("ray-worker", 10002): RAY_PODS,
+    ("postgres", 5432): AIRFLOW_PODS | {"mlflow"},
+    ("redis", 6379): AIRFLOW_PODS,
+    ("airflow-api-server", 8080): AIRFLOW_PODS,                                  # the execution API of task pods
+    ("gpu-task", 8793): AIRFLOW_PODS,                                            # a task pod's log server
+    ("rollout", 8080): set(),                                                    # nothing connects to a rollout Job
+}
+
+
+def _policies() -> list[dict[str, Any]]:
+    return [d for _, d in _manifests() if d["kind"] == "NetworkPolicy"]
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels + matchExpressions) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def _admits(policies: list[dict[str, Any]], target: dict[str, str], port: int, client: dict[str, str]) -> bool:
+    """Whether some ingress policy selecting the target pod lets the client pod (same namespace) in on ``port``."""
+    for policy in policies:
+        spec = policy["spec"]
+        if "Ingress" not in spec.get("policyTypes", ["Ingress"]) or not _selects(spec["podSelector"], target):
+            continue
+        for rule in spec.get("ingress") or []:
+            if rule.get("ports") and not any(p.get("port") == port for p in rule["ports"]):
+                continue
+            if any(_selects(peer["podSelector"], client) for peer in rule["from"]):
+                return True
+    return False
+
+
+def _network_pods(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, str]]:
+    """name -> labels of every pod the policies concern: ours (the manifests, the rendered rollout Job) and the others."""
+    pods = _pods()
+    job = _render_job(_k8s_params(_ray_head()[2]), monkeypatch)
+    ours = {"gpu-task": pods["Pod/gpu-task"][1], "ray-head": pods["RayCluster/verl/head"][1], "ray-worker": pods["RayCluster/verl/gpu"][1],
+            "vllm-society": pods["Deployment/vllm-society"][1], "vllm-judge": pods["Deployment/vllm-judge"][1],
+            "rollout": job["spec"]["template"]["metadata"]["labels"]}
+    return {**ours, **OTHER_PODS}
+
+
+def test_network_policies_deny_by_default_and_validate() -> None:
+    """Every NetworkPolicy validates against Kubernetes' schema; one denies all ingress in the namespace; every allow rule
+    names its clients as pods of the namespace (no rule open to everything, no other namespace, no IP block)."""
+    policies = _policies()
+    for policy in policies:
+        _validate(policy, f"network-policies.yaml: NetworkPolicy/{policy['metadata']['name']}")
+        assert policy["metadata"]["namespace"] == "mlops", policy["metadata"]["name"]
+    deny = [p for p in policies if p["spec"]["podSelector"] == {} and p["spec"]["policyTypes"] == ["Ingress"] and not p["spec"].get("ingress")]
+    assert len(deny) == 1, "one default-deny ingress policy for the whole namespace"
+    for policy in policies:
+        for rule in policy["spec"].get("ingress") or []:
+            assert rule.get("from"), f"{policy['metadata']['name']}: a rule without `from` admits every pod and address"
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"} and peer["podSelector"], f"{policy['metadata']['name']}: {peer}"
+
+
+def test_every_service_admits_exactly_its_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each Service (ours and the ones deployed beside the manifests), and each pod-to-pod path that has none, admits
+    exactly the clients the architecture needs on its port: e.g. the proxy <- Airflow, Ray head, rollout Jobs; vLLM <- the
+    proxy, GPU task pods, Ray head; MLflow <- Airflow, Ray head; the gateway <- rollout Jobs; nothing reaches a rollout Job."""
+    policies = _policies()
+    pods = _network_pods(monkeypatch)
+    for (target, port), expected in EXPECTED_INGRESS.items():
+        admitted = {name for name, labels in pods.items() if _admits(policies, pods[target], port, labels)}
+        assert admitted == expected, f"{target}:{port}: admits {sorted(admitted - expected)} too, not {sorted(expected - admitted)}"
+    # every Service's pods and port are among the paths above
+    services = {name: svc["spec"] for (_, name), svc in _objects("Service").items()}
+    services |= {name: {"selector": OTHER_PODS[name], "ports": [{"port": port, "targetPort": port}]}
+                 for name, port in (("mlflow", 5000), ("minio", 9000), ("litellm", 4000))}
+    assert set(services) >= EXTERNAL_SERVICES
+    for name, spec in services.items():
+        behind = [pod for pod, labels in pods.items() if spec["selector"].items() <= labels.items()]
+        assert behind, f"Service {name} selects no pod"
+        for pod in behind:
+            for port in spec["ports"]:
+                key = (pod, port.get("targetPort", port["port"]))
+                assert key in EXPECTED_INGRESS, f"Service {name}: {key} has no expected clients"
+    # the sync-adapters sidecar is what the adapter-store label stands for
+    for label, (_, labels, spec) in _pods().items():
+        sidecar = any(c["name"] == "sync-adapters" for c in spec["containers"])
+        assert (labels.get("pubmedqa-society.io/adapter-store") == "true") == sidecar, label
+
+
+def test_ray_dashboard_listens_on_loopback_and_no_service_exposes_it() -> None:
+    (ray,) = _objects("RayCluster").values()
+    head = ray["spec"]["headGroupSpec"]
+    params = head["rayStartParams"]
+    assert params.get("dashboard-host") == "127.0.0.1" or params.get("include-dashboard") == "false", params
+    assert EVERY_ADDRESS not in params.values()
+    pods = _pods()
+    ray_pods = [labels for label, (_, labels, _) in pods.items() if label.startswith("RayCluster/")]
+    for (_, name), svc in _objects("Service").items():
+        if any(svc["spec"]["selector"].items() <= labels.items() for labels in ray_pods):
+            assert [p["targetPort"] for p in svc["spec"]["ports"]] == [8090], f"Service {name} exposes a Ray port"
+    for _, _, spec in pods.values():
+        for c in spec["containers"]:
+            assert not {p["containerPort"] for p in c.get("ports", [])} & {8265, 52365, 10001}, c["name"]

@@ -50,6 +50,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     try:
         info = prod_stack.up(params, clone)
         prod_stack.use_s3_remote(params, clone)
+        # MLflow asks for a user: the tests' clients log and read as the writer, as the Airflow tasks do
+        client_env = prod_stack.mlflow_client_env(params.prod_stack)
+        saved.update({k: os.environ.get(k) for k in client_env})
+        os.environ.update(client_env)
         yield {"params": params, "clone": clone, "info": info, "home": home}
     finally:
         prod_stack.down(params)

@@ -8,8 +8,16 @@ the CeleryExecutor: api-server, scheduler, dag-processor, triggerer and one Cele
 (``default``, and ``gpu`` where the DAG puts its GPU-bound tasks). The two stacks are kept in step
 by ``COMPOSE`` and ``AIRFLOW_ENV_NAMES`` (tests/test_infra.py compares them with the compose file).
 
-Every process is a ``process.Service`` under ``prod_stack.home``; the database password, the S3 keys,
-Airflow's JWT/API secrets and Fernet key are generated there on first start (mode 0600), never in git.
+Every process is a ``process.Service`` under ``prod_stack.home``; its secrets (the Postgres superuser's and
+the ``airflow`` role's passwords, Redis' password, the S3 keys, MLflow's admin/writer/reader passwords and Flask
+key, Airflow's JWT/API secrets and Fernet key) are generated there on first start, never in git. Every service
+authenticates its clients (docs/security.md): Postgres asks every connection, socket or TCP, for a SCRAM-SHA-256
+password (pg_hba.conf below, no ``trust``); Redis requires a password (``requirepass`` in a 0600 config file);
+the S3 server accepts only requests signed with the stack's key; MLflow runs its basic-auth app (the Airflow
+workers log, register and promote as a writer user, everyone else reads). No secret is ever on a command line
+(``ps`` shows every argv): they reach the services through 0600 files and the children's environments.
+Secrets, configs and logs are created 0600, the stack's folders 0700 (0711 for the home as root, so that
+the ``postgres`` user reaches its data folder).
 ``dag-run`` triggers the DAG through Airflow's REST API, follows it, and prints which worker ran
 each task: a task of the ``gpu`` queue that ran anywhere but the ``gpu`` worker is an error.
 
@@ -19,6 +27,9 @@ Only the standard library is imported at module level: Airflow workers import ``
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -47,8 +58,19 @@ AIRFLOW_ENV_NAMES = (
     "AIRFLOW__CORE__EXECUTOR", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CELERY__RESULT_BACKEND",
     "AIRFLOW__CELERY__BROKER_URL", "AIRFLOW__CORE__LOAD_EXAMPLES", "AIRFLOW__CORE__DAGS_FOLDER",
     "AIRFLOW__CORE__EXECUTION_API_SERVER_URL", "PIPELINE_ROOT", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL",
+    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
 )
 DAG_ID = "agent_retraining"
+PG_SUPERUSER = "postgres"
+DATABASES = ("airflow", "mlflow", "mlflow_auth")  # infra/postgres-init.sql + compose's POSTGRES_DB: metadata/results, MLflow, its users
+S3_USER = "pipeline"  # the IAM user of the stack's S3 server: the only identity whose signed requests it serves
+MLFLOW_ADMIN = "admin"
+# MLflow's basic-auth users besides the admin: the Airflow workers (trainers, evaluation, promotion) write as
+# `writer`; `reader` is for people and tools that only look (default_permission = READ covers every user)
+MLFLOW_USERS = {"writer": "pipeline-writer", "reader": "pipeline-reader"}
+# the writer's grants on every experiment and registered model: log runs, register versions, move aliases;
+# MANAGE on models because rollback and promotion delete aliases (EDIT cannot delete)
+MLFLOW_WRITER_GRANTS = (("experiment", "*", "EDIT"), ("registered_model", "*", "MANAGE"))
 
 
 def worker_hostname() -> str:
@@ -63,15 +85,61 @@ def _home(cfg: ProdStackParams) -> Path:
     return Path(cfg.home).resolve()
 
 
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _private_dir(path: Path, mode: int = 0o700) -> Path:
+    """A folder only its owner may list and enter (``mode`` exactly, whatever the umask)."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(mode)
+    return path
+
+
+def _home_dir(cfg: ProdStackParams) -> Path:
+    """The stack's home: 0700; as root 0711, so that the ``postgres`` user can traverse it to its data folder
+    (it still cannot list it, and every file in it is 0600)."""
+    return _private_dir(_home(cfg), 0o711 if _is_root() else 0o700)
+
+
+def write_private(path: Path, text: str, keep_existing: bool = False) -> Path:
+    """Write ``text`` to ``path`` readable by its owner only: created 0600 (never for a moment with the umask's
+    mode, as write-then-chmod would be), then renamed over ``path``; with ``keep_existing`` linked to ``path`` only
+    if there is none yet (two processes creating one secret agree on the first)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    if not keep_existing:
+        os.replace(tmp, path)
+        return path
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path
+
+
 def _secret(cfg: ProdStackParams, name: str, make: Any = lambda: secrets.token_hex(20)) -> str:
     path = _home(cfg) / "secrets" / name
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(make())
-        tmp.chmod(0o600)
-        tmp.replace(path)
+        _private_dir(path.parent)
+        write_private(path, make(), keep_existing=True)
     return path.read_text().strip()
+
+
+def _service(cfg: ProdStackParams, name: str) -> Service:
+    """The stack's service ``name``, its log (the child's stdout and stderr, which ``process.start`` appends
+    to) created 0600 first: service logs may carry connection strings and tracebacks with secrets."""
+    service = Service(name, _home_dir(cfg))
+    fd = os.open(service.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.close(fd)
+    service.log_file.chmod(0o600)
+    return service
 
 
 def _fernet_key() -> str:
@@ -80,8 +148,22 @@ def _fernet_key() -> str:
     return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
 
 
-def _db_url(cfg: ProdStackParams, db: str, scheme: str = "postgresql+psycopg2") -> str:
-    return f"{scheme}://airflow:{_secret(cfg, 'postgres_password')}@{cfg.host}:{cfg.postgres_port}/{db}"
+def _db_url(cfg: ProdStackParams, db: str, scheme: str = "postgresql+psycopg2", password: bool = True) -> str:
+    """The ``airflow`` role's URL of ``db``; ``password=False`` leaves the password to libpq (``PGPASSWORD``)."""
+    login = f"airflow:{_secret(cfg, 'postgres_password')}" if password else "airflow"
+    return f"{scheme}://{login}@{cfg.host}:{cfg.postgres_port}/{db}"
+
+
+def broker_url(cfg: ProdStackParams) -> str:
+    """Celery's broker URL, with Redis' password: only ever in an environment (``AIRFLOW__CELERY__BROKER_URL``)
+    or in memory, never on a command line or in a message."""
+    return f"redis://:{_secret(cfg, 'redis_password')}@{cfg.host}:{cfg.redis_port}/0"
+
+
+def mlflow_client_env(cfg: ProdStackParams, user: str = "writer") -> dict[str, str]:
+    """How an MLflow client authenticates to the stack's server (MLflow's client reads these two variables)."""
+    name = MLFLOW_USERS[user]
+    return {"MLFLOW_TRACKING_USERNAME": name, "MLFLOW_TRACKING_PASSWORD": _secret(cfg, f"mlflow_{user}_password")}
 
 
 def s3_env(cfg: ProdStackParams) -> dict[str, str]:
@@ -107,7 +189,7 @@ def airflow_env(cfg: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, st
         "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _db_url(cfg, "airflow"),
         "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + _db_url(cfg, "airflow", "postgresql"),
-        "AIRFLOW__CELERY__BROKER_URL": f"redis://{cfg.host}:{cfg.redis_port}/0",
+        "AIRFLOW__CELERY__BROKER_URL": broker_url(cfg),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_FOLDER": str(project / "dags"),
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{airflow_url(cfg)}/execution/",
@@ -121,6 +203,7 @@ def airflow_env(cfg: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, st
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
         "PIPELINE_ROOT": str(project),
         "MLFLOW_TRACKING_URI": mlflow_uri(cfg),
+        **mlflow_client_env(cfg, "writer"),  # tasks log, register and promote: the writer user
         "PYTHONPATH": os.pathsep.join(filter(None, [str(project), os.environ.get("PYTHONPATH")])),
         **s3_env(cfg),
     }
@@ -139,7 +222,7 @@ def _pg_bin(name: str) -> str:
 
 def _as_postgres(cmd: list[str]) -> list[str]:
     """Postgres refuses to run as root: as root, run its binaries as the package's ``postgres`` user."""
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
+    return ["runuser", "-u", "postgres", "--", *cmd] if _is_root() else cmd
 
 
 def _pg_dirs(cfg: ProdStackParams) -> tuple[Path, Path]:
@@ -147,91 +230,330 @@ def _pg_dirs(cfg: ProdStackParams) -> tuple[Path, Path]:
     return base / "data", base / "run"
 
 
+def _to_postgres(*paths: Path) -> None:
+    """As root, hand ``paths`` to the ``postgres`` user (the server and initdb run as it)."""
+    if _is_root():
+        for path in paths:
+            shutil.chown(path, "postgres")
+
+
+def scram_verifier(password: str, salt: bytes | None = None, iterations: int = 4096) -> str:
+    """What PostgreSQL stores for a SCRAM-SHA-256 password (RFC 5802/7677): ``CREATE/ALTER ROLE ... PASSWORD``
+    with it never carries the password itself, neither over the socket nor into a server log line."""
+    salt = salt if salt is not None else secrets.token_bytes(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    client_key = hmac.new(salted, b"Client Key", "sha256").digest()
+    server_key = hmac.new(salted, b"Server Key", "sha256").digest()
+
+    def b64(raw: bytes) -> str:
+        return base64.b64encode(raw).decode()
+
+    return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(hashlib.sha256(client_key).digest())}:{b64(server_key)}"
+
+
+def pg_hba_conf() -> str:
+    """The stack's pg_hba.conf, rewritten on every start: every connection proves a password with SCRAM-SHA-256,
+    over the Unix socket as over TCP; no ``trust`` (any local user could connect as anyone), no ``peer``; TCP
+    only from this host's own addresses (the server listens on ``prod_stack.host``)."""
+    return ("# written by pipeline/services/prod_stack.py on every start; edits are overwritten\n"
+            "# TYPE  DATABASE  USER  ADDRESS       METHOD\n"
+            "local   all       all                 scram-sha-256\n"
+            "host    all       all   127.0.0.1/32  scram-sha-256\n"
+            "host    all       all   ::1/128       scram-sha-256\n"
+            "host    all       all   samehost      scram-sha-256\n")
+
+
+def hba_trusts(text: str) -> bool:
+    """Whether a pg_hba.conf lets any connection in without a password (``trust``)."""
+    return any(line.split()[-1:] == ["trust"] for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+
+
+def _write_hba(data: Path) -> None:
+    _to_postgres(write_private(data / "pg_hba.conf", pg_hba_conf()))
+
+
+def initdb_argv(cfg: ProdStackParams, pwfile: Path) -> list[str]:
+    """initdb with password authentication from the first start: the superuser's password comes from ``pwfile``
+    (a 0600 file, removed right after), never from the command line."""
+    data, _ = _pg_dirs(cfg)
+    return _as_postgres([_pg_bin("initdb"), "-D", str(data), "-U", PG_SUPERUSER, "-E", "UTF8", "--auth-local=scram-sha-256",
+                         "--auth-host=scram-sha-256", f"--pwfile={pwfile}", "--no-instructions"])
+
+
+def postgres_argv(cfg: ProdStackParams) -> list[str]:
+    data, run = _pg_dirs(cfg)
+    return _as_postgres([_pg_bin("postgres"), "-D", str(data), "-h", cfg.host, "-p", str(cfg.postgres_port), "-k", str(run),
+                         "-c", "max_connections=200", "-c", "password_encryption=scram-sha-256",
+                         "-c", "unix_socket_permissions=0700"])  # the socket: its owner (the server's user) only
+
+
 def _pg_ready(cfg: ProdStackParams) -> bool:
     return subprocess.run([_pg_bin("pg_isready"), "-q", "-h", cfg.host, "-p", str(cfg.postgres_port)], check=False).returncode == 0
 
 
-def _psql(cfg: ProdStackParams, sql: str, db: str = "postgres") -> str:
+def psql_argv(cfg: ProdStackParams, db: str = "postgres") -> list[str]:
+    """psql as the superuser over the socket; the SQL goes to its stdin and the password in ``PGPASSWORD`` of
+    its environment only (``_psql``): neither is on the command line."""
     _, run = _pg_dirs(cfg)
-    proc = subprocess.run(_as_postgres([_pg_bin("psql"), "-h", str(run), "-p", str(cfg.postgres_port), "-U", "postgres", "-d", db,
-                                        "-v", "ON_ERROR_STOP=1", "-tAc", sql]), capture_output=True, text=True, check=False)
+    return _as_postgres([_pg_bin("psql"), "-X", "-q", "-h", str(run), "-p", str(cfg.postgres_port), "-U", PG_SUPERUSER, "-d", db,
+                         "-v", "ON_ERROR_STOP=1", "-tA"])
+
+
+def _psql(cfg: ProdStackParams, sql: str, db: str = "postgres") -> str:
+    env = {**os.environ, "PGPASSWORD": _secret(cfg, "postgres_superuser_password")}
+    proc = subprocess.run(psql_argv(cfg, db), input=sql, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise ServiceError(f"postgres: {sql.split()[0]} failed: {proc.stderr.strip()}")
     return proc.stdout.strip()
 
 
 def postgres_up(cfg: ProdStackParams) -> None:
+    _home_dir(cfg)
     data, run = _pg_dirs(cfg)
+    superuser_password = _secret(cfg, "postgres_superuser_password")
     if not (data / "PG_VERSION").exists():
-        data.mkdir(parents=True, exist_ok=True, mode=0o700)
-        run.mkdir(parents=True, exist_ok=True)
-        if os.geteuid() == 0:
-            shutil.chown(data.parent, "postgres")
-            for d in (data, run):
-                shutil.chown(d, "postgres")
-            if subprocess.run(_as_postgres(["test", "-w", str(data)]), check=False).returncode != 0:
-                raise ServiceError(f"postgres: the postgres user cannot reach {data} (a parent directory is not traversable, "
-                                   "e.g. mode 0700): put prod_stack.home under a directory others may traverse")
-        proc = subprocess.run(_as_postgres([_pg_bin("initdb"), "-D", str(data), "-U", "postgres", "-E", "UTF8", "--auth-local=trust",
-                                            "--auth-host=scram-sha-256", "--no-instructions"]), capture_output=True, text=True, check=False)
+        for d in (data.parent, data, run):
+            _private_dir(d)
+        _to_postgres(data.parent, data, run)
+        if _is_root() and subprocess.run(_as_postgres(["test", "-w", str(data)]), check=False).returncode != 0:
+            raise ServiceError(f"postgres: the postgres user cannot reach {data} (a parent directory is not traversable, "
+                               "e.g. mode 0700): put prod_stack.home under a directory others may traverse")
+        pwfile = write_private(data.parent / "initdb.pw", superuser_password + "\n")
+        _to_postgres(pwfile)
+        try:
+            proc = subprocess.run(initdb_argv(cfg, pwfile), capture_output=True, text=True, check=False)
+        finally:
+            pwfile.unlink(missing_ok=True)
         if proc.returncode != 0:
             raise ServiceError(f"postgres: initdb {data} failed: {proc.stderr.strip()[-2000:]}")
-    service = Service("postgres", _home(cfg))
+    # a cluster this stack initialised before it used passwords trusts local users and its superuser has no
+    # password yet: start it once as it is, give the superuser its password, then switch to pg_hba_conf()
+    hba = data / "pg_hba.conf"
+    legacy = hba_trusts(hba.read_text()) if hba.exists() else False
+    if not legacy:
+        _write_hba(data)
+    service = _service(cfg, "postgres")
     _free_or_ours(service, cfg.host, cfg.postgres_port, "prod_stack.postgres_port")
-    cmd = _as_postgres([_pg_bin("postgres"), "-D", str(data), "-h", cfg.host, "-p", str(cfg.postgres_port), "-k", str(run),
-                        "-c", "max_connections=200"])
-    start(service, cmd, lambda: _pg_ready(cfg), timeout_s=60, identity={"data": str(data), "port": cfg.postgres_port})
-    password = _secret(cfg, "postgres_password")
-    if _psql(cfg, "SELECT 1 FROM pg_roles WHERE rolname = 'airflow'") != "1":
-        _psql(cfg, f"CREATE ROLE airflow LOGIN PASSWORD '{password}'")  # hex: nothing to quote
-    for db in ("airflow", "mlflow"):  # the two databases of infra/postgres-init.sql + compose's POSTGRES_DB
-        if _psql(cfg, f"SELECT 1 FROM pg_database WHERE datname = '{db}'") != "1":  # noqa: S608 - our two constant names
-            _psql(cfg, f"CREATE DATABASE {db} OWNER airflow")
+    start(service, postgres_argv(cfg), lambda: _pg_ready(cfg), timeout_s=60,
+          identity={"data": str(data), "port": cfg.postgres_port, "auth": "scram-sha-256"})
+    if legacy:
+        _psql(cfg, f"ALTER ROLE {PG_SUPERUSER} WITH PASSWORD '{scram_verifier(superuser_password)}';")
+        _write_hba(data)
+    _psql(cfg, "SELECT pg_reload_conf();")  # a server that was already running reads pg_hba.conf again
+    # the airflow role (Airflow's metadata and Celery results, MLflow's stores): its password as a SCRAM verifier
+    _psql(cfg, "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'airflow') THEN CREATE ROLE airflow LOGIN; END IF; END $$;\n"
+               f"ALTER ROLE airflow WITH LOGIN PASSWORD '{scram_verifier(_secret(cfg, 'postgres_password'))}';")
+    for db in DATABASES:
+        if _psql(cfg, f"SELECT 1 FROM pg_database WHERE datname = '{db}';") != "1":  # noqa: S608 - our constant names
+            _psql(cfg, f"CREATE DATABASE {db} OWNER airflow;")
 
 
-def _redis_ready(cfg: ProdStackParams) -> bool:
-    try:
-        with socket.create_connection((cfg.host, cfg.redis_port), timeout=1.0) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
+def redis_conf(cfg: ProdStackParams) -> str:
+    """redis-server's config, in a 0600 file: its password (``requirepass``) is here, not on its command line."""
+    data = _home(cfg) / "redis"
+    return "\n".join([
+        "# written by pipeline/services/prod_stack.py (mode 0600) on every start",
+        f"bind {cfg.host}", f"port {cfg.redis_port}", "protected-mode yes", f"dir {json.dumps(str(data), ensure_ascii=False)}",
+        "appendonly yes", 'save ""', f"requirepass {_secret(cfg, 'redis_password')}", ""])
 
 
-def redis_up(cfg: ProdStackParams) -> None:
+def _redis_bin() -> str:
     binary = shutil.which("redis-server")
     if binary is None:
         raise ServiceError("redis-server not found: install Debian's redis-server package (scripts/setup_prod_stack.sh)")
-    data = _home(cfg) / "redis"
-    data.mkdir(parents=True, exist_ok=True)
-    service = Service("redis", _home(cfg))
+    return binary
+
+
+def redis_argv(cfg: ProdStackParams) -> list[str]:
+    return [_redis_bin(), str(_home(cfg) / "redis" / "redis.conf")]
+
+
+def _redis_ready(cfg: ProdStackParams) -> bool:
+    import redis
+
+    client = redis.Redis(host=cfg.host, port=cfg.redis_port, password=_secret(cfg, "redis_password"), socket_timeout=1.0)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def redis_up(cfg: ProdStackParams) -> None:
+    data = _private_dir(_home_dir(cfg) / "redis")
+    write_private(data / "redis.conf", redis_conf(cfg))
+    service = _service(cfg, "redis")
     _free_or_ours(service, cfg.host, cfg.redis_port, "prod_stack.redis_port")
-    cmd = [binary, "--bind", cfg.host, "--port", str(cfg.redis_port), "--dir", str(data), "--appendonly", "yes", "--save", ""]
-    start(service, cmd, lambda: _redis_ready(cfg), timeout_s=30)
+    start(service, redis_argv(cfg), lambda: _redis_ready(cfg), timeout_s=30,
+          identity={"cmd": redis_argv(cfg), "auth": "requirepass"})
 
 
 # --- S3, MLflow ---------------------------------------------------------------------------------
 
+def s3_gate(method: str, path: str, headers: Any) -> tuple[int, str] | None:
+    """What the stack's S3 server answers itself, before moto sees a request (None: moto serves it).
+
+    moto's ``/moto-api/`` endpoints take no credentials and would let anyone reset its data or switch its
+    authentication off (``/moto-api/reset-auth``) or dump every object and key (``/moto-api/data.json``): only
+    the health probe ``GET /moto-api/`` is left, answered here. A request without a SigV4 ``Authorization`` header
+    is refused here too (moto's IAM check would fail it with a 500); so are presigned URLs, which moto's
+    authentication does not verify."""
+    if path.rstrip("/") == "/moto-api":
+        return (200, "ok") if method in ("GET", "HEAD") else (403, "moto's API is closed on this server")
+    if path.startswith("/moto-api"):
+        return 403, "moto's API is closed on this server"
+    if not str(headers.get("Authorization") or "").startswith("AWS4-HMAC-SHA256 "):
+        return 403, "AccessDenied: sign every request with the stack's key (SigV4 Authorization header; no presigned URLs)"
+    return None
+
+
+def s3_app(key: str, secret: str) -> Any:
+    """moto's S3 server as a WSGI app that serves only requests signed with ``key``/``secret``.
+
+    moto can check request signatures (its IAM emulation, ``INITIAL_NO_AUTH_ACTION_COUNT``) but only against the
+    access keys of IAM users it generated itself, and ``python -m moto.server`` has no option to give it keys. So the
+    IAM user ``pipeline`` is created in moto's backend with the stack's key and a policy allowing S3, signature checks
+    are on from the first request, and ``s3_gate`` closes moto's unauthenticated API. Changes moto's process-wide
+    state: only the stack's ``s3`` service process (``s3_server``) calls it."""
+    from moto import settings
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.iam.models import iam_backends
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.wrappers import Request, Response
+
+    iam = iam_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    iam.create_user(region_name="us-east-1", user_name=S3_USER)
+    iam.put_user_policy(S3_USER, "s3", json.dumps({"Version": "2012-10-17",
+                                                   "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+    access_key = iam.create_access_key(S3_USER)  # moto draws its own id and secret: replace them with the stack's
+    iam.access_keys.pop(access_key.access_key_id)
+    access_key.access_key_id, access_key.secret_access_key = key, secret
+    iam.access_keys[key] = access_key
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # every request from now on is authenticated
+    moto_app = DomainDispatcherApplication(create_backend_app)
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        request = Request(environ)
+        refused = s3_gate(request.method, request.path, request.headers)
+        if refused is None:
+            return moto_app(environ, start_response)
+        return Response(refused[1], status=refused[0], mimetype="text/plain")(environ, start_response)
+
+    return app
+
+
+def s3_server(host: str, port: int) -> None:
+    """The stack's ``s3`` service: ``s3_app`` with the key from this process' environment (``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY``, never argv), on ``host:port``."""
+    from moto.moto_server.werkzeug_app import MotoRequestHandler
+    from werkzeug.serving import run_simple
+
+    os.environ.setdefault("MOTO_PORT", str(port))
+    app = s3_app(os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"])
+    run_simple(host, port, app, threaded=True, request_handler=MotoRequestHandler)
+
+
+def s3_argv(cfg: ProdStackParams) -> list[str]:
+    return [sys.executable, "-m", "pipeline.services.prod_stack", "s3-server", cfg.host, str(cfg.s3_port)]
+
+
 def s3_up(cfg: ProdStackParams) -> None:
     from pipeline.services import buckets
 
-    service = Service("s3", _home(cfg))
+    service = _service(cfg, "s3")
     _free_or_ours(service, cfg.host, cfg.s3_port, "prod_stack.s3_port")
-    start(service, [sys.executable, "-m", "moto.server", "-H", cfg.host, "-p", str(cfg.s3_port)],
-          f"http://{cfg.host}:{cfg.s3_port}/moto-api/", timeout_s=60)
     env = s3_env(cfg)
+    start(service, s3_argv(cfg), f"http://{cfg.host}:{cfg.s3_port}/moto-api/", timeout_s=60, cwd=REPO_ROOT,
+          env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))},
+          identity={"cmd": s3_argv(cfg), "auth": f"sigv4 iam user {S3_USER}"})
     buckets.ensure(cfg.buckets, endpoint_url=env["AWS_ENDPOINT_URL"], region=env["AWS_DEFAULT_REGION"],
                    access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"])
 
 
+def mlflow_auth_ini(cfg: ProdStackParams) -> str:
+    """MLflow's basic-auth config (``MLFLOW_AUTH_CONFIG_PATH``; keys of mlflow/server/auth/config.py): every user
+    reads, only grants write; users live in Postgres' ``mlflow_auth``, reached with ``PGPASSWORD`` from the server's
+    environment. No password here: the admin's comes from ``MLFLOW_AUTH_ADMIN_PASSWORD`` on the first start."""
+    return "\n".join([
+        "[mlflow]", "default_permission = READ",
+        f"database_uri = postgresql://airflow@{cfg.host}:{cfg.postgres_port}/mlflow_auth",
+        f"admin_username = {MLFLOW_ADMIN}", "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
+        "grant_default_workspace_access = false", ""])
+
+
+def mlflow_argv(cfg: ProdStackParams) -> list[str]:
+    return [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", cfg.host, "--port", str(cfg.mlflow_port),
+            "--workers", "1", "--artifacts-destination", f"s3://{cfg.buckets[0]}/artifacts"]
+
+
+def mlflow_server_env(cfg: ProdStackParams) -> dict[str, str]:
+    """The MLflow server's environment: where its secrets reach it (the command line has none)."""
+    return {**s3_env(cfg),
+            "MLFLOW_BACKEND_STORE_URI": _db_url(cfg, "mlflow", "postgresql", password=False),
+            "PGPASSWORD": _secret(cfg, "postgres_password"),  # libpq's, for the backend and the auth store
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            "MLFLOW_AUTH_CONFIG_PATH": str(_home(cfg) / "mlflow" / "basic_auth.ini"),
+            "MLFLOW_AUTH_ADMIN_USERNAME": MLFLOW_ADMIN,
+            "MLFLOW_AUTH_ADMIN_PASSWORD": _secret(cfg, "mlflow_admin_password"),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": _secret(cfg, "mlflow_flask_secret_key")}
+
+
+def mlflow_auth_available() -> bool:
+    """MLflow's basic-auth app imports Flask-WTF (the ``mlflow[auth]`` extra) for its CSRF protection."""
+    import importlib.util
+
+    return importlib.util.find_spec("flask_wtf") is not None
+
+
+def provision_mlflow_users(uri: str, admin_password: str, passwords: dict[str, str], transport: Any = None) -> dict[str, str]:
+    """Create (or re-key) the writer and reader users as MLflow's admin and give the writer its grants; idempotent.
+    ``passwords``: role (``MLFLOW_USERS``' keys) -> password. Passwords travel in JSON bodies, never in a URL.
+    Returns user -> what was done."""
+    import httpx
+
+    done: dict[str, str] = {}
+    with httpx.Client(base_url=uri, auth=(MLFLOW_ADMIN, admin_password), timeout=30, transport=transport) as api:
+        for role, password in passwords.items():
+            name = MLFLOW_USERS[role]
+            found = api.get("/api/2.0/mlflow/users/get", params={"username": name})
+            if found.status_code == 404:
+                api.post("/api/2.0/mlflow/users/create", json={"username": name, "password": password}).raise_for_status()
+                done[name] = "created"
+            else:
+                found.raise_for_status()
+                api.patch("/api/2.0/mlflow/users/update-password", json={"username": name, "password": password}).raise_for_status()
+                done[name] = "password set"
+        writer = MLFLOW_USERS["writer"]
+        listed = api.get("/api/3.0/mlflow/users/permissions/list", params={"username": writer}).raise_for_status().json()
+        have = {(p["resource_type"], p["resource_pattern"]): p["permission"] for p in listed.get("permissions", [])
+                if p.get("role_name", "").startswith("__user_")}
+        for resource_type, pattern, permission in MLFLOW_WRITER_GRANTS:
+            if have.get((resource_type, pattern)) == permission:
+                continue
+            grant = {"username": writer, "resource_type": resource_type, "resource_id": pattern}
+            if (resource_type, pattern) in have:
+                api.post("/api/3.0/mlflow/users/permissions/revoke", json=grant).raise_for_status()
+            api.post("/api/3.0/mlflow/users/permissions/grant", json={**grant, "permission": permission}).raise_for_status()
+    return done
+
+
+def _require_mlflow_auth() -> None:
+    if not mlflow_auth_available():
+        raise ServiceError("MLflow's basic-auth app needs Flask-WTF (mlflow[auth]), which this environment lacks: "
+                           "add Flask-WTF (and WTForms) to requirements/control.lock.txt")
+
+
 def mlflow_up(cfg: ProdStackParams) -> None:
-    service = Service("mlflow", _home(cfg))
+    _require_mlflow_auth()
+    write_private(_private_dir(_home_dir(cfg) / "mlflow") / "basic_auth.ini", mlflow_auth_ini(cfg))
+    service = _service(cfg, "mlflow")
     _free_or_ours(service, cfg.host, cfg.mlflow_port, "prod_stack.mlflow_port")
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", cfg.host, "--port", str(cfg.mlflow_port), "--workers", "1",
-           "--artifacts-destination", f"s3://{cfg.buckets[0]}/artifacts"]
-    # the store URI (with its password) through the environment, not the process list
-    env = {**s3_env(cfg), "MLFLOW_BACKEND_STORE_URI": _db_url(cfg, "mlflow", "postgresql"), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    start(service, cmd, f"{mlflow_uri(cfg)}/health", env=env, timeout_s=180, identity={"cmd": cmd, "store": "postgres/mlflow"})
+    cmd = mlflow_argv(cfg)
+    start(service, cmd, f"{mlflow_uri(cfg)}/health", env=mlflow_server_env(cfg), timeout_s=180,
+          identity={"cmd": cmd, "store": "postgres/mlflow", "auth": "basic-auth postgres/mlflow_auth"})
+    provision_mlflow_users(mlflow_uri(cfg), _secret(cfg, "mlflow_admin_password"),
+                           {role: _secret(cfg, f"mlflow_{role}_password") for role in MLFLOW_USERS})
 
 
 # --- Airflow with the CeleryExecutor ------------------------------------------------------------
@@ -255,7 +577,7 @@ def worker_ready(cfg: ProdStackParams, queue: str) -> bool:
     """The queue's Celery worker answers a ping through the broker."""
     from celery import Celery
 
-    app = Celery(broker=f"redis://{cfg.host}:{cfg.redis_port}/0")
+    app = Celery(broker=broker_url(cfg))
     try:
         return bool(app.control.ping(destination=[worker_name(queue)], timeout=1.0))
     finally:
@@ -264,8 +586,7 @@ def worker_ready(cfg: ProdStackParams, queue: str) -> bool:
 
 def airflow_up(cfg: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str]:
     env = airflow_env(cfg, project)
-    home = Path(env["AIRFLOW_HOME"])
-    home.mkdir(parents=True, exist_ok=True)
+    home = _private_dir(Path(env["AIRFLOW_HOME"]))  # airflow.cfg, the admin's password file, task logs
     airflow = airflow_server.airflow_bin()
     full_env = {**os.environ, **env}
     migrate = subprocess.run([airflow, "db", "migrate"], env=full_env, capture_output=True, text=True, check=False)
@@ -274,19 +595,19 @@ def airflow_up(cfg: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str
     subprocess.run([airflow, "pools", "set", "gpu", str(cfg.workers.get("gpu", 1)), "GPU-bound stages: one slot per GPU worker process"],
                    env=full_env, capture_output=True, check=True)
     ident = {"project": str(project), "home": str(home)}
-    api = Service("airflow-apiserver", _home(cfg))
+    api = _service(cfg, "airflow-apiserver")
     _free_or_ours(api, cfg.host, cfg.airflow_port, "prod_stack.airflow_port")
     start(api, [airflow, "api-server", "--host", cfg.host, "--port", str(cfg.airflow_port)], f"{airflow_url(cfg)}/api/v2/monitor/health",
           env=env, timeout_s=240, cwd=project, identity=ident)
     for component, key in (("scheduler", "scheduler"), ("dag-processor", "dag_processor"), ("triggerer", "triggerer")):
-        start(Service(f"airflow-{component}", _home(cfg)), [airflow, component], lambda key=key: _health(cfg, key),  # type: ignore[misc]
+        start(_service(cfg, f"airflow-{component}"), [airflow, component], lambda key=key: _health(cfg, key),  # type: ignore[misc]
               env=env, timeout_s=240, cwd=project, identity=ident)
     for queue, concurrency in cfg.workers.items():
         worker_env = {**env, "PIPELINE_WORKER_QUEUE": queue,
                       "AIRFLOW__CORE__HOSTNAME_CALLABLE": "pipeline.services.prod_stack.worker_hostname",
                       # two workers on one host: each serves its task logs on its own port
                       "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port_for(cfg, f"log-{queue}"))}
-        start(Service(f"airflow-worker-{queue}", _home(cfg)),
+        start(_service(cfg, f"airflow-worker-{queue}"),
               [airflow, "celery", "worker", "--queues", queue, "--concurrency", str(concurrency), "--celery-hostname", worker_name(queue)],
               lambda queue=queue: worker_ready(cfg, queue), env=worker_env, timeout_s=240, cwd=project,  # type: ignore[misc]
               identity={**ident, "queue": queue, "concurrency": concurrency})
@@ -318,6 +639,7 @@ ORDER = list(COMPOSE)  # start order; stopped in reverse
 
 def up(params: Params, project: Path = REPO_ROOT) -> dict[str, str]:
     cfg = params.prod_stack
+    _require_mlflow_auth()  # before anything starts
     postgres_up(cfg)
     redis_up(cfg)
     s3_up(cfg)
@@ -422,8 +744,10 @@ def misplaced(task_instances: list[dict[str, Any]]) -> list[str]:
 # --- CLI ----------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["up", "down", "status", "dag-run", "buckets"],
-                        help="buckets: only the boto3 bucket bootstrap, against $AWS_ENDPOINT_URL (compose's and k8s' init step)")
+    parser.add_argument("action", choices=["up", "down", "status", "dag-run", "buckets", "mlflow-users"],
+                        help="buckets: only the boto3 bucket bootstrap, against $AWS_ENDPOINT_URL (compose's and k8s' init step); "
+                             "mlflow-users: only MLflow's writer/reader users, against $MLFLOW_TRACKING_URI as the admin "
+                             "(MLFLOW_AUTH_ADMIN_PASSWORD, MLFLOW_WRITER_PASSWORD, MLFLOW_READER_PASSWORD from the environment)")
     parser.add_argument("--conf", default="{}", help="dag-run: the run's Params as JSON, e.g. '{\"tasks\": 1, \"eval_limit\": 1}'")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
 
@@ -433,8 +757,10 @@ def main(args: argparse.Namespace, params: Params) -> int:
     if args.action == "up":
         info = up(params)
         use_s3_remote(params, REPO_ROOT)
+        secrets_dir = Path(info["home"]) / "secrets"
         print(f"prod stack up (CeleryExecutor; workers {', '.join(cfg.workers)}): Airflow UI {info['url']} user admin password "
-              f"{info['password']}; MLflow {info['mlflow']} (Postgres store, artifacts s3://{cfg.buckets[0]}); "
+              f"{info['password']}; MLflow {info['mlflow']} (Postgres store, artifacts s3://{cfg.buckets[0]}; basic auth: users "
+              f"{MLFLOW_ADMIN}, {MLFLOW_USERS['writer']}, {MLFLOW_USERS['reader']}, passwords in {secrets_dir}/mlflow_*_password); "
               f"S3 {info['s3']} (DVC remote {cfg.dvc_remote}, now this checkout's default in .dvc/config.local); home {info['home']}")
         return 0
     if args.action == "down":
@@ -447,6 +773,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
         created = buckets.ensure(cfg.buckets)
         print(f"buckets: created {', '.join(created) or 'none'}; present {', '.join(cfg.buckets)}")
         return 0
+    if args.action == "mlflow-users":
+        return _mlflow_users_from_env(args.timeout_s)
     if args.action == "status":
         for name, running in status(params).items():
             print(f"{name:<24} {'up' if running else 'down'}  (compose service: {COMPOSE[name]})")
@@ -457,3 +785,30 @@ def main(args: argparse.Namespace, params: Params) -> int:
         print(f"misplaced: {line}", file=sys.stderr)
     print(f"dag-run: {result['run_id']} {result['state']}")
     return 0 if result["state"] == "success" and not wrong else 1
+
+
+def _mlflow_users_from_env(timeout_s: float) -> int:
+    """compose's ``mlflow-init`` (and a Kubernetes Job): the stack's users on a server the operator runs."""
+    from pipeline.services.process import http_ok
+
+    names = ["MLFLOW_TRACKING_URI", "MLFLOW_AUTH_ADMIN_PASSWORD", *(f"MLFLOW_{role.upper()}_PASSWORD" for role in MLFLOW_USERS)]
+    if missing := [n for n in names if not os.environ.get(n)]:
+        print(f"mlflow-users: set {', '.join(missing)}", file=sys.stderr)
+        return 2
+    uri = os.environ["MLFLOW_TRACKING_URI"].rstrip("/")
+    deadline = time.monotonic() + min(timeout_s, 600.0)
+    while not http_ok(f"{uri}/health"):
+        if time.monotonic() > deadline:
+            print(f"mlflow-users: {uri}/health never answered", file=sys.stderr)
+            return 1
+        time.sleep(2)
+    done = provision_mlflow_users(uri, os.environ["MLFLOW_AUTH_ADMIN_PASSWORD"],
+                                  {role: os.environ[f"MLFLOW_{role.upper()}_PASSWORD"] for role in MLFLOW_USERS})
+    print("mlflow-users: " + ", ".join(f"{user} {what}" for user, what in done.items()) + f"; {MLFLOW_USERS['writer']} may write everywhere")
+    return 0
+
+
+if __name__ == "__main__":  # the stack's S3 server (s3_argv): python -m pipeline.services.prod_stack s3-server HOST PORT
+    if sys.argv[1:2] != ["s3-server"] or len(sys.argv) != 4:
+        sys.exit("usage: python -m pipeline.services.prod_stack s3-server HOST PORT")
+    s3_server(sys.argv[2], int(sys.argv[3]))
