@@ -22,7 +22,7 @@ import yaml
 from pipeline import gpu_memory
 from pipeline.agents.llm import senior_completion_ceiling
 from pipeline.config import load_params
-from pipeline.rl import verl_config
+from pipeline.rl import verl_config, verl_driver
 from pipeline.serving.worker import command
 from pipeline.stages import materialize_model, train_ppo, train_sft
 from tests.conftest import ROOT
@@ -123,9 +123,9 @@ def test_verl_step_metrics_come_from_its_file_logger_and_the_key_never_reaches_t
     log = tmp_path / "metrics.jsonl"
     log.write_text("".join(json.dumps({"step": s, "data": {"critic/rewards/mean": r, "actor/kl_loss": k, "timing_s/step": 30.0}}) + "\n"
                            for s, r, k in ((1, 0.2, 0.0), (2, 0.35, 0.01))))
-    history = train_ppo.verl_history(log)
+    history = verl_driver.verl_history(log)
     assert [(h["step"], h["reward"], h["kl"]) for h in history] == [(1, 0.2, 0.0), (2, 0.35, 0.01)]
-    train_ppo._relay(io.BytesIO(b"{'agl_key': 'sk-abc123', 'x': 1}\nstep 1\n"), ["sk-abc123"])
+    verl_driver.relay(io.BytesIO(b"{'agl_key': 'sk-abc123', 'x': 1}\nstep 1\n"), ["sk-abc123"])
     out = capsys.readouterr().out
     assert "sk-abc123" not in out and "<redacted>" in out and "step 1" in out
 
@@ -191,10 +191,10 @@ def test_the_dags_preflight_passes_a_cpu_profile_with_nothing_to_check() -> None
 
 def test_verl_signal_counts_this_runs_rollouts_and_refuses_flat_rewards() -> None:
     mine = [{"run_id": "r", "status": "succeeded", "reward": v} for v in (0.2, 0.6)]
-    assert train_ppo.verl_signal(mine, steps=2)["no_signal"] is False
-    flat = train_ppo.verl_signal([{**r, "reward": 0.0} for r in mine], steps=2)
+    assert verl_driver.verl_signal(mine, steps=2)["no_signal"] is False
+    flat = verl_driver.verl_signal([{**r, "reward": 0.0} for r in mine], steps=2)
     assert flat["no_signal"] and "all equal" in flat["no_signal_reason"] and flat["reward_std"] == 0.0
-    assert "logged 0 training steps" in train_ppo.verl_signal(mine, steps=0)["no_signal_reason"]
+    assert "logged 0 training steps" in verl_driver.verl_signal(mine, steps=0)["no_signal_reason"]
 
 
 def test_verl_unpads_without_flash_attn_in_every_ray_worker() -> None:

@@ -52,13 +52,14 @@ def test_trainers_without_signal_register_nothing(project: Path, mlflow_server: 
     """Constant rewards: the GRPO check says no_signal and the stage's MLflow run registers no version (SFT and bandit alike)."""
     import mlflow
 
+    from pipeline.rl import grpo_cpu
     from pipeline.stages import train_ppo
 
     scored = [{"value": 0.2, "validity": 1.0, "group": f"0-{i // 2}"} for i in range(8)]
-    sig = train_ppo.signal(scored)
+    sig = grpo_cpu.signal(scored)
     assert sig["no_signal"] and sig["zero_advantage_groups"] == sig["groups"] == 4 and sig["reward_std"] == 0.0
     assert sig["valid_fraction"] == 1.0
-    varied = train_ppo.signal([{**r, "value": 0.2 + 0.1 * (i % 2)} for i, r in enumerate(scored)])
+    varied = grpo_cpu.signal([{**r, "value": 0.2 + 0.1 * (i % 2)} for i, r in enumerate(scored)])
     assert not varied["no_signal"] and varied["zero_advantage_groups"] == 0 and varied["reward_std"] > 0
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)

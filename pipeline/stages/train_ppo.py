@@ -17,48 +17,30 @@ Both leave ``adapter/`` (PEFT, what the vLLM worker hot-loads) under ``ppo.out_d
 atomically; the control plane logs reward/KL curves, sampled completions and the adapter to MLflow
 and registers it as a ``senior_researcher`` version (``challenger``) with its lineage, so promotion
 hot-loads and routes it exactly like the SFT adapter.
+
+The trainers live in ``pipeline.rl.grpo_cpu`` (CPU) and ``pipeline.rl.verl_driver`` (GPU); this module is the
+stage that chooses between them (a said plane, a backend with its fallback reason) and registers.
 """
+
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import Params
-from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.io import write_json, write_text
+from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV, train_trl
 from pipeline.rl.prompts import data_dir, load_prompts
+from pipeline.rl.verl_driver import train_verl
 
 METRICS_FILE = Path("reports/train_ppo.json")
 CURVE_CSV = Path("reports/plots/ppo_reward.csv")
 CURVE_PNG = Path("reports/plots/ppo_reward.png")
-JUDGE_URL_ENV, JUDGE_KEY_ENV = "PPO_JUDGE_BASE_URL", "PPO_JUDGE_KEY"
-
-
-def signal(scored: list[dict[str, Any]]) -> dict[str, Any]:
-    """Did the sampled completions carry a learning signal? GRPO's advantage is a completion's reward minus
-    its group's mean: a group whose rewards are all equal teaches nothing, and when every group is like
-    that the update is zero (KL aside) and the adapter is the base model with noise."""
-    import statistics
-
-    values = [float(r["value"]) for r in scored]
-    groups: dict[str, list[float]] = {}
-    for r in scored:
-        groups.setdefault(str(r["group"]), []).append(float(r["value"]))
-    flat = sum(1 for g in groups.values() if max(g) - min(g) <= 1e-9)
-    out: dict[str, Any] = {"completions_scored": len(scored), "groups": len(groups), "zero_advantage_groups": flat,
-                           "valid_fraction": sum(r["validity"] == 1.0 for r in scored) / len(scored) if scored else None,
-                           "reward_std": statistics.pstdev(values) if values else None}
-    reason = ("no completion was scored" if not scored else
-              f"every one of the {len(groups)} GRPO groups has equal rewards (reward std {out['reward_std']:.4f}): "
-              "all advantages are zero" if flat == len(groups) else None)
-    return {**out, "no_signal": reason is not None, "no_signal_reason": reason}
 
 
 def pick_backend(params: Params) -> tuple[str, str | None]:
@@ -99,205 +81,6 @@ def resolve_backend(params: Params, params_path: str | None) -> tuple[str, str |
     if backend == "error":
         raise RuntimeError(why)
     return backend, why
-
-
-# --- CPU: TRL GRPO on the senior prompts --------------------------------------------------------
-
-def make_reward(params: Params, log: list[dict[str, Any]]) -> Any:
-    """The GRPO reward function: one score per sampled completion, recorded with its reason in ``log``."""
-    from pipeline.agents.llm import RoleClient
-    from pipeline.rewards.senior import completion_text, score
-
-    url, key = os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV]
-
-    calls = itertools.count()
-
-    async def senior_reward(prompts: list[Any], completions: list[Any], agent: list[str], label: list[str], question: list[str],
-                            abstract: list[str], task_id: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
-        client = RoleClient.for_agents(params.agents, url, key, params.ppo.reward.timeout_s, max_tokens=params.judge.max_tokens)
-        try:
-            texts = [completion_text(c) for c in completions]
-            results = await asyncio.gather(*[
-                score(client, params, a, t, {"id": tid, "question": q, "contexts": [ab], "final_decision": lab})
-                for a, t, tid, q, ab, lab in zip(agent, texts, task_id, question, abstract, label, strict=True)])
-        finally:
-            await client.aclose()
-        step = int(getattr(trainer_state, "global_step", 0) or 0) + 1
-        call = next(calls)  # TRL's batch holds each prompt's group_size completions one after the other
-        log.extend({"step": step, "group": f"{call}-{i // params.ppo.group_size}", "task_id": tid, **r, "completion": t[:800]}
-                   for i, (tid, r, t) in enumerate(zip(task_id, results, texts, strict=True)))
-        return [float(r["value"]) for r in results]
-
-    return senior_reward
-
-
-def train_trl(params: Params) -> dict[str, Any]:
-    """Model plane: GRPO + LoRA, adapter saved atomically, metrics returned."""
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig
-
-    from pipeline.rewards.senior import SCHEMAS
-    from pipeline.rl.guided import GuidedGRPOTrainer, compile_grammars, prompt_key
-
-    cfg = params.ppo
-    rows = load_prompts(params)
-    budget = max(SCHEMAS[a].token_budget() for a in cfg.agents)
-    if cfg.max_completion_tokens < budget:
-        raise ValueError(f"ppo.max_completion_tokens={cfg.max_completion_tokens} is below the schema budget of ppo.agents "
-                         f"({budget} tokens): completions would be cut into invalid JSON")
-    agent_of = {prompt_key(r["prompt"]): r["agent"] for r in rows}
-    columns = ("prompt", "agent", "label", "question", "abstract", "task_id")
-    train_ds = Dataset.from_list([{k: (r.get(k) or "") if k != "prompt" else r[k] for k in columns} for r in rows])
-    gpu = torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=torch.bfloat16 if gpu else torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
-    lora = cfg.lora
-    peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type="CAUSAL_LM")
-    scored: list[dict[str, Any]] = []
-    out = Path(cfg.out_dir)
-    with atomic_dir(out) as tmp:
-        args = GRPOConfig(output_dir=str(tmp / "checkpoints"), max_steps=cfg.max_steps, per_device_train_batch_size=cfg.prompts_per_step * cfg.group_size,
-                          num_generations=cfg.group_size, max_completion_length=cfg.max_completion_tokens, learning_rate=cfg.learning_rate,
-                          beta=cfg.kl_coef, temperature=cfg.temperature, logging_steps=1, save_strategy="no", report_to="none",
-                          seed=cfg.seed, data_seed=cfg.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0, disable_tqdm=False,
-                          lr_scheduler_type="constant", warmup_steps=0)
-        grammars = compile_grammars(tokenizer, model.config.vocab_size, {a: SCHEMAS[a] for a in cfg.agents})
-        trainer = GuidedGRPOTrainer(model=model, reward_funcs=[make_reward(params, scored)], args=args, train_dataset=train_ds,
-                                    processing_class=tokenizer, peft_config=peft, grammars=grammars,
-                                    agent_of=lambda prompt: agent_of[prompt_key(prompt)])
-        t0 = time.perf_counter()
-        result = trainer.train()
-        seconds = time.perf_counter() - t0
-        trainer.model.save_pretrained(str(tmp / "adapter"))
-        tokenizer.save_pretrained(str(tmp / "adapter"))
-        import shutil
-
-        shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
-        history = [h for h in trainer.state.log_history if "step" in h]
-        write_json(tmp / "log_history.json", history)
-        write_text(tmp / "completions.jsonl", "".join(json.dumps(r) + "\n" for r in scored))
-        steps = [h for h in history if "reward" in h]
-        reasons: dict[str, int] = {}
-        for r in scored:
-            key = r["reason"].split(":")[0]
-            reasons[key] = reasons.get(key, 0) + 1
-        metrics = {"backend": "trl", "algorithm": "grpo", "device": "cuda" if gpu else "cpu", "steps": result.global_step,
-                   "prompts": len(rows), "agents": list(cfg.agents), "decoding": "xgrammar JSON schema", **signal(scored),
-                   "train_seconds": round(seconds, 2),
-                   "seconds_per_step": round(seconds / max(1, result.global_step), 2),
-                   "reward_first": steps[0]["reward"] if steps else None, "reward_last": steps[-1]["reward"] if steps else None,
-                   "reward_mean": sum(r["value"] for r in scored) / len(scored) if scored else None,
-                   "kl_last": next((h["kl"] for h in reversed(steps) if "kl" in h), None),
-                   "decision_accuracy": (sum(r["aligned"] is True for r in scored) / n_aligned
-                                         if (n_aligned := sum(r.get("aligned") is not None for r in scored)) else None),
-                   "reward_reasons": reasons, "base_model": str(Path(cfg.base_model).resolve())}
-        write_json(tmp / "train_meta.json", metrics)
-    return metrics
-
-
-# --- GPU: verl through Agent Lightning --------------------------------------------------------------
-
-def _relay(stream: Any, secrets_: list[str]) -> None:
-    """Print the trainer's output line by line with the gateway key masked: Agent Lightning's task runner
-    pprints the resolved config, and the key is in it (its trainer reads it there)."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        for secret in secrets_:
-            line = line.replace(secret, "<redacted>")
-        sys.stdout.write(line)
-        sys.stdout.flush()
-
-
-def verl_history(path: Path) -> list[dict[str, Any]]:
-    """verl's file logger (``trainer.logger`` ``file``): one ``{"step", "data"}`` line per step -> the curve rows."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        data = rec.get("data", {})
-        rows.append({"step": rec["step"], "reward": data.get("critic/rewards/mean", data.get("critic/score/mean")),
-                     "kl": data.get("actor/kl_loss"), "entropy": data.get("actor/entropy"), "pg_loss": data.get("actor/pg_loss"),
-                     "response_length": data.get("response_length/mean"), "step_seconds": data.get("timing_s/step")})
-    return [r for r in rows if r["reward"] is not None]
-
-
-def verl_signal(recs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """Did this run's rollouts carry a learning signal? GRPO's advantage is zero when every reward in a group
-    is equal; all rollout rewards equal (or no step logged) means the adapter is the base model."""
-    import statistics
-
-    rewards = [float(r["reward"]) for r in recs if r.get("reward") is not None]
-    std = statistics.pstdev(rewards) if rewards else None
-    reason = (f"verl logged {steps} training steps" if not steps else
-              f"{len(rewards)} rollout rewards of this run, all equal (std {std}): every advantage was zero" if not std else None)
-    return {"rollouts": len(recs), "valid_fraction": (sum(r.get("status") == "succeeded" for r in recs) / len(recs)) if recs else None,
-            "reward_std": std, "reward_mean": statistics.fmean(rewards) if rewards else None,
-            "no_signal": reason is not None, "no_signal_reason": reason}
-
-
-def train_verl(params: Params, run_id: str) -> dict[str, Any]:
-    """Control plane: gateway + controller + verl trainer, supervised; the adapter through verl's model merger."""
-    import shutil
-    import subprocess
-    import threading
-
-    from pipeline import gpu_memory
-    from pipeline.envs import REPO_ROOT, model_python
-    from pipeline.rl import gateway, store
-    from pipeline.rl.checkpoint import adapter_from_checkpoint
-
-    cfg = params.ppo
-    crowded = gpu_memory.oversubscribed(gpu_memory.plan(params))
-    if crowded:  # vLLM would refuse to start after minutes of setup: say it now, the way `preflight gpu` does
-        raise RuntimeError("; ".join(crowded) + " (python -m pipeline preflight gpu plans the devices)")
-    policy_name = str(Path(cfg.base_model).resolve())  # verl registers its rollout servers under the model path
-    ckpt = Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".checkpoints").resolve()
-    shutil.rmtree(ckpt, ignore_errors=True)  # a previous run's global_step_N must never become this run's adapter
-    ckpt.mkdir(parents=True)
-    trace_dir = Path(cfg.agl.trace_dir).resolve()
-    with gateway.running(params, policy_name, run_id=run_id, trace_dir=trace_dir) as gw:
-        env = {**os.environ, "AGL_BASE_URL": gw.url, "AGL_KEY": gw.key, "PUBMEDQA_RL_CHECKPOINTS": str(ckpt),
-               store.TRACE_DIR_ENV: str(trace_dir), store.RUN_ENV: run_id, "VERL_FILE_LOGGER_PATH": str(ckpt / "metrics.jsonl"),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-        argv = [model_python(), "-m", "pipeline.rl.verl_main"] + (["--params", os.environ["PIPELINE_PARAMS"]] if os.environ.get("PIPELINE_PARAMS") else [])
-        t0 = time.perf_counter()
-        trainer = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        relay = threading.Thread(target=_relay, args=(trainer.stdout, [gw.key]), daemon=True)
-        relay.start()
-        try:
-            while trainer.poll() is None:
-                gw.check()  # a dead gateway/controller would leave the trainer waiting for rollouts forever
-                time.sleep(5)
-        except BaseException:
-            import signal
-
-            os.killpg(trainer.pid, signal.SIGTERM)
-            trainer.wait(60)
-            raise
-        finally:
-            relay.join(10)
-        if trainer.returncode != 0:
-            raise RuntimeError(f"verl trainer exited with code {trainer.returncode} (its output is above)")
-        seconds = time.perf_counter() - t0
-    history = verl_history(ckpt / "metrics.jsonl")
-    recs = [r for r in store.records(trace_dir) if r.get("run_id") == run_id]  # this run's rollouts, not every past run's
-    with atomic_dir(Path(cfg.out_dir)) as tmp:
-        adapter_from_checkpoint(ckpt, tmp / "adapter", model_python())
-        steps = len(history)
-        metrics = {"backend": "verl", "algorithm": cfg.algorithm, "device": f"cuda x{cfg.gpus}", "steps": steps,
-                   "train_seconds": round(seconds, 2), "seconds_per_step": round(seconds / steps, 2) if steps else None,
-                   "reward_first": history[0]["reward"] if history else None, "reward_last": history[-1]["reward"] if history else None,
-                   "kl_last": next((h["kl"] for h in reversed(history) if h.get("kl") is not None), None),
-                   **verl_signal(recs, steps), "base_model": policy_name}
-        write_json(tmp / "train_meta.json", metrics)
-        write_json(tmp / "log_history.json", history)
-    return metrics
 
 
 # --- control plane: MLflow + registry -------------------------------------------------------------------

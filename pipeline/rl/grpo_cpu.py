@@ -1,0 +1,138 @@
+"""The CPU trainer of ``train_ppo``: TRL GRPO + PEFT LoRA on the senior prompts, decoded under each agent's schema.
+
+Runs in the model plane (``python -m pipeline train-ppo --in-model-plane``). Each prompt's group of
+sampled completions is scored by ``pipeline.rewards.senior`` (schema validity + the judge through
+the proxy + the PI's decision against the label); :func:`signal` says whether the groups carried a
+learning signal (GRPO's advantage is zero inside a group of equal rewards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Params
+from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.rl.prompts import load_prompts
+
+JUDGE_URL_ENV, JUDGE_KEY_ENV = "PPO_JUDGE_BASE_URL", "PPO_JUDGE_KEY"  # the proxy the control plane brought up
+
+
+def signal(scored: list[dict[str, Any]]) -> dict[str, Any]:
+    """Did the sampled completions carry a learning signal? GRPO's advantage is a completion's reward minus
+    its group's mean: a group whose rewards are all equal teaches nothing, and when every group is like
+    that the update is zero (KL aside) and the adapter is the base model with noise."""
+    import statistics
+
+    values = [float(r["value"]) for r in scored]
+    groups: dict[str, list[float]] = {}
+    for r in scored:
+        groups.setdefault(str(r["group"]), []).append(float(r["value"]))
+    flat = sum(1 for g in groups.values() if max(g) - min(g) <= 1e-9)
+    out: dict[str, Any] = {"completions_scored": len(scored), "groups": len(groups), "zero_advantage_groups": flat,
+                           "valid_fraction": sum(r["validity"] == 1.0 for r in scored) / len(scored) if scored else None,
+                           "reward_std": statistics.pstdev(values) if values else None}
+    reason = ("no completion was scored" if not scored else
+              f"every one of the {len(groups)} GRPO groups has equal rewards (reward std {out['reward_std']:.4f}): "
+              "all advantages are zero" if flat == len(groups) else None)
+    return {**out, "no_signal": reason is not None, "no_signal_reason": reason}
+
+
+def make_reward(params: Params, log: list[dict[str, Any]]) -> Any:
+    """The GRPO reward function: one score per sampled completion, recorded with its reason in ``log``."""
+    from pipeline.agents.llm import RoleClient
+    from pipeline.rewards.senior import completion_text, score
+
+    url, key = os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV]
+
+    calls = itertools.count()
+
+    async def senior_reward(prompts: list[Any], completions: list[Any], agent: list[str], label: list[str], question: list[str],
+                            abstract: list[str], task_id: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
+        client = RoleClient.for_agents(params.agents, url, key, params.ppo.reward.timeout_s, max_tokens=params.judge.max_tokens)
+        try:
+            texts = [completion_text(c) for c in completions]
+            results = await asyncio.gather(*[
+                score(client, params, a, t, {"id": tid, "question": q, "contexts": [ab], "final_decision": lab})
+                for a, t, tid, q, ab, lab in zip(agent, texts, task_id, question, abstract, label, strict=True)])
+        finally:
+            await client.aclose()
+        step = int(getattr(trainer_state, "global_step", 0) or 0) + 1
+        call = next(calls)  # TRL's batch holds each prompt's group_size completions one after the other
+        log.extend({"step": step, "group": f"{call}-{i // params.ppo.group_size}", "task_id": tid, **r, "completion": t[:800]}
+                   for i, (tid, r, t) in enumerate(zip(task_id, results, texts, strict=True)))
+        return [float(r["value"]) for r in results]
+
+    return senior_reward
+
+
+def train_trl(params: Params) -> dict[str, Any]:
+    """Model plane: GRPO + LoRA, adapter saved atomically, metrics returned."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from pipeline.rewards.senior import SCHEMAS
+    from pipeline.rl.guided import GuidedGRPOTrainer, compile_grammars, prompt_key
+
+    cfg = params.ppo
+    rows = load_prompts(params)
+    budget = max(SCHEMAS[a].token_budget() for a in cfg.agents)
+    if cfg.max_completion_tokens < budget:
+        raise ValueError(f"ppo.max_completion_tokens={cfg.max_completion_tokens} is below the schema budget of ppo.agents "
+                         f"({budget} tokens): completions would be cut into invalid JSON")
+    agent_of = {prompt_key(r["prompt"]): r["agent"] for r in rows}
+    columns = ("prompt", "agent", "label", "question", "abstract", "task_id")
+    train_ds = Dataset.from_list([{k: (r.get(k) or "") if k != "prompt" else r[k] for k in columns} for r in rows])
+    gpu = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=torch.bfloat16 if gpu else torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
+    lora = cfg.lora
+    peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    scored: list[dict[str, Any]] = []
+    out = Path(cfg.out_dir)
+    with atomic_dir(out) as tmp:
+        args = GRPOConfig(output_dir=str(tmp / "checkpoints"), max_steps=cfg.max_steps, per_device_train_batch_size=cfg.prompts_per_step * cfg.group_size,
+                          num_generations=cfg.group_size, max_completion_length=cfg.max_completion_tokens, learning_rate=cfg.learning_rate,
+                          beta=cfg.kl_coef, temperature=cfg.temperature, logging_steps=1, save_strategy="no", report_to="none",
+                          seed=cfg.seed, data_seed=cfg.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0, disable_tqdm=False,
+                          lr_scheduler_type="constant", warmup_steps=0)
+        grammars = compile_grammars(tokenizer, model.config.vocab_size, {a: SCHEMAS[a] for a in cfg.agents})
+        trainer = GuidedGRPOTrainer(model=model, reward_funcs=[make_reward(params, scored)], args=args, train_dataset=train_ds,
+                                    processing_class=tokenizer, peft_config=peft, grammars=grammars,
+                                    agent_of=lambda prompt: agent_of[prompt_key(prompt)])
+        t0 = time.perf_counter()
+        result = trainer.train()
+        seconds = time.perf_counter() - t0
+        trainer.model.save_pretrained(str(tmp / "adapter"))
+        tokenizer.save_pretrained(str(tmp / "adapter"))
+        import shutil
+
+        shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
+        history = [h for h in trainer.state.log_history if "step" in h]
+        write_json(tmp / "log_history.json", history)
+        write_text(tmp / "completions.jsonl", "".join(json.dumps(r) + "\n" for r in scored))
+        steps = [h for h in history if "reward" in h]
+        reasons: dict[str, int] = {}
+        for r in scored:
+            key = r["reason"].split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+        metrics = {"backend": "trl", "algorithm": "grpo", "device": "cuda" if gpu else "cpu", "steps": result.global_step,
+                   "prompts": len(rows), "agents": list(cfg.agents), "decoding": "xgrammar JSON schema", **signal(scored),
+                   "train_seconds": round(seconds, 2),
+                   "seconds_per_step": round(seconds / max(1, result.global_step), 2),
+                   "reward_first": steps[0]["reward"] if steps else None, "reward_last": steps[-1]["reward"] if steps else None,
+                   "reward_mean": sum(r["value"] for r in scored) / len(scored) if scored else None,
+                   "kl_last": next((h["kl"] for h in reversed(steps) if "kl" in h), None),
+                   "decision_accuracy": (sum(r["aligned"] is True for r in scored) / n_aligned
+                                         if (n_aligned := sum(r.get("aligned") is not None for r in scored)) else None),
+                   "reward_reasons": reasons, "base_model": str(Path(cfg.base_model).resolve())}
+        write_json(tmp / "train_meta.json", metrics)
+    return metrics
