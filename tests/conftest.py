@@ -9,14 +9,15 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from pipeline.config import Params, load_params
 from pipeline.envs import model_python
-from pipeline.serving import proxy, stack, worker
 from pipeline.services.process import free_port
+from pipeline.serving import proxy, stack, worker
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBMEDQA = Path(os.environ.get("PUBMEDQA_DIR", ROOT.parent / "shared" / "data" / "pubmedqa"))
@@ -49,6 +50,12 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for key in [k for k in os.environ if k.startswith("PIPELINE__")]:
         monkeypatch.delenv(key)
     return tmp_path
+
+
+def section(name: str, **update: object) -> Any:
+    """A params.yaml section with a test's changes: every other value from the file, as a stage sees it (the code
+    holds no defaults, #27)."""
+    return getattr(load_params(ROOT / "params.yaml", environ={}), name).model_copy(update=update)
 
 
 def set_param(root: Path, dotted: str, value: object) -> None:

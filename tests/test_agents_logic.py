@@ -11,14 +11,14 @@ import pytest
 
 from pipeline.agents.graph import Society
 from pipeline.agents.tools import Toolbox, build_index
-from pipeline.config import AgentsParams, load_params
+from pipeline.config import load_params
 from pipeline.rewards.judge import alignment, weighted_reward
 from pipeline.stages.rollouts import read_journal, summarise
-from tests.conftest import ROOT, SOURCE
+from tests.conftest import ROOT, SOURCE, section
 
 
 def _society(**cfg) -> Society:
-    return Society(client=None, tools=None, cfg=AgentsParams(**cfg), rng=random.Random(0))  # type: ignore[arg-type]
+    return Society(client=None, tools=None, cfg=section("agents", **cfg), rng=random.Random(0))  # type: ignore[arg-type]
 
 
 def _state(*severities: str, round_: int = 1, calls: int = 3) -> dict:
@@ -143,7 +143,7 @@ def test_junior_looks_up_evidence_before_it_may_stop(tmp_path: Path, min_calls: 
     import asyncio
 
     client = _QuitterClient()
-    society = Society(client=client, tools=Toolbox(tmp_path / "no-index"), cfg=AgentsParams(min_tool_calls=min_calls, max_tool_calls=max_calls),  # type: ignore[arg-type]
+    society = Society(client=client, tools=Toolbox(tmp_path / "no-index"), cfg=section("agents", min_tool_calls=min_calls, max_tool_calls=max_calls),  # type: ignore[arg-type]
                       rng=random.Random(0))
     out = asyncio.run(society.junior("geneticist")({"task": {"question": "Do statins help?"}}))
     assert sum(1 for s in out["spans"] if s["kind"] == "tool" and s["data"]["sender"] == "geneticist") == tool_spans
@@ -215,7 +215,7 @@ def test_review_board_routes_by_the_worst_review_whether_concurrent_or_not(tmp_p
 
     client = _ScriptedClient()
     society = Society(client=client, tools=Toolbox(tmp_path / "no-index"), rng=random.Random(0),  # type: ignore[arg-type]
-                      cfg=AgentsParams(concurrent_reviews=concurrent, max_review_rounds=2, max_turns=40, epsilon=0.0))
+                      cfg=section("agents", concurrent_reviews=concurrent, max_review_rounds=2, max_turns=40, epsilon=0.0))
     state = asyncio.run(society.compile().ainvoke({"task": {"question": "Do statins help?"}, "review_round": 0}))
     assert client.most_in_flight == (2 if concurrent else 1)
     assert [(r["round"], r["severity"]) for r in sorted(state["reviews"], key=lambda r: (r["round"], r["reviewer"]))] == [

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.bandit import features, ope
-from pipeline.config import BanditParams
 from pipeline.stages.train_bandit import evaluate_offline
-from tests.conftest import ROOT
+from tests.conftest import ROOT, section
 
 AUTHORS = ["geneticist", "pharmacologist", "neurologist"]
 TOPICS = {"gene": "geneticist", "drug": "pharmacologist", "brain": "neurologist"}
@@ -40,7 +39,7 @@ def synthetic_logs(n: int, seed: int = 0, epsilon: float = 0.6) -> list[dict]:
 
 
 def test_learned_policy_beats_logging_policy_with_separated_cis() -> None:
-    cfg = BanditParams(epsilon=0.05, passes=3, folds=4, bootstrap=300)
+    cfg = section("bandit", epsilon=0.05, passes=3, folds=4, bootstrap=300)
     est = evaluate_offline(cfg, synthetic_logs(900))
     learned, logging = est["learned"]["dr"], est["logging"]["dr"]
     assert learned["value"] > logging["value"] + 0.2
@@ -68,7 +67,7 @@ def test_policy_file_and_mlflow_pyfunc_give_the_same_distribution(tmp_path: Path
     from pipeline.bandit.policy import load_policy
     from pipeline.stages.train_bandit import log_model, train_final
 
-    cfg = BanditParams(out_dir=str(tmp_path / "bandit"), passes=2)
+    cfg = section("bandit", out_dir=str(tmp_path / "bandit"), passes=2)
     model_file = train_final(cfg, synthetic_logs(300))
     question = "Does the brain factor change outcome 3 in patients?"
     cands = [{"author": a, "hypothesis": "h", "rationale": "", "evidence_pmids": []} for a in AUTHORS]
@@ -99,7 +98,7 @@ def test_inference_lines_match_training_lines() -> None:
     logs = synthetic_logs(60, seed=3)
     for ex in logs:
         assert vw_policy.adf_lines(ex["context"], ex["actions"]) == vw.adf_lines(ex["context"], ex["actions"])
-    ws = vw.train_policy(BanditParams(passes=1), logs)
+    ws = vw.train_policy(section("bandit", passes=1), logs)
     try:
         for ex in logs[:10]:
             assert vw_policy.pmf(ws, ex["context"], ex["actions"]) == vw.pmf(ws, ex["context"], ex["actions"])
@@ -111,7 +110,7 @@ def test_inference_lines_match_training_lines() -> None:
 def policy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pipeline.stages.train_bandit import train_final
 
-    return train_final(BanditParams(out_dir=str(tmp_path_factory.mktemp("policy") / "bandit"), passes=2), synthetic_logs(300))
+    return train_final(section("bandit", out_dir=str(tmp_path_factory.mktemp("policy") / "bandit"), passes=2), synthetic_logs(300))
 
 
 def _register(mlflow_server: str, model_file: Path, **pyfunc_kwargs) -> tuple[str, str]:
@@ -258,15 +257,14 @@ def test_supervisor_with_bandit_policy_logs_its_propensity(tmp_path: Path) -> No
 
     from pipeline.agents.graph import Society
     from pipeline.bandit.policy import load_policy
-    from pipeline.config import AgentsParams
     from pipeline.stages.train_bandit import train_final
 
-    model_file = train_final(BanditParams(out_dir=str(tmp_path / "bandit"), passes=2), synthetic_logs(300))
+    model_file = train_final(section("bandit", out_dir=str(tmp_path / "bandit"), passes=2), synthetic_logs(300))
     policy = load_policy(str(model_file))
     hyps = [{"author": a, "hypothesis": f"{a} idea", "rationale": "r", "evidence_pmids": []} for a in AUTHORS]
     picks = []
     for seed in range(40):
-        society = Society(client=None, tools=None, cfg=AgentsParams(supervisor_policy="bandit"), rng=random.Random(seed), policy=policy)
+        society = Society(client=None, tools=None, cfg=section("agents", supervisor_policy="bandit"), rng=random.Random(seed), policy=policy)
         out = asyncio.run(society.supervisor({"task": {"question": "Does the drug factor change outcome 7 in patients?"},
                                               "hypotheses": list(reversed(hyps))}))
         (span,) = out["spans"]

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from pipeline.config import PromoteParams
 from pipeline.evaluation.gate import decide
 from pipeline.evaluation.metrics import answer, bootstrap_ci, macro_f1, paired_difference, summarise
+from tests.conftest import section
 
 
 def _records(rewards: list[float], decisions: list[str | None] | None = None, labels: list[str] | None = None,
@@ -22,7 +22,7 @@ def _records(rewards: list[float], decisions: list[str | None] | None = None, la
 
 
 def _compare(cand: list[dict], champ: list[dict], **cfg) -> object:
-    return decide(summarise(cand, 500), summarise(champ, 500), paired_difference(cand, champ, 500), PromoteParams(**cfg))
+    return decide(summarise(cand, 500), summarise(champ, 500), paired_difference(cand, champ, 500), section("promote", **cfg))
 
 
 def test_consistently_better_candidate_is_promoted() -> None:
@@ -123,7 +123,7 @@ def test_mcnemar_exact_matches_scipy_binomtest() -> None:
 def test_min_tasks_default_is_the_power_calculation() -> None:
     from pipeline.evaluation.significance import min_tasks_for, minimum_detectable_effect
 
-    assert PromoteParams().min_tasks == min_tasks_for(0.5, 0.05, 0.8) == 25  # docs/promotion.md
+    assert section("promote").min_tasks == min_tasks_for(0.5, 0.05, 0.8) == 25  # docs/promotion.md
     assert min_tasks_for(5.0) == 5  # the exact test cannot reach p < 0.05 below 5 tasks, whatever the effect
     assert minimum_detectable_effect(0.3, 25) == pytest.approx((1.6449 + 0.8416) * 0.3 / 5, abs=1e-3)
 
