@@ -11,17 +11,8 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pipeline.bandit.vw_policy import _action, _shared  # one line format for training and the logged policy
 from pipeline.config import BanditParams
-
-
-def _shared(context: dict[str, Any]) -> str:
-    words = " ".join(f"w_{w}" for w in context.get("q_words", []))
-    return f"|s q_len:{float(context.get('q_len', 0.0))} {words}".rstrip()
-
-
-def _action(action: dict[str, Any]) -> str:
-    return (f"|a author={action['author']} overlap:{float(action['overlap'])} n_pmids:{int(action['n_pmids'])} "
-            f"h_len:{float(action['h_len'])}")
 
 
 def adf_lines(context: dict[str, Any], actions: Sequence[dict[str, Any]], chosen: int | None = None,

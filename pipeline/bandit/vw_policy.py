@@ -25,8 +25,8 @@ except ImportError:  # pragma: no cover - model plane has no MLflow
     PythonModel = object  # type: ignore[assignment,misc]
 
 
-# The ADF lines of a decision, unlabelled. ``pipeline.bandit.vw`` writes the same lines (plus the label)
-# for training; tests/test_bandit.py::test_inference_lines_match_training_lines keeps the two identical.
+# The ADF lines of a decision, unlabelled. ``pipeline.bandit.vw`` writes the same lines (plus the label) for
+# training with these two functions (imported from here, the module that travels with the model).
 def _shared(context: dict[str, Any]) -> str:
     words = " ".join(f"w_{w}" for w in context.get("q_words", []))
     return f"|s q_len:{float(context.get('q_len', 0.0))} {words}".rstrip()
