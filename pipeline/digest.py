@@ -15,8 +15,18 @@ import json
 import re
 from pathlib import Path
 
+SHA256_TAG = "sha256"  # the model-version tag holding its artifact's digest (set at registration)
 ADAPTER_CONFIG = "adapter_config.json"
 DEPLOY_FIELD = "base_model_name_or_path"
+
+
+def file_hash(path: str | Path, algorithm: str = "sha256") -> str:
+    """Hex digest of a file's bytes, read in 1 MiB blocks (model files run to gigabytes)."""
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _file_sha256(path: Path) -> str:
@@ -24,11 +34,7 @@ def _file_sha256(path: Path) -> str:
         cfg = json.loads(path.read_text())
         cfg.pop(DEPLOY_FIELD, None)
         return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_hash(path)
 
 
 def artifact_sha256(path: str | Path) -> str:

@@ -14,15 +14,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.digest import file_hash
+
 _IGNORED = ("__pycache__",)
 
 
 def _file_md5(path: Path) -> str:
-    h = hashlib.md5()  # noqa: S324 - DVC's content address, not a security hash
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_hash(path, "md5")  # DVC's content address, not a security hash
 
 
 def dvc_md5(path: str | Path) -> str:

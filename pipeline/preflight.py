@@ -19,11 +19,13 @@ the GPU tasks before they hold a GPU for minutes and fail (docs/gpu.md):
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipeline import gpu_memory
 from pipeline.agents.llm import senior_completion_ceiling
@@ -55,8 +57,12 @@ def gpu_stages(params: Params) -> list[str]:
     return said + [f"serving.workers[{w.name}].gpu_memory_utilization" for w in params.serving.workers if w.gpu_memory_utilization is not None]
 
 
-def check_verl(params: Params, print_config: bool) -> str:
-    config = verl_config.compose(params, Path(params.ppo.out_dir + ".checkpoints"), "train_ppo", "http://<gateway>", "<per-run key>")
+def compose(params: Params) -> Any:
+    """The trainer config the profile composes (placeholders for the per-run gateway URL and key)."""
+    return verl_config.compose(params, Path(params.ppo.out_dir + ".checkpoints"), "train_ppo", "http://<gateway>", "<per-run key>")
+
+
+def check_verl(params: Params, config: Any, print_config: bool) -> str:
     if print_config:
         print(verl_config.printable(config))
     broken = verl_config.contract(params, config)
@@ -66,8 +72,7 @@ def check_verl(params: Params, print_config: bool) -> str:
     return f"composed {agl / 'config.yaml'} over {verl} with {len(verl_config.overrides(params, '.', 'x'))} overrides"
 
 
-def check_verl_validation(params: Params) -> str:
-    config = verl_config.compose(params, Path(params.ppo.out_dir + ".checkpoints"), "train_ppo", "http://<gateway>", "<per-run key>")
+def check_verl_validation(config: Any) -> str:
     return verl_config.validate(config, model_python())
 
 
@@ -136,9 +141,10 @@ def main(args: argparse.Namespace, params: Params) -> int:
         print(f"preflight gpu ({args.params_path or 'params.yaml'}): the profile names no GPU stage (backends auto/trl, no GPU worker share): "
               "nothing to check")
         return 0
+    config = functools.cache(lambda: compose(params))  # composed once for both verl checks (a failure fails both)
     checks: list[tuple[str, Callable[[], str]]] = [
-        ("verl config", lambda: check_verl(params, args.print_config)),
-        ("verl validation", lambda: check_verl_validation(params)),
+        ("verl config", lambda: check_verl(params, config(), args.print_config)),
+        ("verl validation", lambda: check_verl_validation(config())),
         ("gpu memory", lambda: check_memory(params)),
         ("routing", lambda: check_routing(params)),
         ("serving", lambda: check_serving(params)),

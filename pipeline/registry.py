@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Params
-from pipeline.digest import artifact_sha256, served_name
+from pipeline.digest import SHA256_TAG, artifact_sha256, served_name
 
 CHAMPION, CHALLENGER = "champion", "challenger"
-SHA256_TAG = "sha256"
 
 
 class RegistryError(RuntimeError):

@@ -12,12 +12,12 @@ and reads the ``.vw`` file with VW.
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.bandit.vw_policy import BanditPolicy, SupervisorPolicyModel
+from pipeline.digest import SHA256_TAG, file_hash
 
 if TYPE_CHECKING:
     from pipeline.config import Params
@@ -26,19 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["BanditPolicy", "PolicyDigestError", "SupervisorPolicyModel", "load_policy"]
 
 VW_ARTIFACT = "vw_model"  # the pyfunc artifact key train_bandit logs the .vw file under
-SHA256_TAG = "sha256"  # a model version's digest of its artifact file (set at registration)
 
 
 class PolicyDigestError(RuntimeError):
     """The downloaded policy file is not the one the registry recorded."""
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _model_version(uri: str) -> Any | None:
@@ -85,7 +76,7 @@ def _vw_file(model_dir: Path, uri: str) -> Path:
 
 def _verify(path: Path, version: Any | None, uri: str) -> str:
     """The file's sha256, refused unless it equals the version's ``sha256`` tag (when it has one)."""
-    digest = sha256_file(path)
+    digest = file_hash(path)
     if version is not None and (expected := (version.tags or {}).get(SHA256_TAG)) is not None:
         want = str(expected).strip().lower().removeprefix("sha256:")
         if want != digest:
@@ -117,7 +108,7 @@ def load_policy(uri: str, params: Params | None = None) -> BanditPolicy:
             policy = BanditPolicy(_vw_file(path, uri), source=uri)
         else:
             raise FileNotFoundError(f"{uri}: no such VW model file or MLflow model folder")
-        policy.sha256 = sha256_file(policy.model_file)
+        policy.sha256 = file_hash(policy.model_file)
         return policy
     import mlflow.artifacts
 

@@ -153,11 +153,10 @@ def compose(params: Params, checkpoints: str | Path, experiment: str, agl_url: s
 
 def contract(params: Params, config: Any) -> list[str]:
     """What the project relies on in the composed config; one message per broken promise (empty: all hold)."""
+    from omegaconf import OmegaConf
+
     def get(key: str) -> Any:
-        node = config
-        for part in key.split("."):
-            node = node.get(part) if node is not None else None
-        return node
+        return OmegaConf.select(config, key)  # None where the key is missing
 
     problems = []
     for key, want in (("actor_rollout_ref.actor.policy_loss.loss_mode", "per_rollout_mean"),

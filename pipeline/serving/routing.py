@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -181,8 +182,6 @@ def _record(params: Params, entry: dict[str, Any]) -> None:
 def society_endpoint(params: Params) -> tuple[str, str, int | None]:
     """(OpenAI base URL, key, live routing version) a society's calls go to: ``rollouts.llm_base_url`` when set
     (an external endpoint, no routing), else the proxy with the live version the traces record."""
-    import os
-
     base = params.rollouts.llm_base_url  # load_params has already applied PIPELINE__ROLLOUTS__LLM_BASE_URL
     if base:
         return base, os.environ.get("LLM_API_KEY", "none"), None
