@@ -411,6 +411,9 @@ class EvaluateParams(_Strict):
     limit: int | None = Field(ge=1, description="cap on validation tasks (CPU runs); null = the whole split")
     seed: int = Field(description="exploration seed: the same task ids and seeds for every model compared")
     concurrency: int = Field(ge=1, description="rollouts in flight across every society evaluated together")
+    replay: bool = Field(description="a candidate's society answers every call of another role that repeats the champion's "
+                                     "(same task, same request) from the champion's record: common random numbers, and "
+                                     "the calls before the candidate's role cost nothing (pipeline/agents/replay.py)")
     timeout_s: float
     bootstrap: int = Field(ge=100)
     ci: float = Field(gt=0.5, lt=1.0)

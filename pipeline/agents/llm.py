@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from pydantic import ValidationError
 
+from pipeline.agents.replay import CallBook, request_key
 from pipeline.digest import served_digest
 from pipeline.schemas import StructuredOutput
 
@@ -65,8 +66,9 @@ def _float(value: str | None) -> float | None:
 class RoleClient:
     def __init__(self, base_url: str, api_key: str, max_tokens: int = 256, temperature: float = 0.7,
                  json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None, token_ceiling: int = 768,
-                 frequency_penalty: float = 0.0) -> None:
+                 frequency_penalty: float = 0.0, replay: CallBook | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.replay = replay  # recorded calls of roles not under evaluation, answered from the record (agents.replay)
         self.routing = routing  # an evaluation routing table the proxy should route these calls by (None = the live one)
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -114,6 +116,11 @@ class RoleClient:
         span: dict[str, Any] = {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": messages,
                                                                        "max_tokens": body["max_tokens"], "temperature": temp,
                                                                        "frequency_penalty": penalty, "seed": body.get("seed")}}
+        span["data"]["request_key"] = key = request_key(agent, body)
+        if self.replay is not None and (recorded := self.replay.take(model, key)) is not None:
+            span["data"].update(ok=True, replayed=True, latency_s=0.0, **recorded)
+            spans.append(span)
+            return recorded["output"] or ""
         base_url, headers = self.endpoint(model)
         try:
             resp = await self._http.post(f"{base_url}/chat/completions", json=body, headers=headers)

@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeline.agents.graph import Society
 from pipeline.agents.llm import ROLLOUT_SEED, RoleClient
+from pipeline.agents.replay import ROLLOUT_ID
 from pipeline.agents.tools import Toolbox
 from pipeline.config import Params
 from pipeline.rewards.judge import alignment, final_reward, final_span, judge
@@ -52,6 +53,7 @@ async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: 
     t0 = time.perf_counter()
     seed = params.rollouts.seed if seed is None else seed
     rng = random.Random(f"{seed}:{ids['rollout_id']}")  # exploration reproducible per rollout
+    ROLLOUT_ID.set(ids["rollout_id"])  # a client replaying recorded calls answers only from this rollout's record
     if params.agents.seeded_calls:  # ...and every call's sampling seed (this task's context only)
         ROLLOUT_SEED.set(f"{seed}:{ids['rollout_id']}")
     society = Society(client, tools, params.agents, rng, policy)

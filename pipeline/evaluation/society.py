@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pipeline.agents.replay import CallBook
 from pipeline.config import Params
 from pipeline.traces.schema import Trace
 
 
 def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[dict[str, Any] | None, str | None]], run_id: str,
-             score: bool, description: str) -> list[list[Trace]]:
+             score: bool, description: str, books: list[CallBook | None] | None = None) -> list[list[Trace]]:
     """For each (routing table, evaluation routing name or None for live): one rollout per task
-    (rollout id ``<task>-0``, exploration seed ``evaluate.seed``); traces in task order per society."""
+    (rollout id ``<task>-0``, exploration seed ``evaluate.seed``); traces in task order per society.
+    ``books[i]``, when given, answers society i's calls that repeat a recorded society's (``agents.replay``)."""
     from rich.progress import Progress
 
     from pipeline.agents.llm import RoleClient
@@ -34,7 +36,8 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
 
     async def main(bar: Progress, bar_id: Any) -> list[list[Trace]]:
         sem = asyncio.Semaphore(cfg.concurrency)
-        clients = [RoleClient.for_agents(params.agents, url, key, cfg.timeout_s, routing=routing) for _, routing in societies]
+        clients = [RoleClient.for_agents(params.agents, url, key, cfg.timeout_s, routing=routing, replay=(books or [None] * len(societies))[i])
+                   for i, (_, routing) in enumerate(societies)]
 
         async def one(i: int, task: dict[str, Any]) -> Trace:
             ids = {"run_id": run_id, "shard": 0, "task_id": task["id"], "rollout_id": f"{task['id']}-0"}

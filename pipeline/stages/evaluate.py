@@ -95,18 +95,24 @@ def cache_key(params: Params, champions: dict[str, Any], roles: dict[str, str], 
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def _cached(params: Params, key: str) -> list[dict[str, Any]] | None:
+def _cached(params: Params, key: str) -> tuple[list[dict[str, Any]], list[Any]] | None:
+    """A finished champion evaluation with this key: its scored records and its traces (which candidates replay)."""
     import mlflow
 
     from pipeline import tracking
+    from pipeline.traces.schema import Trace
 
     runs = mlflow.search_runs([tracking.experiment_id(params)], filter_string=f"tags.`eval.key` = '{key}' and attributes.status = 'FINISHED'",
                               output_format="list", max_results=1)
     if not runs:
         return None
-    path = mlflow.artifacts.download_artifacts(run_id=runs[0].info.run_id, artifact_path="evaluation/records.jsonl")
-    print(f"evaluate: champion evaluation reused from run {runs[0].info.run_id} (cache key {key})")
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    run_id = runs[0].info.run_id
+    docs = {}
+    for name in ("records", "traces"):
+        path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=f"evaluation/{name}.jsonl")
+        docs[name] = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    print(f"evaluate: champion evaluation reused from run {run_id} (cache key {key})")
+    return docs["records"], [Trace.model_validate(t) for t in docs["traces"]]
 
 
 def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, Any]], routing: str) -> list[Any]:
@@ -206,7 +212,19 @@ def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], t
         summary = summarise(records, params.evaluate.bootstrap, params.evaluate.ci, params.evaluate.seed)
         mlflow.log_metrics(flat(summary))
         mlflow.log_text("".join(json.dumps(r) + "\n" for r in records), "evaluation/records.jsonl")
+        # the calls as answered: a cached champion's traces are what later candidates replay (agents.replay)
+        mlflow.log_text("".join(t.model_dump_json() + "\n" for t in traces), "evaluation/traces.jsonl")
     return records, run.info.run_id
+
+
+def _cost(traces: list[Any]) -> dict[str, Any]:
+    """What one society's evaluation cost: LLM calls sent to a model and answered from the record, per task, and the
+    rollouts' summed wall time (a replayed call takes none). docs/benchmarks-learning.md compares replayed and whole."""
+    llm = [s for t in traces for s in t.spans if s.kind == "llm"]
+    replayed = sum(1 for s in llm if s.data.get("replayed"))
+    n = max(len(traces), 1)
+    return {"tasks": len(traces), "live_calls_per_task": (len(llm) - replayed) / n, "replayed_calls_per_task": replayed / n,
+            "rollout_s_per_task": sum(t.latency_s for t in traces) / n}
 
 
 def plot(summary: dict[str, Any]) -> None:
@@ -265,25 +283,40 @@ def run(params: Params) -> dict[str, Any]:
                            {"eval.role": name, "eval.version": str(cand.version), "eval.champions": label}, name, cand, where))
     if not candidates:
         return summary
-    champion_run: str | None = "cached"
-    champion_records = _cached(params, key)
-    societies: list[tuple[str, dict[str, Any], dict[str, str], str | None, Any, str | None]] = list(candidates)
-    if champion_records is None:
-        slug = _slug(f"champion-{key[:12]}")
-        societies.insert(0, (slug, _table(params, slug, roles, policies), {"eval.key": key, "eval.role": "champion",
-                                                                            "eval.champions": label}, None, None, None))
     from pipeline import tracking
+    from pipeline.agents.replay import CallBook
     from pipeline.evaluation import society
 
-    traces = society.run_many(params, tasks, [(s[1], s[0]) for s in societies], tracking.pipeline_run_id(), score=False,
-                              description=f"evaluate {len(societies)} societies x {len(tasks)} tasks")
+    champion_run: str | None = "cached"
+    cached = _cached(params, key)
+    champion: list[tuple[str, dict[str, Any], dict[str, str], str | None, Any, str | None]] = []
+    if cached is None:
+        slug = _slug(f"champion-{key[:12]}")
+        champion = [(slug, _table(params, slug, roles, policies), {"eval.key": key, "eval.role": "champion", "eval.champions": label},
+                     None, None, None)]
+        champion_traces = society.run_many(params, tasks, [(champion[0][1], slug)], tracking.pipeline_run_id(), score=False,
+                                           description=f"evaluate the champion society x {len(tasks)} tasks")[0]
+        champion_cost = _cost(champion_traces)
+    else:
+        champion_records, champion_traces = cached
+        champion_cost = _cost(champion_traces)
+    # each candidate: its role's calls live, every other call that repeats the champion's answered from its record
+    books = [CallBook.from_traces(champion_traces, live=[c[3]] if params.promote.roles[c[3]] == "llm" else [])
+             if params.evaluate.replay else None for c in candidates]
+    cand_traces = society.run_many(params, tasks, [(c[1], c[0]) for c in candidates], tracking.pipeline_run_id(), score=False,
+                                   description=f"evaluate {len(candidates)} candidate societies x {len(tasks)} tasks"
+                                               + (" (replaying the champion's calls of other roles)" if params.evaluate.replay else ""),
+                                   books=books)
+    societies = [*champion, *candidates]
+    traces = ([champion_traces] if champion else []) + cand_traces
     for society_, society_traces in zip(societies, traces, strict=True):
         role, version, deployment = society_[3], society_[4], society_[5]
         if role is not None and deployment is not None and params.promote.roles[role] == "llm":  # answered by the version evaluated
             check_served(society_traces, role, version.version, deployment)
     scored = {s[0]: score(params, s[0], s[1], t, tasks, s[2]) for s, t in zip(societies, traces, strict=True)}
-    if champion_records is None:
-        champion_records, champion_run = scored[societies[0][0]]
+    if champion:
+        champion_records, champion_run = scored[champion[0][0]]
+    costs = {c[0]: _cost(t) for c, t in zip(candidates, cand_traces, strict=True)}
     cfg = params.evaluate
     champ = summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
     for slug, _, _, name, cand, where in candidates:
@@ -293,7 +326,8 @@ def run(params: Params) -> dict[str, Any]:
         summary["roles"][name] = {"champion": {"version": champions[name].version, "target": roles.get(name) or policies.get(name),
                                                "label": label, "metrics": champ, "run_id": champion_run},
                                   "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
-                                  "difference": diff, "records": {"champion": champion_records, "candidate": records}}
+                                  "difference": diff, "records": {"champion": champion_records, "candidate": records},
+                                  "cost": {"champion": champion_cost, "candidate": costs[slug], "replay": params.evaluate.replay}}
         registry.set_tags(name, cand.version, {
             "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
             "eval.diff": f"{diff['mean']:+.4f}", "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]", "eval.tasks": len(tasks),

@@ -1,0 +1,112 @@
+"""Evaluation by replay: a candidate's society answers the unchanged roles' calls from the champion's record.
+
+The model behind the client here is an HTTP handler that samples (an unseeded RNG in every answer), so two
+societies run whole never agree by chance; what the replayed candidate shares with the champion can only
+come from the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pipeline.agents.llm import RoleClient
+from pipeline.agents.replay import CallBook
+from pipeline.agents.rollout import run_rollout
+from pipeline.agents.tools import Toolbox
+from pipeline.config import load_params
+from tests.conftest import ROOT
+
+TASK = {"id": "123", "question": "Do statins reduce mortality?", "contexts": ["Statins were given."], "final_decision": "yes"}
+
+
+class SamplingModel:
+    """Valid JSON for each schema the society asks for, with a fresh random draw in every answer; counts requests per logical model."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random()  # unseeded: sampling noise
+        self.requests: Counter[str] = Counter()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.requests[body["model"]] += 1
+        schema = body["response_format"]["json_schema"]["name"]
+        draw = self.rng.random()
+        answer: dict[str, Any] = {
+            "EvidenceCall": {"tool": "search_literature", "query": f"statins {draw:.6f}"},
+            "ToolCall": {"tool": "none", "query": ""},
+            "Hypothesis": {"hypothesis": f"statins lower mortality ({draw:.6f})", "rationale": "trials", "evidence_pmids": []},
+            "SupervisorChoice": {"chosen": self.rng.randrange(3), "reason": "r"},
+            "Protocol": {"title": f"t{draw:.6f}", "objective": "o", "methods": ["m"], "controls": ["c"], "outcome_measures": ["y"]},
+            "Review": {"severity": "MINOR", "issues": ["dose"], "summary": "ok"},
+            "PIDecision": {"decision": self.rng.choice(["GO", "NO-GO"]), "rationale": f"r{draw:.6f}"},
+        }[schema]
+        payload = {"model": body["model"], "usage": {"total_tokens": 10},
+                   "choices": [{"message": {"content": json.dumps(answer)}, "finish_reason": "stop"}]}
+        return httpx.Response(200, json=payload, headers={"x-litellm-model-group": f"{body['model']}-base"})
+
+
+def _rollout(tmp_path: Path, model: SamplingModel, book: CallBook | None = None) -> Any:
+    params = load_params(ROOT / "params.yaml")
+    client = RoleClient.for_agents(params.agents, "http://proxy.invalid/v1", "k", 30.0, replay=book)
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(model))
+    ids = {"run_id": "r", "shard": 0, "task_id": TASK["id"], "rollout_id": f"{TASK['id']}-0"}
+
+    async def go() -> Any:
+        try:
+            return await run_rollout(params, client, Toolbox(tmp_path / "no-index"), TASK, ids, score=False, seed=0)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def _calls(trace: Any, *models: str) -> list[dict[str, Any]]:
+    return [s.data for s in trace.spans if s.kind == "llm" and (not models or s.data["logical_model"] in models)]
+
+
+def test_a_candidate_shares_the_champions_calls_up_to_its_role_and_samples_its_own(tmp_path: Path) -> None:
+    champion_model = SamplingModel()
+    champion = _rollout(tmp_path, champion_model)
+    assert champion.status == "ok", champion.error
+
+    candidate_model = SamplingModel()  # the candidate's senior_researcher: another model (another RNG)
+    book = CallBook.from_traces([champion], live=["senior_researcher"])
+    candidate = _rollout(tmp_path, candidate_model, book)
+    assert candidate.status == "ok", candidate.error
+
+    # everything before the senior's first call is the champion's, answer for answer, and cost no request
+    before = ["junior_researcher", "supervisor"]
+    assert [c["output"] for c in _calls(candidate, *before)] == [c["output"] for c in _calls(champion, *before)]
+    assert all(c.get("replayed") for c in _calls(candidate, *before))
+    assert candidate_model.requests["junior_researcher"] == 0 and candidate_model.requests["supervisor"] == 0
+    assert candidate.spans and candidate.protocol is not None
+    # the role under evaluation always runs: its calls were sent, none was answered from the record
+    seniors = _calls(candidate, "senior_researcher")
+    assert seniors and not any(c.get("replayed") for c in seniors)
+    assert candidate_model.requests["senior_researcher"] == len(seniors)
+    assert book.replayed == len(_calls(candidate, *before))
+    # cheaper: the candidate sent only what its role changed
+    assert sum(candidate_model.requests.values()) < sum(champion_model.requests.values())
+
+
+def test_a_book_answers_only_the_rollout_it_was_recorded_in(tmp_path: Path) -> None:
+    """Another task (another rollout id) with the same requests is sampled live: the record is per task."""
+    champion = _rollout(tmp_path, SamplingModel())
+    book = CallBook.from_traces([champion.model_copy(update={"rollout_id": "999-0"})], live=["senior_researcher"])
+    model = SamplingModel()
+    candidate = _rollout(tmp_path, model, book)
+    assert book.replayed == 0 and not any(c.get("replayed") for c in _calls(candidate))
+    assert model.requests["junior_researcher"] > 0
+
+
+def test_without_replay_two_whole_runs_differ_by_sampling(tmp_path: Path) -> None:
+    """The control for the first test: the junior answers agree only through the record, never by chance."""
+    a, b = _rollout(tmp_path, SamplingModel()), _rollout(tmp_path, SamplingModel())
+    assert [c["output"] for c in _calls(a, "junior_researcher")] != [c["output"] for c in _calls(b, "junior_researcher")]
