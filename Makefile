@@ -34,11 +34,11 @@ services-down:    ## stop every local service this project started
 
 prod-stack: setup ## the production executor on this host, no Docker: Postgres + Redis (Debian), S3 (moto), MLflow, Airflow CeleryExecutor with default + gpu workers
 	@bash scripts/setup_prod_stack.sh
-	@$(CTL)/python -m pipeline prod up
+	@$(CTL)/python infra/local/prod_stack.py up
 
 prod-run: prod-stack ## one DAG run on the production executor (Params as CONF='{"tasks": 1}'); prints where each task ran
-	@$(CTL)/python -m pipeline prod dag-run --conf '$(or $(CONF),{})'
+	@$(CTL)/python infra/local/prod_stack.py dag-run --conf '$(or $(CONF),{})'
 
 prod-down:        ## stop the production-executor stack (its data stays in .prod/)
-	@$(CTL)/python -m pipeline prod down
+	@$(CTL)/python infra/local/prod_stack.py down
 

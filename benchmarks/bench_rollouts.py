@@ -149,8 +149,8 @@ def union(intervals: list[tuple[float, float]]) -> float:
 async def society(params: Params, base_url: str, key: str, tools: Toolbox, tasks: list[dict[str, Any]], concurrency: int, tag: str) -> dict[str, Any]:
     client = TimedClient.for_agents(params.agents, base_url, key, params.rollouts.timeout_s)
     client.calls = []
-    table = routing.active(params)
-    policy = supervisor_policy(params, table)
+    table = routing.active(params.serving)
+    policy = supervisor_policy(params.agents, params.mlflow, table)
     sem = asyncio.Semaphore(concurrency)
     done = 0
 
@@ -160,7 +160,8 @@ async def society(params: Params, base_url: str, key: str, tools: Toolbox, tasks
             rid = f"bench-{i}"  # the same ids (hence exploration seeds) in every variant
             ROLLOUT.set(rid)
             ids = {"run_id": "bench", "shard": 0, "task_id": str(task["id"]), "rollout_id": rid}
-            trace = (await run_rollout(params, client, tools, task, ids, (table or {}).get("version"), policy)).model_dump()
+            trace = (await run_rollout(params.agents, params.judge, params.reward, client, tools, task, ids, params.rollouts.seed,
+                                       (table or {}).get("version"), policy)).model_dump()
             done += 1
             print(f"  [{tag}] rollout {done}/{len(tasks)}: {trace['status']}, {trace['turns']} calls, {trace['latency_s']:.0f} s", flush=True)
             return trace
@@ -323,8 +324,8 @@ async def board_latency(params: Params, base_url: str, key: str, tools: Toolbox,
 
 def restart_engine(params: Params) -> None:
     """Worker 0 restarted with ``params`` (a running worker would be reused as it is): new settings, cold cache."""
-    worker.down(params, params.serving.workers[0])
-    stack.ensure(params)
+    worker.down(params.serving, params.serving.workers[0])
+    stack.ensure(params.serving, params.mlflow)
 
 
 def main() -> None:
@@ -349,9 +350,9 @@ def main() -> None:
     env = {**os.environ, "PIPELINE__ROLLOUTS__SHARDS": "1", "PIPELINE__ROLLOUTS__LIMIT": str(max(args.rollouts, args.more)),
            "PIPELINE__AGENTS__FREQUENCY_PENALTY": "0"}
     chain = load_params(environ={**env, "PIPELINE__AGENTS__CONCURRENT_REVIEWS": "false"})
-    base_url, key = stack.ensure(chain)
+    base_url, key = stack.ensure(chain.serving, chain.mlflow)
     direct = worker.base_url(chain.serving.workers[0])
-    tasks = shard_tasks(chain, 0)
+    tasks = shard_tasks(chain.rollouts, chain.validate_, 0)
     tools = Toolbox(chain.rollouts.index_dir, chain.agents.search_top_k)
     _ = tools.bm25, tools.mesh, tools.genes  # loaded once per shard in the rollouts stage: not a per-rollout cost
     if args.board_latency or args.gap:
@@ -429,7 +430,7 @@ def _questions(args: argparse.Namespace) -> str:
 
 def _routing_line(params: Params) -> str:
     """Which deployments the roles reached: a promoted adapter changes the mix the engine serves."""
-    live = routing.active(params) or {}
+    live = routing.active(params.serving) or {}
     adapters = {role: target for role, target in (live.get("roles") or {}).items() if "/" in target}
     where = ", ".join(f"{role} -> {target}" for role, target in adapters.items()) or "every role on the base model"
     return f"routing version {live.get('version', '?')} ({where})"

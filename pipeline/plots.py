@@ -13,10 +13,10 @@ from pipeline.io import atomic_path
 @contextlib.contextmanager
 def png(dest: str | Path, size: tuple[float, float] = (6, 3.5)) -> Iterator[Any]:
     """Yield a matplotlib Axes; on success the figure is saved to ``dest`` (PNG) in one rename."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - 0.5 s import, only for a figure (and the backend must be set before pyplot)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use("Agg")
 
     fig, ax = plt.subplots(figsize=size)
     try:

@@ -29,7 +29,18 @@ from typing import Any
 
 from pipeline import gpu_memory
 from pipeline.agents.llm import senior_completion_ceiling
-from pipeline.config import Params
+from pipeline.config import (
+    AgentsParams,
+    EvaluateParams,
+    GpuParams,
+    JudgeParams,
+    MlflowParams,
+    Params,
+    PpoParams,
+    PromoteParams,
+    ServingParams,
+    SftParams,
+)
 from pipeline.envs import REPO_ROOT, model_python
 from pipeline.rl import verl_config
 from pipeline.serving import routing
@@ -45,63 +56,68 @@ STAGE_PACKAGES: dict[str, tuple[str, ...]] = {  # import name -> distribution na
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", choices=["gpu"], help="what to check: gpu (the GPU stages of a profile)")
     parser.add_argument("--params", default=None, help="the profile to check (default: $PIPELINE_PARAMS or params.yaml)")
-    parser.add_argument("--print-config", action="store_true", help="print the verl trainer config the profile composes (key redacted)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the verl trainer config the profile composes (key redacted)")
     parser.add_argument("--imports", action="store_true", help="also import each GPU stage's packages (run on the GPU worker)")
-    parser.add_argument("--if-gpu", action="store_true", help="pass with nothing to check when the profile says no GPU stage (the DAG's CPU runs)")
+    parser.add_argument("--if-gpu", action="store_true",
+                        help="pass with nothing to check when the profile says no GPU stage (the DAG's CPU runs)")
 
 
-def gpu_stages(params: Params) -> list[str]:
+def gpu_stages(ppo: PpoParams, sft: SftParams, serving: ServingParams) -> list[str]:
     """The GPU stages a profile *says* it runs (a backend named, a worker given a GPU share); ``auto`` says nothing."""
-    said = [f"ppo.backend={params.ppo.backend}"] if params.ppo.backend == "verl" else []
-    said += [f"sft.backend={params.sft.backend}"] if params.sft.backend == "unsloth" else []
-    return said + [f"serving.workers[{w.name}].gpu_memory_utilization" for w in params.serving.workers if w.gpu_memory_utilization is not None]
+    said = [f"ppo.backend={ppo.backend}"] if ppo.backend == "verl" else []
+    said += [f"sft.backend={sft.backend}"] if sft.backend == "unsloth" else []
+    return said + [f"serving.workers[{w.name}].gpu_memory_utilization" for w in serving.workers
+                   if w.gpu_memory_utilization is not None]
 
 
-def compose(params: Params) -> Any:
+def compose(ppo: PpoParams, mlflow: MlflowParams, judge: JudgeParams) -> Any:
     """The trainer config the profile composes (placeholders for the per-run gateway URL and key)."""
-    return verl_config.compose(params, Path(params.ppo.out_dir + ".checkpoints"), "train_ppo", "http://<gateway>", "<per-run key>")
+    return verl_config.compose(ppo, mlflow, judge, Path(ppo.out_dir + ".checkpoints"), "train_ppo",
+                               "http://<gateway>", "<per-run key>")
 
 
-def check_verl(params: Params, config: Any, print_config: bool) -> str:
+def check_verl(ppo: PpoParams, mlflow: MlflowParams, agents: AgentsParams, config: Any, print_config: bool) -> str:
     if print_config:
         print(verl_config.printable(config))
-    broken = verl_config.contract(params, config)
+    broken = verl_config.contract(ppo, agents, config)
     if broken:
         raise ValueError("; ".join(broken))
     agl, verl = verl_config.config_dirs()
-    return f"composed {agl / 'config.yaml'} over {verl} with {len(verl_config.overrides(params, '.', 'x'))} overrides"
+    count = len(verl_config.overrides(ppo, mlflow, ".", "x"))
+    return f"composed {agl / 'config.yaml'} over {verl} with {count} overrides"
 
 
 def check_verl_validation(config: Any) -> str:
     return verl_config.validate(config, model_python())
 
 
-def check_memory(params: Params) -> str:
-    devices = gpu_memory.plan(params)
+def check_memory(serving: ServingParams, ppo: PpoParams, gpu: GpuParams) -> str:
+    devices = gpu_memory.plan(serving, ppo, gpu)
     crowded = gpu_memory.oversubscribed(devices)
     if crowded:
         raise ValueError("; ".join(crowded))
-    return "; ".join(gpu_memory.describe(devices, params.gpu.device_memory_gib)) or "no local GPU consumer"
+    return "; ".join(gpu_memory.describe(devices, gpu.device_memory_gib)) or "no local GPU consumer"
 
 
-def check_routing(params: Params) -> str:
-    numbers = routing.versions(params)
+def check_routing(serving: ServingParams) -> str:
+    numbers = routing.versions(serving)
     for number in numbers:
-        routing.load_version(params, number)  # raises naming a role or a deployment no worker serves
-    names = sorted({routing.expected_model(params, w.name) for w in params.serving.workers})
+        routing.load_version(serving, number)  # raises naming a role or a deployment no worker serves
+    names = sorted({routing.expected_model(serving, w.name) for w in serving.workers})
     return f"{len(numbers)} routing version(s) resolve to served models {names}"
 
 
-def check_serving(params: Params) -> str:
-    need = params.ppo.max_prompt_tokens + senior_completion_ceiling(params.agents)
-    short = [f"{w.name} max_model_len {w.max_model_len}" for w in params.serving.workers if w.max_model_len < need]
+def check_serving(ppo: PpoParams, agents: AgentsParams, serving: ServingParams) -> str:
+    need = ppo.max_prompt_tokens + senior_completion_ceiling(agents)
+    short = [f"{w.name} max_model_len {w.max_model_len}" for w in serving.workers if w.max_model_len < need]
     if short:
         raise ValueError(f"{', '.join(short)} < ppo.max_prompt_tokens + the agents' completion ceiling = {need}")
     return f"every worker's context holds {need} tokens"
 
 
-def check_evaluation(params: Params) -> str:
-    limit, need = params.evaluate.limit, params.promote.min_tasks
+def check_evaluation(evaluate: EvaluateParams, promote: PromoteParams) -> str:
+    limit, need = evaluate.limit, promote.min_tasks
     if limit is not None and limit < need:
         raise ValueError(f"evaluate.limit={limit} < promote.min_tasks={need}: every decision would be insufficient_evidence")
     return f"evaluate.limit={limit or 'the whole split'} >= promote.min_tasks={need}"
@@ -118,9 +134,10 @@ def locked() -> dict[str, str]:
     return pins
 
 
-def check_packages(params: Params, imports: bool) -> str:
+def check_packages(ppo: PpoParams, imports: bool) -> str:
     pins = locked()
-    wanted = sorted({p for pkgs in STAGE_PACKAGES.values() for p in pkgs} | ({"flash_attn"} if params.ppo.attention == "flash_attention_2" else set()))
+    flash = {"flash_attn"} if ppo.attention == "flash_attention_2" else set()
+    wanted = sorted({p for pkgs in STAGE_PACKAGES.values() for p in pkgs} | flash)
     missing = [p for p in wanted if p.replace("_", "-") not in pins]
     if missing:
         raise ValueError(f"not pinned in {GPU_LOCK.name}: {', '.join(missing)}")
@@ -133,23 +150,26 @@ def check_packages(params: Params, imports: bool) -> str:
                 broken.append(f"{name} ({type(exc).__name__}: {str(exc)[:120]})")
         if broken:
             raise ValueError("do not import: " + "; ".join(broken))
-    return ", ".join(f"{p}=={pins[p.replace('_', '-')]}" for p in wanted) + (" (imported)" if imports else " (pinned; --imports on the worker imports them)")
+    return (", ".join(f"{p}=={pins[p.replace('_', '-')]}" for p in wanted)
+            + (" (imported)" if imports else " (pinned; --imports on the worker imports them)"))
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    if args.if_gpu and not gpu_stages(params):
-        print(f"preflight gpu ({args.params_path or 'params.yaml'}): the profile names no GPU stage (backends auto/trl, no GPU worker share): "
+    profile = args.params_path or "params.yaml"
+    if args.if_gpu and not gpu_stages(params.ppo, params.sft, params.serving):
+        print(f"preflight gpu ({profile}): the profile names no GPU stage (backends auto/trl, no GPU worker share): "
               "nothing to check")
         return 0
-    config = functools.cache(lambda: compose(params))  # composed once for both verl checks (a failure fails both)
+    # composed once for both verl checks (a failure fails both)
+    config = functools.cache(lambda: compose(params.ppo, params.mlflow, params.judge))
     checks: list[tuple[str, Callable[[], str]]] = [
-        ("verl config", lambda: check_verl(params, config(), args.print_config)),
+        ("verl config", lambda: check_verl(params.ppo, params.mlflow, params.agents, config(), args.print_config)),
         ("verl validation", lambda: check_verl_validation(config())),
-        ("gpu memory", lambda: check_memory(params)),
-        ("routing", lambda: check_routing(params)),
-        ("serving", lambda: check_serving(params)),
-        ("evaluation", lambda: check_evaluation(params)),
-        ("packages", lambda: check_packages(params, args.imports)),
+        ("gpu memory", lambda: check_memory(params.serving, params.ppo, params.gpu)),
+        ("routing", lambda: check_routing(params.serving)),
+        ("serving", lambda: check_serving(params.ppo, params.agents, params.serving)),
+        ("evaluation", lambda: check_evaluation(params.evaluate, params.promote)),
+        ("packages", lambda: check_packages(params.ppo, args.imports)),
     ]
     failed = 0
     for name, check in checks:
@@ -158,6 +178,6 @@ def main(args: argparse.Namespace, params: Params) -> int:
         except (ValueError, RuntimeError, routing.RoutingError, verl_config.VerlConfigError) as exc:
             failed += 1
             print(f"FAIL {name}: {exc}")
-    print(f"preflight gpu ({args.params_path or 'params.yaml'}): " + (f"{failed} check(s) failed" if failed else "all checks passed"))
+    print(f"preflight gpu ({profile}): " + (f"{failed} check(s) failed" if failed else "all checks passed"))
     sys.stdout.flush()
     return 1 if failed else 0

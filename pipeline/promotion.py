@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import registry
-from pipeline.config import Params
+from pipeline.config import MlflowParams, PromoteParams, ServingParams
 from pipeline.io import write_json
+from pipeline.services.process import ServiceError
 from pipeline.serving import proxy, routing
 
 FAILPOINT_ENV = "PIPELINE_FAILPOINT"
@@ -45,96 +46,98 @@ def failpoint(step: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def intent_file(params: Params) -> Path:
-    return proxy.active_file(params).with_name("intent.json")
+def intent_file(serving: ServingParams) -> Path:
+    return proxy.active_file(serving).with_name("intent.json")
 
 
-def pending(params: Params) -> dict[str, Any] | None:
-    path = intent_file(params)
+def pending(serving: ServingParams) -> dict[str, Any] | None:
+    path = intent_file(serving)
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _note(params: Params, intent: dict[str, Any], **update: Any) -> dict[str, Any]:
+def _note(serving: ServingParams, intent: dict[str, Any], **update: Any) -> dict[str, Any]:
     intent.update(update)
-    write_json(intent_file(params), intent)
+    write_json(intent_file(serving), intent)
     return intent
 
 
-def switch(params: Params, name: str, to: Any, description: str, tags: dict[str, Any] | None = None, record: bool = True) -> int:
+def switch(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, to: Any, description: str,
+           tags: dict[str, Any] | None = None, record: bool = True) -> int:
     """Route role ``name`` to version ``to`` (new routing version, verified, applied), then move ``champion`` and
     write ``tags`` on ``to``; on a failure both stay as they were, on a crash :func:`reconcile` settles it.
     Returns the routing version now live."""
-    from pipeline.services.process import ServiceError
-
-    with routing.lock(params):
-        reconcile(params)
-        live = routing.active(params)
+    with routing.lock(serving):
+        reconcile(serving, mlflow)
+        live = routing.active(serving)
         if live is None:
             raise PromotionError("no routing version is live; start the serving plane first")
         previous = registry.by_alias(name, registry.CHAMPION)
-        intent = _note(params, {}, role=name, to_version=str(to.version), description=description,
+        intent = _note(serving, {}, role=name, to_version=str(to.version), description=description,
                        previous_champion=previous.version if previous else None, previous_routing=live["version"],
                        new_routing=None, tags=dict(tags or {}), record=record)
         failpoint("intent")
-        kind = params.promote.roles[name]
+        kind = promote.roles[name]
         try:
-            where = registry.deploy(params, name, to, live["roles"].get(name))
+            where = registry.deploy(serving, name, to, live["roles"].get(name))
         except (ServiceError, registry.RegistryError, OSError) as exc:
-            intent_file(params).unlink(missing_ok=True)
+            intent_file(serving).unlink(missing_ok=True)
             raise PromotionError(f"{name} v{to.version} could not be deployed: {exc}") from exc
         failpoint("deploy")
         roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
         (roles if kind == "llm" else policies)[name] = where
-        number = routing.write_version(params, roles, description, policies)
-        _note(params, intent, new_routing=number)
+        number = routing.write_version(serving, roles, description, policies)
+        _note(serving, intent, new_routing=number)
         failpoint("routing_written")
         try:
-            routing.apply(params, number)  # verified before it goes live; the previous version stays live on failure
+            routing.apply(serving, mlflow, number)  # verified before it goes live; the previous version stays live on failure
         except routing.RoutingError as exc:
-            intent_file(params).unlink(missing_ok=True)
+            intent_file(serving).unlink(missing_ok=True)
             raise PromotionError(f"{name} v{to.version}: {exc}") from exc
         failpoint("routing_applied")
         try:
             registry.set_alias(name, registry.CHAMPION, to.version)
         except Exception as exc:
-            routing.apply(params, live["version"])
-            intent_file(params).unlink(missing_ok=True)
-            raise PromotionError(f"{name}: moving the champion alias failed ({exc}); routing restored to v{live['version']}") from exc
+            routing.apply(serving, mlflow, live["version"])
+            intent_file(serving).unlink(missing_ok=True)
+            raise PromotionError(f"{name}: moving the champion alias failed ({exc}); "
+                                 f"routing restored to v{live['version']}") from exc
         failpoint("alias_moved")
-        _finish(params, intent)
+        _finish(serving, intent)
         return number
 
 
-def _finish(params: Params, intent: dict[str, Any]) -> None:
+def _finish(serving: ServingParams, intent: dict[str, Any]) -> None:
     """The switch's bookkeeping after the alias moved (idempotent: a reconcile may run it again)."""
     tags = dict(intent["tags"])
     if intent["record"]:  # a rollback does not record what it replaced: rolling back twice must not undo itself
-        tags.update({"promotion.previous_champion": intent["previous_champion"] or "", "promotion.routing_version": intent["new_routing"],
+        tags.update({"promotion.previous_champion": intent["previous_champion"] or "",
+                     "promotion.routing_version": intent["new_routing"],
                      "promotion.previous_routing_version": intent["previous_routing"]})
     if tags:
         registry.set_tags(intent["role"], intent["to_version"], tags)
     failpoint("tagged")
-    intent_file(params).unlink(missing_ok=True)
+    intent_file(serving).unlink(missing_ok=True)
 
 
-def reconcile(params: Params) -> str | None:
+def reconcile(serving: ServingParams, mlflow: MlflowParams) -> str | None:
     """Finish or undo a switch a crash interrupted; what was done (None: nothing pending)."""
-    intent = pending(params)
+    intent = pending(serving)
     if intent is None:
         return None
-    with routing.lock(params):
+    with routing.lock(serving):
         champion = registry.by_alias(intent["role"], registry.CHAMPION)
-        live = routing.active(params)
+        live = routing.active(serving)
         if champion is not None and str(champion.version) == intent["to_version"]:
             if intent["new_routing"] is not None and (live is None or live["version"] != intent["new_routing"]):
-                routing.apply(params, intent["new_routing"])
-            _finish(params, intent)
-            done = f"completed the interrupted switch of {intent['role']} to v{intent['to_version']} (routing v{intent['new_routing']})"
+                routing.apply(serving, mlflow, intent["new_routing"])
+            _finish(serving, intent)
+            done = (f"completed the interrupted switch of {intent['role']} to v{intent['to_version']} "
+                    f"(routing v{intent['new_routing']})")
         else:
             if live is None or live["version"] != intent["previous_routing"]:
-                routing.apply(params, intent["previous_routing"])
-            intent_file(params).unlink(missing_ok=True)
-            done = (f"undid the interrupted switch of {intent['role']} to v{intent['to_version']}: routing v{intent['previous_routing']} "
-                    f"and champion v{champion.version if champion else '-'} kept")
+                routing.apply(serving, mlflow, intent["previous_routing"])
+            intent_file(serving).unlink(missing_ok=True)
+            done = (f"undid the interrupted switch of {intent['role']} to v{intent['to_version']}: "
+                    f"routing v{intent['previous_routing']} and champion v{champion.version if champion else '-'} kept")
     print(f"reconcile: {done}")
     return done

@@ -26,8 +26,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params
+from pipeline import lineage, tracking
+from pipeline.config import Params, ServingParams
 from pipeline.digest import SHA256_TAG, artifact_sha256, served_name
+from pipeline.io import write_json
+from pipeline.serving import adapter_store, routing
+from pipeline.serving import worker as workers
+
+# mlflow is imported in the functions that call it: a 1.3 s import that the serving commands importing this
+# module (through promotion) do not need, and the model plane has no mlflow.
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 
@@ -37,7 +44,7 @@ class RegistryError(RuntimeError):
 
 
 def _client() -> Any:
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # noqa: PLC0415 - mlflow: 1.3 s import, control plane only
 
     return MlflowClient()
 
@@ -47,7 +54,7 @@ def get_version(name: str, version: str | int) -> Any:
 
 
 def by_alias(name: str, alias: str) -> Any | None:
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 - mlflow: 1.3 s import, control plane only
 
     try:
         return _client().get_model_version_by_alias(name, alias)
@@ -70,16 +77,15 @@ def delete_alias(name: str, alias: str) -> None:
     _client().delete_registered_model_alias(name, alias)
 
 
-def _live_target(params: Params, role: str) -> str:
-    from pipeline.serving import routing
-
-    table = routing.active(params) or routing.load_version(params, routing.versions(params)[0])
+def _live_target(serving: ServingParams, role: str) -> str:
+    table = routing.active(serving) or routing.load_version(serving, routing.versions(serving)[0])
     return table["roles"][role]
 
 
+# whole Params: a role's baseline reads five sections (promote, serving, models, agents, mlflow)
 def ensure_baselines(params: Params) -> dict[str, Any]:
     """Register the baseline (version 1 on a new registry) of every role without a ``champion`` and make it champion."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 - mlflow: 1.3 s import, control plane only
 
     client = _client()
     champions: dict[str, Any] = {}
@@ -93,15 +99,14 @@ def ensure_baselines(params: Params) -> dict[str, Any]:
             champions[name] = champion
             continue  # versions registered before any champion existed (older registries) get a baseline below
         if kind == "llm":
-            target = _live_target(params, name)
+            target = _live_target(params.serving, name)
             tags = {"kind": "base", "deployment": target, "lineage.base_model": params.models.base.source}
             info: dict[str, Any] = {"kind": "base", "deployment": target, "base_model": params.models.base.source}
         else:
             tags = {"kind": "llm_supervisor", "policy": "llm"}
             info = {"kind": "llm_supervisor", "policy": "llm", "epsilon": params.agents.epsilon}
-        from pipeline import tracking
-
-        run = client.create_run(tracking.experiment_id(params), run_name=f"baseline-{name}", tags={"pipeline.kind": "baseline"})
+        run = client.create_run(tracking.experiment_id(params.mlflow), run_name=f"baseline-{name}",
+                                tags={"pipeline.kind": "baseline"})
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp, "baseline")
             path.mkdir()
@@ -115,12 +120,11 @@ def ensure_baselines(params: Params) -> dict[str, Any]:
     return champions
 
 
+# whole Params: registers after ensure_baselines (five sections)
 def register_candidate(params: Params, name: str, model_uri: str, run_id: str, tags: dict[str, Any], description: str = "",
                        artifact: str | Path | None = None) -> Any:
     """A trainer's output: a new version (after the baseline exists), aliased ``challenger``; ``artifact`` (the
     trainer's local output, the same bytes it logged) gives the version its ``sha256`` tag."""
-    from pipeline import lineage
-
     if artifact is not None:
         tags = {**tags, SHA256_TAG: artifact_sha256(artifact)}
     ensure_baselines(params)
@@ -129,20 +133,19 @@ def register_candidate(params: Params, name: str, model_uri: str, run_id: str, t
     return version
 
 
-def register_adapter(params: Params, run: Any, role: str, adapter_dir: str | Path, dataset_dir: str | Path, rows: list[dict[str, Any]],
-                     base_model: str, description: str, **extra_tags: Any) -> Any:
+# whole Params: register_candidate's five sections, plus rollouts' trace folder for the lineage
+def register_adapter(params: Params, run: Any, role: str, adapter_dir: str | Path, dataset_dir: str | Path,
+                     rows: list[dict[str, Any]], base_model: str, description: str, **extra_tags: Any) -> Any:
     """A trained LoRA adapter folder: logged to ``run`` as ``adapter/`` and registered as ``role``'s
     challenger, tagged ``kind: lora_adapter`` with its lineage (run, data, traces, base model)."""
-    import mlflow
-
-    from pipeline import lineage
+    import mlflow  # noqa: PLC0415 - mlflow: 1.3 s import, control plane only
 
     mlflow.log_artifacts(str(adapter_dir), artifact_path="adapter")
     tags = lineage.tags(run, dataset_dir, rows, params.rollouts.out_dir, role=role, kind="lora_adapter",
                         **{"lineage.base_model": params.models.base.source, "lineage.base_model_path": base_model,
                            "lineage.base_model_md5": lineage.dvc_md5(base_model)}, **extra_tags)
-    return register_candidate(params, role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags, description=description,
-                              artifact=adapter_dir)
+    return register_candidate(params, role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags,
+                              description=description, artifact=adapter_dir)
 
 
 def adapter_name(name: str, version: Any) -> str:
@@ -153,18 +156,18 @@ def adapter_name(name: str, version: Any) -> str:
 def expected_sha256(name: str, version: Any) -> str:
     digest = version.tags.get(SHA256_TAG)
     if not digest:
-        raise RegistryError(f"{name} v{version.version} has no {SHA256_TAG} tag (registered before versions carried their digest): "
-                            "retrain or re-register it; an unverifiable artifact is never served")
+        raise RegistryError(f"{name} v{version.version} has no {SHA256_TAG} tag (registered before versions carried their "
+                            "digest): retrain or re-register it; an unverifiable artifact is never served")
     return str(digest)
 
 
-def target(params: Params, name: str, version: Any, worker_of: str | None = None) -> str:
+def target(serving: ServingParams, name: str, version: Any, worker_of: str | None = None) -> str:
     """Where the society reaches ``version``: a routing deployment (LLM roles) or a policy URI."""
     kind = version.tags.get("kind")
     if kind == "base":
         return version.tags["deployment"]
     if kind == "lora_adapter":
-        worker = (worker_of or _live_target(params, name)).partition("/")[0]
+        worker = (worker_of or _live_target(serving, name)).partition("/")[0]
         return f"{worker}/{adapter_name(name, version)}"
     if kind == "contextual_bandit":
         return f"models:/{name}/{version.version}"
@@ -177,28 +180,24 @@ def _name_base_model(config: Path, model: str) -> None:
     """Name the base model the way the serving engine does. Training records its own path for it
     (``models/base``, a download folder); vLLM's filesystem resolver, which reloads adapters into a
     restarted replica, only takes an adapter whose base model is the engine's ``--model``."""
-    from pipeline.io import write_json
-
     cfg = json.loads(config.read_text())
     if cfg.get("base_model_name_or_path") != model:
         write_json(config, {**cfg, "base_model_name_or_path": model})
 
 
-def deploy(params: Params, name: str, version: Any, worker_of: str | None = None) -> str:
+def deploy(serving: ServingParams, name: str, version: Any, worker_of: str | None = None) -> str:
     """Make ``version`` reachable (hot-load an adapter into its worker) and return its target."""
-    import mlflow
+    import mlflow  # noqa: PLC0415 - mlflow: 1.3 s import, control plane only
 
-    from pipeline.serving import worker as workers
-
-    where = target(params, name, version, worker_of)
+    where = target(serving, name, version, worker_of)
     if version.tags.get("kind") != "lora_adapter":
         return where
     worker_name, _, adapter = where.partition("/")
-    w = next((w for w in params.serving.workers if w.name == worker_name), None)
+    w = next((w for w in serving.workers if w.name == worker_name), None)
     if w is None:
         raise RegistryError(f"{name} v{version.version}: no worker {worker_name!r} in serving.workers")
     want = expected_sha256(name, version)
-    folder = workers.adapter_cache(params) / adapter  # kept even once loaded: a restarted local worker reloads from it
+    folder = workers.adapter_cache(serving) / adapter  # kept even once loaded: a restarted local worker reloads from it
     if not (folder / "adapter_config.json").exists() or artifact_sha256(folder) != want:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{adapter}-"))
@@ -206,8 +205,8 @@ def deploy(params: Params, name: str, version: Any, worker_of: str | None = None
             local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp)))
             got = artifact_sha256(local)
             if got != want:
-                raise RegistryError(f"{name} v{version.version}: the registry's artifact {version.source} has sha256 {got}, but the version "
-                                    f"was registered with {want}: not what was trained, refusing to serve it")
+                raise RegistryError(f"{name} v{version.version}: the registry's artifact {version.source} has sha256 {got}, "
+                                    f"but the version was registered with {want}: not what was trained, refusing to serve it")
             shutil.rmtree(folder, ignore_errors=True)
             local.rename(folder)
         finally:
@@ -219,8 +218,6 @@ def deploy(params: Params, name: str, version: Any, worker_of: str | None = None
         workers.load_lora(w, adapter, str(folder))
         return where
     # a worker on another host: publish to its S3 store, its sidecar copies the adapter next to it
-    from pipeline.serving import adapter_store
-
     adapter_store.publish(folder, w.adapter_store, adapter)
     workers.load_lora(w, adapter, f"{w.adapter_dir}/{adapter}", wait_s=w.adapter_sync_wait_s)
     return where

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline import tracking
 from pipeline.config import DEFAULT_PARAMS, Params, effective_raw
 from pipeline.io import write_text
 
@@ -52,7 +53,8 @@ def commit_lock(effective: Path, stages: list[str]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["open", "close", "fail", "times", "commit-lock"])
-    parser.add_argument("--write-params", action="store_true", help="open: write the run's effective params to .runs/<run id>/params.yaml")
+    parser.add_argument("--write-params", action="store_true",
+                        help="open: write the run's effective params to .runs/<run id>/params.yaml")
     parser.add_argument("--stages", nargs="*", default=[], help="commit-lock: the stages whose outputs this run produced")
     parser.add_argument("--task", default=None, help="fail: the task that failed")
     parser.add_argument("--error", default="", help="fail: why")
@@ -62,8 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline import tracking
-
     if args.run_id:
         os.environ[tracking.RUN_ID_ENV] = args.run_id
     run_key = tracking.pipeline_run_id()
@@ -72,22 +72,22 @@ def main(args: argparse.Namespace, params: Params) -> int:
         commit_lock(effective, args.stages)
         print(f"dvc.lock: {len(args.stages)} stage(s) committed with the params of {effective}")
         return 0
-    mlflow_run = tracking.parent_run(params)
+    mlflow_run = tracking.parent_run(params.mlflow)
     if args.action == "open" and args.write_params:
-        from mlflow import MlflowClient
+        from mlflow import MlflowClient  # noqa: PLC0415 - 1.3 s import; the DAG's tasks import this module for effective_file
 
         path = write_effective(args.params_path, run_key)
         MlflowClient().log_artifact(mlflow_run, str(path), "params")
     if args.action == "close":
-        tracking.finish_parent(params, args.status)
+        tracking.finish_parent(params.mlflow, args.status)
     if args.action == "times":
-        for stage, seconds in tracking.stage_times(params):
+        for stage, seconds in tracking.stage_times(params.mlflow):
             print(f"  {stage:<18} {seconds / 60:5.1f} min")
         return 0
     if args.action == "fail":
         if not args.task:
-            print("error: `run fail` needs --task", file=__import__("sys").stderr)
+            print("error: `run fail` needs --task", file=sys.stderr)
             return 2
-        tracking.record_failure(params, args.task, args.error, args.try_number)
-    print(f"{run_key} {mlflow_run} {tracking.experiment_id(params)}")
+        tracking.record_failure(params.mlflow, args.task, args.error, args.try_number)
+    print(f"{run_key} {mlflow_run} {tracking.experiment_id(params.mlflow)}")
     return 0

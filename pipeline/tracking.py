@@ -12,10 +12,13 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from pipeline.config import Params
+from pipeline.config import MlflowParams
+from pipeline.services import mlflow_server
 
 RUN_ID_ENV = "PIPELINE_RUN_ID"
 RUN_TAG = "pipeline.run_id"
+# mlflow is imported inside the functions that use it: a 1.3 s import, and the model plane (which runs stage
+# modules that import this one) has no mlflow. Functions given the ``mlflow`` section import the names they call.
 
 
 def pipeline_run_id() -> str:
@@ -26,36 +29,34 @@ def pipeline_run_id() -> str:
     return run_id
 
 
-def setup(params: Params) -> str:
+def setup(mlflow: MlflowParams) -> str:
     """Point the MLflow client at the tracking server (starting the local one) and the experiment."""
-    import mlflow
+    from mlflow import set_experiment, set_tracking_uri  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
-    from pipeline.services import mlflow_server
-
-    uri = mlflow_server.ensure(params)
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(params.mlflow.experiment)
+    uri = mlflow_server.ensure(mlflow)
+    set_tracking_uri(uri)
+    set_experiment(mlflow.experiment)
     return uri
 
 
-def experiment_id(params: Params) -> str:
+def experiment_id(mlflow: MlflowParams) -> str:
     """The pipeline experiment's id (``setup`` creates it); a clear error if it is gone."""
-    import mlflow
+    from mlflow import get_experiment_by_name, get_tracking_uri  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
-    exp = mlflow.get_experiment_by_name(params.mlflow.experiment)
+    exp = get_experiment_by_name(mlflow.experiment)
     if exp is None:
-        raise RuntimeError(f"MLflow experiment {params.mlflow.experiment!r} not found at {mlflow.get_tracking_uri()}")
+        raise RuntimeError(f"MLflow experiment {mlflow.experiment!r} not found at {get_tracking_uri()}")
     return str(exp.experiment_id)
 
 
-def parent_run(params: Params) -> str:
+def parent_run(mlflow: MlflowParams) -> str:
     """Find or create the parent run of the current pipeline run; returns its MLflow run id."""
-    import mlflow
+    from mlflow import MlflowClient, search_runs  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
-    setup(params)
+    setup(mlflow)
     run_key = pipeline_run_id()
-    exp_id = experiment_id(params)
-    found = mlflow.search_runs(
+    exp_id = experiment_id(mlflow)
+    found = search_runs(
         [exp_id],
         filter_string=f"tags.`{RUN_TAG}` = '{run_key}' and tags.`pipeline.kind` = 'parent'",
         output_format="list",
@@ -63,47 +64,46 @@ def parent_run(params: Params) -> str:
     )
     if found:
         return found[0].info.run_id
-    client = mlflow.MlflowClient()
+    client = MlflowClient()
     run = client.create_run(exp_id, run_name=f"pipeline-{run_key}", tags={RUN_TAG: run_key, "pipeline.kind": "parent"})
     return run.info.run_id
 
 
 @contextlib.contextmanager
-def stage_run(stage: str, params: Params, tags: dict[str, str] | None = None) -> Iterator[Any]:
+def stage_run(stage: str, mlflow: MlflowParams, tags: dict[str, str] | None = None) -> Iterator[Any]:
     """Open the stage's child run; the parent is only referenced, never ended, by a stage."""
-    import mlflow
+    from mlflow import start_run  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
-    parent_id = parent_run(params)
+    parent_id = parent_run(mlflow)
     run_tags = {RUN_TAG: pipeline_run_id(), "pipeline.kind": "stage", "pipeline.stage": stage,
                 "mlflow.parentRunId": parent_id, **(tags or {})}
-    with mlflow.start_run(run_name=stage, tags=run_tags) as run:
+    with start_run(run_name=stage, tags=run_tags) as run:
         yield run
 
 
-def finish_parent(params: Params, status: str = "FINISHED") -> None:
-    import mlflow
+def finish_parent(mlflow: MlflowParams, status: str = "FINISHED") -> None:
+    from mlflow import MlflowClient  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
-    client = mlflow.MlflowClient()
-    client.set_terminated(parent_run(params), status=status)
+    MlflowClient().set_terminated(parent_run(mlflow), status=status)
 
 
-def stage_times(params: Params) -> list[tuple[str, float]]:
+def stage_times(mlflow: MlflowParams) -> list[tuple[str, float]]:
     """(stage, seconds) of the current pipeline run's stage runs, in start order."""
-    import mlflow
+    from mlflow import MlflowClient  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
-    setup(params)
-    runs = mlflow.MlflowClient().search_runs(
-        [experiment_id(params)], f"tags.`{RUN_TAG}` = '{pipeline_run_id()}' and tags.`pipeline.kind` = 'stage'", max_results=500)
+    setup(mlflow)
+    runs = MlflowClient().search_runs(
+        [experiment_id(mlflow)], f"tags.`{RUN_TAG}` = '{pipeline_run_id()}' and tags.`pipeline.kind` = 'stage'", max_results=500)
     done = sorted((r for r in runs if r.info.end_time), key=lambda r: r.info.start_time)
     return [(r.data.tags.get("pipeline.stage", r.info.run_name), (r.info.end_time - r.info.start_time) / 1000) for r in done]
 
 
-def record_failure(params: Params, task: str, error: str, try_number: int | None = None) -> str:
+def record_failure(mlflow: MlflowParams, task: str, error: str, try_number: int | None = None) -> str:
     """Note a failed orchestrator task on the parent run: ``failed.<task>`` tag + the list in ``failed_tasks``."""
-    import mlflow
+    from mlflow import MlflowClient  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
-    client = mlflow.MlflowClient()
-    parent = parent_run(params)
+    client = MlflowClient()
+    parent = parent_run(mlflow)
     run = client.get_run(parent)
     failed = [t for t in run.data.tags.get("failed_tasks", "").split(",") if t]
     client.set_tag(parent, "failed_tasks", ",".join(dict.fromkeys([*failed, task])))
@@ -115,10 +115,11 @@ def _numeric(values: dict[str, Any]) -> dict[str, float]:
     return {k.replace("/", "."): float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def log_training(config: dict[str, Any], history: list[dict[str, Any]], metrics: dict[str, Any], plot: str | os.PathLike[str]) -> None:
+def log_training(config: dict[str, Any], history: list[dict[str, Any]], metrics: dict[str, Any],
+                 plot: str | os.PathLike[str]) -> None:
     """What every trainer logs to its stage run: its config, the trainer's per-step history as metric
     curves, the stage's summary metrics and its curve plot (so runs of different trainers compare alike)."""
-    import mlflow
+    import mlflow  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
     mlflow.log_params(config)
     for h in history:
@@ -130,16 +131,16 @@ def log_training(config: dict[str, Any], history: list[dict[str, Any]], metrics:
 
 def tag_no_signal(reason: str) -> None:
     """Mark the active run: its trainer's data carried no signal (the reason says why), so nothing was registered."""
-    import mlflow
+    import mlflow  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
     mlflow.set_tags({"no_signal": "true", "no_signal_reason": reason[:4000]})
 
 
-def record_no_signal(stage: str, params: Params, reason: str, report: str | os.PathLike[str]) -> None:
+def record_no_signal(stage: str, mlflow: MlflowParams, reason: str, report: str | os.PathLike[str]) -> None:
     """The stage's MLflow run for a cycle whose data carried no signal: tagged with the reason, the report attached,
     nothing registered (so there is no challenger for `evaluate` to spend rollouts on)."""
-    import mlflow
+    from mlflow import log_artifact  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
-    with stage_run(stage, params):
+    with stage_run(stage, mlflow):
         tag_no_signal(reason)
-        mlflow.log_artifact(str(report))
+        log_artifact(str(report))

@@ -4,8 +4,8 @@
 # fast ones. Called by `make test` and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Lint and types first (seconds): pipeline/ and dags/ must be clean (config in pyproject.toml).
-.venv/control/bin/ruff check pipeline dags
+# Lint and types first (seconds): pipeline/, dags/ and infra/local/ must be clean (config in pyproject.toml).
+.venv/control/bin/ruff check pipeline dags infra/local
 .venv/control/bin/mypy
 # `make test` (and CI) leave out the e2e marker (whole-loop runs through Airflow, the prod stack, a killed shard):
 # `make test-all` adds it.

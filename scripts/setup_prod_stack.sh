@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Debian's PostgreSQL and Redis for `make prod-stack` (the production executor without Docker:
-# pipeline/services/prod_stack.py). Idempotent; needs root (or sudo) only the first time.
+# infra/local/prod_stack.py). Idempotent; needs root (or sudo) only the first time.
 # The S3 side is moto's server from the control environment (MinIO has no Debian package).
 set -euo pipefail
 need=()

@@ -80,11 +80,11 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env = {"PIPELINE__MLFLOW__PORT": str(free_port()), "PIPELINE__MLFLOW__HOME": str(home)}
     params = load_params(ROOT / "params.yaml", environ=env)
     saved = os.environ.pop("MLFLOW_TRACKING_URI", None)
-    uri = server.ensure(params)
+    uri = server.ensure(params.mlflow)
     try:
         yield uri
     finally:
-        server.down(params)
+        server.down(params.mlflow)
         if saved is not None:
             os.environ["MLFLOW_TRACKING_URI"] = saved
 
@@ -149,11 +149,11 @@ def serving_stack(serving_models: Path, tmp_path_factory: pytest.TempPathFactory
         "PIPELINE__SERVING__ROUTING_DIR": str(home / "versions"), "PIPELINE__SERVING__PROXY__PORT": str(free_port()),
         "PIPELINE__SERVING__PROXY__KEY_FILE": str(home / "secrets" / "key"),
         "PIPELINE__SERVING__LIVE_FILE": str(home / "live-routing.json")})  # never the repository's tracked file
-    worker.up(p, p.serving.workers[0])  # the "offline" worker is deliberately not started
-    proxy.up(p)
+    worker.up(p.serving, p.serving.workers[0])  # the "offline" worker is deliberately not started
+    proxy.up(p.serving)
     try:
         yield p
     finally:
-        stack.down(p)
+        stack.down(p.serving)
 
 

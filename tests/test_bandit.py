@@ -85,7 +85,8 @@ def test_policy_file_and_mlflow_pyfunc_give_the_same_distribution(tmp_path: Path
     env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PIPELINE__MLFLOW__TRACKING_URI": mlflow_server,
            "PYTHONPATH": str(ROOT), "PIPELINE_PARAMS": str(ROOT / "params.yaml")}
     code = ("import json, sys; from pipeline.config import load_params; from pipeline.serving import routing; "
-            "print(json.dumps(routing.verify(load_params(), {'roles': {}, 'policies': {'supervisor_policy': sys.argv[1]}})))")
+            "p = load_params(); print(json.dumps(routing.verify(p.serving, p.mlflow, "
+            "{'roles': {}, 'policies': {'supervisor_policy': sys.argv[1]}})))")
     out = subprocess.run([sys.executable, "-c", code, info.model_uri], cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == {}, out.stdout  # no problem: the policy loaded

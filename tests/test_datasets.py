@@ -57,7 +57,7 @@ def traced(project: Path) -> Path:
 
 def test_adapters_pick_first_attempt_junior_calls_of_top_rollouts(traced: Path) -> None:
     params = load_params()
-    built = datasets.build(params)
+    built = datasets.build(params.rollouts, params.datasets, params.validate_)
     sft = built["sets"]["sft"]
     assert {r["rollout_id"] for r in sft} == {"1-0"}
     # the repaired hypothesis (attempt 2) and the unparsed attempt are out; tool step + first-try hypothesis are in

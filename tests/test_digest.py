@@ -85,8 +85,8 @@ def test_deploy_refuses_an_artifact_whose_digest_is_not_the_registered_one(tmp_p
     monkeypatch.setattr("pipeline.serving.worker.models", lambda w: [])
     with pytest.raises(registry.RegistryError, match=rf"has sha256 {artifact_sha256(logged)}, but the version was registered with "
                                                      rf"{artifact_sha256(trained)}: not what was trained, refusing to serve it"):
-        registry.deploy(params, name, version, "base")
+        registry.deploy(params.serving, name, version, "base")
     assert loaded == [] and not any((tmp_path / "services" / "adapters").glob("digest_role-*"))
     untagged = SimpleNamespace(version="9", tags={"kind": "lora_adapter"}, source=version.source)
     with pytest.raises(registry.RegistryError, match="has no sha256 tag"):
-        registry.deploy(params, name, untagged, "base")
+        registry.deploy(params.serving, name, untagged, "base")

@@ -31,7 +31,6 @@ PLUMBING = {
     "pipeline/services/airflow_server.py": "starts Airflow (never from a stage's computation)",
     "pipeline/services/buckets.py": "S3 bucket bootstrap of the production stack",
     "pipeline/services/cli.py": "the services command line",
-    "pipeline/services/prod_stack.py": "the production stack's process code (make prod-stack)",
 }
 
 

@@ -21,7 +21,7 @@ def test_the_scoring_code_hash_moves_with_a_prompt_change(tmp_path: Path, monkey
         else:
             target.mkdir(parents=True, exist_ok=True)
             (target / "mod.py").write_text("PROMPT = 'You design experimental protocols.'\n")
-    monkeypatch.setattr("pipeline.envs.REPO_ROOT", tmp_path)
+    monkeypatch.setattr(evaluate, "REPO_ROOT", tmp_path)
     before = evaluate.code_sha256()
     (tmp_path / "pipeline/agents/__pycache__").mkdir()
     (tmp_path / "pipeline/agents/__pycache__/mod.cpython-312.pyc").write_bytes(b"\x00")  # bytecode is not the code
@@ -36,9 +36,9 @@ def test_served_weights_and_worker_settings_are_part_of_the_key(tmp_path: Path) 
     (model / "model.safetensors").write_bytes(b"weights")
     env = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: '{model}', port: 8100}}]"}
     params = load_params(ROOT / "params.yaml", environ=env)
-    served = evaluate.served_models(params)
+    served = evaluate.served_models(params.serving)
     assert served["base"]["model_md5"] and served["base"]["max_model_len"] == 2048
     (model / "model.safetensors").write_bytes(b"other weights")
-    assert evaluate.served_models(params)["base"]["model_md5"] != served["base"]["model_md5"]
+    assert evaluate.served_models(params.serving)["base"]["model_md5"] != served["base"]["model_md5"]
     longer = load_params(ROOT / "params.yaml", environ={"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: '{model}', port: 8100, max_model_len: 4096}}]"})
-    assert evaluate.served_models(longer)["base"] != evaluate.served_models(params)["base"]
+    assert evaluate.served_models(longer.serving)["base"] != evaluate.served_models(params.serving)["base"]

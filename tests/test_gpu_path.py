@@ -70,7 +70,7 @@ def test_a_stage_is_the_control_plane_even_where_torch_imports(stage: str, proje
 def test_auto_backends_record_why_they_fell_back(params_cpu=None) -> None:
     """The CPU model plane: no CUDA, so auto falls back and says so (the reason lands in metrics and tags)."""
     code = ("import json; from pipeline.config import load_params; from pipeline.stages import train_ppo, train_sft; p = load_params(); "
-            "print(json.dumps([train_ppo.pick_backend(p), train_sft.pick_backend(p.sft)]))")
+            "print(json.dumps([train_ppo.pick_backend(p.ppo), train_sft.pick_backend(p.sft)]))")
     from pipeline.envs import model_python
 
     out = subprocess.run([model_python(), "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=300,
@@ -83,8 +83,8 @@ def test_auto_backends_record_why_they_fell_back(params_cpu=None) -> None:
 # --- 2-5. verl's config: Agent Lightning's, LoRA merged, no resume, full response budget ----------------
 
 def test_the_composed_config_is_lightningrl_with_lora_served_and_no_resume(gpu, tmp_path: Path) -> None:
-    config = verl_config.compose(gpu, tmp_path / "ckpt", "exp", "http://gw:1", "secret-key")
-    assert verl_config.contract(gpu, config) == []
+    config = verl_config.compose(gpu.ppo, gpu.mlflow, gpu.judge, tmp_path / "ckpt", "exp", "http://gw:1", "secret-key")
+    assert verl_config.contract(gpu.ppo, gpu.agents, config) == []
     arr = config.actor_rollout_ref
     assert arr.actor.policy_loss.loss_mode == "per_rollout_mean" and config.algorithm.enable_rollout_level_advantage is True
     assert arr.model.lora.merge is True and arr.model.lora_rank == gpu.ppo.lora.r  # gateway rollouts sample the trained policy
@@ -103,11 +103,11 @@ def test_the_old_composition_breaks_the_contract(gpu, tmp_path: Path) -> None:
     from hydra import compose, initialize_config_dir
 
     _, verl = verl_config.config_dirs()
-    old = [o for o in verl_config.overrides(gpu, tmp_path, "x") if not o.startswith(("trainer.resume_mode", "actor_rollout_ref.model.lora.merge",
-                                                                                      "data.max_response_length", "trainer.logger"))]
+    old = [o for o in verl_config.overrides(gpu.ppo, gpu.mlflow, tmp_path, "x")
+           if not o.startswith(("trainer.resume_mode", "actor_rollout_ref.model.lora.merge", "data.max_response_length", "trainer.logger"))]
     with initialize_config_dir(config_dir=str(verl), version_base=None):
         config = compose("ppo_trainer", overrides=[*old, "data.max_response_length=64", "trainer.logger=[console,mlflow]"])
-    broken = " | ".join(verl_config.contract(gpu, config))
+    broken = " | ".join(verl_config.contract(gpu.ppo, gpu.agents, config))
     for promise in ("per_rollout_mean", "enable_rollout_level_advantage", "resume_mode", "lora.merge", "max_response_length", "mlflow"):
         assert promise in broken
 
@@ -115,7 +115,7 @@ def test_the_old_composition_breaks_the_contract(gpu, tmp_path: Path) -> None:
 def test_an_unknown_verl_key_fails_composition_naming_it(gpu, tmp_path: Path) -> None:
     bad = gpu.model_copy(update={"ppo": gpu.ppo.model_copy(update={"verl_overrides": ["actor_rollout_ref.rollout.no_such_knob=1"]})})
     with pytest.raises(verl_config.VerlConfigError, match="no_such_knob"):
-        verl_config.compose(bad, tmp_path, "x", "http://gw", "k")
+        verl_config.compose(bad.ppo, bad.mlflow, bad.judge, tmp_path, "x", "http://gw", "k")
 
 
 def test_verl_step_metrics_come_from_its_file_logger_and_the_key_never_reaches_the_log(tmp_path: Path,
@@ -141,15 +141,16 @@ def test_a_gpu_worker_takes_its_planned_share_not_vllms_default(gpu) -> None:
 
 
 def test_the_memory_plan_adds_serving_rollout_and_actor_per_device(gpu) -> None:
-    devices = gpu_memory.plan(gpu)
+    devices = gpu_memory.plan(gpu.serving, gpu.ppo, gpu.gpu)
     assert list(devices) == [0] and gpu_memory.oversubscribed(devices) == []
     assert devices[0].used == pytest.approx(0.30 + 0.35 + 16 / 80 + 0.05)
     greedy = gpu.model_copy(update={"ppo": gpu.ppo.model_copy(update={"rollout_gpu_share": 0.5})})
-    (message,) = gpu_memory.oversubscribed(gpu_memory.plan(greedy))
+    (message,) = gpu_memory.oversubscribed(gpu_memory.plan(greedy.serving, greedy.ppo, greedy.gpu))
     assert message.startswith("GPU 0 is oversubscribed: 1.05") and "serving worker 'base' 0.30" in message
     remote = gpu.model_copy(update={"serving": gpu.serving.model_copy(update={"workers": [
         gpu.serving.workers[0].model_copy(update={"host": "vllm-base.pubmedqa.svc"})]})})
-    assert "serving worker 'base'" not in gpu_memory.plan(remote)[0].shares  # another machine's GPU
+    # another machine's GPU
+    assert "serving worker 'base'" not in gpu_memory.plan(remote.serving, remote.ppo, remote.gpu)[0].shares
 
 
 # --- preflight gpu -----------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ print("ok")
 
 
 def test_the_workers_setup_hook_is_ours_and_attention_needs_no_flash_attn(gpu, tmp_path: Path) -> None:
-    config = verl_config.compose(gpu, tmp_path, "x", "http://gw", "k")
+    config = verl_config.compose(gpu.ppo, gpu.mlflow, gpu.judge, tmp_path, "x", "http://gw", "k")
     assert config.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == "pipeline.rl.verl_patches.setup_worker"
     model = config.actor_rollout_ref.model
     assert model.override_config.attn_implementation == "sdpa" and model.use_remove_padding is False

@@ -47,3 +47,28 @@ def test_no_lower_module_imports_a_stage() -> None:
     offenders = {m: sorted(n for n in deps if n.startswith("pipeline.stages.")) for m, deps in _graph().items()
                  if not m.startswith("pipeline.stages") and m != "pipeline.cli"}
     assert not {m: d for m, d in offenders.items() if d}
+
+
+ENTRY_POINTS = {"main", "run"}  # a stage's or a command's entry: it picks the sections for what it calls
+
+
+def test_functions_take_the_config_sections_they_use() -> None:
+    """Only entry points take the whole ``Params``; every other function takes the sections it reads, or says in a
+    ``# whole Params: <why>`` comment right above it why it needs the whole object (e.g. it digests seven sections)."""
+    offenders = []
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name in ENTRY_POINTS:
+                continue
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            if not any(a.annotation is not None and ast.unparse(a.annotation).split(" | ")[0] == "Params" for a in args):
+                continue
+            first = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
+            comment = []
+            while first > 0 and lines[first - 1].lstrip().startswith("#"):
+                first -= 1
+                comment.append(lines[first])
+            if not any("whole Params:" in c for c in comment):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not offenders, "take the config sections, or say why not (# whole Params: ...): " + ", ".join(offenders)

@@ -104,7 +104,7 @@ def test_images_ports_and_env_names_agree_across_compose_k8s_and_params() -> Non
 def test_prod_stack_is_what_compose_describes(tmp_path: Path) -> None:
     """`make prod-stack` (no Docker) runs the services, Airflow settings and queues of docker-compose.yml."""
     from pipeline.config import load_params
-    from pipeline.services import prod_stack
+    from infra.local import prod_stack
 
     compose = yaml.safe_load((INFRA / "docker-compose.yml").read_text())
     assert set(prod_stack.COMPOSE.values()) <= set(compose["services"])
@@ -271,8 +271,9 @@ def _render_job(params: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     monkeypatch.setenv("AGL_KEY", "test-key")
     with initialize_config_module(config_module="agentlightning.config", version_base=None):
-        config = compose("controller", overrides=gateway.controller_overrides(params, f"http://127.0.0.1:{params.ppo.agl.port}"))
-    rollout_cfg = gateway.rollout_config(params)
+        overrides = gateway.controller_overrides(params.ppo.agl, f"http://127.0.0.1:{params.ppo.agl.port}")
+        config = compose("controller", overrides=overrides)
+    rollout_cfg = gateway.rollout_config(params.ppo.agl)
     assert isinstance(rollout_cfg["k8s"], dict)
     rollout = Rollout(rollout_id="r1", input={"data_id": "1", "task_json": '{"id": "1"}'},
                       config=RolloutConfig(k8s=RolloutK8sConfig(job_template=rollout_cfg["k8s"]["job_template"])),
@@ -309,7 +310,7 @@ def test_k8s_vllm_deployments_serve_the_names_the_proxy_requests() -> None:
     services, deployments = _objects("Service"), _objects("Deployment")
     served: set[tuple[str, str]] = set()
     for worker in params.serving.workers:
-        backend = proxy.deployments(params)[worker.name]
+        backend = proxy.deployments(params.serving)[worker.name]
         requested = backend["model"].removeprefix("hosted_vllm/")
         url = urlsplit(backend["api_base"])
         assert url.hostname and url.hostname.endswith(".svc") and url.hostname.count(".") == 2, url.hostname
@@ -356,7 +357,7 @@ def test_compose_airflow_commands_are_the_prod_stack_commands(tmp_path: Path, mo
     from types import SimpleNamespace
 
     from pipeline.config import load_params
-    from pipeline.services import prod_stack
+    from infra.local import prod_stack
 
     started: dict[str, list[str]] = {}
     setup: list[list[str]] = []
@@ -409,8 +410,8 @@ def test_compose_pipeline_services_use_the_vllm_base_worker(monkeypatch: pytest.
     monkeypatch.setattr(vllm, "http_ok", lambda url, *a, **k: True)
     monkeypatch.setattr(vllm, "start", lambda *a, **k: pytest.fail("stack.ensure would start a local vLLM"))
     for worker in params.serving.workers:
-        assert not vllm.is_local(worker) and vllm.up(params, worker) == f"http://{worker.host}:{worker.port}"
-        backend = proxy.deployments(params)[worker.name]
+        assert not vllm.is_local(worker) and vllm.up(params.serving, worker) == f"http://{worker.host}:{worker.port}"
+        backend = proxy.deployments(params.serving)[worker.name]
         url = urlsplit(backend["api_base"])
         assert url.hostname in services, url
         args = shlex.split(_interpolate(services[url.hostname]["command"]))
@@ -522,7 +523,7 @@ def test_rollout_jobs_get_the_advertised_gateway_url(monkeypatch: pytest.MonkeyP
     assert gateway.local_host(cfg) == "127.0.0.1"  # the trainer and the controller on the head use loopback
     # the local runner: no agent_url, the subprocesses use the loopback URL
     local = load_params(ROOT / "params.yaml", environ={})
-    overrides = gateway.controller_overrides(local, "http://127.0.0.1:8090")
+    overrides = gateway.controller_overrides(local.ppo.agl, "http://127.0.0.1:8090")
     assert not any(o.startswith(("agl_server.agent_url", "k8s_runner.")) for o in overrides)
 
 
@@ -643,10 +644,10 @@ def test_the_clusters_routing_names_the_clusters_workers() -> None:
     old = os.getcwd()
     os.chdir(ROOT)
     try:
-        numbers = routing.versions(params)
-        assert numbers and all(routing.load_version(params, n)["roles"] for n in numbers)
+        numbers = routing.versions(params.serving)
+        assert numbers and all(routing.load_version(params.serving, n)["roles"] for n in numbers)
         with pytest.raises(routing.RoutingError, match="no worker 'base'"):
-            routing.load_version(params.model_copy(update={"serving": params.serving.model_copy(update={"routing_dir": "serving/routing"})}), 1)
+            routing.load_version(params.serving.model_copy(update={"routing_dir": "serving/routing"}), 1)
     finally:
         os.chdir(old)
 
@@ -660,7 +661,7 @@ def test_a_remote_proxy_is_health_checked_never_started_here(tmp_path: Path) -> 
     params = load_params(ROOT / "params.yaml", environ={"PIPELINE__SERVING__PROXY__HOST": "litellm.mlops.svc",
                                                         "PIPELINE__SERVING__HOME": str(tmp_path)})
     with pytest.raises(ServiceError, match="remote and not healthy; it is not started from here"):
-        proxy.up(params)
+        proxy.up(params.serving)
 
 
 # --- i. every service asks for credentials; no secret on a command line (issue #26) ---------------------------------
@@ -682,7 +683,7 @@ def test_compose_mlflow_runs_the_basic_auth_app(tmp_path: Path) -> None:
     import configparser
 
     from pipeline.config import load_params
-    from pipeline.services import prod_stack
+    from infra.local import prod_stack
 
     compose = yaml.safe_load((INFRA / "docker-compose.yml").read_text())
     services = compose["services"]

@@ -215,7 +215,7 @@ def test_adapter_hot_loads_and_answers_for_its_role_through_the_proxy(cycle: dic
         from pipeline.serving import proxy
 
         params = load_params(cycle["clone"] / "params.yaml", environ={**cycle["env"], **env})
-        url, _ = proxy.client_settings(params)
+        url, _ = proxy.client_settings(params.serving)
         key = (cycle["clone"] / ".secrets/proxy_key").read_text().strip()
         resp = httpx.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
                           json={"model": role, "max_tokens": 16, "messages": [{"role": "user", "content": "Name one gene."}]})

@@ -14,11 +14,17 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
+import httpx
+import mlflow
 import pytest
 
+from infra.local import prod_stack
 from pipeline.config import Params, load_params
+from pipeline.envs import model_python
 from pipeline.services.process import free_port
 from tests.conftest import ROOT, copy_project
+from tests.test_pipeline_integration import SMALL_LOOP, _serving_env
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -26,9 +32,6 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    from pipeline.services import prod_stack
-    from tests.test_pipeline_integration import SMALL_LOOP, _serving_env
-
     if subprocess.run(["bash", str(ROOT / "scripts/setup_prod_stack.sh")], check=False).returncode != 0:
         pytest.fail("scripts/setup_prod_stack.sh could not install postgresql/redis-server")
     root = tmp_path_factory.mktemp("prod")
@@ -40,24 +43,24 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     home.chmod(0o755)
     ports = {"PIPELINE__PROD_STACK__HOME": str(home), **{f"PIPELINE__PROD_STACK__{k.upper()}_PORT": str(free_port())
                                                        for k in ("postgres", "redis", "s3", "mlflow", "airflow")}}
-    from pipeline.envs import model_python
-
     # what the Celery workers (and so every task) inherit: the loop sized as the Airflow e2e test sizes it
-    work_env = {**SMALL_LOOP, **_serving_env(), **ports, "PIPELINE_MODEL_PYTHON": model_python(), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    work_env = {**SMALL_LOOP, **_serving_env(), **ports, "PIPELINE_MODEL_PYTHON": model_python(),
+                "PATH": f"{BIN}:{os.environ['PATH']}"}
     saved = {k: os.environ.get(k) for k in work_env}
     os.environ.update(work_env)
     params = load_params(clone / "params.yaml")
     try:
-        info = prod_stack.up(params, clone)
-        prod_stack.use_s3_remote(params, clone)
+        info = prod_stack.up(params.prod_stack, clone)
+        prod_stack.use_s3_remote(params.prod_stack, clone)
         # MLflow asks for a user: the tests' clients log and read as the writer, as the Airflow tasks do
         client_env = prod_stack.mlflow_client_env(params.prod_stack)
         saved.update({k: os.environ.get(k) for k in client_env})
         os.environ.update(client_env)
         yield {"params": params, "clone": clone, "info": info, "home": home}
     finally:
-        prod_stack.down(params)
-        subprocess.run([sys.executable, "-m", "pipeline", "services", "down", "serving"], cwd=clone, capture_output=True, check=False)
+        prod_stack.down(params.prod_stack)
+        subprocess.run([sys.executable, "-m", "pipeline", "services", "down", "serving"], cwd=clone, capture_output=True,
+                       check=False)
         shutil.rmtree(home, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
@@ -67,27 +70,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
 
 def _s3_keys(params: Params, bucket: str) -> list[str]:
-    import boto3
-
-    from pipeline.services import prod_stack
-
     env = prod_stack.s3_env(params.prod_stack)
     s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
                       aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
-    return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])]
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
 
 @pytest.mark.e2e  # ~90 s of CI for what the DAG run below checks as well: `make test-all`
 def test_every_service_answers_and_stores_where_compose_would(stack: dict) -> None:
-    import httpx
-    import mlflow
-
-    from pipeline.services import prod_stack
-
     params, clone, cfg = stack["params"], stack["clone"], stack["params"].prod_stack
     health = httpx.get(f"{stack['info']['url']}/api/v2/monitor/health").json()
     assert {health[c]["status"] for c in ("metadatabase", "scheduler", "dag_processor", "triggerer")} == {"healthy"}
-    assert all(prod_stack.status(params).values())
+    assert all(prod_stack.status(cfg).values())
     assert all(prod_stack.worker_ready(cfg, q) for q in cfg.workers)  # one Celery worker per queue answers through Redis
     # MLflow: runs in Postgres, artifacts in the S3 bucket
     client = mlflow.MlflowClient(prod_stack.mlflow_uri(cfg))
@@ -99,7 +94,8 @@ def test_every_service_answers_and_stores_where_compose_would(stack: dict) -> No
     (clone / "probe.txt").write_text("dvc on s3\n")
     env = {**os.environ, **prod_stack.s3_env(cfg)}
     for cmd in (["add", "probe.txt"], ["push", "probe.txt"]):
-        proc = subprocess.run([sys.executable, "-m", "dvc", *cmd], cwd=clone, env=env, capture_output=True, text=True, check=False)
+        proc = subprocess.run([sys.executable, "-m", "dvc", *cmd], cwd=clone, env=env, capture_output=True, text=True,
+                              check=False)
         assert proc.returncode == 0, proc.stderr
     assert _s3_keys(params, "dvc")
     subprocess.run([sys.executable, "-m", "dvc", "remove", "probe.txt.dvc"], cwd=clone, env=env, capture_output=True, check=True)
@@ -108,15 +104,11 @@ def test_every_service_answers_and_stores_where_compose_would(stack: dict) -> No
 
 @pytest.mark.e2e
 def test_dag_runs_end_to_end_on_celery_with_gpu_tasks_on_the_gpu_worker(stack: dict) -> None:
-    import httpx
-    import mlflow
-
-    from pipeline.services import prod_stack
-
     params, clone = stack["params"], stack["clone"]
     health = httpx.get(f"{stack['info']['url']}/api/v2/monitor/health").json()
     assert {health[c]["status"] for c in ("metadatabase", "scheduler", "dag_processor", "triggerer")} == {"healthy"}
-    result = prod_stack.dag_run(params, {"tasks": 1, "samples_per_task": 2, "shards": 2, "eval_limit": 1}, timeout_s=3000)
+    result = prod_stack.dag_run(params.prod_stack, {"tasks": 1, "samples_per_task": 2, "shards": 2, "eval_limit": 1},
+                                timeout_s=3000)
     tis = result["task_instances"]
     assert result["state"] == "success", [(t["task_id"], t["state"]) for t in tis]
     assert prod_stack.misplaced(tis) == []
@@ -135,7 +127,7 @@ def test_dag_runs_end_to_end_on_celery_with_gpu_tasks_on_the_gpu_worker(stack: d
     assert client.search_model_versions("name='junior_researcher'")
     assert _s3_keys(params, "mlflow")
     status = subprocess.run([sys.executable, "-m", "dvc", "status", "--cloud"], cwd=clone, capture_output=True, text=True,
-                            env={**os.environ, **prod_stack.s3_env(params.prod_stack)})
+                            env={**os.environ, **prod_stack.s3_env(params.prod_stack)}, check=False)
     assert status.returncode == 0 and "are in sync" in status.stdout, status.stdout + status.stderr  # everything pushed to S3
     promotion = json.loads((clone / "reports/promotion.json").read_text())
     assert promotion["routing_version"] >= 1

@@ -4,26 +4,37 @@ themselves run in tests/test_prod_stack.py (`make test-all`)."""
 
 from __future__ import annotations
 
+import argparse
+import ast
 import base64
 import configparser
 import hashlib
 import hmac
+import importlib
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+from werkzeug.test import Client
 
+from infra.local import prod_stack
+from pipeline.config import ProdStackParams, load_params
+from pipeline.services import buckets, deploy, mlflow_users
 from tests.conftest import ROOT
 
 
-def _cfg(tmp_path: Path) -> Any:
-    from pipeline.config import load_params
-
+def _cfg(tmp_path: Path) -> ProdStackParams:
     return load_params(ROOT / "params.yaml", environ={"PIPELINE__PROD_STACK__HOME": str(tmp_path / "prod")}).prod_stack
 
 
@@ -40,7 +51,8 @@ class _Recorder:
         self.pg_hba = pg_hba
 
     def start(self, service: Any, argv: list[str], health: Any, env: dict[str, str] | None = None, **kw: Any) -> int:
-        self.started[service.name] = {"argv": list(argv), "env": dict(env or {}), "identity": kw.get("identity"), "service": service}
+        self.started[service.name] = {"argv": list(argv), "env": dict(env or {}), "identity": kw.get("identity"),
+                                      "service": service}
         return 1
 
     def run(self, argv: list[str], *a: Any, **kw: Any) -> Any:
@@ -49,10 +61,9 @@ class _Recorder:
         return SimpleNamespace(returncode=0, stdout="", stderr="")
 
 
-def _bring_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: bool = False) -> tuple[Any, _Recorder, dict[str, Any]]:
+def _bring_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+              root: bool = False) -> tuple[ProdStackParams, _Recorder, dict[str, Any]]:
     """Every `up` step of the stack with recorded processes: (cfg, recorder, what provisioning and buckets received)."""
-    from pipeline.services import buckets, prod_stack
-
     cfg = _cfg(tmp_path)
     data, _ = prod_stack._pg_dirs(cfg)
     rec = _Recorder(prod_stack._home(cfg), data / "pg_hba.conf")
@@ -80,19 +91,19 @@ def _bring_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: bool = Fals
 def test_no_secret_on_a_command_line_or_in_a_service_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: bool) -> None:
     """Every argv the stack would run (services, initdb, psql, airflow setup) and every identity it records is free of
     every secret of the stack; the secrets travel in 0600 files, stdin and the children's environments."""
-    from pipeline.services import prod_stack
-
     cfg, rec, calls = _bring_up(tmp_path, monkeypatch, root)
     home = prod_stack._home(cfg)
     secrets = {p.name: p.read_text().strip() for p in (home / "secrets").iterdir()}
-    assert {"postgres_password", "postgres_superuser_password", "redis_password", "s3_access_key", "s3_secret_key", "mlflow_admin_password",
-            "mlflow_writer_password", "mlflow_reader_password", "mlflow_flask_secret_key", "airflow_fernet_key"} <= set(secrets)
+    assert {"postgres_password", "postgres_superuser_password", "redis_password", "s3_access_key", "s3_secret_key",
+            "mlflow_admin_password", "mlflow_writer_password", "mlflow_reader_password", "mlflow_flask_secret_key",
+            "airflow_fernet_key"} <= set(secrets)
     assert set(rec.started) == set(prod_stack.COMPOSE)
     argvs = [(name, s["argv"]) for name, s in rec.started.items()] + [("run", r["argv"]) for r in rec.runs]
     records = [json.dumps(s["identity"], default=str) for s in rec.started.values()]
     for name, value in secrets.items():
         for who, argv in argvs:
-            assert not any(value in arg for arg in argv), f"{name} on the command line of {who}: {[a.replace(value, '<it>') for a in argv]}"
+            shown = [a.replace(value, "<it>") for a in argv]
+            assert not any(value in arg for arg in argv), f"{name} on the command line of {who}: {shown}"
         assert not any(value in r for r in records), f"{name} in a service's recorded identity"
     if root:  # Postgres' binaries run as the postgres user
         assert rec.started["postgres"]["argv"][:4] == ["runuser", "-u", "postgres", "--"]
@@ -101,7 +112,7 @@ def test_no_secret_on_a_command_line_or_in_a_service_record(tmp_path: Path, monk
     assert rec.started["s3"]["env"]["AWS_SECRET_ACCESS_KEY"] == secrets["s3_secret_key"]
     worker = rec.started["airflow-worker-gpu"]["env"]
     assert urlsplit(worker["AIRFLOW__CELERY__BROKER_URL"]).password == secrets["redis_password"]
-    assert worker["MLFLOW_TRACKING_USERNAME"] == prod_stack.MLFLOW_USERS["writer"]
+    assert worker["MLFLOW_TRACKING_USERNAME"] == mlflow_users.MLFLOW_USERS["writer"]
     assert worker["MLFLOW_TRACKING_PASSWORD"] == secrets["mlflow_writer_password"]
     # SQL goes to psql's stdin, the superuser's password to its environment; role passwords only as SCRAM verifiers
     psql = [r for r in rec.runs if "/psql" in " ".join(r["argv"])]
@@ -122,8 +133,6 @@ def test_no_secret_on_a_command_line_or_in_a_service_record(tmp_path: Path, monk
 def test_secrets_configs_and_logs_are_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Even under a permissive umask: secrets, pg_hba.conf, redis.conf, MLflow's auth config and every service's log are
     0600, their folders 0700."""
-    from pipeline.services import prod_stack
-
     old = os.umask(0)
     try:
         cfg, rec, _ = _bring_up(tmp_path, monkeypatch)
@@ -142,8 +151,6 @@ def test_secrets_configs_and_logs_are_private(tmp_path: Path, monkeypatch: pytes
 
 
 def test_pg_hba_asks_every_connection_for_a_scram_password() -> None:
-    from pipeline.services import prod_stack
-
     text = prod_stack.pg_hba_conf()
     rules = [line.split() for line in text.splitlines() if line.strip() and not line.startswith("#")]
     assert {r[0] for r in rules} == {"local", "host"}
@@ -157,8 +164,6 @@ def test_a_cluster_that_trusted_local_users_gets_a_superuser_password_then_loses
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A `.prod` initialised before passwords: started once as it is, the superuser gets its password (through the
     trusted socket), then pg_hba.conf is replaced and reloaded."""
-    from pipeline.services import prod_stack
-
     cfg = _cfg(tmp_path)
     data, _ = prod_stack._pg_dirs(cfg)
     data.mkdir(parents=True)
@@ -183,8 +188,6 @@ def test_a_cluster_that_trusted_local_users_gets_a_superuser_password_then_loses
 
 def test_scram_verifier_is_postgres_format_of_rfc7677() -> None:
     """The verifier's keys reproduce RFC 7677's example exchange (user "user", password "pencil")."""
-    from pipeline.services import prod_stack
-
     salt = base64.b64decode("W22ZaJ0SNY7soEsUEjb6gQ==")
     verifier = prod_stack.scram_verifier("pencil", salt=salt, iterations=4096)
     method, rest = verifier.split("$", 1)
@@ -193,7 +196,8 @@ def test_scram_verifier_is_postgres_format_of_rfc7677() -> None:
     assert method == "SCRAM-SHA-256" and iterations_salt == "4096:W22ZaJ0SNY7soEsUEjb6gQ=="
     nonce = "rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0"
     auth_message = f"n=user,r=rOprNGfwEbeRWgbNEkqO,r={nonce},s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096,c=biws,r={nonce}".encode()
-    assert base64.b64encode(hmac.new(server_key, auth_message, "sha256").digest()).decode() == "6rriTRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4="
+    server_signature = base64.b64encode(hmac.new(server_key, auth_message, "sha256").digest()).decode()
+    assert server_signature == "6rriTRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4="
     proof = base64.b64decode("dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ=")
     client_key = bytes(a ^ b for a, b in zip(proof, hmac.new(stored_key, auth_message, "sha256").digest(), strict=True))
     assert hashlib.sha256(client_key).digest() == stored_key
@@ -201,8 +205,6 @@ def test_scram_verifier_is_postgres_format_of_rfc7677() -> None:
 
 
 def test_redis_requires_a_password_from_its_config_file(tmp_path: Path) -> None:
-    from pipeline.services import prod_stack
-
     cfg = _cfg(tmp_path)
     conf = prod_stack.redis_conf(cfg)
     password = (prod_stack._home(cfg) / "secrets/redis_password").read_text().strip()
@@ -211,8 +213,6 @@ def test_redis_requires_a_password_from_its_config_file(tmp_path: Path) -> None:
 
 
 def test_mlflow_runs_basic_auth_with_read_by_default(tmp_path: Path) -> None:
-    from pipeline.services import prod_stack
-
     cfg = _cfg(tmp_path)
     argv = prod_stack.mlflow_argv(cfg)
     assert argv[argv.index("--app-name") + 1] == "basic-auth" and "--backend-store-uri" not in argv
@@ -229,10 +229,6 @@ def test_mlflow_runs_basic_auth_with_read_by_default(tmp_path: Path) -> None:
 def test_mlflow_users_are_provisioned_idempotently_with_passwords_in_bodies_only() -> None:
     """Against a stand-in of MLflow's auth API: the first run creates both users and the writer's grants, a second
     re-keys the users and grants nothing again; passwords appear only in JSON bodies, the admin's only in the header."""
-    import httpx
-
-    from pipeline.services import prod_stack
-
     users: dict[str, str] = {}
     grants: dict[tuple[str, str, str], str] = {}
     seen: list[httpx.Request] = []
@@ -262,24 +258,23 @@ def test_mlflow_users_are_provisioned_idempotently_with_passwords_in_bodies_only
 
     passwords = {"writer": "writer-password-123", "reader": "reader-password-123"}
     transport = httpx.MockTransport(handler)
-    first = prod_stack.provision_mlflow_users("http://mlflow.test", "admin-password-123", passwords, transport=transport)
+    first = mlflow_users.provision_mlflow_users("http://mlflow.test", "admin-password-123", passwords, transport=transport)
     assert set(first.values()) == {"created"}
-    assert users == {prod_stack.MLFLOW_USERS[r]: p for r, p in passwords.items()}
-    writer = prod_stack.MLFLOW_USERS["writer"]
-    assert grants == {(writer, t, p): v for t, p, v in prod_stack.MLFLOW_WRITER_GRANTS}
-    assert ("registered_model", "*", "MANAGE") in prod_stack.MLFLOW_WRITER_GRANTS  # promotion deletes aliases
-    second = prod_stack.provision_mlflow_users("http://mlflow.test", "admin-password-123", passwords, transport=transport)
-    assert set(second.values()) == {"password set"} and len(grants) == len(prod_stack.MLFLOW_WRITER_GRANTS)
+    assert users == {mlflow_users.MLFLOW_USERS[r]: p for r, p in passwords.items()}
+    writer = mlflow_users.MLFLOW_USERS["writer"]
+    assert grants == {(writer, t, p): v for t, p, v in mlflow_users.MLFLOW_WRITER_GRANTS}
+    assert ("registered_model", "*", "MANAGE") in mlflow_users.MLFLOW_WRITER_GRANTS  # promotion deletes aliases
+    second = mlflow_users.provision_mlflow_users("http://mlflow.test", "admin-password-123", passwords, transport=transport)
+    assert set(second.values()) == {"password set"} and len(grants) == len(mlflow_users.MLFLOW_WRITER_GRANTS)
     for request in seen:
         assert not any(p in str(request.url) for p in [*passwords.values(), "admin-password-123"])
 
 
 def test_s3_gate_closes_motos_api_and_unsigned_requests() -> None:
-    from pipeline.services import prod_stack
-
     signed = {"Authorization": "AWS4-HMAC-SHA256 Credential=pipeline0123/20260101/us-east-1/s3/aws4_request, ..."}
     assert prod_stack.s3_gate("GET", "/moto-api/", {}) == (200, "ok")
-    for method, path in (("POST", "/moto-api/reset-auth"), ("POST", "/moto-api/reset"), ("GET", "/moto-api/data.json"), ("POST", "/moto-api/")):
+    for method, path in (("POST", "/moto-api/reset-auth"), ("POST", "/moto-api/reset"), ("GET", "/moto-api/data.json"),
+                         ("POST", "/moto-api/")):
         assert prod_stack.s3_gate(method, path, signed)[0] == 403, path  # type: ignore[index]
     assert prod_stack.s3_gate("GET", "/mlflow", {})[0] == 403  # type: ignore[index]
     assert prod_stack.s3_gate("GET", "/mlflow?X-Amz-Signature=abc", {})[0] == 403  # type: ignore[index]
@@ -289,15 +284,11 @@ def test_s3_gate_closes_motos_api_and_unsigned_requests() -> None:
 def test_s3_app_serves_only_the_stacks_signed_requests() -> None:
     """The stack's S3 app in this process (WSGI, no server): a request signed with the stack's key is served, one signed
     with another secret or key or not signed at all is refused. moto's process-wide state is restored afterwards."""
-    from botocore.auth import S3SigV4Auth
-    from botocore.awsrequest import AWSRequest
-    from botocore.credentials import Credentials
-    from moto import settings
-    from moto.core import DEFAULT_ACCOUNT_ID
-    from moto.iam.models import iam_backends
-    from werkzeug.test import Client
-
-    from pipeline.services import prod_stack
+    # moto hooks into botocore process-wide when imported (and takes 0.4 s): only this test needs it
+    from moto import settings  # noqa: PLC0415 - see above
+    from moto.core import DEFAULT_ACCOUNT_ID  # noqa: PLC0415 - see above
+    from moto.iam.models import iam_backends  # noqa: PLC0415 - see above
+    from moto.s3.models import s3_backends  # noqa: PLC0415 - see above
 
     key, secret = "pipelinetest0123abcd", "s3cr3t" * 6
     base = "http://127.0.0.1:59999"
@@ -326,6 +317,58 @@ def test_s3_app_serves_only_the_stacks_signed_requests() -> None:
             iam.delete_access_key(key, prod_stack.S3_USER)
             iam.delete_user_policy(prod_stack.S3_USER, "s3")
             iam.delete_user(prod_stack.S3_USER)
-        from moto.s3.models import s3_backends
-
         s3_backends[DEFAULT_ACCOUNT_ID]["aws"].buckets.pop("stack-bucket", None)
+
+
+def test_workers_name_themselves_with_a_callable_of_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`core.hostname_callable` names a function Airflow's workers import from the pipeline package (infra/ is not on
+    their path): the queue in the hostname, which is how `dag-run` tells where a task ran."""
+    _, rec, _ = _bring_up(tmp_path, monkeypatch)
+    for queue in ("default", "gpu"):
+        env = rec.started[f"airflow-worker-{queue}"]["env"]
+        module, _, name = env["AIRFLOW__CORE__HOSTNAME_CALLABLE"].rpartition(".")
+        assert module.startswith("pipeline.")
+        monkeypatch.setenv("PIPELINE_WORKER_QUEUE", env["PIPELINE_WORKER_QUEUE"])
+        hostname = getattr(importlib.import_module(module), name)()
+        assert hostname.startswith(f"{queue}-worker.")
+        assert not prod_stack.misplaced([{"task_id": "t", "queue": queue, "state": "success", "hostname": hostname}])
+
+
+def test_the_package_never_imports_the_infra_code() -> None:
+    """The production stack's process code lives in infra/: nothing under pipeline/ or dags/ imports it."""
+    offenders = []
+    for path in [*(ROOT / "pipeline").rglob("*.py"), *(ROOT / "dags").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "infra" or n.startswith("infra.")]
+    assert not offenders
+
+
+def test_the_stack_script_runs_as_make_runs_it(tmp_path: Path) -> None:
+    """`make prod-*` run infra/local/prod_stack.py as a script with the repository root on PYTHONPATH (the Makefile
+    exports it); `python -m pipeline prod status` runs the same script in a child process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE__PROD_STACK__HOME": str(tmp_path / "prod")}
+    script = ROOT / "infra/local/prod_stack.py"
+    shown = subprocess.run([sys.executable, str(script), "--help"], env=env, capture_output=True, text=True, check=False)
+    assert shown.returncode == 0 and {"up", "status", "dag-run", "down"} <= set(shown.stdout.replace(",", " ").split())
+    for argv in ([sys.executable, str(script), "status"], [sys.executable, "-m", "pipeline", "prod", "status"]):
+        proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert [line.split()[:2] for line in proc.stdout.splitlines()] == [[name, "down"] for name in prod_stack.ORDER]
+
+
+def test_pipeline_prod_hands_the_stack_actions_to_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m pipeline prod up|status|dag-run|down` keep working: the same params file and options, passed on."""
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(deploy, "subprocess", SimpleNamespace(call=lambda argv, env: calls.append((argv, env)) or 3))
+    parser = argparse.ArgumentParser()
+    deploy.add_arguments(parser)
+    args = parser.parse_args(["dag-run", "--conf", '{"tasks": 1}', "--timeout-s", "60"])
+    args.params_path = "params/gpu.yaml"
+    assert deploy.main(args, load_params(ROOT / "params.yaml")) == 3
+    (argv, env), = calls
+    assert argv == [sys.executable, str(ROOT / "infra/local/prod_stack.py"), "--params", "params/gpu.yaml", "dag-run",
+                    "--conf", '{"tasks": 1}', "--timeout-s", "60.0"]
+    assert str(ROOT) in env["PYTHONPATH"].split(os.pathsep)
+    assert deploy.stack_argv("down", None)[2:] == ["down"]

@@ -68,14 +68,14 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
         ingest.run(params)
         validate.run(params)
         build_index.run(params)
-        routing.apply(params, 1)
-        uri = tracking.setup(params)
-        worker.up(params, params.serving.workers[1])
+        routing.apply(params.serving, params.mlflow, 1)
+        uri = tracking.setup(params.mlflow)
+        worker.up(params.serving, params.serving.workers[1])
         yield {"root": root, "params": params, "uri": uri}
     finally:
-        worker.down(params, params.serving.workers[1])
-        routing.apply(params, 1)
-        mlflow_server.down(params)
+        worker.down(params.serving, params.serving.workers[1])
+        routing.apply(params.serving, params.mlflow, 1)
+        mlflow_server.down(params.mlflow)
         os.chdir(saved_cwd)
         os.environ.update(saved_env)
         if saved_uri is not None:
@@ -103,13 +103,13 @@ def _register(promo: dict, deployment: str) -> str:
 def _live(promo: dict) -> dict:
     from pipeline.serving import routing
 
-    return routing.active(promo["params"])
+    return routing.active(promo["params"].serving)
 
 
 def _served(promo: dict, role: str) -> str:
     from pipeline.serving import proxy
 
-    url, key = proxy.client_settings(promo["params"])
+    url, key = proxy.client_settings(promo["params"].serving)
     resp = httpx.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
                       json={"model": role, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert resp.status_code == 200, resp.text
@@ -179,7 +179,8 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     from pipeline.stages.promote import switch
 
     # a random-weight champion, put in place the way a promotion does
-    switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "2"), "it: random-weight champion")
+    switch(promo["params"].serving, promo["params"].mlflow, promo["params"].promote,
+           "junior_researcher", registry.get_version("junior_researcher", "2"), "it: random-weight champion")
     assert _served(promo, "junior_researcher") == "offline"
     version = _register(promo, "base")
     _swap_evidence(promo, version)
@@ -211,17 +212,18 @@ def test_promote_killed_after_each_step_then_rerun_leaves_alias_routing_and_tags
     summary_path = promo["root"] / "data/evaluation/summary.json"
     won = json.loads(summary_path.read_text())  # base beat the broken champion v2 (the previous test's evidence)
     for step in STEPS:
-        switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "2"), f"it: broken champion before {step}")
+        switch(promo["params"].serving, promo["params"].mlflow, promo["params"].promote,
+               "junior_researcher", registry.get_version("junior_researcher", "2"), f"it: broken champion before {step}")
         version = _register(promo, "base")
         won["roles"]["junior_researcher"]["candidate"]["version"] = version
         summary_path.write_text(json.dumps(won))
         gate = {"PIPELINE__PROMOTE__REQUIRE_SIGNIFICANCE": "false", "PIPELINE__PROMOTE__MIN_TASKS": "2"}
         killed = _cli(promo, "promote", PIPELINE_FAILPOINT=f"switch.{step}", **gate)
         assert killed.returncode == -9, (step, killed.stdout[-2000:], killed.stderr[-2000:])
-        assert intent_file(promo["params"]).exists()
+        assert intent_file(promo["params"].serving).exists()
         rerun = _cli(promo, "promote", **gate)
         assert rerun.returncode == 0, (step, rerun.stdout[-3000:], rerun.stderr[-3000:])
-        assert "reconcile:" in rerun.stdout and not intent_file(promo["params"]).exists()
+        assert "reconcile:" in rerun.stdout and not intent_file(promo["params"].serving).exists()
         live = _live(promo)
         tags = MlflowClient().get_model_version("junior_researcher", version).tags
         assert _champion("junior_researcher") == version and live["roles"]["junior_researcher"] == "base", step
@@ -231,7 +233,8 @@ def test_promote_killed_after_each_step_then_rerun_leaves_alias_routing_and_tags
         report = json.loads((promo["root"] / "reports/promotion.json").read_text())
         assert report["promoted"] == ["junior_researcher"] and report["routing_version"] == live["version"], step
         assert registry.by_alias("junior_researcher", registry.CHALLENGER) is None, step
-    switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "2"), "it: broken champion again")
+    switch(promo["params"].serving, promo["params"].mlflow, promo["params"].promote,
+           "junior_researcher", registry.get_version("junior_researcher", "2"), "it: broken champion again")
 
 
 def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None:
@@ -243,8 +246,10 @@ def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None
     from pipeline.serving import worker
     from pipeline.stages.promote import PromotionError, promote_all, switch
 
-    switch(promo["params"], "junior_researcher", registry.get_version("junior_researcher", "3"), "it: base champion again")
-    worker.down(promo["params"], promo["params"].serving.workers[1])
+    switch(promo["params"].serving, promo["params"].mlflow, promo["params"].promote,
+
+           "junior_researcher", registry.get_version("junior_researcher", "3"), "it: base champion again")
+    worker.down(promo["params"].serving, promo["params"].serving.workers[1])
     version = _register(promo, "offline")
     summary_path = promo["root"] / "data/evaluation/summary.json"
     summary = json.loads(summary_path.read_text())
@@ -255,7 +260,7 @@ def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None
     params = p.model_copy(update={"promote": p.promote.model_copy(update={"require_significance": False, "min_tasks": 2})})
     before, champion = _live(promo), _champion("junior_researcher")
     with mlflow.start_run(run_name="it-promote-offline"), pytest.raises(PromotionError, match="offline") as err:
-        promote_all(params)
+        promote_all(params.evaluate, params.promote, params.serving, params.mlflow)
     assert "failed verification" in str(err.value) and f"version {before['version']} stays live" in str(err.value)
     assert _champion("junior_researcher") == champion and _live(promo)["version"] == before["version"]
     from mlflow import MlflowClient

@@ -60,7 +60,8 @@ def _rollout(tmp_path: Path, model: SamplingModel, book: CallBook | None = None)
 
     async def go() -> Any:
         try:
-            return await run_rollout(params, client, Toolbox(tmp_path / "no-index"), TASK, ids, score=False, seed=0)
+            return await run_rollout(params.agents, params.judge, params.reward, client, Toolbox(tmp_path / "no-index"), TASK, ids, 0,
+                                     score=False)
         finally:
             await client.aclose()
 

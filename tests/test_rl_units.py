@@ -46,9 +46,11 @@ def _client(port: int) -> senior.RoleClient:
 
 def test_malformed_completion_scores_low_without_calling_the_judge(params) -> None:
     # port 9 (discard) is never listened on here: any judge call would fail loudly in the reason
-    out = asyncio.run(senior.score(_client(9), params, "protocol_designer", "no json at all", TASK))
+    out = asyncio.run(senior.score(_client(9), params.ppo.reward, params.judge, params.reward, "protocol_designer",
+                                   "no json at all", TASK))
     assert out["value"] == 0.0 and out["judge"] is None and out["reason"].startswith("malformed")
-    out = asyncio.run(senior.score(_client(9), params, "principal_investigator", 'Sure! {"decision": "GO", "rat', TASK))
+    out = asyncio.run(senior.score(_client(9), params.ppo.reward, params.judge, params.reward, "principal_investigator",
+                                   'Sure! {"decision": "GO", "rat', TASK))
     assert out["value"] == pytest.approx(params.ppo.reward.validity * 0.25) and out["judge"] is None
 
 
@@ -57,7 +59,8 @@ def test_judge_failure_and_timeout_are_low_rewards_with_reasons(params) -> None:
     with socket.socket() as s:  # a closed port: the judge call fails
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
-    out = asyncio.run(senior.score(_client(dead), params, "principal_investigator", valid, TASK))
+    out = asyncio.run(senior.score(_client(dead), params.ppo.reward, params.judge, params.reward, "principal_investigator",
+                                   valid, TASK))
     w = params.ppo.reward
     assert out["judge"] == params.judge.failure_score and "judge call failed" in out["reason"]
     assert out["value"] == pytest.approx(w.validity * 1.0 + w.alignment * 1.0)  # GO agrees with the 'yes' label
@@ -68,7 +71,8 @@ def test_judge_failure_and_timeout_are_low_rewards_with_reasons(params) -> None:
     conns: list[socket.socket] = []
     threading.Thread(target=lambda: conns.append(srv.accept()[0]), daemon=True).start()
     slow = params.model_copy(update={"ppo": params.ppo.model_copy(update={"reward": w.model_copy(update={"timeout_s": 0.5})})})
-    out = asyncio.run(senior.score(_client(srv.getsockname()[1]), slow, "hypothesis_refiner",
+    out = asyncio.run(senior.score(_client(srv.getsockname()[1]), slow.ppo.reward, slow.judge, slow.reward,
+                                   "hypothesis_refiner",
                                    '{"hypothesis": "h", "rationale": "r", "evidence_pmids": []}', TASK))
     srv.close()
     assert out["reason"].endswith("judge: judge timed out after 0.5s")
@@ -126,15 +130,15 @@ def test_hooks_never_overwrite_the_agents_record_and_record_failures(tmp_path: P
 
 
 def test_verl_config_follows_params(params, tmp_path: Path) -> None:
-    over = overrides(params, tmp_path / "ckpt", "exp")
+    over = overrides(params.ppo, params.mlflow, tmp_path / "ckpt", "exp")
     cfg = params.ppo
     assert "algorithm.adv_estimator=grpo" in over and f"actor_rollout_ref.rollout.n={cfg.group_size}" in over
     assert f"actor_rollout_ref.model.lora_rank={cfg.lora.r}" in over and f"trainer.total_training_steps={cfg.max_steps}" in over
     assert not any(o.startswith("critic.") for o in over)
     gae = params.model_copy(update={"ppo": cfg.model_copy(update={"algorithm": "gae", "full_finetune": True, "verl_overrides": ["x.y=1"]})})
-    over = overrides(gae, tmp_path / "ckpt", "exp")
+    over = overrides(gae.ppo, gae.mlflow, tmp_path / "ckpt", "exp")
     assert "algorithm.adv_estimator=gae" in over and any(o.startswith("critic.model.path=") for o in over)
     assert not any("lora_rank" in o for o in over) and over[-1] == "x.y=1"
-    section = agentlightning_section(params, "http://gw", "k")
+    section = agentlightning_section(params.ppo, params.judge, "http://gw", "k")
     assert Path(section["hooks"]).exists() and section["local"]["agent_class"] == "pipeline.rl.agent:SocietyAgent"
     assert section["trace_aggregator"]["level"] == "transition"

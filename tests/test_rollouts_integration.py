@@ -112,15 +112,15 @@ def test_agent_lightning_collects_triplets_and_keeps_finished_rollouts_when_the_
     from pipeline.serving import routing, worker
     from pipeline.services.process import ServiceError
 
-    routing.apply(serving_stack, 1)
+    routing.apply(serving_stack.serving, serving_stack.mlflow, 1)
     for key, value in _with_stack(ready, serving_stack).items():
         monkeypatch.setenv(key, value)  # the controller's rollout subprocesses inherit these: same params
     params = load_params()
     policy = params.serving.workers[0]
     trace_dir = ready / "rl_traces"
-    tasks = load_tasks(params, "train", 3)
-    with gateway.running(params, worker.served_name(policy), run_id="agl-it", trace_dir=trace_dir) as gw:
-        completed = collect(params, gw, tasks[:2], 1, [f"{worker.base_url(policy)}/v1"], trace_dir=str(trace_dir))
+    tasks = load_tasks(params.validate_, "train", 3)
+    with gateway.running(params.ppo.agl, params.serving, worker.served_name(policy), run_id="agl-it", trace_dir=trace_dir) as gw:
+        completed = collect(params.ppo.agl, gw, tasks[:2], 1, [f"{worker.base_url(policy)}/v1"], trace_dir=str(trace_dir))
         assert len(completed) == 2 and problems(completed, str(trace_dir)) == []
         for c in completed:
             assert all(t.prompt["token_ids"] and t.response["token_ids"] for t in c.triplets)
@@ -135,7 +135,8 @@ def test_agent_lightning_collects_triplets_and_keeps_finished_rollouts_when_the_
         _assert_whole_society(store.read(trace_dir, completed[0].rollout_id)["trace"])
         # a third rollout, running when the gateway is killed
         headers = {"Authorization": f"Bearer {gw.key}"}
-        body = [{"input": {k: v[0] for k, v in task_rows(tasks[2:]).items()}, "config": gateway.rollout_config(params), "rollout_id": "killed-mid-run"}]
+        body = [{"input": {k: v[0] for k, v in task_rows(tasks[2:]).items()}, "config": gateway.rollout_config(params.ppo.agl),
+                 "rollout_id": "killed-mid-run"}]
         httpx.post(f"{gw.url}/api/rollouts", json=body, headers=headers).raise_for_status()
         deadline = time.monotonic() + 60
         while httpx.get(f"{gw.url}/api/rollouts/killed-mid-run", headers=headers).json()["rollout"]["status"]["state"] != "running":

@@ -31,16 +31,16 @@ def params(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def test_committed_version_covers_every_role() -> None:
     params = load_params(ROOT / "params.yaml", environ={})
-    table = routing.load_version(params, 1)
+    table = routing.load_version(params.serving, 1)
     assert set(table["roles"]) == set(params.serving.roles)
 
 
 def test_write_version_numbers_and_validates(params) -> None:
-    roles = {**routing.load_version(params, 1)["roles"], "judge": "base/adapter-a"}
-    assert routing.write_version(params, roles, "judge on adapter") == 2
-    assert routing.load_version(params, 2)["roles"]["judge"] == "base/adapter-a"
-    assert routing.expected_model(params, "base/adapter-a") == "adapter-a"
-    assert routing.expected_model(params, "base") == "base"
+    roles = {**routing.load_version(params.serving, 1)["roles"], "judge": "base/adapter-a"}
+    assert routing.write_version(params.serving, roles, "judge on adapter") == 2
+    assert routing.load_version(params.serving, 2)["roles"]["judge"] == "base/adapter-a"
+    assert routing.expected_model(params.serving, "base/adapter-a") == "adapter-a"
+    assert routing.expected_model(params.serving, "base") == "base"
 
 
 @pytest.mark.parametrize("roles, message", [
@@ -52,16 +52,16 @@ def test_bad_versions_are_rejected(params, roles, message) -> None:
     path = Path(params.serving.routing_dir) / "v7.yaml"
     path.write_text(yaml.safe_dump({"roles": roles}))
     with pytest.raises(routing.RoutingError, match=message):
-        routing.load_version(params, 7)
+        routing.load_version(params.serving, 7)
 
 
 def test_missing_version(params) -> None:
     with pytest.raises(routing.RoutingError, match="v9.yaml: routing version 9 does not exist"):
-        routing.load_version(params, 9)
+        routing.load_version(params.serving, 9)
 
 
 def test_proxy_config_registers_workers_and_adapter_wildcards(params) -> None:
-    cfg = yaml.safe_load(proxy.write_config(params).read_text())
+    cfg = yaml.safe_load(proxy.write_config(params.serving).read_text())
     names = {m["model_name"]: m["litellm_params"] for m in cfg["model_list"]}
     assert names["base"]["model"] == "hosted_vllm/base" and names["base"]["api_base"] == "http://127.0.0.1:8101/v1"
     assert names["base/*"]["model"] == "hosted_vllm/*"
@@ -70,19 +70,19 @@ def test_proxy_config_registers_workers_and_adapter_wildcards(params) -> None:
 
 
 def test_generated_key_is_private_and_stable(params) -> None:
-    key = proxy.api_key(params)
+    key = proxy.api_key(params.serving)
     path = Path(params.serving.proxy.key_file)
     assert key.startswith("sk-") and len(key) > 30
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert proxy.api_key(params) == key
+    assert proxy.api_key(params.serving) == key
     os.chmod(path, 0o644)
     with pytest.raises(Exception, match="owner only"):
-        proxy.api_key(params)
+        proxy.api_key(params.serving)
 
 
 def test_key_from_environment_wins(params, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(proxy.KEY_ENV, "sk-from-env")
-    assert proxy.client_settings(params) == ("http://127.0.0.1:4000/v1", "sk-from-env")
+    assert proxy.client_settings(params.serving) == ("http://127.0.0.1:4000/v1", "sk-from-env")
     assert not Path(params.serving.proxy.key_file).exists()
 
 
@@ -100,24 +100,25 @@ def test_worker_command_serves_in_the_configured_dtype() -> None:
 
 
 def test_generated_versions_stay_out_of_the_tracked_folder_and_carry_policies(params) -> None:
-    roles = routing.load_version(params, 1)["roles"]
-    number = routing.write_version(params, roles, "bandit supervisor", {"supervisor_policy": "models:/supervisor_policy/2"})
-    assert number == 2 and routing.versions(params) == [1, 2]
-    assert routing.version_path(params, 2).parent == routing.generated_dir(params)
+    roles = routing.load_version(params.serving, 1)["roles"]
+    number = routing.write_version(params.serving, roles, "bandit supervisor",
+                                   {"supervisor_policy": "models:/supervisor_policy/2"})
+    assert number == 2 and routing.versions(params.serving) == [1, 2]
+    assert routing.version_path(params.serving, 2).parent == routing.generated_dir(params.serving)
     assert not (Path(params.serving.routing_dir) / "v2.yaml").exists()
-    table = routing.load_version(params, 2)
+    table = routing.load_version(params.serving, 2)
     assert routing.policy(table, "supervisor_policy") == "models:/supervisor_policy/2"
-    assert routing.policy(routing.load_version(params, 1), "supervisor_policy") == "llm"
+    assert routing.policy(routing.load_version(params.serving, 1), "supervisor_policy") == "llm"
 
 
 def test_evaluation_tables_are_named_safely_and_never_fall_back(params, monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
     with pytest.raises(routing.RoutingError, match="letters, digits"):
-        routing.eval_file(params, "../live")
-    roles = {**routing.load_version(params, 1)["roles"], "junior_researcher": "base/cand"}
-    routing.write_eval(params, "cand-1", roles)
-    active = proxy.active_file(params)
+        routing.eval_file(params.serving, "../live")
+    roles = {**routing.load_version(params.serving, 1)["roles"], "junior_researcher": "base/cand"}
+    routing.write_eval(params.serving, "cand-1", roles)
+    active = proxy.active_file(params.serving)
     active.parent.mkdir(parents=True, exist_ok=True)
     active.write_text('{"version": 1, "roles": {"junior_researcher": "base"}}')
     monkeypatch.setenv("PIPELINE_ROUTING_ACTIVE", str(active))
@@ -142,7 +143,7 @@ def test_proxy_serves_role_names_only_and_checks_its_key(params, monkeypatch: py
     from pipeline.serving.auth import user_api_key_auth
     from pipeline.serving.role_router import RoleRouter
 
-    active = proxy.active_file(params)
+    active = proxy.active_file(params.serving)
     active.parent.mkdir(parents=True, exist_ok=True)
     active.write_text('{"version": 3, "roles": {"junior_researcher": "base/cand"}}')
     monkeypatch.setenv("PIPELINE_ROUTING_ACTIVE", str(active))
@@ -157,25 +158,26 @@ def test_proxy_serves_role_names_only_and_checks_its_key(params, monkeypatch: py
         with pytest.raises(ProxyException, match=why) as err:
             asyncio.run(user_api_key_auth(None, presented))
         assert err.value.code == "401" and "sk-right" not in err.value.message
-    assert yaml.safe_load(proxy.write_config(params).read_text())["general_settings"]["custom_auth"] == "pipeline.serving.auth.user_api_key_auth"
+    settings = yaml.safe_load(proxy.write_config(params.serving).read_text())["general_settings"]
+    assert settings["custom_auth"] == "pipeline.serving.auth.user_api_key_auth"
 
 
 def test_the_live_table_is_tracked_and_rewritten_only_when_it_changes(params) -> None:
     """serving.live_file is a DVC dep of rollouts/evaluate: the same routing must keep the same bytes (no spurious re-run)."""
     live = Path(params.serving.live_file)
-    table = routing.load_version(params, 1)
-    routing._track(params, {**table, "applied_at": 1.0})
+    table = routing.load_version(params.serving, 1)
+    routing._track(params.serving, {**table, "applied_at": 1.0})
     first = live.read_text()
     assert json.loads(first) == {"version": 1, "roles": table["roles"], "policies": {}}
     stamp = live.stat().st_mtime_ns
-    routing._track(params, {**table, "applied_at": 2.0})
+    routing._track(params.serving, {**table, "applied_at": 2.0})
     assert live.stat().st_mtime_ns == stamp
-    routing._track(params, {**table, "version": 2, "roles": {**table["roles"], "judge": "base/adapter-a"}})
+    routing._track(params.serving, {**table, "version": 2, "roles": {**table["roles"], "judge": "base/adapter-a"}})
     assert json.loads(live.read_text())["version"] == 2
 
 
 def test_the_committed_live_table_is_the_committed_first_version() -> None:
     """A fresh clone's first `make run` applies v1: the tracked file must already say so, or rollouts would look changed."""
     params = load_params(ROOT / "params.yaml", environ={})
-    table = routing.load_version(params, 1)
+    table = routing.load_version(params.serving, 1)
     assert json.loads((ROOT / params.serving.live_file).read_text()) == {"version": 1, "roles": table["roles"], "policies": {}}

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.agents.text import STOP as TOOL_STOP
+from pipeline.data.sources import read_bytes
+from pipeline.io import atomic_path
 
 ASPECTS = {"go_bp": "process", "go_mf": "function", "go_cc": "component"}
 # GO evidence codes backed by an experiment or a curator (the rest are inferred, e.g. IEA)
@@ -48,12 +50,8 @@ def resolve(source: str, cache_dir: Path) -> Path:
             _extract_from_deb(package, member, target)
         return target
     if "://" in source:
-        from pipeline.data.sources import read_bytes
-
         target = cache_dir / "url" / f"{hashlib.sha256(source.encode()).hexdigest()[:16]}-{Path(source).name}"
         if not target.exists():
-            from pipeline.io import atomic_path
-
             with atomic_path(target) as tmp:
                 tmp.write_bytes(read_bytes(source, timeout_s=600))
         return target
@@ -96,8 +94,9 @@ def build_gene_table(org_db: Path, go_db: Path) -> list[dict[str, Any]]:
         annotated: set[int] = set()
         for table, aspect in ASPECTS.items():
             rows: dict[int, dict[str, tuple[int, str]]] = defaultdict(dict)
-            for gid, go_id, term, evidence in con.execute(
-                    f"SELECT a._id, a.go_id, t.term, a.evidence FROM {table} a JOIN go.go_term t ON t.go_id = a.go_id"):  # noqa: S608 - table from a fixed list
+            sql = (f"SELECT a._id, a.go_id, t.term, a.evidence FROM {table} a "  # noqa: S608 - table from a fixed list
+                   "JOIN go.go_term t ON t.go_id = a.go_id")
+            for gid, go_id, term, evidence in con.execute(sql):
                 rank = 0 if evidence in CURATED else 1
                 best = rows[gid].get(go_id)
                 if best is None or rank < best[0]:

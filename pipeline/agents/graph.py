@@ -23,6 +23,8 @@ import random
 from dataclasses import dataclass
 from typing import Annotated, Any, TypedDict
 
+from langgraph.graph import END, START, StateGraph
+
 from pipeline.agents.llm import DESIGNER_TOKENS, LLMError, RoleClient
 from pipeline.agents.tools import Toolbox, timed_call
 from pipeline.config import AgentsParams
@@ -79,7 +81,8 @@ class Society:
             try:
                 for step in range(self.cfg.max_tool_calls):
                     messages = [{"role": "system", "content": system},
-                                {"role": "user", "content": "Tool results so far:\n" + ("\n".join(notes) or "none") + "\nNext step as JSON."}]
+                                {"role": "user",
+                                 "content": "Tool results so far:\n" + ("\n".join(notes) or "none") + "\nNext step as JSON."}]
                     schema: type[ToolCall | EvidenceCall] = EvidenceCall if step < self.cfg.min_tool_calls else ToolCall
                     call = await self.client.structured(name, "junior_researcher", messages, schema, spans, max_tokens=64)
                     if call is None or call.tool == "none":
@@ -115,25 +118,32 @@ class Society:
                           explored=chosen != model_pick, propensity=pmf[chosen], reason="contextual bandit")
         else:
             listing = "\n".join(f"{i}. ({h['author']}) {h['hypothesis']}" for i, h in enumerate(candidates))
-            messages = [{"role": "system", "content": "You are the research supervisor. Pick the most promising, testable hypothesis."},
-                        {"role": "user", "content": f"Question: {self._question(state)}\nCandidates:\n{listing}\nAnswer with JSON: chosen index and reason."}]
+            messages = [{"role": "system",
+                         "content": "You are the research supervisor. Pick the most promising, testable hypothesis."},
+                        {"role": "user",
+                         "content": f"Question: {self._question(state)}\nCandidates:\n{listing}\n"
+                                    "Answer with JSON: chosen index and reason."}]
             try:
-                choice = await self.client.structured("supervisor", "supervisor", messages, SupervisorChoice, spans, max_tokens=128)
+                choice = await self.client.structured("supervisor", "supervisor", messages, SupervisorChoice, spans,
+                                                      max_tokens=128)
             except LLMError as exc:
                 return {"spans": spans, "errors": [str(exc)]}
             model_pick = choice.chosen if choice is not None and choice.chosen < k else 0
             explored = self.rng.random() < self.cfg.epsilon
             chosen = self.rng.randrange(k) if explored else model_pick
             pmf = [(1 - self.cfg.epsilon) * (i == model_pick) + self.cfg.epsilon / k for i in range(k)]  # epsilon-greedy
-            logged.update(policy="llm", pmf=pmf, model_choice=model_pick, chosen=chosen, explored=explored, propensity=pmf[chosen],
-                          epsilon=self.cfg.epsilon, reason=choice.reason if choice else "invalid choice; defaulted to 0")
+            logged.update(policy="llm", pmf=pmf, model_choice=model_pick, chosen=chosen, explored=explored,
+                          propensity=pmf[chosen], epsilon=self.cfg.epsilon,
+                          reason=choice.reason if choice else "invalid choice; defaulted to 0")
         spans.append({"kind": "decision", "name": "supervisor", "data": logged})
         return {"spans": spans, "selection": {**candidates[chosen], "index": chosen, "propensity": logged["propensity"]}}
 
-    async def _senior(self, agent: str, model: str, schema: type[StructuredOutput], prompt: str, state: SocietyState, key: str, tokens: int | None = None) -> dict[str, Any]:
+    async def _senior(self, agent: str, model: str, schema: type[StructuredOutput], prompt: str, state: SocietyState, key: str,
+                      tokens: int | None = None) -> dict[str, Any]:
         spans: list[dict[str, Any]] = []
         try:
-            obj = await self.client.structured(agent, model, [{"role": "user", "content": prompt}], schema, spans, max_tokens=tokens)
+            obj = await self.client.structured(agent, model, [{"role": "user", "content": prompt}], schema, spans,
+                                               max_tokens=tokens)
         except LLMError as exc:
             return {"spans": spans, "errors": [str(exc)]}
         if obj is None:
@@ -152,7 +162,8 @@ class Society:
         critique = "\n".join(f"- {r['severity']}: {'; '.join(r['issues'])}" for r in state.get("reviews", [])[-2:])
         prompt = (f"You design experimental protocols. Hypothesis: {hyp}\nReviewer concerns:\n{critique or 'none'}\n"
                   "Return a concise protocol as JSON (title, objective, methods, controls, outcome_measures).")
-        return await self._senior("protocol_designer", "senior_researcher", Protocol, prompt, state, "protocol", tokens=DESIGNER_TOKENS * self.cfg.max_tokens)
+        return await self._senior("protocol_designer", "senior_researcher", Protocol, prompt, state, "protocol",
+                                  tokens=DESIGNER_TOKENS * self.cfg.max_tokens)
 
     def reviewer(self, agent: str, focus: str):
         async def node(state: SocietyState) -> dict[str, Any]:
@@ -180,11 +191,10 @@ class Society:
         reviews = "\n".join(f"- {r['reviewer']}: {r['severity']}: {r['summary']}" for r in state.get("reviews", []))
         prompt = (f"You are the principal investigator. Question: {self._brief(state)}\nProtocol: {state.get('protocol')}\n"
                   f"Reviews:\n{reviews or 'none'}\nDecide GO or NO-GO with a rationale, as JSON.")
-        return await self._senior("principal_investigator", "senior_researcher", PIDecision, prompt, state, "decision", tokens=max(self.cfg.max_tokens, 256))
+        return await self._senior("principal_investigator", "senior_researcher", PIDecision, prompt, state, "decision",
+                                  tokens=max(self.cfg.max_tokens, 256))
 
     def compile(self) -> Any:
-        from langgraph.graph import END, START, StateGraph
-
         g = StateGraph(SocietyState)
         for name in JUNIORS:
             g.add_node(name, self.junior(name))

@@ -94,7 +94,8 @@ class RoleClient:
 
     async def chat(self, agent: str, model: str, messages: list[dict[str, str]], spans: list[dict[str, Any]],
                    response_format: dict[str, Any] | None = None, max_tokens: int | None = None,
-                   frequency_penalty: float | None = None, temperature: float | None = None, top_logprobs: int | None = None) -> str:
+                   frequency_penalty: float | None = None, temperature: float | None = None,
+                   top_logprobs: int | None = None) -> str:
         """One call; ``frequency_penalty`` and ``temperature`` override the client's for this call (the judge
         samples with its own); ``top_logprobs`` asks for each generated token's alternatives (span ``logprobs``)."""
         penalty = self.frequency_penalty if frequency_penalty is None else frequency_penalty
@@ -113,9 +114,10 @@ class RoleClient:
             body["metadata"] = {"routing": self.routing}
         t0 = time.perf_counter()
         # the request as sent (messages, caps, schema name below): benchmarks/bench_rollouts.py replays traces from these
-        span: dict[str, Any] = {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": messages,
-                                                                       "max_tokens": body["max_tokens"], "temperature": temp,
-                                                                       "frequency_penalty": penalty, "seed": body.get("seed")}}
+        span: dict[str, Any] = {"kind": "llm", "name": agent,
+                                "data": {"agent": agent, "logical_model": model, "messages": messages,
+                                         "max_tokens": body["max_tokens"], "temperature": temp,
+                                         "frequency_penalty": penalty, "seed": body.get("seed")}}
         span["data"]["request_key"] = key = request_key(agent, body)
         if self.replay is not None and (recorded := self.replay.take(model, key)) is not None:
             span["data"].update(ok=True, replayed=True, latency_s=0.0, **recorded)
@@ -157,7 +159,8 @@ class RoleClient:
         history = list(messages)
         cap = max(max_tokens or self.max_tokens, min(schema.token_budget(), self.token_ceiling))
         for attempt in range(self.json_retries + 1):
-            text = await self.chat(agent, model, history, spans, schema.response_format(), cap, frequency_penalty, temperature, top_logprobs)
+            text = await self.chat(agent, model, history, spans, schema.response_format(), cap, frequency_penalty, temperature,
+                                   top_logprobs)
             call = spans[-1]["data"]  # the llm span chat() just recorded: the datasets stage reads these two fields
             call.update(attempt=attempt + 1, parsed=False, schema=schema.__name__)
             try:
@@ -166,9 +169,11 @@ class RoleClient:
             except ValidationError as exc:
                 problem = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
                 spans.append({"kind": "reward", "name": f"{agent}.valid_output", "data": {
-                    "value": 0.0, "kind": "intermediate", "reason": f"attempt {attempt + 1}: invalid {schema.__name__}: {problem}"}})
+                    "value": 0.0, "kind": "intermediate",
+                    "reason": f"attempt {attempt + 1}: invalid {schema.__name__}: {problem}"}})
                 history = [*messages, {"role": "assistant", "content": text[:1500]},
-                           {"role": "user", "content": f"That was not valid {schema.__name__} JSON ({problem}). Answer again with valid JSON only."}]
+                           {"role": "user", "content": f"That was not valid {schema.__name__} JSON ({problem}). "
+                                                       "Answer again with valid JSON only."}]
                 continue
             spans.append({"kind": "reward", "name": f"{agent}.valid_output", "data": {
                 "value": 1.0, "kind": "intermediate", "reason": f"valid {schema.__name__} on attempt {attempt + 1}"}})

@@ -15,31 +15,31 @@ from pipeline.agents.graph import Society
 from pipeline.agents.llm import ROLLOUT_SEED, RoleClient
 from pipeline.agents.replay import ROLLOUT_ID
 from pipeline.agents.tools import Toolbox
-from pipeline.config import Params
+from pipeline.bandit.policy import load_policy
+from pipeline.config import AgentsParams, JudgeParams, MlflowParams, RewardParams
 from pipeline.rewards.judge import alignment, final_reward, final_span, judge
 from pipeline.traces.schema import Span, Trace
 
 
-def supervisor_policy(params: Params, table: dict[str, Any] | None) -> Any:
+def supervisor_policy(agents: AgentsParams, mlflow: MlflowParams, table: dict[str, Any] | None) -> Any:
     """The policy the supervisor follows (None = the LLM supervisor): from the routing table when
     ``agents.supervisor_policy`` is ``routed`` (what promotion set), else as configured."""
-    mode = params.agents.supervisor_policy
-    uri = {"llm": "llm", "bandit": params.agents.bandit_policy}.get(mode) or ((table or {}).get("policies") or {}).get("supervisor_policy", "llm")
+    routed = ((table or {}).get("policies") or {}).get("supervisor_policy", "llm")
+    uri = {"llm": "llm", "bandit": agents.bandit_policy}.get(agents.supervisor_policy) or routed
     if uri == "llm":
         return None
-    from pipeline.bandit.policy import load_policy
-
-    return load_policy(uri, params)
+    return load_policy(uri, mlflow)
 
 
-async def run_with_retries(params: Params, client: RoleClient, tools: Toolbox, task: dict[str, Any], ids: dict[str, Any],
-                           routing_version: Any, policy: Any, timeout_s: float, retries: int, score: bool = True,
-                           seed: int | None = None) -> Trace:
+async def run_with_retries(agents: AgentsParams, judge_cfg: JudgeParams, reward: RewardParams, client: RoleClient, tools: Toolbox,
+                           task: dict[str, Any], ids: dict[str, Any], seed: int, routing_version: Any, policy: Any,
+                           timeout_s: float, retries: int, score: bool = True) -> Trace:
     """A rollout with a timeout per attempt; a timed-out or failed rollout is retried, then returned failed."""
     trace = Trace(**ids, status="failed", error="not run")
     for attempt in range(retries + 1):
         try:
-            trace = await asyncio.wait_for(run_rollout(params, client, tools, task, ids, routing_version, policy, score, seed), timeout_s)
+            rollout = run_rollout(agents, judge_cfg, reward, client, tools, task, ids, seed, routing_version, policy, score)
+            trace = await asyncio.wait_for(rollout, timeout_s)
         except TimeoutError:
             trace = Trace(**ids, status="failed", error=f"timed out after {timeout_s:.0f}s")
         trace.attempts = attempt + 1
@@ -48,20 +48,21 @@ async def run_with_retries(params: Params, client: RoleClient, tools: Toolbox, t
     return trace
 
 
-async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: dict[str, Any], ids: dict[str, Any],
-                      routing_version: Any = None, policy: Any = None, score: bool = True, seed: int | None = None) -> Trace:
+async def run_rollout(agents: AgentsParams, judge_cfg: JudgeParams, reward: RewardParams, client: RoleClient, tools: Toolbox,
+                      task: dict[str, Any], ids: dict[str, Any], seed: int, routing_version: Any = None, policy: Any = None,
+                      score: bool = True) -> Trace:
+    """The society on ``task`` (exploration and call seeds from ``seed`` and the rollout id), judged unless ``score`` is off."""
     t0 = time.perf_counter()
-    seed = params.rollouts.seed if seed is None else seed
     rng = random.Random(f"{seed}:{ids['rollout_id']}")  # exploration reproducible per rollout
     ROLLOUT_ID.set(ids["rollout_id"])  # a client replaying recorded calls answers only from this rollout's record
-    if params.agents.seeded_calls:  # ...and every call's sampling seed (this task's context only)
+    if agents.seeded_calls:  # ...and every call's sampling seed (this task's context only)
         ROLLOUT_SEED.set(f"{seed}:{ids['rollout_id']}")
-    society = Society(client, tools, params.agents, rng, policy)
+    society = Society(client, tools, agents, rng, policy)
     state: dict[str, Any] = {"task": task}
     error = None
     try:
         state = await society.compile().ainvoke({"task": task, "review_round": 0},
-                                                {"recursion_limit": 10 + 6 * (params.agents.max_review_rounds + 2)})
+                                                {"recursion_limit": 10 + 6 * (agents.max_review_rounds + 2)})
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     spans = list(state.get("spans", []))
@@ -71,9 +72,9 @@ async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: 
         error = "; ".join(state.get("errors", [])) or "society produced no protocol/decision"
     decision = (state.get("decision") or {}).get("decision")
     if error is None and score:
-        result = await judge(client, params.judge, params.reward, task, state, llm_calls, spans)
+        result = await judge(client, judge_cfg, reward, task, state, llm_calls, spans)
     elif score:  # a failed rollout still says what its reward would be made of (it trains nothing: status failed)
-        value, components = final_reward(params.judge.failure_score, decision, task.get("final_decision"), params.reward)
+        value, components = final_reward(judge_cfg.failure_score, decision, task.get("final_decision"), reward)
         spans.append(final_span(value, components, f"rollout failed, not judged: {error}"[:500]))
     align = alignment(decision, task.get("final_decision"))
     rewards = {**result.get("scores", {}), **{f"reward_{k}": v for k, v in result.get("components", {}).items()},
@@ -81,7 +82,8 @@ async def run_rollout(params: Params, client: RoleClient, tools: Toolbox, task: 
     return Trace(
         **ids, status="ok" if error is None else "failed", error=error, routing_version=routing_version,
         label=task.get("final_decision"), decision=decision, reward=result.get("reward"), rewards=rewards,
-        protocol=state.get("protocol"), rationale=(state.get("decision") or {}).get("rationale"), turns=llm_calls, tokens=sum(s["data"].get("usage", {}).get("total_tokens", 0) for s in spans if s["kind"] == "llm"),
+        protocol=state.get("protocol"), rationale=(state.get("decision") or {}).get("rationale"), turns=llm_calls,
+        tokens=sum(s["data"].get("usage", {}).get("total_tokens", 0) for s in spans if s["kind"] == "llm"),
         latency_s=round(time.perf_counter() - t0, 3),
         spans=[Span(kind=s["kind"], name=s["name"], seq=i, data=s["data"]) for i, s in enumerate(spans)],
     )

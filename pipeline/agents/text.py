@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 
 TOKEN = re.compile(r"[a-z0-9]+")
-STOP = {"the", "of", "and", "in", "a", "to", "is", "for", "with", "on", "or", "by", "an", "as", "are", "be", "at", "does", "do", "was", "were"}
+STOP = {"the", "of", "and", "in", "a", "to", "is", "for", "with", "on", "or", "by", "an", "as", "are", "be", "at", "does", "do",
+        "was", "were"}
 
 
 def tokens(text: str) -> list[str]:

@@ -22,10 +22,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pipeline.agents.text import tokens
+from rank_bm25 import BM25Okapi
 
-GENE_WORDS = re.compile(r"\b(genes?|genetic|genotype|allele|alleles|polymorphism|mutation|dna|rna|chromosom\w*|genom\w*|hla)\b", re.I)
-PROTEIN_WORDS = re.compile(r"(protein|receptor|enzyme|kinase|antibod|hormone|factor|peptide|insulin|collagen|cytokine|interleukin|ase\b|ases\b|globulin|antigen)", re.I)
+from pipeline.agents.gene_ontology import GeneIndex, describe
+from pipeline.agents.text import tokens
+from pipeline.io import atomic_dir
+
+GENE_WORDS = re.compile(r"\b(genes?|genetic|genotype|allele|alleles|polymorphism|mutation|dna|rna|chromosom\w*|genom\w*|hla)\b",
+                        re.I)
+PROTEIN_WORDS = re.compile(r"(protein|receptor|enzyme|kinase|antibod|hormone|factor|peptide|insulin|collagen|cytokine|interleukin"
+                           r"|ase\b|ases\b|globulin|antigen)", re.I)
 
 
 @dataclass
@@ -49,8 +55,6 @@ class Toolbox:
 
     @cached_property
     def bm25(self) -> Any:
-        from rank_bm25 import BM25Okapi
-
         return BM25Okapi([tokens(d["title"] + " " + d["text"]) for d in self.corpus])
 
     @cached_property
@@ -59,8 +63,6 @@ class Toolbox:
 
     @cached_property
     def genes(self) -> Any:
-        from pipeline.agents.gene_ontology import GeneIndex
-
         path = self.index_dir / "genes.jsonl"
         return GeneIndex([json.loads(line) for line in path.open()]) if path.exists() else None
 
@@ -86,8 +88,6 @@ class Toolbox:
         return ToolResult(True, "\n".join(f"PMID {h['pmid']}: {h['passage']}" for h in hits), hits)
 
     def _lookup(self, kind: str, query: str, aspects: tuple[str, ...]) -> ToolResult:
-        from pipeline.agents.gene_ontology import describe
-
         lines: list[str] = []
         data: dict[str, list[Any]] = {"genes": [], "mesh": []}
         if self.genes is not None:
@@ -136,8 +136,6 @@ def build_index(frames: list[Any], out_dir: Path, genes: list[dict[str, Any]] | 
                 entry["co"].update(m for m in meshes if m != term and m not in common)
     mesh = {kind: {t: {"count": e["count"], "pmids": e["pmids"][:10], "cooccurs": [m for m, _ in e["co"].most_common(5)]}
                    for t, e in sorted(table.items())} for kind, table in (("genes", gene), ("proteins", protein))}
-    from pipeline.io import atomic_dir
-
     with atomic_dir(out_dir) as tmp:
         (tmp / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
         (tmp / "mesh.json").write_text(json.dumps(mesh, indent=1))
@@ -152,5 +150,6 @@ def timed_call(box: Toolbox, sender: str, tool: str, query: str, spans: list[dic
     spans.append({"kind": "tool", "name": tool, "data": {"sender": sender, "args": {"query": query}, "ok": result.ok,
                                                            "result": result.text[:1200], "latency_s": time.perf_counter() - t0}})
     spans.append({"kind": "reward", "name": f"{sender}.tool_success", "data": {
-        "value": 1.0 if result.ok else 0.0, "kind": "intermediate", "reason": f"{tool}: {'ok' if result.ok else result.text[:200]}"}})
+        "value": 1.0 if result.ok else 0.0, "kind": "intermediate",
+        "reason": f"{tool}: {'ok' if result.ok else result.text[:200]}"}})
     return result

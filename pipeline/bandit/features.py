@@ -12,7 +12,9 @@ import re
 from typing import Any
 
 _WORD = re.compile(r"[a-z][a-z0-9-]{2,}")
-_STOP = frozenset(["the", "and", "for", "with", "that", "this", "are", "was", "were", "from", "have", "has", "not", "but", "can", "its", "their", "our", "which", "what", "does", "did", "into", "than", "then", "there", "these", "those", "such", "also", "been", "being", "who", "whom", "whose", "how", "why", "when", "where"])
+_STOP = frozenset(["the", "and", "for", "with", "that", "this", "are", "was", "were", "from", "have", "has", "not", "but", "can",
+                   "its", "their", "our", "which", "what", "does", "did", "into", "than", "then", "there", "these", "those",
+                   "such", "also", "been", "being", "who", "whom", "whose", "how", "why", "when", "where"])
 
 
 def words(text: str) -> list[str]:

@@ -16,11 +16,17 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import mlflow.artifacts
+import yaml
+from mlflow import MlflowClient
+
+from pipeline import tracking
 from pipeline.bandit.vw_policy import BanditPolicy, SupervisorPolicyModel
 from pipeline.digest import SHA256_TAG, file_hash
+from pipeline.io import inside
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.config import MlflowParams
 
 # SupervisorPolicyModel stays importable from here: versions logged before the policy carried its code import it so
 __all__ = ["BanditPolicy", "PolicyDigestError", "SupervisorPolicyModel", "load_policy"]
@@ -35,8 +41,6 @@ class PolicyDigestError(RuntimeError):
 def _model_version(uri: str) -> Any | None:
     """The registered model version a ``models:/`` URI names (None for ``models:/m-<id>``, a logged
     model that is no registered version). ``name/<n>``, ``name@alias``, ``name/latest``, ``name/<stage>``."""
-    from mlflow import MlflowClient
-
     client = MlflowClient()
     path = uri.removeprefix("models:/")
     if "@" in path:
@@ -56,10 +60,6 @@ def _model_version(uri: str) -> Any | None:
 
 def _vw_file(model_dir: Path, uri: str) -> Path:
     """The ``.vw`` artifact of a downloaded MLflow model folder, from its MLmodel (read as data)."""
-    import yaml
-
-    from pipeline.io import inside
-
     mlmodel = model_dir / "MLmodel"
     if not mlmodel.is_file():
         raise FileNotFoundError(f"{uri}: neither a VW model file nor an MLflow model folder (no MLmodel)")
@@ -85,21 +85,19 @@ def _verify(path: Path, version: Any | None, uri: str) -> str:
     return digest
 
 
-def load_policy(uri: str, params: Params | None = None) -> BanditPolicy:
+def load_policy(uri: str, tracking_cfg: MlflowParams | None = None) -> BanditPolicy:
     """From a ``.vw`` file, an MLflow model folder, or an MLflow URI (``models:/``, ``runs:/``).
 
     A model is downloaded as files and its ``vw_model`` artifact read directly: the registered version's
     code (``mlflow_model.py``, ``code/``) is never imported. A ``models:/`` URI is resolved to one version
     first (an alias read once), and that version's files are checked against its ``sha256`` tag if it has one.
 
-    With ``params``, an MLflow URI resolves against the project's tracking server: callers run before
-    their stage's MLflow run starts, and without it the client looked in the default store (./mlflow.db)
-    and a promoted policy "did not exist" (make run's report)."""
+    With ``tracking_cfg`` (the ``mlflow`` section), an MLflow URI resolves against the project's tracking server:
+    callers run before their stage's MLflow run starts, and without it the client looked in the default store
+    (./mlflow.db) and a promoted policy "did not exist" (make run's report)."""
     is_mlflow_uri = uri.startswith(("models:/", "runs:/"))
-    if params is not None and is_mlflow_uri:
-        from pipeline import tracking
-
-        tracking.setup(params)
+    if tracking_cfg is not None and is_mlflow_uri:
+        tracking.setup(tracking_cfg)
     if not is_mlflow_uri:
         path = Path(uri)
         if path.is_file():
@@ -110,8 +108,6 @@ def load_policy(uri: str, params: Params | None = None) -> BanditPolicy:
             raise FileNotFoundError(f"{uri}: no such VW model file or MLflow model folder")
         policy.sha256 = file_hash(policy.model_file)
         return policy
-    import mlflow.artifacts
-
     version = _model_version(uri) if uri.startswith("models:/") else None
     pinned = f"models:/{version.name}/{version.version}" if version is not None else uri
     with tempfile.TemporaryDirectory(prefix="supervisor-policy-") as tmp:

@@ -11,6 +11,8 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from vowpalwabbit import Workspace
+
 from pipeline.bandit.vw_policy import _action, _shared  # one line format for training and the logged policy
 from pipeline.config import BanditParams
 
@@ -19,7 +21,8 @@ def adf_lines(context: dict[str, Any], actions: Sequence[dict[str, Any]], chosen
               reward: float | None = None, propensity: float | None = None) -> list[str]:
     lines = [f"shared {_shared(context)}"]
     for i, action in enumerate(actions):
-        label = f"0:{-float(reward):.6f}:{float(propensity):.6f} " if chosen == i and reward is not None and propensity is not None else ""
+        label = (f"0:{-float(reward):.6f}:{float(propensity):.6f} "
+                 if chosen == i and reward is not None and propensity is not None else "")
         lines.append(label + _action(action))
     return lines
 
@@ -33,16 +36,14 @@ def _epochs(examples: Sequence[dict[str, Any]], passes: int, seed: int) -> Itera
         yield from (examples[i] for i in order)
 
 
-def policy_args(cfg: BanditParams) -> str:
-    return f"--cb_explore_adf --epsilon {cfg.epsilon} -q sa -l {cfg.learning_rate} --random_seed {cfg.seed} --quiet"
+def policy_args(bandit: BanditParams) -> str:
+    return f"--cb_explore_adf --epsilon {bandit.epsilon} -q sa -l {bandit.learning_rate} --random_seed {bandit.seed} --quiet"
 
 
-def train_policy(cfg: BanditParams, examples: Sequence[dict[str, Any]]) -> Any:
+def train_policy(bandit: BanditParams, examples: Sequence[dict[str, Any]]) -> Any:
     """A ``--cb_explore_adf`` workspace learned from logged (context, actions, chosen, propensity, reward)."""
-    from vowpalwabbit import Workspace
-
-    ws = Workspace(policy_args(cfg))
-    for ex in _epochs(examples, cfg.passes, cfg.seed):
+    ws = Workspace(policy_args(bandit))
+    for ex in _epochs(examples, bandit.passes, bandit.seed):
         ws.learn(adf_lines(ex["context"], ex["actions"], ex["chosen"], ex["reward"], ex["propensity"]))
     return ws
 
@@ -54,12 +55,10 @@ def pmf(ws: Any, context: dict[str, Any], actions: Sequence[dict[str, Any]]) -> 
     return [p / total for p in probs] if total > 0 else [1.0 / len(actions)] * len(actions)
 
 
-def train_reward_model(cfg: BanditParams, examples: Sequence[dict[str, Any]]) -> Any:
+def train_reward_model(bandit: BanditParams, examples: Sequence[dict[str, Any]]) -> Any:
     """Squared-loss regressor of reward on (context x chosen candidate): the direct-method part of DR."""
-    from vowpalwabbit import Workspace
-
-    ws = Workspace(f"-q sa -l {cfg.learning_rate} --random_seed {cfg.seed} --quiet")
-    for ex in _epochs(examples, max(cfg.passes, 3), cfg.seed + 1):
+    ws = Workspace(f"-q sa -l {bandit.learning_rate} --random_seed {bandit.seed} --quiet")
+    for ex in _epochs(examples, max(bandit.passes, 3), bandit.seed + 1):
         ws.learn(f"{float(ex['reward']):.6f} {_shared(ex['context'])} {_action(ex['actions'][ex['chosen']])}")
     return ws
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vowpalwabbit import Workspace
+
 from . import features
 
 try:  # the pyfunc base class is only needed where MLflow is installed (control plane)
@@ -50,8 +52,6 @@ def pmf(ws: Any, context: dict[str, Any], actions: Sequence[dict[str, Any]]) -> 
 
 class BanditPolicy:
     def __init__(self, model_file: str | Path, source: str | None = None) -> None:
-        from vowpalwabbit import Workspace
-
         self.model_file = str(model_file)
         self.source = source or self.model_file
         self.sha256: str | None = None  # set by the loader: the digest of the file read

@@ -89,21 +89,23 @@ def _deep_dict(value: Any) -> Any:
     return value
 
 
-def load_tasks(source: str, hf_split: str = "train", allow: SourceAllowParams | None = None, sha256: str | None = None) -> pd.DataFrame:
+def load_tasks(source: str, hf_split: str = "train", allow: SourceAllowParams | None = None,
+               sha256: str | None = None) -> pd.DataFrame:
     """Read PQA-L from any supported source into the (unsplit) task table (``allow``: what sources may be)."""
     if source.startswith("hf://"):
         if allow is not None:
             check_allowed(source, allow)
         rows = _load_hf(source[len("hf://"):], hf_split)
     else:
-        rows = [normalise_record(pmid, rec) for pmid, rec in _records_from_json(read_bytes(source, allow=allow, sha256=sha256), source)]
+        raw = read_bytes(source, allow=allow, sha256=sha256)
+        rows = [normalise_record(pmid, rec) for pmid, rec in _records_from_json(raw, source)]
     if not rows:
         raise SourceError(f"{source}: no records")
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def _load_hf(spec: str, split: str) -> list[dict[str, Any]]:
-    import datasets
+    import datasets  # noqa: PLC0415 - 0.7 s import, only hf:// sources need it
 
     spec, _, revision = spec.partition("@")  # hf://<id>[:<config>][@<revision>]: pin a commit for reproducible ingests
     name, _, config = spec.partition(":")

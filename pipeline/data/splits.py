@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params
+import pandas as pd
+
+from pipeline.config import ValidateParams
 
 
-def split_file(params: Params, split: str) -> Path:
-    return Path(params.validate_.out_dir) / f"{split}.parquet"
+def split_file(validate: ValidateParams, split: str) -> Path:
+    return Path(validate.out_dir) / f"{split}.parquet"
 
 
-def load_tasks(params: Params, split: str, limit: int | None = None, rotation: str | None = None) -> list[dict[str, Any]]:
+def load_tasks(validate: ValidateParams, split: str, limit: int | None = None,
+               rotation: str | None = None) -> list[dict[str, Any]]:
     """The split's tasks by id; with ``limit``, the first ``limit`` ids, or with ``rotation`` a sample of
     ``limit`` drawn with that string as seed (evaluation rotates its tasks across cycles, so a cycle's gate
     does not always look at the same few questions), returned sorted by id."""
-    import hashlib
-
-    import pandas as pd
-
-    frame = pd.read_parquet(split_file(params, split)).sort_values("id")
+    frame = pd.read_parquet(split_file(validate, split)).sort_values("id")
     if limit and rotation is not None and limit < len(frame):
         seed = int.from_bytes(hashlib.sha256(rotation.encode()).digest()[:4], "big")
         frame = frame.sample(n=limit, random_state=seed).sort_values("id")

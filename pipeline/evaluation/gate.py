@@ -42,7 +42,8 @@ def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, 
     """``candidate``/``champion``: metrics summaries; ``diff``: the paired candidate-champion difference."""
     if diff["n"] < cfg.min_tasks:
         return Decision(False, INSUFFICIENT, f"{diff['n']} paired task(s) < promote.min_tasks={cfg.min_tasks}: the difference "
-                                             f"{diff['mean']:+.4f} (p={diff.get('p_value', float('nan')):.3f}) cannot support a decision")
+                                             f"{diff['mean']:+.4f} (p={diff.get('p_value', float('nan')):.3f}) "
+                                             "cannot support a decision")
     success = _mean(candidate, "success_rate") or 0.0
     if success < cfg.min_success_rate:
         return Decision(False, "min_success_rate", f"success rate {success:.2f} < {cfg.min_success_rate:.2f}")
@@ -51,13 +52,16 @@ def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, 
         return Decision(False, "min_decision_accuracy", f"decision accuracy {accuracy} < {cfg.min_decision_accuracy:.2f}")
     judge_c, judge_b = _mean(candidate, "reward_judge"), _mean(champion, "reward_judge")
     acc_b = _mean(champion, "decision_accuracy")
-    if None not in (judge_c, judge_b, accuracy, acc_b) and judge_c > judge_b and acc_b - accuracy > cfg.max_accuracy_drop:  # type: ignore[operator]
+    if (None not in (judge_c, judge_b, accuracy, acc_b)
+            and judge_c > judge_b and acc_b - accuracy > cfg.max_accuracy_drop):  # type: ignore[operator]
         return Decision(False, "accuracy_drop", f"judge reward rose {judge_b:.4f} -> {judge_c:.4f} while decision accuracy fell "
-                                                f"{acc_b:.2f} -> {accuracy:.2f} (more than promote.max_accuracy_drop={cfg.max_accuracy_drop:.2f}; "
+                                                f"{acc_b:.2f} -> {accuracy:.2f} "
+                                                f"(more than promote.max_accuracy_drop={cfg.max_accuracy_drop:.2f}; "
                                                 f"McNemar p={(diff.get('decision') or {}).get('p_value', float('nan')):.3f})")
     gain = candidate["reward"]["mean"] - champion["reward"]["mean"]
     if gain <= cfg.margin:
-        return Decision(False, "margin", f"reward {candidate['reward']['mean']:.4f} vs champion {champion['reward']['mean']:.4f}: "
+        return Decision(False, "margin", f"reward {candidate['reward']['mean']:.4f} "
+                                         f"vs champion {champion['reward']['mean']:.4f}: "
                                          f"gain {gain:+.4f} is not above the margin {cfg.margin:.4f}")
     p = diff.get("p_value", 1.0)
     evidence = (f"paired difference {diff['mean']:+.4f} over {diff['n']} tasks, sign-flip p={p:.4f}, "

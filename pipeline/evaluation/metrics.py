@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from sklearn.metrics import f1_score
 
 from pipeline.evaluation.significance import EXACT_MAX, mcnemar_exact, sign_flip
 
@@ -40,8 +41,6 @@ def bootstrap_ci(values: Sequence[float], n: int = 1000, ci: float = 0.95, seed:
 
 def macro_f1(truth: Sequence[str], preds: Sequence[str]) -> float:
     """sklearn's macro-F1 (labels = those in truth or predictions), as PubMedQA's evaluation.py computes it."""
-    from sklearn.metrics import f1_score
-
     return float(f1_score(list(truth), list(preds), average="macro")) if truth else float("nan")
 
 
@@ -67,7 +66,8 @@ def summarise(records: list[dict[str, Any]], n: int = 1000, ci: float = 0.95, se
     stat("decision_accuracy", correct)
     out["macro_f1"] = macro_f1([r["label"] for r in decided], [answer(r["decision"]) for r in decided]) if decided else None
     maybe = [r for r in records if r["label"] == "maybe"]
-    out["maybe"] = {"n": len(maybe), "go": sum(r["decision"] == "GO" for r in maybe), "no_go": sum(r["decision"] == "NO-GO" for r in maybe)}
+    out["maybe"] = {"n": len(maybe), "go": sum(r["decision"] == "GO" for r in maybe),
+                    "no_go": sum(r["decision"] == "NO-GO" for r in maybe)}
     return out
 
 

@@ -26,12 +26,14 @@ def served_by(traces: list[Any], role: str) -> Counter[tuple[str | None, str | N
 
 
 def check_served(traces: list[Any], role: str, version: str, deployment: str) -> int:
-    """Raise naming what answered when any call of ``role`` was not served by ``deployment`` (and its digest); returns the calls checked."""
+    """Raise naming what answered when any call of ``role`` was not served by ``deployment`` (and its digest);
+    returns the calls checked."""
     seen = served_by(traces, role)
     want = (deployment, served_digest(deployment))
     wrong = {k: n for k, n in seen.items() if k != want}
     if wrong:
         found = ", ".join(f"{dep or '?'} (sha256 {dig or '-'}) x{n}" for (dep, dig), n in wrong.items())
-        raise RuntimeError(f"{role} v{version} was evaluated as {deployment} (sha256 {want[1] or '-'}), but {sum(wrong.values())} of its "
-                           f"calls were answered by {found}: the comparison would not be of this version")
+        raise RuntimeError(f"{role} v{version} was evaluated as {deployment} (sha256 {want[1] or '-'}), "
+                           f"but {sum(wrong.values())} of its calls were answered by {found}: "
+                           "the comparison would not be of this version")
     return sum(seen.values())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
@@ -59,7 +60,8 @@ def _binom_cdf(k: int, n: int) -> float:
     return sum(math.comb(n, i) for i in range(0, k + 1)) / 2**n if k >= 0 else 0.0
 
 
-def mcnemar_exact(candidate_right: Sequence[bool], champion_right: Sequence[bool], alternative: Alternative = "two-sided") -> dict[str, float]:
+def mcnemar_exact(candidate_right: Sequence[bool], champion_right: Sequence[bool],
+                  alternative: Alternative = "two-sided") -> dict[str, float]:
     """Exact McNemar test on paired correctness: ``b`` = tasks only the candidate got right, ``c`` = only the
     champion; p-value of b vs c under Binomial(b + c, 1/2) (1.0 with no discordant task)."""
     if len(candidate_right) != len(champion_right):
@@ -83,8 +85,6 @@ def min_tasks_for(effect_size: float, alpha: float = 0.05, power: float = 0.8) -
     (mean / sd of the paired differences) with the given power: the normal approximation
     n = ((z_alpha + z_power) / d)^2, raised to the smallest n at which the exact sign-flip test can
     reach ``alpha`` at all (2^-n <= alpha)."""
-    from statistics import NormalDist
-
     z = NormalDist().inv_cdf
     n = math.ceil(((z(1 - alpha) + z(power)) / effect_size) ** 2)
     return max(n, math.ceil(math.log2(1 / alpha)))
@@ -92,8 +92,6 @@ def min_tasks_for(effect_size: float, alpha: float = 0.05, power: float = 0.8) -
 
 def minimum_detectable_effect(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
     """Smallest mean paired difference detectable at n tasks with the given sd of differences (normal approximation)."""
-    from statistics import NormalDist
-
     if n < 1:
         return float("inf")
     z = NormalDist().inv_cdf

@@ -11,39 +11,42 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from rich.progress import Progress
+
+from pipeline.agents.llm import RoleClient
 from pipeline.agents.replay import CallBook
+from pipeline.agents.rollout import run_with_retries, supervisor_policy
+from pipeline.agents.tools import Toolbox
 from pipeline.config import Params
+from pipeline.serving import proxy
 from pipeline.traces.schema import Trace
 
 
+# whole Params: running a society reads six sections (agents, judge, reward, rollouts, evaluate, serving) and the
+# policy's tracking server; the evaluate and report stages are its only callers.
 def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[dict[str, Any] | None, str | None]], run_id: str,
              score: bool, description: str, books: list[CallBook | None] | None = None) -> list[list[Trace]]:
     """For each (routing table, evaluation routing name or None for live): one rollout per task
     (rollout id ``<task>-0``, exploration seed ``evaluate.seed``); traces in task order per society.
-    ``books[i]``, when given, answers society i's calls that repeat a recorded society's (``agents.replay``)."""
-    from rich.progress import Progress
-
-    from pipeline.agents.llm import RoleClient
-    from pipeline.agents.rollout import run_with_retries, supervisor_policy
-    from pipeline.agents.tools import Toolbox
-    from pipeline.serving import proxy
-
-    url, key = proxy.client_settings(params)
+    ``books[i]``, when given, answers society i's calls that repeat a recorded society's (``evaluate.replay``)."""
+    url, key = proxy.client_settings(params.serving)
     cfg = params.evaluate
-    routed = params.model_copy(update={"agents": params.agents.model_copy(update={"supervisor_policy": "routed"})})
-    policies = [supervisor_policy(routed, table) for table, _ in societies]
+    routed = params.agents.model_copy(update={"supervisor_policy": "routed"})
+    policies = [supervisor_policy(routed, params.mlflow, table) for table, _ in societies]
     tools = Toolbox(params.rollouts.index_dir, params.agents.search_top_k)
+    replays = books or [None] * len(societies)
 
     async def main(bar: Progress, bar_id: Any) -> list[list[Trace]]:
         sem = asyncio.Semaphore(cfg.concurrency)
-        clients = [RoleClient.for_agents(params.agents, url, key, cfg.timeout_s, routing=routing, replay=(books or [None] * len(societies))[i])
+        clients = [RoleClient.for_agents(params.agents, url, key, cfg.timeout_s, routing=routing, replay=replays[i])
                    for i, (_, routing) in enumerate(societies)]
 
         async def one(i: int, task: dict[str, Any]) -> Trace:
             ids = {"run_id": run_id, "shard": 0, "task_id": task["id"], "rollout_id": f"{task['id']}-0"}
+            version = (societies[i][0] or {}).get("version")
             async with sem:
-                trace = await run_with_retries(params, clients[i], tools, task, ids, (societies[i][0] or {}).get("version"), policies[i], cfg.timeout_s,
-                                               params.rollouts.retries, score=score, seed=cfg.seed)
+                trace = await run_with_retries(params.agents, params.judge, params.reward, clients[i], tools, task, ids, cfg.seed,
+                                               version, policies[i], cfg.timeout_s, params.rollouts.retries, score=score)
             bar.advance(bar_id)
             return trace
 

@@ -54,7 +54,8 @@ def decision_credit(decision: str | None, label: str | None, cfg: RewardParams) 
     return float(label in ("yes", "no") and ALIGN[decision] == label)
 
 
-def final_reward(judge_value: float, decision: str | None, label: str | None, cfg: RewardParams) -> tuple[float, dict[str, float]]:
+def final_reward(judge_value: float, decision: str | None, label: str | None,
+                 cfg: RewardParams) -> tuple[float, dict[str, float]]:
     """(final reward, its components): the weighted mean of the judge's score and the decision credit."""
     components = {"judge": float(judge_value), "decision": decision_credit(decision, label, cfg)}
     value = (cfg.judge * components["judge"] + cfg.decision * components["decision"]) / (cfg.judge + cfg.decision)
@@ -63,7 +64,8 @@ def final_reward(judge_value: float, decision: str | None, label: str | None, cf
 
 def final_span(value: float, components: dict[str, float], reason: str) -> dict[str, Any]:
     """The rollout's ``final`` reward span: the value and what it is made of (trainers, reports and plots split it)."""
-    return {"kind": "reward", "name": "final", "data": {"value": value, "kind": "final", "components": components, "reason": reason}}
+    return {"kind": "reward", "name": "final",
+            "data": {"value": value, "kind": "final", "components": components, "reason": reason}}
 
 
 def as_data(tag: str, value: Any) -> str:
@@ -107,17 +109,20 @@ def prompt(task: dict[str, Any], state: dict[str, Any], llm_calls: int) -> str:
             f"Question: {as_data('question', task['question'])}\n"
             f"Published abstract: {as_data('abstract', abstract)}\n"
             f"Proposed protocol: {as_data('protocol', state.get('protocol'))}\n"
-            f"PI decision: {as_data('decision', decision.get('decision'))} rationale: {as_data('rationale', decision.get('rationale', ''))}\n"
-            f"The team used {llm_calls} model calls. Score each criterion from 0 (worst) to 9 (best) by this rubric only: novelty, "
-            "feasibility, impact, clarity, groundedness (agreement with the abstract), efficiency (fewer calls is better). JSON only.")
+            f"PI decision: {as_data('decision', decision.get('decision'))} "
+            f"rationale: {as_data('rationale', decision.get('rationale', ''))}\n"
+            f"The team used {llm_calls} model calls. Score each criterion from 0 (worst) to 9 (best) by this rubric only: "
+            "novelty, feasibility, impact, clarity, groundedness (agreement with the abstract), efficiency (fewer calls is "
+            "better). JSON only.")
 
 
 async def judge(client: RoleClient, cfg: JudgeParams, reward_cfg: RewardParams, task: dict[str, Any], state: dict[str, Any],
                 llm_calls: int, spans: list[dict[str, Any]]) -> dict[str, Any]:
     """Score the rollout; appends one reward span per criterion and the ``final`` span with its ``components``."""
     try:
-        scores = await client.structured("judge", "judge", [{"role": "user", "content": prompt(task, state, llm_calls)}], JudgeScores, spans,
-                                         max_tokens=cfg.max_tokens, frequency_penalty=cfg.frequency_penalty, temperature=cfg.temperature,
+        messages = [{"role": "user", "content": prompt(task, state, llm_calls)}]
+        scores = await client.structured("judge", "judge", messages, JudgeScores, spans, max_tokens=cfg.max_tokens,
+                                         frequency_penalty=cfg.frequency_penalty, temperature=cfg.temperature,
                                          top_logprobs=TOP_LOGPROBS)
         reason = "ok" if scores is not None else "judge returned invalid JSON after retries"
     except LLMError as exc:
@@ -126,13 +131,13 @@ async def judge(client: RoleClient, cfg: JudgeParams, reward_cfg: RewardParams, 
     for span in spans:  # the judge's alternatives per token: used here, never stored in the trace
         if span["kind"] == "llm" and span["name"] == "judge" and "logprobs" in span["data"]:
             tokens = span["data"].pop("logprobs")
-    values = ({**scores.model_dump(), **{c: getattr(scores, c) / 9 for c in CRITERIA}, **expected_scores(tokens)} if scores is not None
-              else {c: cfg.failure_score for c in CRITERIA})
+    values = ({**scores.model_dump(), **{c: getattr(scores, c) / 9 for c in CRITERIA}, **expected_scores(tokens)}
+              if scores is not None else {c: cfg.failure_score for c in CRITERIA})
     spans.extend({"kind": "reward", "name": f"judge.{c}", "data": {"value": float(values[c]), "kind": "judge", "reason": reason}}
                  for c in CRITERIA)
     judged = weighted_reward(values, cfg.weights.model_dump()) if scores is not None else cfg.failure_score
     decision = (state.get("decision") or {}).get("decision")
     reward, components = final_reward(judged, decision, task.get("final_decision"), reward_cfg)
     spans.append(final_span(reward, components, reason if scores is None else str(values.get("reason", ""))))
-    return {"scores": {c: float(values[c]) for c in CRITERIA}, "reward": reward, "components": components, "judge_ok": scores is not None,
-            "reason": reason}
+    return {"scores": {c: float(values[c]) for c in CRITERIA}, "reward": reward, "components": components,
+            "judge_ok": scores is not None, "reason": reason}

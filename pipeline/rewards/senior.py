@@ -23,11 +23,13 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from pipeline.agents.llm import RoleClient
-from pipeline.config import Params
-from pipeline.rewards.judge import alignment, decision_credit, judge
+from pipeline.config import JudgeParams, PpoRewardParams, RewardParams
+from pipeline.rewards.judge import alignment, decision_credit
+from pipeline.rewards.judge import judge as run_judge
 from pipeline.schemas import Hypothesis, PIDecision, Protocol, StructuredOutput
 
-SCHEMAS: dict[str, type[StructuredOutput]] = {"hypothesis_refiner": Hypothesis, "protocol_designer": Protocol, "principal_investigator": PIDecision}
+SCHEMAS: dict[str, type[StructuredOutput]] = {"hypothesis_refiner": Hypothesis, "protocol_designer": Protocol,
+                                              "principal_investigator": PIDecision}
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S)
 
 
@@ -72,24 +74,25 @@ def parse(agent: str, text: str) -> tuple[float, BaseModel | dict[str, Any] | No
         return 0.5, raw, f"JSON but not a valid {schema.__name__}: {'.'.join(map(str, first['loc']))}: {first['msg']}"
 
 
-async def score(client: RoleClient, params: Params, agent: str, text: str, task: dict[str, Any]) -> dict[str, Any]:
-    w = params.ppo.reward
+async def score(client: RoleClient, ppo_reward: PpoRewardParams, judge: JudgeParams, reward: RewardParams, agent: str, text: str,
+                task: dict[str, Any]) -> dict[str, Any]:
     validity, obj, why = parse(agent, text)
     out: dict[str, Any] = {"agent": agent, "validity": validity, "judge": None, "aligned": None, "reason": why}
     if obj is None:  # not JSON: never judged
-        return {**out, "value": w.validity * validity}
+        return {**out, "value": ppo_reward.validity * validity}
     data = obj.model_dump() if isinstance(obj, BaseModel) else obj
-    state = {"decision": data, "protocol": "(the PI's decision on the team's protocol)"} if agent == "principal_investigator" else {"protocol": data}
+    state = ({"decision": data, "protocol": "(the PI's decision on the team's protocol)"} if agent == "principal_investigator"
+             else {"protocol": data})
     try:
-        res = await asyncio.wait_for(judge(client, params.judge, params.reward, task, state, 1, []), w.timeout_s)
+        res = await asyncio.wait_for(run_judge(client, judge, reward, task, state, 1, []), ppo_reward.timeout_s)
         judged, judge_reason = float(res["components"]["judge"]), res["reason"]
     except TimeoutError:
-        judged, judge_reason = params.judge.failure_score, f"judge timed out after {w.timeout_s:g}s"
-    value = w.validity * validity + w.judge * judged
+        judged, judge_reason = judge.failure_score, f"judge timed out after {ppo_reward.timeout_s:g}s"
+    value = ppo_reward.validity * validity + ppo_reward.judge * judged
     out.update(judge=judged, reason=f"{why}; judge: {judge_reason}")
     if agent == "principal_investigator":
         decision = (data or {}).get("decision")
         out["aligned"] = alignment(decision, task.get("final_decision"))["aligned"]
-        out["decision"] = decision_credit(decision, task.get("final_decision"), params.reward)
-        value += w.alignment * out["decision"]
+        out["decision"] = decision_credit(decision, task.get("final_decision"), reward)
+        value += ppo_reward.alignment * out["decision"]
     return {**out, "value": value}

@@ -16,6 +16,7 @@ through the rollout config's ``env_map``). It runs the same LangGraph society as
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -25,7 +26,13 @@ from typing import Any
 import httpx
 
 from pipeline.agents.llm import RoleClient
+from pipeline.agents.rollout import run_with_retries, supervisor_policy
+from pipeline.agents.tools import Toolbox
+from pipeline.config import load_params
+from pipeline.rl import store
 from pipeline.rl.store import RUN_ENV, TRACE_DIR_ENV
+from pipeline.serving import routing
+from pipeline.serving.routing import society_endpoint
 
 TASK_ENV = "PUBMEDQA_TASK"
 TRAINED_ROLES = ("senior_researcher",)
@@ -35,7 +42,8 @@ _EVENT_URL = re.compile(r"^(?P<base>.*)/api/rollouts/(?P<rollout>[^/]+)/attempt/
 class GatewayClient(RoleClient):
     """The proxy for every role except the trained ones, which go to the gateway (the policy being trained)."""
 
-    def __init__(self, *args: Any, gateway_url: str, gateway_key: str, trained: tuple[str, ...] = TRAINED_ROLES, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gateway_url: str, gateway_key: str, trained: tuple[str, ...] = TRAINED_ROLES,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gateway_url = gateway_url.rstrip("/")
         self.gateway_headers = {"Authorization": f"Bearer {gateway_key}"} if gateway_key else {"Authorization": ""}
@@ -70,13 +78,6 @@ def final_reward(trace: Any, failure_score: float) -> tuple[float, str]:
 
 class SocietyAgent:
     async def run(self) -> None:
-        from pipeline.agents.rollout import run_with_retries, supervisor_policy
-        from pipeline.agents.tools import Toolbox
-        from pipeline.config import load_params
-        from pipeline.rl import store
-        from pipeline.serving import routing
-        from pipeline.serving.routing import society_endpoint
-
         event_url = os.environ["AGL_EVENT_URL"]
         m = _EVENT_URL.match(event_url)
         if m is None:
@@ -86,30 +87,34 @@ class SocietyAgent:
         params = load_params()
         task = parse_task(os.environ[TASK_ENV])
         rollout_id = m["rollout"]
-        base_url, proxy_key, version = society_endpoint(params)
+        base_url, proxy_key, version = society_endpoint(params.rollouts, params.serving)
         cfg = params.rollouts
-        client = GatewayClient.for_agents(params.agents, base_url, proxy_key, cfg.timeout_s, gateway_url=os.environ["AGL_OPENAI_BASE_URL"], gateway_key=key)
+        client = GatewayClient.for_agents(params.agents, base_url, proxy_key, cfg.timeout_s,
+                                          gateway_url=os.environ["AGL_OPENAI_BASE_URL"], gateway_key=key)
         tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
-        policy = supervisor_policy(params, routing.active(params) if not params.rollouts.llm_base_url else None)
+        table = routing.active(params.serving) if not params.rollouts.llm_base_url else None
+        policy = supervisor_policy(params.agents, params.mlflow, table)
         ids = {"run_id": os.environ.get(RUN_ENV, "agl"), "shard": 0, "task_id": str(task["id"]), "rollout_id": rollout_id}
         try:
-            trace = await run_with_retries(params, client, tools, task, ids, version, policy, params.ppo.agl.rollout_timeout_s * 0.9, 0)
+            trace = await run_with_retries(params.agents, params.judge, params.reward, client, tools, task, ids, cfg.seed,
+                                           version, policy, params.ppo.agl.rollout_timeout_s * 0.9, 0)
         finally:
             await client.aclose()
         reward, reason = final_reward(trace, params.judge.failure_score)
         async with httpx.AsyncClient(headers=headers, timeout=60) as http:
             for span in trace.spans:
                 if span.kind == "reward" and span.name != "final":
-                    (await http.post(event_url, json={"event_type": "society_reward", "data": {"name": span.name, **span.data}})).raise_for_status()
-            (await http.post(event_url, json={"event_type": "reward", "data": {"value": reward, "source": "agent", "reason": reason}})).raise_for_status()
+                    event = {"event_type": "society_reward", "data": {"name": span.name, **span.data}}
+                    (await http.post(event_url, json=event)).raise_for_status()
+            event = {"event_type": "reward", "data": {"value": reward, "source": "agent", "reason": reason}}
+            (await http.post(event_url, json=event)).raise_for_status()
             events = (await http.get(f"{m['base']}/api/rollouts/{rollout_id}/events")).raise_for_status().json()
-        store.write(os.environ.get(TRACE_DIR_ENV) or params.ppo.agl.trace_dir, {"rollout_id": rollout_id, "run_id": ids["run_id"], "task_id": str(task["id"]),
-                                               "status": "succeeded" if trace.status == "ok" else "failed",
-                                               "reward": reward, "reason": reason, "trace": trace.model_dump(mode="json"), "events": events,
-                                               "triplets": len(store.triplets(events)), "written_by": "agent", "persisted_at": time.time()})
+        store.write(os.environ.get(TRACE_DIR_ENV) or params.ppo.agl.trace_dir,
+                    {"rollout_id": rollout_id, "run_id": ids["run_id"], "task_id": str(task["id"]),
+                     "status": "succeeded" if trace.status == "ok" else "failed",
+                     "reward": reward, "reason": reason, "trace": trace.model_dump(mode="json"), "events": events,
+                     "triplets": len(store.triplets(events)), "written_by": "agent", "persisted_at": time.time()})
 
 
 if __name__ == "__main__":  # a Kubernetes Job of the k8s runner (infra/k8s/templates/agl-rollout-job.yaml.j2) runs this
-    import asyncio
-
     asyncio.run(SocietyAgent().run())

@@ -90,7 +90,8 @@ def _check_actor(actor: Path) -> None:
 
 
 def _merge(python: str, actor: Path, target: Path, timeout_s: float) -> None:
-    argv = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(actor), "--target_dir", str(target)]
+    argv = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(actor),
+            "--target_dir", str(target)]
     # everything it reads is in the checkpoint (offline); unbuffered, so a killed merger still leaves its last lines
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "PYTHONUNBUFFERED": "1"}
     try:
@@ -98,7 +99,8 @@ def _merge(python: str, actor: Path, target: Path, timeout_s: float) -> None:
                               timeout=timeout_s, env=env, check=False)
     except subprocess.TimeoutExpired as e:
         out = e.output.decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
-        raise RuntimeError(f"verl model merger on {actor} timed out after {timeout_s:g}s (killed); its output ended:\n{out[-_TAIL:]}") from None
+        raise RuntimeError(f"verl model merger on {actor} timed out after {timeout_s:g}s (killed); "
+                           f"its output ended:\n{out[-_TAIL:]}") from None
     except OSError as e:
         raise RuntimeError(f"verl model merger could not start under {python}: {e}") from e
     if done.returncode != 0:

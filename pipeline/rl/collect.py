@@ -15,7 +15,14 @@ import json
 import sys
 from typing import Any
 
-from pipeline.config import Params
+from agentlightning.verl.agl_rollout_manager import AglRolloutManager
+
+from pipeline.config import AglParams, Params
+from pipeline.data.splits import load_tasks
+from pipeline.rl import store
+from pipeline.rl.gateway import AGENT_CLASS, running
+from pipeline.rl.hooks import TraceStoreHooks
+from pipeline.serving import stack, worker
 
 
 def task_rows(tasks: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -25,19 +32,14 @@ def task_rows(tasks: list[dict[str, Any]]) -> dict[str, list[Any]]:
             "task_json": [json.dumps({k: t[k] for k in keep if k in t}, default=str) for t in tasks]}
 
 
-def collect(params: Params, gw: Any, tasks: list[dict[str, Any]], n: int, endpoints: list[str], step: int = 0,
+def collect(agl: AglParams, gw: Any, tasks: list[dict[str, Any]], n: int, endpoints: list[str], step: int = 0,
             trace_dir: str | None = None) -> list[Any]:
-    from agentlightning.verl.agl_rollout_manager import AglRolloutManager
-
-    from pipeline.rl.gateway import AGENT_CLASS
-    from pipeline.rl.hooks import TraceStoreHooks
-
-    hooks = TraceStoreHooks(trace_dir or params.ppo.agl.trace_dir)
+    hooks = TraceStoreHooks(trace_dir or agl.trace_dir)
     hooks.on_startup()
     manager = AglRolloutManager(agl_base_url=gw.url, agl_key=gw.key, model=gw.model_name, step=step, train_rollout_n=n,
-                                rollout_timeout_seconds=params.ppo.agl.rollout_timeout_s, poll_interval_seconds=params.ppo.agl.poll_s,
+                                rollout_timeout_seconds=agl.rollout_timeout_s, poll_interval_seconds=agl.poll_s,
                                 hooks=hooks, local_agent_class=AGENT_CLASS, local_env_map={"PUBMEDQA_TASK": "input"},
-                                k8s_job_template_path=params.ppo.agl.job_template if params.ppo.agl.runner == "k8s" else None)
+                                k8s_job_template_path=agl.job_template if agl.runner == "k8s" else None)
     manager.delete_model()
     manager.register_model(endpoints)
     return manager.enqueue_and_wait_until_completed(task_rows(tasks), is_train=True)
@@ -45,8 +47,6 @@ def collect(params: Params, gw: Any, tasks: list[dict[str, Any]], n: int, endpoi
 
 def problems(completed: list[Any], trace_dir: str | None = None) -> list[str]:
     """Why a completed rollout would be useless to the trainer (empty list = every rollout trains)."""
-    from pipeline.rl import store
-
     out = []
     for c in completed:
         recorded = (store.read(trace_dir, c.rollout_id) or {}) if trace_dir else {}
@@ -68,15 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline.data.splits import load_tasks
-    from pipeline.rl.gateway import running
-    from pipeline.serving import stack, worker
-
-    stack.ensure(params)
+    """``python -m pipeline agl-collect``: a command entry (like a stage's ``main``), it picks the sections."""
+    stack.ensure(params.serving, params.mlflow)
     policy = params.serving.workers[0]
-    tasks = load_tasks(params, "train", args.tasks)
-    with running(params, worker.served_name(policy), trace_dir=args.trace_dir) as gw:
-        completed = collect(params, gw, tasks, args.n, [f"{worker.base_url(policy)}/v1"], trace_dir=args.trace_dir)
+    tasks = load_tasks(params.validate_, "train", args.tasks)
+    with running(params.ppo.agl, params.serving, worker.served_name(policy), trace_dir=args.trace_dir) as gw:
+        completed = collect(params.ppo.agl, gw, tasks, args.n, [f"{worker.base_url(policy)}/v1"], trace_dir=args.trace_dir)
         gw.check()
     for c in completed:
         print(f"{c.rollout_id}: {c.rollout_state}, {len(c.triplets or [])} triplets, reward {c.final_reward}")

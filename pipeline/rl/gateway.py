@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import AglParams, Params
+from pipeline.config import AglParams, ServingParams
 from pipeline.envs import REPO_ROOT
 from pipeline.rl import store
 from pipeline.services.process import Service, ServiceError, free_port, http_ok, port_is_free, stop
@@ -65,56 +65,58 @@ def _spawn(home: Path, name: str, argv: list[str], env: dict[str, str]) -> subpr
     return proc
 
 
-def local_host(cfg: AglParams) -> str:
+def local_host(agl: AglParams) -> str:
     """Where processes of this pod (the controller, the trainer) reach the server: loopback when it binds every address."""
     try:
-        return "127.0.0.1" if ipaddress.ip_address(cfg.host).is_unspecified else cfg.host
+        return "127.0.0.1" if ipaddress.ip_address(agl.host).is_unspecified else agl.host
     except ValueError:
-        return cfg.host
+        return agl.host
 
 
-def controller_overrides(params: Params, url: str) -> list[str]:
+def controller_overrides(agl: AglParams, url: str) -> list[str]:
     """agl-controller's Hydra overrides (AGL 1.0.2 config/controller.yaml): the store at ``url``; with the k8s runner,
     the Jobs' namespace and the URL they reach the gateway at (``agl_server.agent_url``, their AGL_OPENAI_BASE_URL)."""
-    cfg = params.ppo.agl
-    out = [f"runner_type={cfg.runner}", f"agl_server.url={url}", "agl_server.key=${oc.env:AGL_KEY}"]
-    if cfg.runner == "local":
-        return [*out, f"local_runner.maximum_size={cfg.max_parallel}", f"local_runner.poll_interval={cfg.poll_s}"]
-    return [*out, f"agl_server.agent_url={cfg.advertise_url}", f"k8s_runner.namespace={cfg.k8s_namespace}",
-            f"k8s_runner.poll_interval={cfg.poll_s}"]
+    out = [f"runner_type={agl.runner}", f"agl_server.url={url}", "agl_server.key=${oc.env:AGL_KEY}"]
+    if agl.runner == "local":
+        return [*out, f"local_runner.maximum_size={agl.max_parallel}", f"local_runner.poll_interval={agl.poll_s}"]
+    return [*out, f"agl_server.agent_url={agl.advertise_url}", f"k8s_runner.namespace={agl.k8s_namespace}",
+            f"k8s_runner.poll_interval={agl.poll_s}"]
 
 
 @contextmanager
-def running(params: Params, model_name: str, run_id: str = "agl", python: str | None = None,
+def running(agl: AglParams, serving: ServingParams, model_name: str, run_id: str = "agl", python: str | None = None,
             trace_dir: str | Path | None = None) -> Iterator[Gateway]:
     """agl-server + agl-controller (``ppo.agl.runner``) up for the block; both stopped after, whatever happened."""
-    cfg = params.ppo.agl
-    home = Path(params.serving.home).resolve() / "agl"
-    if cfg.runner == "k8s":  # the Service behind advertise_url forwards to this port: no fallback
-        if not port_is_free(cfg.host, cfg.port):
-            raise ServiceError(f"ppo.agl.port {cfg.port} on {cfg.host} is taken; rollout Jobs reach the gateway at "
-                               f"{cfg.advertise_url}, whose Service forwards to that port")
-        port = cfg.port
+    home = Path(serving.home).resolve() / "agl"
+    if agl.runner == "k8s":  # the Service behind advertise_url forwards to this port: no fallback
+        if not port_is_free(agl.host, agl.port):
+            raise ServiceError(f"ppo.agl.port {agl.port} on {agl.host} is taken; rollout Jobs reach the gateway at "
+                               f"{agl.advertise_url}, whose Service forwards to that port")
+        port = agl.port
     else:
-        port = cfg.port if port_is_free(cfg.host, cfg.port) else free_port(cfg.host)
-    url = f"http://{local_host(cfg)}:{port}"
-    key = os.environ.get(cfg.key_env) or secrets.token_urlsafe(24)
+        port = agl.port if port_is_free(agl.host, agl.port) else free_port(agl.host)
+    url = f"http://{local_host(agl)}:{port}"
+    key = os.environ.get(agl.key_env) or secrets.token_urlsafe(24)
     python = python or sys.executable
-    env = {**os.environ, "AGL_KEY": key, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-           store.TRACE_DIR_ENV: str(Path(trace_dir or cfg.trace_dir).resolve()), store.RUN_ENV: run_id}
+    env = {**os.environ, "AGL_KEY": key,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           store.TRACE_DIR_ENV: str(Path(trace_dir or agl.trace_dir).resolve()), store.RUN_ENV: run_id}
     hydra = [f"hydra.run.dir={home}/hydra", "hydra.output_subdir=null"]
-    gw = Gateway(url=url, key=key, model_name=model_name, home=home, agent_url=(cfg.advertise_url or url) if cfg.runner == "k8s" else url)
+    gw = Gateway(url=url, key=key, model_name=model_name, home=home,
+                 agent_url=(agl.advertise_url or url) if agl.runner == "k8s" else url)
     try:
-        gw.procs["agl-server"] = _spawn(home, "agl-server", [python, "-m", "agentlightning.server", f"host={cfg.host}", f"port={port}",
-                                                            "key=${oc.env:AGL_KEY}", f"default_proxy.model_name={model_name}", *hydra], env)
-        deadline = time.monotonic() + cfg.startup_timeout_s
+        gw.procs["agl-server"] = _spawn(home, "agl-server", [python, "-m", "agentlightning.server", f"host={agl.host}",
+                                                            f"port={port}", "key=${oc.env:AGL_KEY}",
+                                                            f"default_proxy.model_name={model_name}", *hydra], env)
+        deadline = time.monotonic() + agl.startup_timeout_s
         while not http_ok(f"{url}/healthz"):
             gw.check()
             if time.monotonic() > deadline:
-                raise ServiceError(f"agl-server not healthy at {url}/healthz after {cfg.startup_timeout_s:.0f}s (log {home}/agl-server.log)")
+                raise ServiceError(f"agl-server not healthy at {url}/healthz after {agl.startup_timeout_s:.0f}s "
+                                   f"(log {home}/agl-server.log)")
             time.sleep(0.3)
         gw.procs["agl-controller"] = _spawn(home, "agl-controller", [python, "-m", "agentlightning.controller",
-                                                                    *controller_overrides(params, url), *hydra], env)
+                                                                    *controller_overrides(agl, url), *hydra], env)
         time.sleep(1.0)
         gw.check()
         yield gw
@@ -126,11 +128,10 @@ def running(params: Params, model_name: str, run_id: str = "agl", python: str | 
                     gw.procs[name].wait(10)  # reap it
 
 
-def rollout_config(params: Params) -> dict[str, object]:
+def rollout_config(agl: AglParams) -> dict[str, object]:
     """What each enqueued rollout carries for the controller: the agent class and the task in its env."""
-    cfg = params.ppo.agl
-    config: dict[str, object] = {"timeout_seconds": cfg.rollout_timeout_s,
+    config: dict[str, object] = {"timeout_seconds": agl.rollout_timeout_s,
                                  "local": {"agent_class": AGENT_CLASS, "env_map": {"PUBMEDQA_TASK": "input"}}}
-    if cfg.runner == "k8s":
-        config["k8s"] = {"job_template": Path(cfg.job_template).read_text()}
+    if agl.runner == "k8s":
+        config["k8s"] = {"job_template": Path(agl.job_template).read_text()}
     return config

@@ -12,12 +12,17 @@ import asyncio
 import itertools
 import json
 import os
+import shutil
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params
+from pipeline.agents.llm import RoleClient
+from pipeline.config import AgentsParams, DatasetsParams, JudgeParams, PpoParams, RewardParams
 from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.rewards.senior import SCHEMAS, completion_text, score
 from pipeline.rl.prompts import load_prompts
 
 JUDGE_URL_ENV, JUDGE_KEY_ENV = "PPO_JUDGE_BASE_URL", "PPO_JUDGE_KEY"  # the proxy the control plane brought up
@@ -27,8 +32,6 @@ def signal(scored: list[dict[str, Any]]) -> dict[str, Any]:
     """Did the sampled completions carry a learning signal? GRPO's advantage is a completion's reward minus
     its group's mean: a group whose rewards are all equal teaches nothing, and when every group is like
     that the update is zero (KL aside) and the adapter is the base model with noise."""
-    import statistics
-
     values = [float(r["value"]) for r in scored]
     groups: dict[str, list[float]] = {}
     for r in scored:
@@ -43,69 +46,69 @@ def signal(scored: list[dict[str, Any]]) -> dict[str, Any]:
     return {**out, "no_signal": reason is not None, "no_signal_reason": reason}
 
 
-def make_reward(params: Params, log: list[dict[str, Any]]) -> Any:
+def make_reward(agents: AgentsParams, ppo: PpoParams, judge: JudgeParams, reward: RewardParams,
+                log: list[dict[str, Any]]) -> Any:
     """The GRPO reward function: one score per sampled completion, recorded with its reason in ``log``."""
-    from pipeline.agents.llm import RoleClient
-    from pipeline.rewards.senior import completion_text, score
-
     url, key = os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV]
 
     calls = itertools.count()
 
     async def senior_reward(prompts: list[Any], completions: list[Any], agent: list[str], label: list[str], question: list[str],
                             abstract: list[str], task_id: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
-        client = RoleClient.for_agents(params.agents, url, key, params.ppo.reward.timeout_s, max_tokens=params.judge.max_tokens)
+        client = RoleClient.for_agents(agents, url, key, ppo.reward.timeout_s, max_tokens=judge.max_tokens)
         try:
             texts = [completion_text(c) for c in completions]
             results = await asyncio.gather(*[
-                score(client, params, a, t, {"id": tid, "question": q, "contexts": [ab], "final_decision": lab})
+                score(client, ppo.reward, judge, reward, a, t,
+                      {"id": tid, "question": q, "contexts": [ab], "final_decision": lab})
                 for a, t, tid, q, ab, lab in zip(agent, texts, task_id, question, abstract, label, strict=True)])
         finally:
             await client.aclose()
         step = int(getattr(trainer_state, "global_step", 0) or 0) + 1
         call = next(calls)  # TRL's batch holds each prompt's group_size completions one after the other
-        log.extend({"step": step, "group": f"{call}-{i // params.ppo.group_size}", "task_id": tid, **r, "completion": t[:800]}
+        log.extend({"step": step, "group": f"{call}-{i // ppo.group_size}", "task_id": tid, **r, "completion": t[:800]}
                    for i, (tid, r, t) in enumerate(zip(task_id, results, texts, strict=True)))
         return [float(r["value"]) for r in results]
 
     return senior_reward
 
 
-def train_trl(params: Params) -> dict[str, Any]:
-    """Model plane: GRPO + LoRA, adapter saved atomically, metrics returned."""
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig
+def train_trl(ppo: PpoParams, datasets: DatasetsParams, reward_for: Callable[[list[dict[str, Any]]], Any]) -> dict[str, Any]:
+    """Model plane: GRPO + LoRA, adapter saved atomically, metrics returned. ``reward_for(log)`` is the reward function
+    (:func:`make_reward` with its sections bound), which records each scored completion in ``log``."""
+    import torch  # noqa: PLC0415 - model plane only
+    from datasets import Dataset  # noqa: PLC0415 - 0.7 s import, only training needs it
+    from peft import LoraConfig  # noqa: PLC0415 - model plane only
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
+    from trl import GRPOConfig  # noqa: PLC0415 - model plane only
 
-    from pipeline.rewards.senior import SCHEMAS
-    from pipeline.rl.guided import GuidedGRPOTrainer, compile_grammars, prompt_key
+    from pipeline.rl.guided import GuidedGRPOTrainer, compile_grammars, prompt_key  # noqa: PLC0415 - imports trl (model plane)
 
-    cfg = params.ppo
-    rows = load_prompts(params)
-    budget = max(SCHEMAS[a].token_budget() for a in cfg.agents)
-    if cfg.max_completion_tokens < budget:
-        raise ValueError(f"ppo.max_completion_tokens={cfg.max_completion_tokens} is below the schema budget of ppo.agents "
+    rows = load_prompts(datasets, ppo)
+    budget = max(SCHEMAS[a].token_budget() for a in ppo.agents)
+    if ppo.max_completion_tokens < budget:
+        raise ValueError(f"ppo.max_completion_tokens={ppo.max_completion_tokens} is below the schema budget of ppo.agents "
                          f"({budget} tokens): completions would be cut into invalid JSON")
     agent_of = {prompt_key(r["prompt"]): r["agent"] for r in rows}
     columns = ("prompt", "agent", "label", "question", "abstract", "task_id")
     train_ds = Dataset.from_list([{k: (r.get(k) or "") if k != "prompt" else r[k] for k in columns} for r in rows])
     gpu = torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=torch.bfloat16 if gpu else torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
-    lora = cfg.lora
-    peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(ppo.base_model, dtype=torch.bfloat16 if gpu else torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(ppo.base_model)
+    lora = ppo.lora
+    peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+                      task_type="CAUSAL_LM")
     scored: list[dict[str, Any]] = []
-    out = Path(cfg.out_dir)
+    out = Path(ppo.out_dir)
     with atomic_dir(out) as tmp:
-        args = GRPOConfig(output_dir=str(tmp / "checkpoints"), max_steps=cfg.max_steps, per_device_train_batch_size=cfg.prompts_per_step * cfg.group_size,
-                          num_generations=cfg.group_size, max_completion_length=cfg.max_completion_tokens, learning_rate=cfg.learning_rate,
-                          beta=cfg.kl_coef, temperature=cfg.temperature, logging_steps=1, save_strategy="no", report_to="none",
-                          seed=cfg.seed, data_seed=cfg.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0, disable_tqdm=False,
-                          lr_scheduler_type="constant", warmup_steps=0)
-        grammars = compile_grammars(tokenizer, model.config.vocab_size, {a: SCHEMAS[a] for a in cfg.agents})
-        trainer = GuidedGRPOTrainer(model=model, reward_funcs=[make_reward(params, scored)], args=args, train_dataset=train_ds,
+        args = GRPOConfig(output_dir=str(tmp / "checkpoints"), max_steps=ppo.max_steps,
+                          per_device_train_batch_size=ppo.prompts_per_step * ppo.group_size, num_generations=ppo.group_size,
+                          max_completion_length=ppo.max_completion_tokens, learning_rate=ppo.learning_rate,
+                          beta=ppo.kl_coef, temperature=ppo.temperature, logging_steps=1, save_strategy="no", report_to="none",
+                          seed=ppo.seed, data_seed=ppo.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0,
+                          disable_tqdm=False, lr_scheduler_type="constant", warmup_steps=0)
+        grammars = compile_grammars(tokenizer, model.config.vocab_size, {a: SCHEMAS[a] for a in ppo.agents})
+        trainer = GuidedGRPOTrainer(model=model, reward_funcs=[reward_for(scored)], args=args, train_dataset=train_ds,
                                     processing_class=tokenizer, peft_config=peft, grammars=grammars,
                                     agent_of=lambda prompt: agent_of[prompt_key(prompt)])
         t0 = time.perf_counter()
@@ -113,8 +116,6 @@ def train_trl(params: Params) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
         trainer.model.save_pretrained(str(tmp / "adapter"))
         tokenizer.save_pretrained(str(tmp / "adapter"))
-        import shutil
-
         shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
         history = [h for h in trainer.state.log_history if "step" in h]
         write_json(tmp / "log_history.json", history)
@@ -125,7 +126,7 @@ def train_trl(params: Params) -> dict[str, Any]:
             key = r["reason"].split(":")[0]
             reasons[key] = reasons.get(key, 0) + 1
         metrics = {"backend": "trl", "algorithm": "grpo", "device": "cuda" if gpu else "cpu", "steps": result.global_step,
-                   "prompts": len(rows), "agents": list(cfg.agents), "decoding": "xgrammar JSON schema", **signal(scored),
+                   "prompts": len(rows), "agents": list(ppo.agents), "decoding": "xgrammar JSON schema", **signal(scored),
                    "train_seconds": round(seconds, 2),
                    "seconds_per_step": round(seconds / max(1, result.global_step), 2),
                    "reward_first": steps[0]["reward"] if steps else None, "reward_last": steps[-1]["reward"] if steps else None,
@@ -133,6 +134,6 @@ def train_trl(params: Params) -> dict[str, Any]:
                    "kl_last": next((h["kl"] for h in reversed(steps) if "kl" in h), None),
                    "decision_accuracy": (sum(r["aligned"] is True for r in scored) / n_aligned
                                          if (n_aligned := sum(r.get("aligned") is not None for r in scored)) else None),
-                   "reward_reasons": reasons, "base_model": str(Path(cfg.base_model).resolve())}
+                   "reward_reasons": reasons, "base_model": str(Path(ppo.base_model).resolve())}
         write_json(tmp / "train_meta.json", metrics)
     return metrics

@@ -14,8 +14,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import xgrammar as xgr
 from pydantic import BaseModel
+from transformers import LogitsProcessorList
 from trl import GRPOTrainer
+from xgrammar.contrib.hf import LogitsProcessor
 
 
 def prompt_key(prompt: Any) -> str:
@@ -25,8 +28,6 @@ def prompt_key(prompt: Any) -> str:
 
 def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[BaseModel]]) -> dict[str, Any]:
     """One compiled JSON-schema grammar per agent, compact JSON (no free whitespace: a small model pads with it)."""
-    import xgrammar as xgr
-
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
     compiler = xgr.GrammarCompiler(info)
     return {agent: compiler.compile_json_schema(json.dumps(schema.model_json_schema()), any_whitespace=False)
@@ -44,9 +45,6 @@ class GuidedGRPOTrainer(GRPOTrainer):
         plain = model.generate
 
         def generate(*g_args: Any, **g_kwargs: Any) -> Any:
-            from transformers import LogitsProcessorList
-            from xgrammar.contrib.hf import LogitsProcessor
-
             batch = g_kwargs["input_ids"].shape[0] if "input_ids" in g_kwargs else g_args[0].shape[0]
             if len(self._rows) != batch:
                 raise RuntimeError(f"guided generation: {len(self._rows)} grammars for a batch of {batch} prompts")

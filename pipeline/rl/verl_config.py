@@ -17,12 +17,21 @@ replaced by the same folder as a ``file://`` path.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pipeline import envs
 from pipeline.agents.llm import senior_completion_ceiling
-from pipeline.config import Params
+from pipeline.config import AgentsParams, JudgeParams, MlflowParams, PpoParams
 from pipeline.rl.gateway import AGENT_CLASS, HOOKS_FILE
 
 REDACTED = "<redacted>"
@@ -46,7 +55,8 @@ def config_dirs() -> tuple[Path, Path]:
     verl = _package_dir("verl") / "trainer" / "config"
     for folder, file in ((agl, "config.yaml"), (verl, "ppo_trainer.yaml")):
         if not (folder / file).is_file():
-            raise VerlConfigError(f"{folder / file}: not found; the installed package does not carry the config this project composes")
+            raise VerlConfigError(f"{folder / file}: not found; the installed package does not carry the config this project "
+                                  "composes")
     return agl, verl
 
 
@@ -58,102 +68,95 @@ def attention(kind: str, model: str) -> list[str]:
     return [f"+{model}.override_config.attn_implementation=sdpa", f"{model}.use_remove_padding=false"]
 
 
-def overrides(params: Params, checkpoints: str | Path, experiment: str) -> list[str]:
+def overrides(ppo: PpoParams, mlflow: MlflowParams, checkpoints: str | Path, experiment: str) -> list[str]:
     """The project's Hydra overrides over Agent Lightning's verl config, from ``params`` only."""
-    cfg = params.ppo
-    model = str(Path(cfg.base_model).resolve())
-    lora = [] if cfg.full_finetune else [
-        f"actor_rollout_ref.model.lora_rank={cfg.lora.r}", f"actor_rollout_ref.model.lora_alpha={cfg.lora.alpha}",
-        f"actor_rollout_ref.model.target_modules=[{','.join(cfg.lora.target_modules)}]",
+    model = str(Path(ppo.base_model).resolve())
+    lora = [] if ppo.full_finetune else [
+        f"actor_rollout_ref.model.lora_rank={ppo.lora.r}", f"actor_rollout_ref.model.lora_alpha={ppo.lora.alpha}",
+        f"actor_rollout_ref.model.target_modules=[{','.join(ppo.lora.target_modules)}]",
         # Agent Lightning's gateway reaches verl's vLLM over HTTP by the base model's name, and verl attaches the
         # adapter only in its own generate(): unmerged, every rollout would sample the frozen base policy.
         "actor_rollout_ref.model.lora.merge=true",
     ]
     out = [
-        f"algorithm.adv_estimator={cfg.algorithm}",
-        f"data.train_batch_size={cfg.prompts_per_step}",
-        f"data.max_prompt_length={cfg.max_prompt_tokens}",
-        f"data.max_response_length={cfg.max_completion_tokens}",
+        f"algorithm.adv_estimator={ppo.algorithm}",
+        f"data.train_batch_size={ppo.prompts_per_step}",
+        f"data.max_prompt_length={ppo.max_prompt_tokens}",
+        f"data.max_response_length={ppo.max_completion_tokens}",
         f"actor_rollout_ref.model.path={model}",
         *lora,
-        *attention(cfg.attention, "actor_rollout_ref.model"),
-        f"actor_rollout_ref.actor.optim.lr={cfg.learning_rate}",
-        f"actor_rollout_ref.actor.use_kl_loss={str(cfg.kl_coef > 0).lower()}",
-        f"actor_rollout_ref.actor.kl_loss_coef={cfg.kl_coef}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={cfg.prompts_per_step}",
+        *attention(ppo.attention, "actor_rollout_ref.model"),
+        f"actor_rollout_ref.actor.optim.lr={ppo.learning_rate}",
+        f"actor_rollout_ref.actor.use_kl_loss={str(ppo.kl_coef > 0).lower()}",
+        f"actor_rollout_ref.actor.kl_loss_coef={ppo.kl_coef}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={ppo.prompts_per_step}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.mode=async",
-        f"actor_rollout_ref.rollout.n={cfg.group_size}",
-        f"actor_rollout_ref.rollout.temperature={cfg.temperature}",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={cfg.rollout_gpu_share}",
-        f"actor_rollout_ref.rollout.tensor_model_parallel_size={cfg.rollout_tensor_parallel}",
+        f"actor_rollout_ref.rollout.n={ppo.group_size}",
+        f"actor_rollout_ref.rollout.temperature={ppo.temperature}",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={ppo.rollout_gpu_share}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={ppo.rollout_tensor_parallel}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
-        f"trainer.total_training_steps={cfg.max_steps}",
+        f"trainer.total_training_steps={ppo.max_steps}",
         "trainer.total_epochs=1000",
-        f"trainer.n_gpus_per_node={cfg.gpus}",
+        f"trainer.n_gpus_per_node={ppo.gpus}",
         "trainer.nnodes=1",
         # verl's own MLflow logger would log the whole config (the gateway key included) as params: the stage
         # logs the curves itself from the file logger's JSONL (VERL_FILE_LOGGER_PATH)
         "trainer.logger=[console,file]",
-        f"trainer.project_name={params.mlflow.experiment}",
+        f"trainer.project_name={mlflow.experiment}",
         f"trainer.experiment_name={experiment}",
         f"trainer.default_local_dir={Path(checkpoints).resolve()}",
         # `auto` reloads the last run's checkpoint, sets global_steps past total_training_steps, and Agent
         # Lightning's fit() returns without training: every run starts from the base model
         "trainer.resume_mode=disable",
-        f"trainer.save_freq={cfg.max_steps}",
+        f"trainer.save_freq={ppo.max_steps}",
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",
         # every Ray worker: Agent Lightning's loss registration + verl's padding helpers in pure torch without flash-attn
         "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pipeline.rl.verl_patches.setup_worker",
     ]
-    if cfg.algorithm == "gae":
-        out += [f"critic.model.path={model}", f"critic.optim.lr={cfg.learning_rate}", "critic.ppo_micro_batch_size_per_gpu=1",
-                *attention(cfg.attention, "critic.model")]
-    return out + list(cfg.verl_overrides)
+    if ppo.algorithm == "gae":
+        out += [f"critic.model.path={model}", f"critic.optim.lr={ppo.learning_rate}", "critic.ppo_micro_batch_size_per_gpu=1",
+                *attention(ppo.attention, "critic.model")]
+    return out + list(ppo.verl_overrides)
 
 
-def agentlightning_section(params: Params, agl_url: str, agl_key: str) -> dict[str, Any]:
+def agentlightning_section(ppo: PpoParams, judge: JudgeParams, agl_url: str, agl_key: str) -> dict[str, Any]:
     """What ``agentlightning.verl`` reads, merged over its defaults (its trainer reads the key from here)."""
-    cfg = params.ppo.agl
+    agl = ppo.agl
     return {
         "agl_base_url": agl_url,
         "agl_key": agl_key,
         "hooks": HOOKS_FILE,
-        "rollout_timeout_seconds": cfg.rollout_timeout_s,
-        "reward_fillna_value": params.judge.failure_score,  # a rollout killed on timeout trains as a failure
+        "rollout_timeout_seconds": agl.rollout_timeout_s,
+        "reward_fillna_value": judge.failure_score,  # a rollout killed on timeout trains as a failure
         "trace_aggregator": {"level": "transition"},  # LightningRL: each senior call is one transition
-        "async_rollout": {"enabled": False, "async_train_batch_size": params.ppo.prompts_per_step + 1},
+        "async_rollout": {"enabled": False, "async_train_batch_size": ppo.prompts_per_step + 1},
         "local": {"agent_class": AGENT_CLASS, "env_map": {"PUBMEDQA_TASK": "input"}},
-        "k8s": {"job_template_path": str(Path(cfg.job_template).resolve()) if cfg.runner == "k8s" else None},
+        "k8s": {"job_template_path": str(Path(agl.job_template).resolve()) if agl.runner == "k8s" else None},
     }
 
 
-def compose(params: Params, checkpoints: str | Path, experiment: str, agl_url: str, agl_key: str) -> Any:
+def compose(ppo: PpoParams, mlflow: MlflowParams, judge: JudgeParams, checkpoints: str | Path, experiment: str, agl_url: str,
+            agl_key: str) -> Any:
     """The trainer's full config (an OmegaConf DictConfig), exactly as ``pipeline.rl.verl_main`` trains with it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     agl, verl = config_dirs()
     try:
         with initialize_config_dir(config_dir=str(agl), version_base=None):
             config = hydra_compose(config_name="config", overrides=[f"hydra.searchpath=[file://{verl}]",
-                                                                     *overrides(params, checkpoints, experiment)])
+                                                                     *overrides(ppo, mlflow, checkpoints, experiment)])
     except (HydraException, OmegaConfBaseException) as exc:
         raise VerlConfigError(f"verl config from {agl / 'config.yaml'} + params.ppo does not compose: {exc}") from exc
     OmegaConf.set_struct(config, False)
-    config.agentlightning = OmegaConf.merge(config.agentlightning, agentlightning_section(params, agl_url, agl_key))
+    config.agentlightning = OmegaConf.merge(config.agentlightning, agentlightning_section(ppo, judge, agl_url, agl_key))
     return config
 
 
-def contract(params: Params, config: Any) -> list[str]:
+def contract(ppo: PpoParams, agents: AgentsParams, config: Any) -> list[str]:
     """What the project relies on in the composed config; one message per broken promise (empty: all hold)."""
-    from omegaconf import OmegaConf
 
     def get(key: str) -> Any:
         return OmegaConf.select(config, key)  # None where the key is missing
@@ -163,35 +166,34 @@ def contract(params: Params, config: Any) -> list[str]:
                       ("algorithm.enable_rollout_level_advantage", True), ("trainer.resume_mode", "disable")):
         if get(key) != want:
             problems.append(f"{key} is {get(key)!r}, LightningRL needs {want!r}")
-    if not params.ppo.full_finetune and get("actor_rollout_ref.model.lora.merge") is not True:
-        problems.append("actor_rollout_ref.model.lora.merge is not true: rollouts through the gateway would sample the base policy")
-    ceiling = senior_completion_ceiling(params.agents)
+    if not ppo.full_finetune and get("actor_rollout_ref.model.lora.merge") is not True:
+        problems.append("actor_rollout_ref.model.lora.merge is not true: rollouts through the gateway would sample the base "
+                        "policy")
+    ceiling = senior_completion_ceiling(agents)
     if (get("data.max_response_length") or 0) < ceiling:
         problems.append(f"data.max_response_length={get('data.max_response_length')} is below the agents' completion ceiling "
-                        f"({ceiling} tokens: agents.max_tokens x designer, agents.token_ceiling): senior answers would train cut")
+                        f"({ceiling} tokens: agents.max_tokens x designer, agents.token_ceiling): senior answers would train "
+                        "cut")
     tp, gpus = get("actor_rollout_ref.rollout.tensor_model_parallel_size"), get("trainer.n_gpus_per_node")
     if not isinstance(tp, int) or not isinstance(gpus, int) or tp > gpus or gpus % tp:
-        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide trainer.n_gpus_per_node={gpus}")
+        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide "
+                        f"trainer.n_gpus_per_node={gpus}")
     if get("trainer.logger") is not None and "mlflow" in list(get("trainer.logger")):
-        problems.append("trainer.logger includes mlflow: verl would log the whole config, the gateway key included, as MLflow params")
+        problems.append("trainer.logger includes mlflow: verl would log the whole config, the gateway key included, as MLflow "
+                        "params")
     return problems
 
 
 def validate(config: Any, python: str, timeout_s: float = 300.0) -> str:
-    """verl's own validation of ``config`` under ``python`` (``pipeline.rl.verl_validate``); raises VerlConfigError with its output."""
-    import subprocess
-    import tempfile
-
-    from omegaconf import OmegaConf
-
-    from pipeline.envs import REPO_ROOT
-
+    """verl's own validation of ``config`` under ``python`` (``pipeline.rl.verl_validate``); raises VerlConfigError with its
+    output."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as fh:
         fh.write(OmegaConf.to_yaml(config))
         fh.flush()
         try:
-            out = subprocess.run([python, "-m", "pipeline.rl.verl_validate", fh.name], capture_output=True, text=True, timeout=timeout_s,
-                                 cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}, check=False)
+            out = subprocess.run([python, "-m", "pipeline.rl.verl_validate", fh.name], capture_output=True, text=True,
+                                 timeout=timeout_s, cwd=envs.REPO_ROOT, check=False,
+                                 env={"PYTHONPATH": str(envs.REPO_ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
         except subprocess.TimeoutExpired as exc:
             raise VerlConfigError(f"verl's validation under {python} took over {timeout_s:.0f}s") from exc
     if out.returncode != 0:
@@ -202,8 +204,6 @@ def validate(config: Any, python: str, timeout_s: float = 300.0) -> str:
 
 def printable(config: Any) -> str:
     """The config as YAML with the gateway key redacted (it is in the config because Agent Lightning reads it there)."""
-    from omegaconf import OmegaConf
-
     copy: Any = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
     if copy.get("agentlightning", {}).get("agl_key"):
         copy.agentlightning.agl_key = REDACTED

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params
+from pipeline import envs, gpu_memory
+from pipeline.config import GpuParams, PpoParams, ServingParams
 from pipeline.io import atomic_dir, write_json
+from pipeline.rl import gateway, store
+from pipeline.rl.checkpoint import adapter_from_checkpoint
 
 
 def relay(stream: Any, secrets_: list[str]) -> None:
@@ -50,42 +58,32 @@ def verl_history(path: Path) -> list[dict[str, Any]]:
 def verl_signal(recs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     """Did this run's rollouts carry a learning signal? GRPO's advantage is zero when every reward in a group
     is equal; all rollout rewards equal (or no step logged) means the adapter is the base model."""
-    import statistics
-
     rewards = [float(r["reward"]) for r in recs if r.get("reward") is not None]
     std = statistics.pstdev(rewards) if rewards else None
     reason = (f"verl logged {steps} training steps" if not steps else
               f"{len(rewards)} rollout rewards of this run, all equal (std {std}): every advantage was zero" if not std else None)
-    return {"rollouts": len(recs), "valid_fraction": (sum(r.get("status") == "succeeded" for r in recs) / len(recs)) if recs else None,
+    valid = (sum(r.get("status") == "succeeded" for r in recs) / len(recs)) if recs else None
+    return {"rollouts": len(recs), "valid_fraction": valid,
             "reward_std": std, "reward_mean": statistics.fmean(rewards) if rewards else None,
             "no_signal": reason is not None, "no_signal_reason": reason}
 
 
-def train_verl(params: Params, run_id: str) -> dict[str, Any]:
+def train_verl(ppo: PpoParams, serving: ServingParams, gpu: GpuParams, run_id: str) -> dict[str, Any]:
     """Control plane: gateway + controller + verl trainer, supervised; the adapter through verl's model merger."""
-    import shutil
-    import subprocess
-    import threading
-
-    from pipeline import gpu_memory
-    from pipeline.envs import REPO_ROOT, model_python
-    from pipeline.rl import gateway, store
-    from pipeline.rl.checkpoint import adapter_from_checkpoint
-
-    cfg = params.ppo
-    crowded = gpu_memory.oversubscribed(gpu_memory.plan(params))
+    crowded = gpu_memory.oversubscribed(gpu_memory.plan(serving, ppo, gpu))
     if crowded:  # vLLM would refuse to start after minutes of setup: say it now, the way `preflight gpu` does
         raise RuntimeError("; ".join(crowded) + " (python -m pipeline preflight gpu plans the devices)")
-    policy_name = str(Path(cfg.base_model).resolve())  # verl registers its rollout servers under the model path
-    ckpt = Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".checkpoints").resolve()
+    policy_name = str(Path(ppo.base_model).resolve())  # verl registers its rollout servers under the model path
+    ckpt = Path(ppo.out_dir).with_name(Path(ppo.out_dir).name + ".checkpoints").resolve()
     shutil.rmtree(ckpt, ignore_errors=True)  # a previous run's global_step_N must never become this run's adapter
     ckpt.mkdir(parents=True)
-    trace_dir = Path(cfg.agl.trace_dir).resolve()
-    with gateway.running(params, policy_name, run_id=run_id, trace_dir=trace_dir) as gw:
+    trace_dir = Path(ppo.agl.trace_dir).resolve()
+    with gateway.running(ppo.agl, serving, policy_name, run_id=run_id, trace_dir=trace_dir) as gw:
         env = {**os.environ, "AGL_BASE_URL": gw.url, "AGL_KEY": gw.key, "PUBMEDQA_RL_CHECKPOINTS": str(ckpt),
                store.TRACE_DIR_ENV: str(trace_dir), store.RUN_ENV: run_id, "VERL_FILE_LOGGER_PATH": str(ckpt / "metrics.jsonl"),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-        argv = [model_python(), "-m", "pipeline.rl.verl_main"] + (["--params", os.environ["PIPELINE_PARAMS"]] if os.environ.get("PIPELINE_PARAMS") else [])
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(envs.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        params_file = ["--params", os.environ["PIPELINE_PARAMS"]] if os.environ.get("PIPELINE_PARAMS") else []
+        argv = [envs.model_python(), "-m", "pipeline.rl.verl_main", *params_file]
         t0 = time.perf_counter()
         trainer = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         relaying = threading.Thread(target=relay, args=(trainer.stdout, [gw.key]), daemon=True)
@@ -95,8 +93,6 @@ def train_verl(params: Params, run_id: str) -> dict[str, Any]:
                 gw.check()  # a dead gateway/controller would leave the trainer waiting for rollouts forever
                 time.sleep(5)
         except BaseException:
-            import signal
-
             os.killpg(trainer.pid, signal.SIGTERM)
             trainer.wait(60)
             raise
@@ -107,12 +103,13 @@ def train_verl(params: Params, run_id: str) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
     history = verl_history(ckpt / "metrics.jsonl")
     recs = [r for r in store.records(trace_dir) if r.get("run_id") == run_id]  # this run's rollouts, not every past run's
-    with atomic_dir(Path(cfg.out_dir)) as tmp:
-        adapter_from_checkpoint(ckpt, tmp / "adapter", model_python())
+    with atomic_dir(Path(ppo.out_dir)) as tmp:
+        adapter_from_checkpoint(ckpt, tmp / "adapter", envs.model_python())
         steps = len(history)
-        metrics = {"backend": "verl", "algorithm": cfg.algorithm, "device": f"cuda x{cfg.gpus}", "steps": steps,
+        metrics = {"backend": "verl", "algorithm": ppo.algorithm, "device": f"cuda x{ppo.gpus}", "steps": steps,
                    "train_seconds": round(seconds, 2), "seconds_per_step": round(seconds / steps, 2) if steps else None,
-                   "reward_first": history[0]["reward"] if history else None, "reward_last": history[-1]["reward"] if history else None,
+                   "reward_first": history[0]["reward"] if history else None,
+                   "reward_last": history[-1]["reward"] if history else None,
                    "kl_last": next((h["kl"] for h in reversed(history) if h.get("kl") is not None), None),
                    **verl_signal(recs, steps), "base_model": policy_name}
         write_json(tmp / "train_meta.json", metrics)

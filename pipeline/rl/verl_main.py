@@ -13,28 +13,29 @@ import json
 import os
 from pathlib import Path
 
+from pipeline.config import load_params
+from pipeline.data.splits import load_tasks
+from pipeline.rl.collect import task_rows
+from pipeline.rl.prompts import load_prompts
+from pipeline.rl.verl_config import compose, contract
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", default=None)
     args = parser.parse_args()
-    from agentlightning.verl import entrypoint
-
-    from pipeline.config import load_params
-    from pipeline.data.splits import load_tasks
-    from pipeline.rl.collect import task_rows
-    from pipeline.rl.prompts import load_prompts
-    from pipeline.rl.verl_config import compose, contract
+    from agentlightning.verl import entrypoint  # noqa: PLC0415 - model plane only (imports verl, torch and ray)
 
     params = load_params(args.params)
-    wanted = {r["task_id"] for r in load_prompts(params)}
-    tasks = [t for t in load_tasks(params, "train") if t["id"] in wanted]
+    wanted = {r["task_id"] for r in load_prompts(params.datasets, params.ppo)}
+    tasks = [t for t in load_tasks(params.validate_, "train") if t["id"] in wanted]
     cols = task_rows(tasks)
     rows = [{"data_id": d, "task_json": j, "prompt": [{"role": "user", "content": json.loads(j)["question"]}],
              "extra_info": {"index": i}} for i, (d, j) in enumerate(zip(cols["data_id"], cols["task_json"], strict=True))]
     checkpoints = os.environ["PUBMEDQA_RL_CHECKPOINTS"]
-    config = compose(params, checkpoints, "train_ppo", os.environ["AGL_BASE_URL"], os.environ["AGL_KEY"])
-    broken = contract(params, config)
+    config = compose(params.ppo, params.mlflow, params.judge, checkpoints, "train_ppo", os.environ["AGL_BASE_URL"],
+                     os.environ["AGL_KEY"])
+    broken = contract(params.ppo, params.agents, config)
     if broken:
         raise SystemExit("verl config breaks the project's contract:\n  - " + "\n  - ".join(broken))
     Path(checkpoints).mkdir(parents=True, exist_ok=True)

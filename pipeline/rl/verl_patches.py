@@ -20,8 +20,8 @@ def use_torch_padding() -> bool:
     """Route verl's padding helpers to its pure-torch ones when flash-attn is not installed; True when it did."""
     if importlib.util.find_spec("flash_attn") is not None:
         return False
-    from verl.utils import attention_utils
-    from verl.utils import npu_flash_attn_utils as torch_impl
+    from verl.utils import attention_utils  # noqa: PLC0415 - model plane only (verl's utils import torch)
+    from verl.utils import npu_flash_attn_utils as torch_impl  # noqa: PLC0415 - as above
 
     helpers = (torch_impl.index_first_axis, torch_impl.pad_input, torch_impl.rearrange, torch_impl.unpad_input)
     attention_utils._get_attention_functions = lambda: helpers
@@ -30,7 +30,7 @@ def use_torch_padding() -> bool:
 
 def setup_worker() -> None:
     """Ray's ``worker_process_setup_hook`` for verl's workers (named in ``pipeline.rl.verl_config.overrides``)."""
-    from agentlightning.verl.per_rollout_loss import register_in_worker
+    from agentlightning.verl.per_rollout_loss import register_in_worker  # noqa: PLC0415 - model plane only (imports torch)
 
     register_in_worker()
     use_torch_padding()

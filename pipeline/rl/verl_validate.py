@@ -12,11 +12,12 @@ from __future__ import annotations
 import sys
 import warnings
 
+from omegaconf import DictConfig, OmegaConf
+
 
 def main(path: str) -> None:
-    from omegaconf import DictConfig, OmegaConf
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy  # noqa: PLC0415 - model plane only (imports torch)
+    from verl.utils.config import omega_conf_to_dataclass, validate_config  # noqa: PLC0415 - as above
 
     config = OmegaConf.load(path)
     if not isinstance(config, DictConfig):

@@ -1,7 +1,9 @@
 """``airflow standalone`` for the embedded default: this repo's dags/, SQLite, loopback only.
 
 Airflow reads its settings from the environment, so every command that talks to this instance
-(tests, ``airflow dags test``) uses ``airflow_env()``.
+(tests, ``airflow dags test``) uses ``airflow_env()``. ``worker_hostname`` is what the production stack's
+Celery workers name themselves by (infra/local/prod_stack.py): Airflow workers import it, so this module
+imports only the standard library and the pipeline's stdlib-only modules.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,13 @@ from pipeline.envs import REPO_ROOT
 from pipeline.services.process import Service, start, stop
 
 HOST, PORT = "127.0.0.1", 8080
+
+
+def worker_hostname() -> str:
+    """``core.hostname_callable`` of the production stack's Celery workers (infra/local/prod_stack.py sets
+    ``PIPELINE_WORKER_QUEUE``): the queue in the name each task instance records, so the UI, the API and
+    ``dag-run`` show which worker ran it (all of them run on one host)."""
+    return f"{os.environ.get('PIPELINE_WORKER_QUEUE', 'worker')}-worker.{socket.gethostname()}"
 
 
 def airflow_home() -> Path:
@@ -58,11 +68,11 @@ def up(port: int = PORT) -> dict[str, str]:
     start(service, [airflow, "standalone"], f"http://{HOST}:{port}/api/v2/monitor/health",
           env=env, timeout_s=240, cwd=REPO_ROOT, identity={"airflow_home": str(home)})
     # GPU-bound tasks (train_sft) run in this pool; one slot = one GPU worker here
-    subprocess.run([airflow, "pools", "set", "gpu", "1", "GPU-bound stages (train_sft)"], env={**os.environ, **airflow_env(home, port)},
-                   check=True, capture_output=True)
+    subprocess.run([airflow, "pools", "set", "gpu", "1", "GPU-bound stages (train_sft)"],
+                   env={**os.environ, **airflow_env(home, port)}, check=True, capture_output=True)
     password_file = home / "simple_auth_manager_passwords.json.generated"
-    return {"url": f"http://{HOST}:{port}", "user": "admin", "password": admin_password(home), "password_file": str(password_file),
-            "log": str(service.log_file)}
+    return {"url": f"http://{HOST}:{port}", "user": "admin", "password": admin_password(home),
+            "password_file": str(password_file), "log": str(service.log_file)}
 
 
 def down() -> bool:

@@ -12,24 +12,24 @@ from pathlib import Path
 
 import httpx
 
-from pipeline.config import Params
+from pipeline.config import MlflowParams
 from pipeline.services.process import Service, claim, probe_http, start, stop
 
 
-def _service(params: Params) -> Service:
-    return Service("mlflow", Path(params.mlflow.home).resolve())
+def _service(mlflow: MlflowParams) -> Service:
+    return Service("mlflow", Path(mlflow.home).resolve())
 
 
-def local_uri(params: Params) -> str:
-    return f"http://{params.mlflow.host}:{params.mlflow.port}"
+def local_uri(mlflow: MlflowParams) -> str:
+    return f"http://{mlflow.host}:{mlflow.port}"
 
 
-def tracking_uri(params: Params) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or params.mlflow.tracking_uri or local_uri(params)
+def tracking_uri(mlflow: MlflowParams) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or mlflow.tracking_uri or local_uri(mlflow)
 
 
-def _identity(params: Params) -> dict[str, str]:
-    home = Path(params.mlflow.home).resolve()
+def _identity(mlflow: MlflowParams) -> dict[str, str]:
+    home = Path(mlflow.home).resolve()
     return {"backend_store": f"sqlite:///{home / 'mlflow.db'}", "artifacts": str(home / "artifacts")}
 
 
@@ -43,34 +43,35 @@ def _describe(uri: str) -> str:
     return probe_http(uri)
 
 
-def ensure(params: Params) -> str:
+def ensure(mlflow: MlflowParams) -> str:
     """Return the tracking URI, starting the local server first when none is configured.
 
     The local server is reused only if it is this checkout's (same ``mlflow.home`` backend store);
     another project's server on the port is an error, never a silent place to log runs into.
     """
-    uri = tracking_uri(params)
-    if uri != local_uri(params):
+    uri = tracking_uri(mlflow)
+    if uri != local_uri(mlflow):
         return uri  # an explicitly configured server: the user chose it
-    identity = _identity(params)
-    if claim(_service(params), identity, params.mlflow.host, params.mlflow.port, f"{uri}/health",
-             "mlflow.port (PIPELINE__MLFLOW__PORT), or MLFLOW_TRACKING_URI to use that server on purpose", lambda: _describe(uri)):
+    identity = _identity(mlflow)
+    if claim(_service(mlflow), identity, mlflow.host, mlflow.port, f"{uri}/health",
+             "mlflow.port (PIPELINE__MLFLOW__PORT), or MLFLOW_TRACKING_URI to use that server on purpose",
+             lambda: _describe(uri)):
         return uri
-    home = Path(params.mlflow.home).resolve()
+    home = Path(mlflow.home).resolve()
     (home / "artifacts").mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", identity["backend_store"],
         "--artifacts-destination", identity["artifacts"],
-        "--host", params.mlflow.host, "--port", str(params.mlflow.port),
+        "--host", mlflow.host, "--port", str(mlflow.port),
         "--workers", "1",
     ]
     # Server-side job execution (GenAI scorer jobs) spawns ~8 huey workers of ~400 MB each; the
     # pipeline scores with its own judge, so the embedded default leaves it off.
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
-    start(_service(params), cmd, f"{uri}/health", env=env, timeout_s=120, meta={"uri": uri}, identity=identity)
+    start(_service(mlflow), cmd, f"{uri}/health", env=env, timeout_s=120, meta={"uri": uri}, identity=identity)
     return uri
 
 
-def down(params: Params) -> bool:
-    return stop(_service(params))
+def down(mlflow: MlflowParams) -> bool:
+    return stop(_service(mlflow))

@@ -170,7 +170,8 @@ def start(
     """
     service.home.mkdir(parents=True, exist_ok=True)
     identity = identity or {"cmd": list(cmd)}
-    ready: Callable[[], bool] = (lambda: http_ok(health_url, headers=health_headers)) if isinstance(health_url, str) else health_url
+    ready: Callable[[], bool] = ((lambda: http_ok(health_url, headers=health_headers)) if isinstance(health_url, str)
+                                 else health_url)
     if service.runs_as(identity) and ready():
         return service.pid()  # type: ignore[return-value]
     stop(service)
@@ -187,7 +188,8 @@ def start(
     log.close()
     service.pid_file.write_text(str(proc.pid))
     health = health_url if isinstance(health_url, str) else getattr(health_url, "__name__", "check")
-    service.meta_file.write_text(json.dumps({"cmd": list(cmd), "health_url": health, "identity": identity_key(identity), **(meta or {})}))
+    service.meta_file.write_text(json.dumps({"cmd": list(cmd), "health_url": health, "identity": identity_key(identity),
+                                             **(meta or {})}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -28,7 +28,8 @@ async def user_api_key_auth(request: Any, api_key: str | None) -> UserAPIKeyAuth
     if not expected:
         raise _refuse("the proxy has no key configured (LITELLM_MASTER_KEY); it refuses every request")
     if not presented:
-        raise _refuse("missing API key: send 'Authorization: Bearer <key>' (the key is in serving.proxy.key_file or $LITELLM_MASTER_KEY)")
+        raise _refuse("missing API key: send 'Authorization: Bearer <key>' "
+                      "(the key is in serving.proxy.key_file or $LITELLM_MASTER_KEY)")
     if not hmac.compare_digest(presented.encode(), expected.encode()):
         raise _refuse("invalid API key")
     return UserAPIKeyAuth(api_key=presented, user_role=LitellmUserRoles.PROXY_ADMIN)

@@ -52,9 +52,9 @@ class RoleRouter(CustomLogger):
         role = data.get("model")
         target = table.get("roles", {}).get(role)
         if not target:  # a deployment or adapter name (`base/<any folder the engine sees>`) is never served directly
-            raise ProxyException(message=f"model {str(role)[:80]!r} is not a role of routing version {table.get('version')}: this proxy "
-                                         f"serves the role names {sorted(table.get('roles', {}))} only", type="invalid_request_error",
-                                 param="model", code=404)
+            raise ProxyException(message=f"model {str(role)[:80]!r} is not a role of routing version {table.get('version')}: "
+                                         f"this proxy serves the role names {sorted(table.get('roles', {}))} only",
+                                 type="invalid_request_error", param="model", code=404)
         data["model"] = target
         metadata = data.setdefault("metadata", {})
         metadata.update({"role": role, "routing_version": table.get("version")})

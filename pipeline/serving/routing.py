@@ -32,7 +32,8 @@ from typing import Any
 import httpx
 import yaml
 
-from pipeline.config import Params
+from pipeline import tracking
+from pipeline.config import MlflowParams, Params, RolloutsParams, ServingParams
 from pipeline.io import write_json, write_text
 from pipeline.serving import proxy
 from pipeline.serving.worker import served_name
@@ -46,9 +47,9 @@ _held: dict[str, int] = {}  # lock file -> depth held by this process (re-entran
 
 
 @contextmanager
-def lock(params: Params) -> Iterator[None]:
+def lock(serving: ServingParams) -> Iterator[None]:
     """The routing lock: one writer of routing versions, the active file and the champion switch at a time."""
-    path = proxy.active_file(params).with_name("routing.lock")
+    path = proxy.active_file(serving).with_name("routing.lock")
     key = str(path)
     if _held.get(key):
         _held[key] += 1
@@ -68,68 +69,69 @@ def lock(params: Params) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def generated_dir(params: Params) -> Path:
-    return Path(params.serving.home).resolve() / "routing" / "versions"
+def generated_dir(serving: ServingParams) -> Path:
+    return Path(serving.home).resolve() / "routing" / "versions"
 
 
-def _files(params: Params) -> dict[int, Path]:
+def _files(serving: ServingParams) -> dict[int, Path]:
     found: dict[int, Path] = {}
-    for folder in (Path(params.serving.routing_dir), generated_dir(params)):
+    for folder in (Path(serving.routing_dir), generated_dir(serving)):
         for p in folder.glob("v*.yaml"):
             if p.stem[1:].isdigit():
                 found.setdefault(int(p.stem[1:]), p)
     return found
 
 
-def version_path(params: Params, version: int) -> Path:
-    return _files(params).get(version) or generated_dir(params) / f"v{version}.yaml"
+def version_path(serving: ServingParams, version: int) -> Path:
+    return _files(serving).get(version) or generated_dir(serving) / f"v{version}.yaml"
 
 
-def versions(params: Params) -> list[int]:
-    return sorted(_files(params))
+def versions(serving: ServingParams) -> list[int]:
+    return sorted(_files(serving))
 
 
-def expected_model(params: Params, target: str) -> str:
+def expected_model(serving: ServingParams, target: str) -> str:
     """The model name the backend reports for a deployment (worker's served name or the adapter)."""
     worker_name, _, adapter = target.partition("/")
-    for worker in params.serving.workers:
+    for worker in serving.workers:
         if worker.name == worker_name:
             return adapter or served_name(worker)
     raise RoutingError(f"deployment '{target}': no worker '{worker_name}' in serving.workers")
 
 
-def load_version(params: Params, version: int) -> dict[str, Any]:
-    path = version_path(params, version)
+def load_version(serving: ServingParams, version: int) -> dict[str, Any]:
+    path = version_path(serving, version)
     if not path.exists():
-        raise RoutingError(f"{path}: routing version {version} does not exist (have {versions(params)})")
+        raise RoutingError(f"{path}: routing version {version} does not exist (have {versions(serving)})")
     doc = yaml.safe_load(path.read_text()) or {}
     roles = doc.get("roles")
     if not isinstance(roles, dict):
         raise RoutingError(f"{path}: 'roles' must map role -> deployment")
-    missing = sorted(set(params.serving.roles) - set(roles))
-    unknown = sorted(set(roles) - set(params.serving.roles))
+    missing = sorted(set(serving.roles) - set(roles))
+    unknown = sorted(set(roles) - set(serving.roles))
     if missing or unknown:
         raise RoutingError(f"{path}: roles missing {missing}, unknown {unknown}")
     for target in roles.values():
-        expected_model(params, str(target))  # raises naming the bad deployment
+        expected_model(serving, str(target))  # raises naming the bad deployment
     policies = doc.get("policies") or {}
     if not isinstance(policies, dict):
         raise RoutingError(f"{path}: 'policies' must map policy -> model URI or 'llm'")
-    return {"version": version, "roles": {r: str(t) for r, t in roles.items()}, "policies": {k: str(v) for k, v in policies.items()},
-            "description": doc.get("description", "")}
+    return {"version": version, "roles": {r: str(t) for r, t in roles.items()},
+            "policies": {k: str(v) for k, v in policies.items()}, "description": doc.get("description", "")}
 
 
-def write_version(params: Params, roles: dict[str, str], description: str = "", policies: dict[str, str] | None = None) -> int:
+def write_version(serving: ServingParams, roles: dict[str, str], description: str = "",
+                  policies: dict[str, str] | None = None) -> int:
     """Write the next version file (used by `route new` and by promotion); returns its number."""
-    with lock(params):
-        number = (versions(params) or [0])[-1] + 1
+    with lock(serving):
+        number = (versions(serving) or [0])[-1] + 1
         doc: dict[str, Any] = {"description": description, "roles": roles}
         if policies:
             doc["policies"] = policies
-        path = generated_dir(params) / f"v{number}.yaml"
+        path = generated_dir(serving) / f"v{number}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, yaml.safe_dump(doc, sort_keys=False))
-        load_version(params, number)
+        load_version(serving, number)
         return number
 
 
@@ -141,66 +143,69 @@ def policy(table: dict[str, Any] | None, name: str) -> str:
 EVAL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
 
 
-def eval_file(params: Params, name: str) -> Path:
+def eval_file(serving: ServingParams, name: str) -> Path:
     if not EVAL_NAME.match(name):
         raise RoutingError(f"evaluation routing name {name!r}: letters, digits, '.', '_' and '-' only")
-    return proxy.active_file(params).with_name("eval") / f"{name}.json"
+    return proxy.active_file(serving).with_name("eval") / f"{name}.json"
 
 
-def write_eval(params: Params, name: str, roles: dict[str, str], policies: dict[str, str] | None = None) -> dict[str, Any]:
+def write_eval(serving: ServingParams, name: str, roles: dict[str, str],
+               policies: dict[str, str] | None = None) -> dict[str, Any]:
     """An evaluation routing table: requests that name it (``metadata.routing``) use it; the live one is untouched."""
     for target in roles.values():
-        expected_model(params, target)
+        expected_model(serving, target)
     table = {"version": f"eval:{name}", "roles": roles, "policies": policies or {}}
-    path = eval_file(params, name)
+    path = eval_file(serving, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, table)
     return table
 
 
-def active(params: Params) -> dict[str, Any] | None:
-    path = proxy.active_file(params)
+def active(serving: ServingParams) -> dict[str, Any] | None:
+    path = proxy.active_file(serving)
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _history_file(params: Params) -> Path:
-    return proxy.active_file(params).with_name("history.jsonl")
+def _history_file(serving: ServingParams) -> Path:
+    return proxy.active_file(serving).with_name("history.jsonl")
 
 
-def history(params: Params) -> list[dict[str, Any]]:
-    path = _history_file(params)
+def history(serving: ServingParams) -> list[dict[str, Any]]:
+    path = _history_file(serving)
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _record(params: Params, entry: dict[str, Any]) -> None:
-    path = _history_file(params)
+def _record(serving: ServingParams, entry: dict[str, Any]) -> None:
+    path = _history_file(serving)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
         fh.write(json.dumps({**entry, "at": datetime.now(UTC).isoformat()}) + "\n")
 
 
-def society_endpoint(params: Params) -> tuple[str, str, int | None]:
+def society_endpoint(rollouts: RolloutsParams, serving: ServingParams) -> tuple[str, str, int | None]:
     """(OpenAI base URL, key, live routing version) a society's calls go to: ``rollouts.llm_base_url`` when set
     (an external endpoint, no routing), else the proxy with the live version the traces record."""
-    base = params.rollouts.llm_base_url  # load_params has already applied PIPELINE__ROLLOUTS__LLM_BASE_URL
+    base = rollouts.llm_base_url  # load_params has already applied PIPELINE__ROLLOUTS__LLM_BASE_URL
     if base:
         return base, os.environ.get("LLM_API_KEY", "none"), None
-    url, key = proxy.client_settings(params)
-    live = active(params)
+    url, key = proxy.client_settings(serving)
+    live = active(serving)
     return url, os.environ.get("LLM_API_KEY", key), live["version"] if live else None
 
 
-def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0, routing: str | None = None) -> dict[str, str]:
+def verify(serving: ServingParams, mlflow: MlflowParams, table: dict[str, Any], timeout_s: float = 120.0,
+           routing: str | None = None) -> dict[str, str]:
     """One live request per role through the proxy (through evaluation table ``routing`` when given);
-    role -> problem for each that failed. A routed policy must load."""
-    url, key = proxy.client_settings(params)
+    role -> problem for each that failed. A routed policy must load (an MLflow URI from the ``mlflow`` server)."""
+    url, key = proxy.client_settings(serving)
     problems: dict[str, str] = {}
     with httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {key}"}) as client:
         for role, target in table["roles"].items():
             try:
                 resp = client.post(f"{url}/chat/completions", json={
-                    "model": role, "max_tokens": params.serving.verify_max_tokens,
-                    "messages": [{"role": "user", "content": "Reply with OK."}], **({"metadata": {"routing": routing}} if routing else {})})
+                    "model": role, "max_tokens": serving.verify_max_tokens,
+                    "messages": [{"role": "user", "content": "Reply with OK."}],
+                    **({"metadata": {"routing": routing}} if routing else {})})
             except httpx.HTTPError as exc:
                 problems[role] = f"{target}: {type(exc).__name__}: {exc}"
                 continue
@@ -210,77 +215,80 @@ def verify(params: Params, table: dict[str, Any], timeout_s: float = 120.0, rout
             # LiteLLM echoes the requested name in the body; the headers say which deployment answered.
             group = resp.headers.get("x-litellm-model-group", "")
             served = resp.headers.get("x-litellm-model-name", "").removeprefix("hosted_vllm/")
-            if group != target or served != expected_model(params, target):
+            if group != target or served != expected_model(serving, target):
                 problems[role] = f"{target}: answered by deployment '{group}' (model '{served}')"
     for name, uri in (table.get("policies") or {}).items():
         if uri != "llm":
             try:
-                from pipeline.bandit.policy import load_policy
+                from pipeline.bandit.policy import load_policy  # noqa: PLC0415 - imports mlflow (1.3 s): only a routed policy
 
-                load_policy(uri, params)
+                if uri.startswith(("models:/", "runs:/")):
+                    tracking.setup(mlflow)  # resolve it on the project's tracking server, not MLflow's default store
+                load_policy(uri)
             except Exception as exc:
                 problems[name] = f"{uri}: {type(exc).__name__}: {exc}"
     return problems
 
 
-def _activate(params: Params, table: dict[str, Any] | None) -> None:
-    path = proxy.active_file(params)
+def _activate(serving: ServingParams, table: dict[str, Any] | None) -> None:
+    path = proxy.active_file(serving)
     if table is None:
         path.unlink(missing_ok=True)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, {**table, "applied_at": time.time()})
-    _track(params, table)
+    _track(serving, table)
 
 
-def _track(params: Params, table: dict[str, Any]) -> None:
+def _track(serving: ServingParams, table: dict[str, Any]) -> None:
     """The live table in ``serving.live_file``, rewritten only when it changes (DVC hashes it: the same routing
     must not look new). The proxy reads the service-state copy; this one says what produced the traces."""
-    live = Path(params.serving.live_file)
+    live = Path(serving.live_file)
     doc = {"version": table["version"], "roles": table["roles"], "policies": table.get("policies") or {}}
     text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
     if not live.exists() or live.read_text() != text:
         write_text(live, text)
 
 
-def apply(params: Params, version: int) -> dict[str, Any]:
-    """Verify ``version`` through the proxy as an evaluation table, then make it live; on failure the previous version stays live."""
-    with lock(params):
-        table = load_version(params, version)
-        previous = active(params)
+def apply(serving: ServingParams, mlflow: MlflowParams, version: int) -> dict[str, Any]:
+    """Verify ``version`` through the proxy as an evaluation table, then make it live; on failure the previous
+    version stays live."""
+    with lock(serving):
+        table = load_version(serving, version)
+        previous = active(serving)
         name = f"verify-v{version}"
-        write_eval(params, name, table["roles"], table.get("policies"))
+        write_eval(serving, name, table["roles"], table.get("policies"))
         try:
-            problems = verify(params, table, routing=name)
+            problems = verify(serving, mlflow, table, routing=name)
         finally:
-            eval_file(params, name).unlink(missing_ok=True)
+            eval_file(serving, name).unlink(missing_ok=True)
         if problems:
-            _record(params, {"version": version, "status": "failed", "problems": problems,
-                             "kept": previous and previous["version"]})
+            _record(serving, {"version": version, "status": "failed", "problems": problems,
+                              "kept": previous and previous["version"]})
             lines = "\n".join(f"  - {role}: {why}" for role, why in problems.items())
             kept = f"version {previous['version']} stays live" if previous else "no version is live"
             raise RoutingError(f"routing version {version} failed verification; {kept}:\n{lines}")
-        _activate(params, table)
-        _record(params, {"version": version, "status": "applied", "previous": previous and previous["version"]})
+        _activate(serving, table)
+        _record(serving, {"version": version, "status": "applied", "previous": previous and previous["version"]})
         return table
 
 
-def rollback(params: Params) -> dict[str, Any]:
+def rollback(serving: ServingParams, mlflow: MlflowParams) -> dict[str, Any]:
     """Re-apply the version that was live before the current one."""
-    with lock(params):
-        return _rollback(params)
+    with lock(serving):
+        return _rollback(serving, mlflow)
 
 
-def _rollback(params: Params) -> dict[str, Any]:
-    current = active(params)
+def _rollback(serving: ServingParams, mlflow: MlflowParams) -> dict[str, Any]:
+    current = active(serving)
     if current is None:
         raise RoutingError("no routing version is live; nothing to roll back")
-    applied = [e["version"] for e in history(params) if e["status"] == "applied"]
+    applied = [e["version"] for e in history(serving) if e["status"] == "applied"]
     while applied and applied[-1] == current["version"]:
         applied.pop()
     if not applied:
         raise RoutingError(f"version {current['version']} is the first applied version; nothing to roll back to")
-    return apply(params, applied[-1])
+    return apply(serving, mlflow, applied[-1])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -291,23 +299,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
+    serving = params.serving
     try:
         if args.action == "apply":
-            version = args.version or (versions(params) or [0])[-1]
-            table = apply(params, version)
+            version = args.version or (versions(serving) or [0])[-1]
+            table = apply(serving, params.mlflow, version)
             print(f"routing version {version} live and verified: {json.dumps(table['roles'])}")
         elif args.action == "rollback":
-            table = rollback(params)
+            table = rollback(serving, params.mlflow)
             print(f"rolled back to routing version {table['version']}: {json.dumps(table['roles'])}")
         elif args.action == "new":
-            live = active(params) or load_version(params, (versions(params) or [1])[-1])
+            live = active(serving) or load_version(serving, (versions(serving) or [1])[-1])
             changes = dict(item.split("=", 1) for item in args.set)
-            roles = {**live["roles"], **{k: v for k, v in changes.items() if k in params.serving.roles}}
-            policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in params.serving.roles}}
-            number = write_version(params, roles, args.description, policies)
-            print(f"wrote {version_path(params, number)}; apply with `python -m pipeline route apply --version {number}`")
+            roles = {**live["roles"], **{k: v for k, v in changes.items() if k in serving.roles}}
+            policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in serving.roles}}
+            number = write_version(serving, roles, args.description, policies)
+            print(f"wrote {version_path(serving, number)}; apply with `python -m pipeline route apply --version {number}`")
         else:
-            print(json.dumps({"active": active(params), "versions": versions(params), "history": history(params)[-5:]}, indent=1))
+            state = {"active": active(serving), "versions": versions(serving), "history": history(serving)[-5:]}
+            print(json.dumps(state, indent=1))
     except RoutingError as exc:
         print(f"error: {exc}")
         return 1

@@ -9,36 +9,35 @@ from __future__ import annotations
 import fcntl
 from pathlib import Path
 
-from pipeline import promotion
-from pipeline.config import Params
+from pipeline import promotion, tracking
+from pipeline.config import MlflowParams, ServingParams
 from pipeline.serving import proxy, routing, worker
 
 
-def ensure(params: Params) -> tuple[str, str]:
+def ensure(serving: ServingParams, mlflow: MlflowParams) -> tuple[str, str]:
     """Workers + proxy running and a verified routing version live; returns (base_url, key).
 
     Mapped Airflow tasks call this at the same time: a file lock lets one start the services
-    while the others wait and then find them healthy.
+    while the others wait and then find them healthy. ``mlflow``: where a routed policy and a
+    switch a crash interrupted are resolved.
     """
-    home = Path(params.serving.home).resolve()
+    home = Path(serving.home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     with open(home / "stack.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for w in params.serving.workers:
-            worker.up(params, w)
-        proxy.up(params)
-        live = routing.active(params)
-        if live is None or routing.verify(params, live):
-            routing.apply(params, live["version"] if live else routing.versions(params)[-1])
-    if promotion.pending(params):  # a switch a crash interrupted: alias and routing must agree before anything is served
-        from pipeline import tracking
-
-        tracking.setup(params)
-        promotion.reconcile(params)
-    return proxy.client_settings(params)
+        for w in serving.workers:
+            worker.up(serving, w)
+        proxy.up(serving)
+        live = routing.active(serving)
+        if live is None or routing.verify(serving, mlflow, live):
+            routing.apply(serving, mlflow, live["version"] if live else routing.versions(serving)[-1])
+    if promotion.pending(serving):  # a switch a crash interrupted: alias and routing must agree before anything is served
+        tracking.setup(mlflow)
+        promotion.reconcile(serving, mlflow)
+    return proxy.client_settings(serving)
 
 
-def down(params: Params) -> None:
-    proxy.down(params)
-    for w in params.serving.workers:
-        worker.down(params, w)
+def down(serving: ServingParams) -> None:
+    proxy.down(serving)
+    for w in serving.workers:
+        worker.down(serving, w)

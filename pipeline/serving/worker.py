@@ -17,14 +17,16 @@ from pathlib import Path
 
 import httpx
 
-from pipeline.config import Params, WorkerParams
+from pipeline.config import Params, ServingParams, WorkerParams
+from pipeline.envs import model_python
 from pipeline.services.process import Service, ServiceError, claim, http_ok, probe_http, start, stop
+from pipeline.serving import adapter_store
 
 KEY_ENV = "VLLM_API_KEY"
 
 
-def service(params: Params, worker: WorkerParams) -> Service:
-    return Service(f"vllm-{worker.name}", Path(params.serving.home).resolve())
+def service(serving: ServingParams, worker: WorkerParams) -> Service:
+    return Service(f"vllm-{worker.name}", Path(serving.home).resolve())
 
 
 def base_url(worker: WorkerParams) -> str:
@@ -49,22 +51,21 @@ def command(worker: WorkerParams, python: str) -> list[str]:
     return cmd
 
 
-def up(params: Params, worker: WorkerParams) -> str:
+def up(serving: ServingParams, worker: WorkerParams) -> str:
     """Start the worker unless it already answers; returns its base URL."""
-    from pipeline.envs import model_python
-
     url = base_url(worker)
     if not is_local(worker):
         if http_ok(f"{url}/health"):
             return url  # a remote GPU worker configured on purpose: only health-checked
         raise ServiceError(f"worker {worker.name} at {url} is remote and not healthy; it is not started from here")
     identity = {"model": str(Path(worker.model).resolve()), "served_name": served_name(worker)}
-    if claim(service(params, worker), identity, worker.host, worker.port, f"{url}/health",
+    if claim(service(serving, worker), identity, worker.host, worker.port, f"{url}/health",
              f"serving.workers[{worker.name}].port", lambda: describe(url)):
         return url
     if not Path(worker.model, "config.json").exists():
-        raise ServiceError(f"worker {worker.name}: {worker.model} is not an HF model folder; run `python -m pipeline materialize-model`")
-    adapters = adapter_cache(params)
+        raise ServiceError(f"worker {worker.name}: {worker.model} is not an HF model folder; "
+                           "run `python -m pipeline materialize-model`")
+    adapters = adapter_cache(serving)
     adapters.mkdir(parents=True, exist_ok=True)
     env = {
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if worker.runtime_lora else "False",
@@ -76,8 +77,8 @@ def up(params: Params, worker: WorkerParams) -> str:
     }
     if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
         env["CUDA_VISIBLE_DEVICES"] = str(worker.device)
-    start(service(params, worker), command(worker, model_python()), f"{url}/health", env=env,
-          timeout_s=params.serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity)
+    start(service(serving, worker), command(worker, model_python()), f"{url}/health", env=env,
+          timeout_s=serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity)
     return url
 
 
@@ -86,9 +87,9 @@ def is_local(worker: WorkerParams) -> bool:
     return worker.host in ("127.0.0.1", "localhost")
 
 
-def adapter_cache(params: Params) -> Path:
+def adapter_cache(serving: ServingParams) -> Path:
     """Where promotion keeps the adapters it deploys to local workers (one folder per adapter name)."""
-    return Path(params.serving.home).resolve() / "adapters"
+    return Path(serving.home).resolve() / "adapters"
 
 
 def model_id(worker: WorkerParams) -> str:
@@ -116,8 +117,8 @@ def describe(url: str) -> str:
     return probe_http(url)
 
 
-def down(params: Params, worker: WorkerParams) -> bool:
-    return stop(service(params, worker))
+def down(serving: ServingParams, worker: WorkerParams) -> bool:
+    return stop(service(serving, worker))
 
 
 def models(worker: WorkerParams, timeout: float = 5.0) -> list[str]:
@@ -137,12 +138,13 @@ def load_lora(worker: WorkerParams, name: str, path: str, wait_s: float = 0.0) -
     lora_path = str(Path(path).resolve()) if wait_s == 0 else path
     deadline = time.monotonic() + wait_s
     while True:
-        resp = httpx.post(f"{base_url(worker)}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": lora_path}, timeout=120,
-                          headers=_headers())
+        resp = httpx.post(f"{base_url(worker)}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": lora_path},
+                          timeout=120, headers=_headers())
         if resp.status_code == 200:
             return
         if time.monotonic() >= deadline:
-            raise ServiceError(f"worker {worker.name}: loading adapter {name} from {path} failed: {resp.status_code} {resp.text[:300]}")
+            raise ServiceError(f"worker {worker.name}: loading adapter {name} from {path} failed: "
+                               f"{resp.status_code} {resp.text[:300]}")
         time.sleep(2.0)
 
 
@@ -152,13 +154,13 @@ def unload_lora(worker: WorkerParams, name: str) -> None:
         raise ServiceError(f"worker {worker.name}: unloading adapter {name} failed: {resp.status_code} {resp.text[:300]}")
 
 
-def pick(params: Params, name: str | None) -> list[WorkerParams]:
+def pick(serving: ServingParams, name: str | None) -> list[WorkerParams]:
     if name is None:
-        return list(params.serving.workers)
-    for worker in params.serving.workers:
+        return list(serving.workers)
+    for worker in serving.workers:
         if worker.name == name:
             return [worker]
-    raise SystemExit(f"error: no worker '{name}' in serving.workers ({[w.name for w in params.serving.workers]})")
+    raise SystemExit(f"error: no worker '{name}' in serving.workers ({[w.name for w in serving.workers]})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,20 +173,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    workers = pick(params, args.worker)
+    workers = pick(params.serving, args.worker)
     if args.action == "sync-adapters":
-        from pipeline.serving import adapter_store
-
-        if len(workers) != 1 or workers[0].adapter_store is None or workers[0].adapter_dir is None:
+        store, folder = workers[0].adapter_store, workers[0].adapter_dir
+        if len(workers) != 1 or store is None or folder is None:
             raise SystemExit("error: sync-adapters needs --worker naming a worker with adapter_store and adapter_dir")
-        w = workers[0]
         if args.every > 0:
-            adapter_store.sync_forever(w.adapter_store, w.adapter_dir, args.every)  # type: ignore[arg-type]
-        print(f"{w.name}: synced {adapter_store.sync(w.adapter_store, w.adapter_dir) or 'nothing new'} from {w.adapter_store}")  # type: ignore[arg-type]
+            adapter_store.sync_forever(store, folder, args.every)
+        print(f"{workers[0].name}: synced {adapter_store.sync(store, folder) or 'nothing new'} from {store}")
         return 0
     if args.action in ("load-lora", "unload-lora"):
         if len(workers) != 1 or not args.name or (args.action == "load-lora" and not args.path):
-            raise SystemExit(f"error: {args.action} needs --worker, --name" + (" and --path" if args.action == "load-lora" else ""))
+            needs = "--worker, --name" + (" and --path" if args.action == "load-lora" else "")
+            raise SystemExit(f"error: {args.action} needs {needs}")
         if args.action == "load-lora":
             load_lora(workers[0], args.name, args.path)
         else:
@@ -193,9 +194,9 @@ def main(args: argparse.Namespace, params: Params) -> int:
         return 0
     for worker in workers:
         if args.action == "up":
-            print(f"{worker.name}: {up(params, worker)}  log {service(params, worker).log_file}")
+            print(f"{worker.name}: {up(params.serving, worker)}  log {service(params.serving, worker).log_file}")
         elif args.action == "down":
-            print(f"{worker.name}: {'stopped' if down(params, worker) else 'not running'}")
+            print(f"{worker.name}: {'stopped' if down(params.serving, worker) else 'not running'}")
         else:
             healthy = http_ok(f"{base_url(worker)}/health")
             print(json.dumps({"worker": worker.name, "url": base_url(worker), "healthy": healthy,

@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeline import metrics_files
-from pipeline.config import Params
+from pipeline import metrics_files, tracking
+from pipeline.agents.gene_ontology import build_gene_table, resolve
+from pipeline.agents.tools import build_index
+from pipeline.config import KnowledgeParams, Params
 from pipeline.io import write_json
 
 METRICS_FILE = Path("reports/index.json")
 
 
-def fetch_knowledge(params: Params) -> tuple[Path, Path] | None:
+def fetch_knowledge(knowledge: KnowledgeParams) -> tuple[Path, Path] | None:
     """Local copies of the GO databases (downloaded once into the cache); None when not configured."""
-    from pipeline.agents.gene_ontology import resolve
-
-    knowledge = params.agents.knowledge
     if not (knowledge.org_db and knowledge.go_db):
         return None
     cache = Path(knowledge.cache_dir).expanduser()
@@ -30,11 +29,8 @@ def fetch_knowledge(params: Params) -> tuple[Path, Path] | None:
 
 
 def run(params: Params) -> dict[str, int]:
-    from pipeline.agents.gene_ontology import build_gene_table
-    from pipeline.agents.tools import build_index
-
     frames = [pd.read_parquet(Path(params.validate_.out_dir) / f"{s}.parquet") for s in ("train",)]
-    dbs = fetch_knowledge(params)
+    dbs = fetch_knowledge(params.agents.knowledge)
     stats = build_index(frames, Path(params.rollouts.index_dir), build_gene_table(*dbs) if dbs else None)
     write_json(METRICS_FILE, stats)
     metrics_files.write("build_index", stats)
@@ -48,15 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     if args.fetch_only:
-        print(f"build-index: knowledge files {fetch_knowledge(params)}")
+        print(f"build-index: knowledge files {fetch_knowledge(params.agents.knowledge)}")
         return 0
     if args.no_mlflow:
         stats = run(params)
     else:
-        from pipeline import tracking
-
-        with tracking.stage_run("build_index", params):
-            import mlflow
+        with tracking.stage_run("build_index", params.mlflow):
+            import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow, --fetch-only)
 
             stats = run(params)
             mlflow.log_metrics({k: float(v) for k, v in stats.items()})

@@ -25,9 +25,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pipeline import metrics_files
-from pipeline.config import Params
+import pandas as pd
+from datasets import Dataset
+
+from pipeline import metrics_files, tracking
+from pipeline.config import DatasetsParams, Params, RolloutsParams, ValidateParams
 from pipeline.io import atomic_dir, atomic_path, write_json, write_text
+from pipeline.plots import png
 from pipeline.traces import adapters
 
 METRICS_FILE = Path("reports/datasets.json")
@@ -40,23 +44,21 @@ class EmptyDataset(RuntimeError):
     pass
 
 
-def _tasks(params: Params) -> dict[str, dict[str, Any]]:
-    import pandas as pd
-
-    frame = pd.read_parquet(Path(params.validate_.out_dir) / "train.parquet")
+def _tasks(validate: ValidateParams) -> dict[str, dict[str, Any]]:
+    frame = pd.read_parquet(Path(validate.out_dir) / "train.parquet")
     return {str(r["id"]): {**r, "contexts": list(r["contexts"])} for r in frame.to_dict("records")}
 
 
-def build(params: Params) -> dict[str, Any]:
+def build(rollouts: RolloutsParams, datasets: DatasetsParams, validate: ValidateParams) -> dict[str, Any]:
     """All three datasets in memory, with drop counts; raises EmptyDataset naming why one is empty."""
-    shards = sorted(Path(params.rollouts.out_dir).glob("shard-*.jsonl"))
+    shards = sorted(Path(rollouts.out_dir).glob("shard-*.jsonl"))
     if not shards:
-        raise EmptyDataset(f"{params.rollouts.out_dir}: no shard-*.jsonl trace files; run the rollouts stage first")
+        raise EmptyDataset(f"{rollouts.out_dir}: no shard-*.jsonl trace files; run the rollouts stage first")
     drops = adapters.Drops()
     traces = adapters.read_traces(shards, drops)
     sets = {
-        "sft": adapters.sft_examples(traces, params.datasets, drops),
-        "rl": adapters.rl_prompts(traces, _tasks(params), params.datasets, drops),
+        "sft": adapters.sft_examples(traces, datasets, drops),
+        "rl": adapters.rl_prompts(traces, _tasks(validate), datasets, drops),
         "bandit": adapters.bandit_examples(traces, drops),
     }
     empty = [name for name in OUTPUTS if not sets[name]]
@@ -67,7 +69,7 @@ def build(params: Params) -> dict[str, Any]:
             examples = [e for k in reasons for e in drops.examples[k]]
             lines.append(f"  - {name}: 0 rows from {len(traces)} traces; dropped {dict(reasons) or 'nothing (no traces)'}"
                          + "".join(f"\n      {e}" for e in examples[:4]))
-        hint = f" (datasets.sft.min_reward={params.datasets.sft.min_reward})" if "sft" in empty else ""
+        hint = f" (datasets.sft.min_reward={datasets.sft.min_reward})" if "sft" in empty else ""
         raise EmptyDataset("empty training set(s) from " + ", ".join(map(str, shards)) + f"{hint}:\n" + "\n".join(lines))
     return {"traces": traces, "sets": sets, "drops": drops, "shards": shards}
 
@@ -75,19 +77,17 @@ def build(params: Params) -> dict[str, Any]:
 def _verl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"data_source": "pubmedqa_society", "prompt": r["prompt"], "ability": f"senior_researcher/{r['agent']}",
              "reward_model": {"style": "model", "ground_truth": r["label"] or ""},
-             "extra_info": {"split": "train", "index": i, "task_id": r["task_id"], "agent": r["agent"], "rollout_id": r["rollout_id"],
-                            "question": r["question"], "abstract": r["abstract"]}} for i, r in enumerate(rows)]
+             "extra_info": {"split": "train", "index": i, "task_id": r["task_id"], "agent": r["agent"],
+                            "rollout_id": r["rollout_id"], "question": r["question"], "abstract": r["abstract"]}}
+            for i, r in enumerate(rows)]
 
 
 def _jsonl(rows: list[dict[str, Any]]) -> str:
     return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
 
 
-def write(params: Params, built: dict[str, Any]) -> dict[str, Any]:
-    import pandas as pd
-    from datasets import Dataset
-
-    out = Path(params.datasets.out_dir)
+def write(datasets: DatasetsParams, built: dict[str, Any]) -> dict[str, Any]:
+    out = Path(datasets.out_dir)
     sets = built["sets"]
     with atomic_dir(out / "sft") as tmp:
         write_text(tmp / "train.jsonl", _jsonl(sets["sft"]))
@@ -118,11 +118,9 @@ def summary(built: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def reward_plots(params: Params, built: dict[str, Any]) -> None:
+def reward_plots(datasets: DatasetsParams, built: dict[str, Any]) -> None:
     """Histogram of rollout rewards and of those picked for SFT: CSV for `dvc plots`, PNG for MLflow."""
-    from pipeline.plots import png
-
-    bins = params.datasets.reward_bins
+    bins = datasets.reward_bins
     rewards = [t.reward for t in built["traces"] if t.status == "ok" and t.reward is not None]
     chosen = {r["rollout_id"] for r in built["sets"]["sft"]}
     picked = [t.reward for t in built["traces"] if t.rollout_id in chosen and t.reward is not None]
@@ -136,7 +134,7 @@ def reward_plots(params: Params, built: dict[str, Any]) -> None:
     with png(PLOT_PNG) as ax:
         ax.hist(rewards, bins=edges, alpha=0.6, label=f"all ok rollouts ({len(rewards)})")
         ax.hist(picked, bins=edges, alpha=0.8, label=f"selected for SFT ({len(picked)})")
-        ax.axvline(params.datasets.sft.min_reward, color="k", ls="--", lw=1, label="datasets.sft.min_reward")
+        ax.axvline(datasets.sft.min_reward, color="k", ls="--", lw=1, label="datasets.sft.min_reward")
         ax.set_xlabel("final reward (judge, weighted)")
         ax.set_ylabel("rollouts")
         ax.legend(fontsize=8)
@@ -151,29 +149,29 @@ def _report(result: dict[str, Any], built: dict[str, Any]) -> None:
           f"sft {result['sft.rows']} rows from {result['sft.rollouts']} rollouts, rl {result['rl.rows']} prompts, "
           f"bandit {result['bandit.rows']} decisions")
     for reason, count in sorted(result["dropped"].items()):
-        print(f"  dropped {count:4d} {reason}" + (f"  e.g. {built['drops'].examples[reason][0]}" if built["drops"].examples[reason] else ""))
+        examples = built["drops"].examples[reason]
+        print(f"  dropped {count:4d} {reason}" + (f"  e.g. {examples[0]}" if examples else ""))
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
     try:
-        built = build(params)
+        built = build(params.rollouts, params.datasets, params.validate_)
     except EmptyDataset as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    result = write(params, built)
-    reward_plots(params, built)
+    result = write(params.datasets, built)
+    reward_plots(params.datasets, built)
     write_json(METRICS_FILE, result)
     metrics_files.write("datasets", result)
     _report(result, built)
     if args.no_mlflow:
         return 0
-    from pipeline import tracking
-
-    with tracking.stage_run("datasets", params):
-        import mlflow
+    with tracking.stage_run("datasets", params.mlflow):
+        import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow)
 
         mlflow.log_params({"sft.min_reward": params.datasets.sft.min_reward, "sft.top_k": params.datasets.sft.top_k,
-                           "senior_agents": ",".join(params.datasets.senior_agents), "trace_runs": ",".join(result["trace_runs"])})
+                           "senior_agents": ",".join(params.datasets.senior_agents),
+                           "trace_runs": ",".join(result["trace_runs"])})
         flat = {k: v for k, v in result.items() if isinstance(v, (int, float))}
         flat.update({f"dropped.{k}": v for k, v in result["dropped"].items()})
         mlflow.log_metrics({k: float(v) for k, v in flat.items()})

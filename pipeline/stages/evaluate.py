@@ -22,33 +22,49 @@ versions.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params
+import mlflow
+from mlflow.entities import Feedback
+from mlflow.genai.scorers import scorer
+
+from pipeline import metrics_files, registry, tracking
+from pipeline.agents.llm import RoleClient
+from pipeline.agents.replay import CallBook
+from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
+from pipeline.data.splits import load_tasks, split_file
+from pipeline.envs import REPO_ROOT
+from pipeline.evaluation import society
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, paired_difference, summarise
 from pipeline.evaluation.served import check_served
-from pipeline.io import atomic_dir, write_json
+from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.lineage import dvc_md5
+from pipeline.plots import png
+from pipeline.rewards.judge import final_reward, judge
+from pipeline.serving import proxy, routing, stack
+from pipeline.traces.mlflow_traces import log_traces
+from pipeline.traces.schema import Trace
 
 METRICS_FILE = Path("reports/evaluate.json")
 PLOT = Path("reports/plots/evaluate.png")
 PLOT_CSV = Path("reports/plots/evaluate.csv")  # the same bars for `dvc plots`
 
 
-def champion_table(params: Params, champions: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+def champion_table(serving: ServingParams, promote: PromoteParams,
+                   champions: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     """Routing roles and policies with every trainable role on its champion (others as live)."""
-    from pipeline import registry
-    from pipeline.serving import routing
-
-    live = routing.active(params) or routing.load_version(params, routing.versions(params)[-1])
+    live = routing.active(serving) or routing.load_version(serving, routing.versions(serving)[-1])
     roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
-    for name, kind in params.promote.roles.items():
-        where = registry.deploy(params, name, champions[name], live["roles"].get(name))
+    for name, kind in promote.roles.items():
+        where = registry.deploy(serving, name, champions[name], live["roles"].get(name))
         (roles if kind == "llm" else policies)[name] = where
     return roles, policies
 
@@ -57,13 +73,12 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:80]
 
 
-SCORING_CODE = ("pipeline/agents", "pipeline/rewards", "pipeline/evaluation", "pipeline/schemas.py", "pipeline/traces", "pipeline/bandit")
+SCORING_CODE = ("pipeline/agents", "pipeline/rewards", "pipeline/evaluation", "pipeline/schemas.py", "pipeline/traces",
+                "pipeline/bandit")
 
 
 def code_sha256(paths: tuple[str, ...] = SCORING_CODE) -> str:
     """sha256 of the Python source that runs and scores a society (prompts, graph, schemas, judge, rewards)."""
-    from pipeline.envs import REPO_ROOT
-
     h = hashlib.sha256()
     for rel in paths:
         root = REPO_ROOT / rel
@@ -72,37 +87,32 @@ def code_sha256(paths: tuple[str, ...] = SCORING_CODE) -> str:
     return h.hexdigest()
 
 
-def served_models(params: Params) -> dict[str, Any]:
+def served_models(serving: ServingParams) -> dict[str, Any]:
     """Each worker's settings and, for a model folder here, its content hash: the weights a base deployment serves."""
-    from pipeline.lineage import dvc_md5
-
     return {w.name: {**w.model_dump(exclude={"port", "host", "adapter_sync_wait_s"}),
-                     "model_md5": dvc_md5(w.model) if Path(w.model).exists() else None} for w in params.serving.workers}
+                     "model_md5": dvc_md5(w.model) if Path(w.model).exists() else None} for w in serving.workers}
 
 
-def cache_key(params: Params, champions: dict[str, Any], roles: dict[str, str], policies: dict[str, str], tasks: list[dict[str, Any]]) -> str:
+# whole Params: the key digests seven of its sections (everything that scores a society).
+def cache_key(params: Params, champions: dict[str, Any], roles: dict[str, str], policies: dict[str, str],
+              tasks: list[dict[str, Any]]) -> str:
     """Everything that decides a champion's scores: a cached champion evaluation is reused only when all of it is equal
     (versions and routing targets, whose LoRA names carry their sha256; the served base weights and worker settings;
     the code of the society, judge and schemas; the agents', judge's, reward's and evaluation's params; the tasks)."""
-    from pipeline.data.splits import split_file
-    from pipeline.lineage import dvc_md5
-
-    doc = {"champions": {k: v.version for k, v in champions.items()}, "champion_sha256": {k: v.tags.get("sha256") for k, v in champions.items()},
-           "roles": roles, "policies": policies, "served": served_models(params), "code": code_sha256(),
+    doc = {"champions": {k: v.version for k, v in champions.items()},
+           "champion_sha256": {k: v.tags.get("sha256") for k, v in champions.items()},
+           "roles": roles, "policies": policies, "served": served_models(params.serving), "code": code_sha256(),
            "evaluate": params.evaluate.model_dump(exclude={"out_dir", "concurrency"}), "agents": params.agents.model_dump(),
-           "judge": params.judge.model_dump(), "reward": params.reward.model_dump(), "val": dvc_md5(split_file(params, "val")), "index": dvc_md5(params.rollouts.index_dir),
+           "judge": params.judge.model_dump(), "reward": params.reward.model_dump(),
+           "val": dvc_md5(split_file(params.validate_, "val")), "index": dvc_md5(params.rollouts.index_dir),
            "tasks": [t["id"] for t in tasks]}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def _cached(params: Params, key: str) -> tuple[list[dict[str, Any]], list[Any]] | None:
+def _cached(tracking_cfg: MlflowParams, key: str) -> tuple[list[dict[str, Any]], list[Trace]] | None:
     """A finished champion evaluation with this key: its scored records and its traces (which candidates replay)."""
-    import mlflow
-
-    from pipeline import tracking
-    from pipeline.traces.schema import Trace
-
-    runs = mlflow.search_runs([tracking.experiment_id(params)], filter_string=f"tags.`eval.key` = '{key}' and attributes.status = 'FINISHED'",
+    runs = mlflow.search_runs([tracking.experiment_id(tracking_cfg)],
+                              filter_string=f"tags.`eval.key` = '{key}' and attributes.status = 'FINISHED'",
                               output_format="list", max_results=1)
     if not runs:
         return None
@@ -115,18 +125,10 @@ def _cached(params: Params, key: str) -> tuple[list[dict[str, Any]], list[Any]] 
     return docs["records"], [Trace.model_validate(t) for t in docs["traces"]]
 
 
-def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, Any]], routing: str) -> list[Any]:
+# whole Params: the judge's client reads agents, evaluate and serving; its scores judge and reward.
+def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, Any]], routing_name: str) -> list[Any]:
     """The society's judge and the PubMedQA answer check as MLflow scorers."""
-    import asyncio
-
-    from mlflow.entities import Feedback
-    from mlflow.genai.scorers import scorer
-
-    from pipeline.agents.llm import RoleClient
-    from pipeline.rewards.judge import final_reward, judge
-    from pipeline.serving import proxy
-
-    url, key = proxy.client_settings(params)
+    url, key = proxy.client_settings(params.serving)
 
     @scorer(name="society_judge")
     def society_judge(inputs: dict[str, Any]) -> list[Feedback]:
@@ -139,7 +141,7 @@ def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, 
                     Feedback(name="reward", value=value, rationale=why)]
 
         async def score() -> dict[str, Any]:
-            client = RoleClient.for_agents(params.agents, url, key, params.evaluate.timeout_s, routing=routing)
+            client = RoleClient.for_agents(params.agents, url, key, params.evaluate.timeout_s, routing=routing_name)
             state = {"protocol": t.protocol, "decision": {"decision": t.decision, "rationale": t.rationale}}
             try:
                 return await judge(client, params.judge, params.reward, tasks[t.task_id], state, t.turns, [])
@@ -154,16 +156,13 @@ def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, 
     @scorer(name="pubmedqa_answer")
     def pubmedqa_answer(inputs: dict[str, Any]) -> Feedback:
         t = traces[inputs["rollout_id"]]
-        return Feedback(value=answer(t.decision) == t.label, rationale=f"decision {t.decision} -> {answer(t.decision)}; label {t.label}")
+        return Feedback(value=answer(t.decision) == t.label,
+                        rationale=f"decision {t.decision} -> {answer(t.decision)}; label {t.label}")
 
     return [society_judge, pubmedqa_answer]
 
 
 def _stored_trace(trace_id: str, attempts: int = 20) -> Any:
-    import time
-
-    import mlflow
-
     for _ in range(attempts):
         trace = mlflow.get_trace(trace_id)
         if trace is not None:
@@ -172,24 +171,20 @@ def _stored_trace(trace_id: str, attempts: int = 20) -> Any:
     raise RuntimeError(f"trace {trace_id} was logged but cannot be read back from the tracking server")
 
 
-def _table(params: Params, name: str, roles: dict[str, str], policies: dict[str, str]) -> dict[str, Any]:
+def _table(serving: ServingParams, tracking_cfg: MlflowParams, name: str, roles: dict[str, str],
+           policies: dict[str, str]) -> dict[str, Any]:
     """Write an evaluation routing table and check every role answers through it."""
-    from pipeline.serving import routing
-
-    table = routing.write_eval(params, name, roles, policies)
-    problems = routing.verify(params, table, routing=name)
+    table = routing.write_eval(serving, name, roles, policies)
+    problems = routing.verify(serving, tracking_cfg, table, routing=name)
     if problems:
         raise RuntimeError(f"evaluation routing {name} does not answer: {problems}")
     return table
 
 
+# whole Params: it builds the judge's scorers (see _scorers).
 def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], tasks: list[dict[str, Any]],
           tags: dict[str, str]) -> tuple[list[dict[str, Any]], str]:
     """Score one society's rollouts with MLflow's GenAI evaluation as a nested run; returns (records, run id)."""
-    import mlflow
-
-    from pipeline.traces.mlflow_traces import log_traces
-
     by_id = {t.rollout_id: t for t in traces}
     os.environ.setdefault("MLFLOW_GENAI_EVAL_MAX_WORKERS", str(params.evaluate.concurrency))
     with mlflow.start_run(run_name=f"eval {name}", nested=True, tags={"pipeline.kind": "evaluation", **tags}) as run:
@@ -228,13 +223,11 @@ def _cost(traces: list[Any]) -> dict[str, Any]:
 
 
 def plot(summary: dict[str, Any]) -> None:
-    from pipeline.io import write_text
-    from pipeline.plots import png
-
     bars: dict[str, list[float]] = {}
     for role, entry in summary["roles"].items():
-        bars.setdefault(f"champion ({entry['champion']['label']})", [entry["champion"]["metrics"][c]["mean"] for c in (*CRITERIA, "reward")])
-        bars[f"{role} v{entry['candidate']['version']}"] = [entry["candidate"]["metrics"][c]["mean"] for c in (*CRITERIA, "reward")]
+        columns = (*CRITERIA, "reward")
+        bars.setdefault(f"champion ({entry['champion']['label']})", [entry["champion"]["metrics"][c]["mean"] for c in columns])
+        bars[f"{role} v{entry['candidate']['version']}"] = [entry["candidate"]["metrics"][c]["mean"] for c in columns]
     # one bar per criterion and society, named by role (not version) so `dvc plots diff` lines cycles up
     by_society = dict(zip(["champion", *summary["roles"]], bars.values(), strict=True)) if bars else {}
     write_text(PLOT_CSV, "bar,criterion,society,mean\n" + "".join(
@@ -254,20 +247,17 @@ def plot(summary: dict[str, Any]) -> None:
 
 
 def run(params: Params) -> dict[str, Any]:
-    from pipeline import registry
-    from pipeline.data.splits import load_tasks
-
     champions = registry.ensure_baselines(params)
     # the cycle = the challengers under evaluation: each cycle draws its own validation tasks (seeded, reproducible)
     cycle = ",".join(f"{n}:v{c.version}" for n in params.promote.roles
                      if (c := registry.by_alias(n, registry.CHALLENGER)) is not None and c.version != champions[n].version)
     rotation = f"{params.evaluate.seed}:{cycle}"
-    tasks = load_tasks(params, "val", params.evaluate.limit, rotation=rotation)
-    roles, policies = champion_table(params, champions)
+    tasks = load_tasks(params.validate_, "val", params.evaluate.limit, rotation=rotation)
+    roles, policies = champion_table(params.serving, params.promote, champions)
     label = ",".join(f"{n}:v{v.version}" for n, v in champions.items())
     key = cache_key(params, champions, roles, policies, tasks)
-    summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "task_rotation": rotation, "champion_versions": {n: v.version for n, v in champions.items()},
-                               "roles": {}}
+    summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "task_rotation": rotation,
+                               "champion_versions": {n: v.version for n, v in champions.items()}, "roles": {}}
     # every society to run (name, table, tags, role, candidate version, target); the champion first unless cached
     candidates: list[tuple[str, dict[str, Any], dict[str, str], str, Any, str]] = []
     for name, kind in params.promote.roles.items():
@@ -275,25 +265,21 @@ def run(params: Params) -> dict[str, Any]:
         if cand is None or cand.version == champions[name].version:
             print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
             continue
-        where = registry.deploy(params, name, cand, roles.get(name))
+        where = registry.deploy(params.serving, name, cand, roles.get(name))
         c_roles, c_policies = dict(roles), dict(policies)
         (c_roles if kind == "llm" else c_policies)[name] = where
         slug = _slug(f"{name}-v{cand.version}-{key[:8]}")
-        candidates.append((slug, _table(params, slug, c_roles, c_policies),
+        candidates.append((slug, _table(params.serving, params.mlflow, slug, c_roles, c_policies),
                            {"eval.role": name, "eval.version": str(cand.version), "eval.champions": label}, name, cand, where))
     if not candidates:
         return summary
-    from pipeline import tracking
-    from pipeline.agents.replay import CallBook
-    from pipeline.evaluation import society
-
     champion_run: str | None = "cached"
-    cached = _cached(params, key)
+    cached = _cached(params.mlflow, key)
     champion: list[tuple[str, dict[str, Any], dict[str, str], str | None, Any, str | None]] = []
     if cached is None:
         slug = _slug(f"champion-{key[:12]}")
-        champion = [(slug, _table(params, slug, roles, policies), {"eval.key": key, "eval.role": "champion", "eval.champions": label},
-                     None, None, None)]
+        tags = {"eval.key": key, "eval.role": "champion", "eval.champions": label}
+        champion = [(slug, _table(params.serving, params.mlflow, slug, roles, policies), tags, None, None, None)]
         champion_traces = society.run_many(params, tasks, [(champion[0][1], slug)], tracking.pipeline_run_id(), score=False,
                                            description=f"evaluate the champion society x {len(tasks)} tasks")[0]
         champion_cost = _cost(champion_traces)
@@ -303,15 +289,17 @@ def run(params: Params) -> dict[str, Any]:
     # each candidate: its role's calls live, every other call that repeats the champion's answered from its record
     books = [CallBook.from_traces(champion_traces, live=[c[3]] if params.promote.roles[c[3]] == "llm" else [])
              if params.evaluate.replay else None for c in candidates]
+    what = f"evaluate {len(candidates)} candidate societies x {len(tasks)} tasks"
+    if params.evaluate.replay:
+        what += " (replaying the champion's calls of other roles)"
     cand_traces = society.run_many(params, tasks, [(c[1], c[0]) for c in candidates], tracking.pipeline_run_id(), score=False,
-                                   description=f"evaluate {len(candidates)} candidate societies x {len(tasks)} tasks"
-                                               + (" (replaying the champion's calls of other roles)" if params.evaluate.replay else ""),
-                                   books=books)
+                                   description=what, books=books)
     societies = [*champion, *candidates]
     traces = ([champion_traces] if champion else []) + cand_traces
     for society_, society_traces in zip(societies, traces, strict=True):
         role, version, deployment = society_[3], society_[4], society_[5]
-        if role is not None and deployment is not None and params.promote.roles[role] == "llm":  # answered by the version evaluated
+        # every call of the role was answered by the version evaluated
+        if role is not None and deployment is not None and params.promote.roles[role] == "llm":
             check_served(society_traces, role, version.version, deployment)
     scored = {s[0]: score(params, s[0], s[1], t, tasks, s[2]) for s, t in zip(societies, traces, strict=True)}
     if champion:
@@ -323,32 +311,37 @@ def run(params: Params) -> dict[str, Any]:
         records, run_id = scored[slug]
         mine = summarise(records, cfg.bootstrap, cfg.ci, cfg.seed)
         diff = paired_difference(records, champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
-        summary["roles"][name] = {"champion": {"version": champions[name].version, "target": roles.get(name) or policies.get(name),
+        summary["roles"][name] = {"champion": {"version": champions[name].version,
+                                               "target": roles.get(name) or policies.get(name),
                                                "label": label, "metrics": champ, "run_id": champion_run},
                                   "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
                                   "difference": diff, "records": {"champion": champion_records, "candidate": records},
                                   "cost": {"champion": champion_cost, "candidate": costs[slug], "replay": params.evaluate.replay}}
         registry.set_tags(name, cand.version, {
-            "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
-            "eval.diff": f"{diff['mean']:+.4f}", "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]", "eval.tasks": len(tasks),
-            "eval.p_value": f"{diff['p_value']:.4f}", "eval.mcnemar_p": f"{diff['decision']['p_value']:.4f}"})
+            "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id,
+            "eval.champion_reward": f"{champ['reward']['mean']:.4f}", "eval.diff": f"{diff['mean']:+.4f}",
+            "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]", "eval.tasks": len(tasks),
+            "eval.p_value": f"{diff['p_value']:.4f}", "eval.mcnemar_p": f"{diff['decision']['p_value']:.4f}",
+            "eval.replayed_calls_per_task": f"{costs[slug]['replayed_calls_per_task']:.2f}"})
         print(f"evaluate: {name} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion {champ['reward']['mean']:.3f}; "
               f"paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}, sign-flip p="
               f"{diff['p_value']:.3f}; decisions McNemar p={diff['decision']['p_value']:.3f}); run {run_id}")
     return summary
 
 
-def write_outputs(params: Params, summary: dict[str, Any]) -> None:
-    with atomic_dir(params.evaluate.out_dir) as tmp:
+def write_outputs(evaluate: EvaluateParams, summary: dict[str, Any]) -> None:
+    with atomic_dir(evaluate.out_dir) as tmp:
         (tmp / "records").mkdir()
         (tmp / "predictions").mkdir()
         for role, entry in summary["roles"].items():
             for which, rows in entry.pop("records").items():
                 (tmp / "records" / f"{role}-{which}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
                 # PubMedQA's own format (PMID -> yes/no/maybe), scorable by its evaluation.py
-                (tmp / "predictions" / f"{role}-{which}.json").write_text(json.dumps({r["task_id"]: answer(r["decision"]) for r in rows}, indent=1))
+                answers = {r["task_id"]: answer(r["decision"]) for r in rows}
+                (tmp / "predictions" / f"{role}-{which}.json").write_text(json.dumps(answers, indent=1))
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    metrics = {role: {"candidate_version": int(e["candidate"]["version"]), "candidate_reward": e["candidate"]["metrics"]["reward"]["mean"],
+    metrics = {role: {"candidate_version": int(e["candidate"]["version"]),
+                      "candidate_reward": e["candidate"]["metrics"]["reward"]["mean"],
                       "champion_reward": e["champion"]["metrics"]["reward"]["mean"], "diff": e["difference"]["mean"],
                       "diff_ci_low": e["difference"]["ci_low"], "diff_ci_high": e["difference"]["ci_high"],
                       "diff_p_value": e["difference"]["p_value"], "decision_p_value": e["difference"]["decision"]["p_value"],
@@ -356,8 +349,6 @@ def write_outputs(params: Params, summary: dict[str, Any]) -> None:
                for role, e in summary["roles"].items()}
     report = {"tasks": len(summary["tasks"]), "roles": metrics}
     write_json(METRICS_FILE, report)
-    from pipeline import metrics_files
-
     metrics_files.write("evaluate", report)
 
 
@@ -366,19 +357,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    import mlflow
-
-    from pipeline import tracking
-    from pipeline.serving import stack
-
-    stack.ensure(params)
-    with tracking.stage_run("evaluate", params):
+    stack.ensure(params.serving, params.mlflow)
+    with tracking.stage_run("evaluate", params.mlflow):
         summary = run(params)
         plot(summary)
         mlflow.log_artifact(str(PLOT), artifact_path="plots")
-        write_outputs(params, summary)
+        write_outputs(params.evaluate, summary)
         mlflow.log_dict(json.loads(Path(params.evaluate.out_dir, "summary.json").read_text()), "evaluation/summary.json")
     if not summary["roles"]:
         print("evaluate: no role has a challenger; nothing to compare", file=sys.stderr)
-    print(f"evaluate: {len(summary['roles'])} candidate(s) on {len(summary['tasks'])} validation tasks -> {params.evaluate.out_dir}/summary.json")
+    print(f"evaluate: {len(summary['roles'])} candidate(s) on {len(summary['tasks'])} validation tasks "
+          f"-> {params.evaluate.out_dir}/summary.json")
     return 0

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from rich.console import Console
 
-from pipeline import metrics_files
-from pipeline.config import Params
+from pipeline import metrics_files, tracking
+from pipeline.config import DataParams, Params, SplitParams
+from pipeline.data.pubmedqa import SPLITS, load_tasks, load_test_ids, split_tasks
 from pipeline.io import atomic_dir, write_json
 
 METRICS_FILE = Path("reports/ingest.json")
@@ -28,8 +30,6 @@ def stats(table: pd.DataFrame) -> dict[str, Any]:
 
 
 def run(params: Params) -> dict[str, Any]:
-    from pipeline.data.pubmedqa import SPLITS, load_tasks, load_test_ids, split_tasks
-
     tasks = load_tasks(params.data.source, params.data.hf_split, allow=params.data.allow, sha256=params.data.source_sha256)
     test_ids = load_test_ids(params.data.test_ids, allow=params.data.allow)
     table = split_tasks(tasks, test_ids, params.split.val_fraction, params.split.seed)
@@ -49,18 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from rich.console import Console
-
     console = Console(stderr=True)
     with console.status(f"ingesting {params.data.source}"):
         if args.no_mlflow:
             result = run(params)
         else:
-            from pipeline import tracking
-
-            with tracking.stage_run("ingest", params):
+            with tracking.stage_run("ingest", params.mlflow):
                 result = run(params)
-                log_to_mlflow(params, result)
+                log_to_mlflow(params.data, params.split, result)
     console.print(f"[green]ingest[/]: {result['rows']} tasks -> {params.data.out_dir}/ "
                   + ", ".join(f"{s}={result.get(s, {}).get('rows', 0)}" for s in ("train", "val", "test")))
     if result["test_ids_missing_from_source"]:
@@ -68,20 +64,20 @@ def main(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
-def log_to_mlflow(params: Params, result: dict[str, Any]) -> None:
-    import mlflow
-    from mlflow.data.pandas_dataset import from_pandas
+def log_to_mlflow(data: DataParams, split: SplitParams, result: dict[str, Any]) -> None:
+    import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow)
+    from mlflow.data.pandas_dataset import from_pandas  # noqa: PLC0415 - as above
 
-    mlflow.log_params({"source": params.data.source, "test_ids": params.data.test_ids,
-                       "val_fraction": params.split.val_fraction, "seed": params.split.seed})
+    mlflow.log_params({"source": data.source, "test_ids": data.test_ids,
+                       "val_fraction": split.val_fraction, "seed": split.seed})
     flat = {"rows": result["rows"]}
-    for split in ("train", "val", "test"):
-        for key, value in result.get(split, {}).items():
-            flat[f"{split}.{key}"] = value
+    for name in ("train", "val", "test"):
+        for key, value in result.get(name, {}).items():
+            flat[f"{name}.{key}"] = value
     mlflow.log_metrics(flat)
-    for split in ("train", "val", "test"):
-        path = Path(params.data.out_dir) / f"{split}.parquet"
+    for name in ("train", "val", "test"):
+        path = Path(data.out_dir) / f"{name}.parquet"
         frame = pd.read_parquet(path)
-        dataset = from_pandas(frame[["id", "question", "final_decision"]], source=str(path), name=f"pubmedqa-{split}")
-        mlflow.log_input(dataset, context=split)
+        dataset = from_pandas(frame[["id", "question", "final_decision"]], source=str(path), name=f"pubmedqa-{name}")
+        mlflow.log_input(dataset, context=name)
     mlflow.log_artifact(str(METRICS_FILE))

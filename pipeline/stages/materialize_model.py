@@ -27,7 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from pipeline import metrics_files
+from pipeline import envs, metrics_files, tracking
 from pipeline.config import BaseModelParams, Params, TestModelParams
 from pipeline.io import atomic_dir, inside, write_json
 
@@ -60,7 +60,7 @@ def _gguf_file(spec: str) -> Path:
 
 
 def _load_gguf(path: Path, dtype: Any) -> tuple[Any, Any]:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
@@ -76,7 +76,7 @@ def _load_gguf(path: Path, dtype: Any) -> tuple[Any, Any]:
 
 
 def _download_s3(uri: str, dest: Path) -> Path:
-    import boto3  # only needed for s3:// sources (production images ship it)
+    import boto3  # noqa: PLC0415 - only s3:// sources need it (production images ship it; the CPU model plane has none)
 
     bucket, _, prefix = uri[len("s3://"):].partition("/")
     s3 = boto3.client("s3")
@@ -89,8 +89,8 @@ def _download_s3(uri: str, dest: Path) -> Path:
 
 
 def load_source(cfg: BaseModelParams) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # noqa: PLC0415 - model plane only
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
     dtype = getattr(torch, cfg.dtype)
     if cfg.source.startswith("gguf:"):
@@ -127,8 +127,8 @@ def build_base(cfg: BaseModelParams) -> dict[str, Any]:
 
 
 def build_test(cfg: TestModelParams, tokenizer_dir: str) -> dict[str, Any]:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import torch  # noqa: PLC0415 - model plane only
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     base = AutoConfig.from_pretrained(tokenizer_dir)
@@ -137,7 +137,8 @@ def build_test(cfg: TestModelParams, tokenizer_dir: str) -> dict[str, Any]:
                            "intermediate_size": cfg.intermediate, "head_dim": cfg.hidden // cfg.heads})
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    meta = {"source": f"random(seed={cfg.seed})", "tokenizer": tokenizer_dir, "parameters": int(sum(p.numel() for p in model.parameters()))}
+    meta = {"source": f"random(seed={cfg.seed})", "tokenizer": tokenizer_dir,
+            "parameters": int(sum(p.numel() for p in model.parameters()))}
     return _save(model, tokenizer, cfg.out_dir, meta)
 
 
@@ -157,23 +158,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline.envs import run_in_model_plane
-
     if args.in_model_plane:  # said by the control plane that spawned us, never guessed from what imports
         result = run(params, args.which)
         write_json(METRICS_FILE, result)
         metrics_files.write("materialize_model", result)
         print(json.dumps(result, indent=1))
         return 0
-    argv = (["--params", args.params_path] if args.params_path else []) + ["materialize-model", "--which", args.which, "--in-model-plane"]
+    argv = ((["--params", args.params_path] if args.params_path else [])
+            + ["materialize-model", "--which", args.which, "--in-model-plane"])
     if args.no_mlflow:
-        return run_in_model_plane(argv)
-    from pipeline import tracking
+        return envs.run_in_model_plane(argv)
+    with tracking.stage_run("materialize_model", params.mlflow):
+        import mlflow  # noqa: PLC0415 - control plane only: this module also runs in the model plane, which has no mlflow
 
-    with tracking.stage_run("materialize_model", params):
-        import mlflow
-
-        rc = run_in_model_plane(argv)
+        rc = envs.run_in_model_plane(argv)
         if rc == 0:
             result = json.loads(METRICS_FILE.read_text())
             mlflow.log_params({"source": params.models.base.source, "dtype": params.models.base.dtype})

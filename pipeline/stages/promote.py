@@ -18,11 +18,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline import metrics_files
-from pipeline.config import Params
+from mlflow import active_run, log_artifact, log_dict, log_metric
+
+from pipeline import metrics_files, registry, tracking
+from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide
 from pipeline.io import write_json
 from pipeline.promotion import PromotionError, reconcile, switch
+from pipeline.serving import routing, stack
 
 __all__ = ["PromotionError", "promote_all", "promote_role", "switch"]
 
@@ -30,25 +33,21 @@ METRICS_FILE = Path("reports/promotion.json")
 
 
 def _active_run_id() -> str:
-    import mlflow
-
-    run = mlflow.active_run()
+    run = active_run()
     return run.info.run_id if run else ""
 
 
-def promote_role(params: Params, name: str, entry: dict[str, Any], current_champion: str) -> dict[str, Any]:
-    import mlflow
-
-    from pipeline import registry
-
+def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, entry: dict[str, Any],
+                 current_champion: str) -> dict[str, Any]:
     cand = registry.get_version(name, entry["candidate"]["version"])
     if str(cand.version) == str(current_champion) and cand.tags.get("promotion.decision") == "promoted":
         # a retried promote (the DAG retries the task) after this switch completed: recognise it, change nothing
         print(f"promote: {name} v{cand.version} was already promoted by run {cand.tags.get('promotion.run', '?')}")
         if registry.by_alias(name, registry.CHALLENGER) is not None:
             registry.delete_alias(name, registry.CHALLENGER)
-        return {"candidate": cand.version, "champion_before": cand.tags.get("promotion.previous_champion", ""), "status": "promoted",
-                "promote": True, "rule": cand.tags.get("promotion.rule", ""), "detail": cand.tags.get("promotion.detail", "already promoted"),
+        return {"candidate": cand.version, "champion_before": cand.tags.get("promotion.previous_champion", ""),
+                "status": "promoted", "promote": True, "rule": cand.tags.get("promotion.rule", ""),
+                "detail": cand.tags.get("promotion.detail", "already promoted"),
                 "routing_version": int(cand.tags.get("promotion.routing_version", 0)) or None, "already": True,
                 "candidate_reward": entry["candidate"]["metrics"]["reward"]["mean"],
                 "champion_reward": entry["champion"]["metrics"]["reward"]["mean"], "difference": entry["difference"]}
@@ -56,27 +55,27 @@ def promote_role(params: Params, name: str, entry: dict[str, Any], current_champ
         decision = Decision(False, "stale", f"evaluated against champion v{entry['champion']['version']}, "
                                             f"but the champion is now v{current_champion}; evaluate again")
     else:
-        decision = decide(entry["candidate"]["metrics"], entry["champion"]["metrics"], entry["difference"], params.promote)
+        decision = decide(entry["candidate"]["metrics"], entry["champion"]["metrics"], entry["difference"], promote)
     out: dict[str, Any] = {"candidate": cand.version, "champion_before": current_champion, **decision.as_dict(),
                            "candidate_reward": entry["candidate"]["metrics"]["reward"]["mean"],
                            "champion_reward": entry["champion"]["metrics"]["reward"]["mean"], "difference": entry["difference"]}
     status = "promoted" if decision.promote else INSUFFICIENT if decision.rule == INSUFFICIENT else "rejected"
-    if decision.promote and params.promote.dry_run:
+    if decision.promote and promote.dry_run:
         status = "dry_run"
     tags = {"promotion.decision": status, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
             "promotion.run": _active_run_id(),
-            "promotion.evidence": json.dumps({"candidate_run": entry["candidate"]["run_id"], "champion_run": entry["champion"]["run_id"],
+            "promotion.evidence": json.dumps({"candidate_run": entry["candidate"]["run_id"],
+                                              "champion_run": entry["champion"]["run_id"],
                                               "difference": entry["difference"]})[:4000]}
     if status == "promoted":
         try:  # the decision's tags are written by the switch itself, once the alias moved (or by a reconcile after a crash)
-            out["routing_version"] = switch(params, name, cand, f"promote {name} v{cand.version}: {decision.detail}", tags=tags)
+            out["routing_version"] = switch(serving, mlflow, promote, name, cand,
+                                            f"promote {name} v{cand.version}: {decision.detail}", tags=tags)
         except PromotionError as exc:
-            registry.set_tags(name, cand.version, {"promotion.decision": "failed", "promotion.rule": "deployment", "promotion.detail": str(exc)[:4000],
-                                                   "promotion.run": _active_run_id()})
+            registry.set_tags(name, cand.version, {"promotion.decision": "failed", "promotion.rule": "deployment",
+                                                   "promotion.detail": str(exc)[:4000], "promotion.run": _active_run_id()})
             raise
-        from pipeline.serving import routing
-
-        mlflow.log_artifact(str(routing.version_path(params, out["routing_version"])), artifact_path="routing")
+        log_artifact(str(routing.version_path(serving, out["routing_version"])), artifact_path="routing")
     else:
         registry.set_tags(name, cand.version, tags)
     registry.delete_alias(name, registry.CHALLENGER)  # decided: the next cycle's trainer names the next challenger
@@ -84,31 +83,27 @@ def promote_role(params: Params, name: str, entry: dict[str, Any], current_champ
     return out
 
 
-def promote_all(params: Params) -> dict[str, Any]:
-    import mlflow
-
-    from pipeline import registry
-    from pipeline.serving import routing
-
-    reconcile(params)
-    summary = json.loads(Path(params.evaluate.out_dir, "summary.json").read_text())
+def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: ServingParams, mlflow: MlflowParams) -> dict[str, Any]:
+    reconcile(serving, mlflow)
+    summary = json.loads(Path(evaluate.out_dir, "summary.json").read_text())
     decisions: dict[str, Any] = {}
     failure: PromotionError | None = None
     for name, entry in summary["roles"].items():
         champion = registry.by_alias(name, registry.CHAMPION)
         try:
-            decisions[name] = promote_role(params, name, entry, champion.version if champion else "")
+            decisions[name] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "")
         except PromotionError as exc:
-            decisions[name] = {"status": "failed", "rule": "deployment", "detail": str(exc), "candidate": entry["candidate"]["version"]}
+            decisions[name] = {"status": "failed", "rule": "deployment", "detail": str(exc),
+                               "candidate": entry["candidate"]["version"]}
             failure = failure or exc
         d = decisions[name]
         print(f"promote: {name} v{d['candidate']}: {d['status'].upper()} ({d['rule']}): {d['detail']}")
-        mlflow.log_metric(f"{name}.promoted", float(d["status"] == "promoted"))
-    live = routing.active(params)
-    champions = {n: (v.version if (v := registry.by_alias(n, registry.CHAMPION)) else None) for n in params.promote.roles}
+        log_metric(f"{name}.promoted", float(d["status"] == "promoted"))
+    live = routing.active(serving)
+    champions = {n: (v.version if (v := registry.by_alias(n, registry.CHAMPION)) else None) for n in promote.roles}
     result = {"promoted": sorted(n for n, d in decisions.items() if d["status"] == "promoted"), "decisions": decisions,
-              "champions": champions, "routing_version": live and live["version"], "dry_run": params.promote.dry_run}
-    mlflow.log_dict(result, "promotion.json")
+              "champions": champions, "routing_version": live and live["version"], "dry_run": promote.dry_run}
+    log_dict(result, "promotion.json")
     if failure is not None:
         write_json(METRICS_FILE, result)
         metrics_files.write("promote", result)
@@ -121,19 +116,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline import tracking
-    from pipeline.serving import stack
-
-    stack.ensure(params)  # reconciles a switch a crash interrupted before anything else
+    stack.ensure(params.serving, params.mlflow)  # reconciles a switch a crash interrupted before anything else
     try:
-        with tracking.stage_run("promote", params) as run:
-            result = promote_all(params)
+        with tracking.stage_run("promote", params.mlflow) as run:
+            result = promote_all(params.evaluate, params.promote, params.serving, params.mlflow)
     except PromotionError as exc:
         print(f"error: promotion failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
         return 1
     write_json(METRICS_FILE, result)
     metrics_files.write("promote", result)
-    print(f"promote: promoted {result['promoted'] or 'nothing'}; champions {result['champions']}; routing v{result['routing_version']} live; "
-          f"evidence in MLflow run {run.info.run_id}")
+    print(f"promote: promoted {result['promoted'] or 'nothing'}; champions {result['champions']}; "
+          f"routing v{result['routing_version']} live; evidence in MLflow run {run.info.run_id}")
     return 0
 

@@ -15,25 +15,24 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline import metrics_files
+import mlflow
+
+from pipeline import metrics_files, tracking
 from pipeline.config import Params
+from pipeline.data.splits import load_tasks
+from pipeline.evaluation import society
 from pipeline.evaluation.metrics import answer, flat, macro_f1, summarise
 from pipeline.io import atomic_dir, write_json
+from pipeline.serving import routing, stack
 
 METRICS_FILE = Path("reports/test.json")
 
 
 def run(params: Params) -> dict[str, Any]:
-    import mlflow
-
-    from pipeline import tracking
-    from pipeline.data.splits import load_tasks
-    from pipeline.evaluation import society
-    from pipeline.serving import routing
-
-    tasks = load_tasks(params, "test", params.report.limit)
-    live = routing.active(params)
-    traces = society.run_many(params, tasks, [(live, None)], tracking.pipeline_run_id(), score=True, description="report (test split)")[0]
+    tasks = load_tasks(params.validate_, "test", params.report.limit)
+    live = routing.active(params.serving)
+    traces = society.run_many(params, tasks, [(live, None)], tracking.pipeline_run_id(), score=True,
+                              description="report (test split)")[0]
     records = [{"task_id": t.task_id, "label": t.label, "decision": t.decision, "status": t.status, "reward": t.reward or 0.0,
                 "scores": t.rewards, "turns": t.turns, "tokens": t.tokens, "latency_s": t.latency_s} for t in traces]
     predictions = {t.task_id: answer(t.decision) for t in traces}
@@ -50,8 +49,8 @@ def run(params: Params) -> dict[str, Any]:
     mlflow.log_metrics({f"test.{k}": v for k, v in {**flat(summary), **official}.items()})
     mlflow.log_artifacts(params.report.out_dir, artifact_path="test")
     print(f"report: {len(pmids)} test questions, accuracy {official['accuracy']:.3f}, macro-F1 {official['macro_f1']:.3f} "
-          f"(PubMedQA's evaluation.py: python evaluation.py {params.report.out_dir}/predictions.json with data/test_ground_truth.json = "
-          f"{params.report.out_dir}/ground_truth.json)")
+          f"(PubMedQA's evaluation.py: python evaluation.py {params.report.out_dir}/predictions.json "
+          f"with data/test_ground_truth.json = {params.report.out_dir}/ground_truth.json)")
     return result
 
 
@@ -60,11 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline import tracking
-    from pipeline.serving import stack
-
-    stack.ensure(params)
-    with tracking.stage_run("report", params):
+    stack.ensure(params.serving, params.mlflow)
+    with tracking.stage_run("report", params.mlflow):
         result = run(params)
     write_json(METRICS_FILE, result)
     metrics_files.write("report", result)

@@ -10,22 +10,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline import registry
-from pipeline.config import Params
+from pipeline import registry, tracking
+from pipeline.config import MlflowParams, Params, PromoteParams, ServingParams
 from pipeline.promotion import PromotionError, reconcile, switch
+from pipeline.serving import stack
 
 
-def rollback(params: Params, name: str) -> tuple[str, str, int]:
+def rollback(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str) -> tuple[str, str, int]:
     """Returns (from version, to version, routing version now live)."""
-    reconcile(params)  # a promotion a crash interrupted is settled first: "the previous champion" must be the real one
-    if name not in params.promote.roles:
-        raise PromotionError(f"unknown role {name!r}; trainable roles are {list(params.promote.roles)}")
+    reconcile(serving, mlflow)  # a promotion a crash interrupted is settled first: "the previous champion" must be the real one
+    if name not in promote.roles:
+        raise PromotionError(f"unknown role {name!r}; trainable roles are {list(promote.roles)}")
     current = registry.by_alias(name, registry.CHAMPION)
     previous = current and current.tags.get("promotion.previous_champion")
     if current is None or not previous:
-        raise PromotionError(f"{name}: champion v{current.version if current else '?'} was not put there by a promotion; nothing to roll back")
-    number = switch(params, name, registry.get_version(name, previous), f"rollback {name} v{current.version} -> v{previous}",
-                    record=False)
+        raise PromotionError(f"{name}: champion v{current.version if current else '?'} was not put there by a promotion; "
+                             "nothing to roll back")
+    number = switch(serving, mlflow, promote, name, registry.get_version(name, previous),
+                    f"rollback {name} v{current.version} -> v{previous}", record=False)
     registry.set_tags(name, current.version, {"promotion.decision": "rolled_back"})
     return current.version, previous, number
 
@@ -35,13 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline import tracking
-    from pipeline.serving import stack
-
-    stack.ensure(params)
-    tracking.setup(params)
+    stack.ensure(params.serving, params.mlflow)
+    tracking.setup(params.mlflow)
     try:
-        was, now, number = rollback(params, args.role)
+        was, now, number = rollback(params.serving, params.mlflow, params.promote, args.role)
     except PromotionError as exc:
         print(f"error: rollback failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
         return 1

@@ -6,9 +6,9 @@ Each task is rolled out ``rollouts.samples_per_task`` times (a group, rollout id
 each with its own exploration seed and sampled completions), so rewards can be compared within a
 task (the SFT filter and GRPO need groups). Within a shard, rollouts run concurrently (bounded),
 each with a timeout and retries. Finished traces are appended to a journal
-(``.shard-XXXXX.jsonl.partial``, fsync per line); a crashed shard resumes from it without repeating finished rollouts (a truncated last line is ignored), and the
-final ``shard-XXXXX.jsonl`` is written atomically from the journal. Rerunning a finished shard
-replaces it whole.
+(``.shard-XXXXX.jsonl.partial``, fsync per line); a crashed shard resumes from it without repeating
+finished rollouts (a truncated last line is ignored), and the final ``shard-XXXXX.jsonl`` is written
+atomically from the journal. Rerunning a finished shard replaces it whole.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -25,9 +26,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline import metrics_files
-from pipeline.config import Params
+from rich.progress import Progress
+
+from pipeline import metrics_files, tracking
+from pipeline.agents.llm import RoleClient
+from pipeline.agents.rollout import run_with_retries, supervisor_policy
+from pipeline.agents.tools import Toolbox
+from pipeline.config import AgentsParams, JudgeParams, Params, RewardParams, RolloutsParams, ValidateParams
+from pipeline.data.splits import load_tasks
 from pipeline.io import atomic_open, write_json
+from pipeline.serving import routing, stack
 
 METRICS_FILE = Path("reports/rollouts.json")
 
@@ -36,10 +44,8 @@ class FailureRateExceeded(RuntimeError):
     pass
 
 
-def shard_tasks(params: Params, shard: int) -> list[dict[str, Any]]:
-    from pipeline.data.splits import load_tasks
-
-    return load_tasks(params, "train", params.rollouts.limit)[shard :: params.rollouts.shards]
+def shard_tasks(rollouts: RolloutsParams, validate: ValidateParams, shard: int) -> list[dict[str, Any]]:
+    return load_tasks(validate, "train", rollouts.limit)[shard :: rollouts.shards]
 
 
 def rollout_id(task: dict[str, Any], sample: int) -> str:
@@ -47,12 +53,12 @@ def rollout_id(task: dict[str, Any], sample: int) -> str:
     return f"{task['id']}-{sample}"
 
 
-def shard_path(params: Params, shard: int) -> Path:
-    return Path(params.rollouts.out_dir) / f"shard-{shard:05d}.jsonl"
+def shard_path(rollouts: RolloutsParams, shard: int) -> Path:
+    return Path(rollouts.out_dir) / f"shard-{shard:05d}.jsonl"
 
 
-def journal_path(params: Params, shard: int) -> Path:
-    final = shard_path(params, shard)
+def journal_path(rollouts: RolloutsParams, shard: int) -> Path:
+    final = shard_path(rollouts, shard)
     return final.with_name(f".{final.name}.partial")
 
 
@@ -69,11 +75,12 @@ def read_journal(path: Path) -> dict[str, str]:
     return done
 
 
-def journal_key(params: Params, shard: int, version: Any, tasks: list[dict[str, Any]]) -> str:
+def journal_key(agents: AgentsParams, judge: JudgeParams, reward: RewardParams, rollouts: RolloutsParams, shard: int,
+                version: Any, tasks: list[dict[str, Any]]) -> str:
     """What a journal's rollouts were produced under: a crashed run's rollouts may be resumed only by a run
     with the same society, judge, reward, sampling, routing version and tasks (not e.g. after a promotion)."""
-    doc = {"agents": params.agents.model_dump(), "judge": params.judge.model_dump(), "reward": params.reward.model_dump(),
-           "rollouts": params.rollouts.model_dump(include={"seed", "samples_per_task", "shards", "limit", "llm_base_url"}),
+    doc = {"agents": agents.model_dump(), "judge": judge.model_dump(), "reward": reward.model_dump(),
+           "rollouts": rollouts.model_dump(include={"seed", "samples_per_task", "shards", "limit", "llm_base_url"}),
            "routing_version": version, "shard": shard, "tasks": [str(t["id"]) for t in tasks]}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -110,8 +117,6 @@ def open_journal(path: Path, key: str) -> dict[str, str]:
 def shard_lock(journal: Path) -> Iterator[None]:
     """One writer per shard: a second process on the same shard fails at once instead of interleaving lines. The lock
     file lives beside the output folder, not in it (it is no output, and it outlives the run)."""
-    import fcntl
-
     lock = beside(journal, ".lock")
     with open(lock, "a") as fh:
         try:
@@ -124,26 +129,26 @@ def shard_lock(journal: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+# whole Params: a shard reads the split, the society, judge and reward, the rollouts settings and the live routing (serving)
 async def run_shard(params: Params, shard: int, run_id: str, progress: Any = None) -> list[dict[str, Any]]:
-    tasks = shard_tasks(params, shard)
-    journal = journal_path(params, shard)
+    tasks = shard_tasks(params.rollouts, params.validate_, shard)
+    journal = journal_path(params.rollouts, shard)
     journal.parent.mkdir(parents=True, exist_ok=True)
     with shard_lock(journal):
         return await _run_shard(params, shard, run_id, tasks, journal, progress)
 
 
-async def _run_shard(params: Params, shard: int, run_id: str, tasks: list[dict[str, Any]], journal: Path, progress: Any) -> list[dict[str, Any]]:
-    from pipeline.agents.llm import RoleClient
-    from pipeline.agents.rollout import run_with_retries, supervisor_policy
-    from pipeline.agents.tools import Toolbox
-    from pipeline.serving import routing
-
-    base_url, key, version = routing.society_endpoint(params)
-    done = open_journal(journal, journal_key(params, shard, version, tasks))  # a finished shard rerun starts fresh: no journal
+# whole Params: run_shard's sections (it is run_shard's body, under the shard's lock)
+async def _run_shard(params: Params, shard: int, run_id: str, tasks: list[dict[str, Any]], journal: Path,
+                     progress: Any) -> list[dict[str, Any]]:
+    base_url, key, version = routing.society_endpoint(params.rollouts, params.serving)
+    key_doc = journal_key(params.agents, params.judge, params.reward, params.rollouts, shard, version, tasks)
+    done = open_journal(journal, key_doc)  # a finished shard rerun starts fresh: no journal
     cfg = params.rollouts
     client = RoleClient.for_agents(params.agents, base_url, key, cfg.timeout_s)
     tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
-    policy = supervisor_policy(params, routing.active(params) if not params.rollouts.llm_base_url else None)
+    table = routing.active(params.serving) if not params.rollouts.llm_base_url else None
+    policy = supervisor_policy(params.agents, params.mlflow, table)
     sem = asyncio.Semaphore(cfg.concurrency)
     lock = asyncio.Lock()
     samples = [(t, k) for t in tasks for k in range(cfg.samples_per_task)]
@@ -155,7 +160,8 @@ async def _run_shard(params: Params, shard: int, run_id: str, tasks: list[dict[s
     async def one(task: dict[str, Any], k: int) -> None:
         ids: dict[str, Any] = {"run_id": run_id, "shard": shard, "task_id": str(task["id"]), "rollout_id": rollout_id(task, k)}
         async with sem:
-            trace = await run_with_retries(params, client, tools, task, ids, version, policy, cfg.timeout_s, cfg.retries)
+            trace = await run_with_retries(params.agents, params.judge, params.reward, client, tools, task, ids, cfg.seed,
+                                           version, policy, cfg.timeout_s, cfg.retries)
         line = trace.model_dump_json()
         async with lock:
             with open(journal, "a") as fh:  # noqa: ASYNC230 - one fsync'd line; ordering matters more than the stall
@@ -170,7 +176,7 @@ async def _run_shard(params: Params, shard: int, run_id: str, tasks: list[dict[s
         await asyncio.gather(*[one(t, k) for t, k in todo])
     finally:
         await client.aclose()
-    with atomic_open(shard_path(params, shard)) as fh:
+    with atomic_open(shard_path(params.rollouts, shard)) as fh:
         fh.writelines(done[r] + "\n" for r in order)
     journal.unlink()  # noqa: ASYNC240 - one unlink after the last write
     return [json.loads(done[r]) for r in order]
@@ -183,7 +189,8 @@ def summarise(traces: list[dict[str, Any]]) -> dict[str, float]:
         out[f"mean_{key}"] = statistics.fmean(t[key] for t in traces) if traces else 0.0
     rewards = [t["reward"] for t in ok if t["reward"] is not None]
     out["mean_reward"] = statistics.fmean(rewards) if rewards else 0.0
-    for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency", "aligned", "reward_judge", "reward_decision"):
+    for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency", "aligned", "reward_judge",
+              "reward_decision"):
         vals = [t["rewards"][c] for t in ok if c in t["rewards"]]
         if vals:
             out[f"mean_{c}"] = statistics.fmean(vals)
@@ -205,24 +212,23 @@ class _ShardBar:
 
 
 def run(params: Params, shards: list[int], run_id: str) -> dict[str, Any]:
-    from rich.progress import Progress
-
     results: dict[str, Any] = {}
     all_traces: list[dict[str, Any]] = []
     with Progress(transient=False) as bar:
         for shard in shards:
-            traces = asyncio.run(run_shard(params, shard, run_id, _ShardBar(bar, bar.add_task(f"rollouts shard {shard}", total=None))))
+            shard_bar = _ShardBar(bar, bar.add_task(f"rollouts shard {shard}", total=None))
+            traces = asyncio.run(run_shard(params, shard, run_id, shard_bar))
             results[f"shard_{shard}"] = summarise(traces)
             all_traces += traces
     results["total"] = summarise(all_traces)
     return results
 
 
-def collect(params: Params) -> dict[str, Any]:
+def collect(rollouts: RolloutsParams) -> dict[str, Any]:
     """Metrics over the shard files already written (after mapped per-shard runs)."""
     results, every = {}, []
-    for shard in range(params.rollouts.shards):
-        path = shard_path(params, shard)
+    for shard in range(rollouts.shards):
+        path = shard_path(rollouts, shard)
         if not path.exists():
             raise FileNotFoundError(f"{path}: shard {shard} has not run")
         traces = [json.loads(line) for line in path.read_text().splitlines()]
@@ -232,10 +238,10 @@ def collect(params: Params) -> dict[str, Any]:
     return results
 
 
-def prune_stale_shards(params: Params) -> None:
+def prune_stale_shards(rollouts: RolloutsParams) -> None:
     """Shard files beyond ``rollouts.shards`` (from an earlier, wider run) would be read as current."""
-    for path in Path(params.rollouts.out_dir).glob("shard-*.jsonl"):
-        if int(path.stem.split("-")[1]) >= params.rollouts.shards:
+    for path in Path(rollouts.out_dir).glob("shard-*.jsonl"):
+        if int(path.stem.split("-")[1]) >= rollouts.shards:
             path.unlink()
 
 
@@ -246,50 +252,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline import tracking
-
     shards = [args.shard] if args.shard is not None else list(range(params.rollouts.shards))
     if any(not 0 <= s < params.rollouts.shards for s in shards):
         print(f"error: --shard must be in [0, {params.rollouts.shards})", file=sys.stderr)
         return 2
     run_id = tracking.pipeline_run_id()
     if args.shard is None:
-        prune_stale_shards(params)
+        prune_stale_shards(params.rollouts)
     if not params.rollouts.llm_base_url and not args.collect:
-        from pipeline.serving import stack
-
-        stack.ensure(params)  # the embedded default's workers + proxy + verified routing
+        stack.ensure(params.serving, params.mlflow)  # the embedded default's workers + proxy + verified routing
     if args.collect:
-        results = collect(params)
+        results = collect(params.rollouts)
     elif args.no_mlflow:
         results = run(params, shards, run_id)
     else:
-        with tracking.stage_run("rollouts" if args.shard is None else f"rollouts-shard-{args.shard}", params):
-            import mlflow
+        with tracking.stage_run("rollouts" if args.shard is None else f"rollouts-shard-{args.shard}", params.mlflow):
+            import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow, --collect)
 
-            results = collect(params) if args.collect else run(params, shards, run_id)
+            results = collect(params.rollouts) if args.collect else run(params, shards, run_id)
             for scope, metrics in results.items():
                 mlflow.log_metrics({f"{scope}.{k}": float(v) for k, v in metrics.items()})
-            from pipeline.traces.mlflow_traces import log_traces
+            from pipeline.traces.mlflow_traces import log_traces  # noqa: PLC0415 - imports mlflow, as above
 
             for s in ([] if args.collect else shards):
-                mlflow.log_artifact(str(shard_path(params, s)), artifact_path="traces")
-                log_traces([json.loads(line) for line in shard_path(params, s).read_text().splitlines()])
+                mlflow.log_artifact(str(shard_path(params.rollouts, s)), artifact_path="traces")
+                log_traces([json.loads(line) for line in shard_path(params.rollouts, s).read_text().splitlines()])
     if args.shard is None:
         write_json(METRICS_FILE, results)
         metrics_files.write("rollouts", results)
     total = results["total"]
     failure_rate = 1 - total["success_rate"]
-    print(f"rollouts: {int(total['rollouts'])} rollouts, success {total['success_rate']:.0%}, mean reward {total['mean_reward']:.3f} "
-          f"-> {params.rollouts.out_dir}/")
+    print(f"rollouts: {int(total['rollouts'])} rollouts, success {total['success_rate']:.0%}, "
+          f"mean reward {total['mean_reward']:.3f} -> {params.rollouts.out_dir}/")
     if failure_rate > params.rollouts.max_failure_rate:
         errors: dict[str, int] = {}
         for s in shards:
-            for line in shard_path(params, s).read_text().splitlines():
+            for line in shard_path(params.rollouts, s).read_text().splitlines():
                 t = json.loads(line)
                 if t["status"] == "failed":
                     errors[t["error"][:160]] = errors.get(t["error"][:160], 0) + 1
-        print(f"error: failure rate {failure_rate:.0%} exceeds rollouts.max_failure_rate {params.rollouts.max_failure_rate:.0%}; "
-              f"reasons: {json.dumps(errors)}", file=sys.stderr)
+        print(f"error: failure rate {failure_rate:.0%} exceeds rollouts.max_failure_rate "
+              f"{params.rollouts.max_failure_rate:.0%}; reasons: {json.dumps(errors)}", file=sys.stderr)
         return 1
     return 0

@@ -12,12 +12,26 @@ MLflow pyfunc whose ``predict`` returns each row's action distribution; ``log_mo
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BanditParams, Params
-from pipeline.io import atomic_dir, read_rows, write_json
+import mlflow
+import numpy as np
+import pandas as pd
+from mlflow.models import ModelSignature
+from mlflow.types import ColSpec, DataType, Schema
+from mlflow.types.schema import Array, Object, Property
+
+from pipeline import lineage, metrics_files, plots, registry, tracking
+from pipeline.bandit import ope, vw
+from pipeline.config import BanditParams, MlflowParams, Params
+from pipeline.io import atomic_dir, read_rows, write_json, write_text
+
+# mlflow is imported at the top although a --no-mlflow run does not log: the policy module (pipeline.bandit.vw_policy,
+# which every training path imports through pipeline.bandit.vw) imports it already for the pyfunc base class.
 
 METRICS_FILE = Path("reports/bandit.json")
 PLOT_PNG = Path("reports/plots/bandit_ope.png")
@@ -30,20 +44,16 @@ def load_examples(path: Path) -> list[dict[str, Any]]:
     return read_rows(path, 2, "logged decision", "the bandit needs at least 2 (one per cross-fitting fold)")
 
 
-def evaluate_offline(cfg: BanditParams, examples: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+def evaluate_offline(bandit: BanditParams, examples: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     """Cross-fitted OPE of the learned policy and of the logging policy on the same decisions."""
-    import numpy as np
-
-    from pipeline.bandit import ope, vw
-
     n = len(examples)
-    folds = min(cfg.folds, n)
-    fold_of = np.random.default_rng(cfg.seed).permutation(n) % folds
+    folds = min(bandit.folds, n)
+    fold_of = np.random.default_rng(bandit.seed).permutation(n) % folds
     learned: list[list[float]] = [[] for _ in range(n)]
     q: list[list[float]] = [[] for _ in range(n)]
     for f in range(folds):
         train = [examples[i] for i in range(n) if fold_of[i] != f]
-        policy, reward_model = vw.train_policy(cfg, train), vw.train_reward_model(cfg, train)
+        policy, reward_model = vw.train_policy(bandit, train), vw.train_reward_model(bandit, train)
         for i in np.flatnonzero(fold_of == f):
             ex = examples[i]
             learned[i] = vw.pmf(policy, ex["context"], ex["actions"])
@@ -51,7 +61,7 @@ def evaluate_offline(cfg: BanditParams, examples: list[dict[str, Any]]) -> dict[
         policy.finish()
         reward_model.finish()
     common: dict[str, Any] = {"chosen": [e["chosen"] for e in examples], "propensity": [e["propensity"] for e in examples],
-              "reward": [e["reward"] for e in examples], "q": q, "n_boot": cfg.bootstrap, "seed": cfg.seed}
+                              "reward": [e["reward"] for e in examples], "q": q, "n_boot": bandit.bootstrap, "seed": bandit.seed}
     return {"learned": ope.estimate(learned, **common), "logging": ope.estimate([e["logging_pmf"] for e in examples], **common)}
 
 
@@ -64,17 +74,15 @@ def print_table(estimates: dict[str, dict[str, dict[str, float]]], n: int) -> No
 
 
 def plot(estimates: dict[str, dict[str, dict[str, float]]]) -> None:
-    from pipeline.io import write_text
-    from pipeline.plots import png
-
     names = list(next(iter(estimates.values())))
     write_text(PLOT_CSV, PLOT_COLUMNS + "".join(f"{n}: {p},{n},{p},{t[n]['value']},{t[n]['ci_low']},{t[n]['ci_high']}\n"
                                                 for n in names for p, t in estimates.items()))
-    with png(PLOT_PNG) as ax:
+    with plots.png(PLOT_PNG) as ax:
         for j, (policy, table) in enumerate(estimates.items()):
             xs = [i + (j - 0.5) * 0.3 for i in range(len(names))]
             vals = [table[n]["value"] for n in names]
-            err = [[v - table[n]["ci_low"] for n, v in zip(names, vals, strict=True)], [table[n]["ci_high"] - v for n, v in zip(names, vals, strict=True)]]
+            err = [[v - table[n]["ci_low"] for n, v in zip(names, vals, strict=True)],
+                   [table[n]["ci_high"] - v for n, v in zip(names, vals, strict=True)]]
             ax.bar(xs, vals, width=0.3, yerr=err, capsize=4, label=policy)
         ax.set_xticks(range(len(names)), [n.upper() for n in names])
         ax.set_ylabel("estimated reward")
@@ -82,15 +90,13 @@ def plot(estimates: dict[str, dict[str, dict[str, float]]]) -> None:
         ax.legend()
 
 
-def train_final(cfg: BanditParams, examples: list[dict[str, Any]]) -> Path:
-    from pipeline.bandit import vw
-
-    out = Path(cfg.out_dir)
+def train_final(bandit: BanditParams, examples: list[dict[str, Any]]) -> Path:
+    out = Path(bandit.out_dir)
     with atomic_dir(out) as tmp:
-        ws = vw.train_policy(cfg, examples)
+        ws = vw.train_policy(bandit, examples)
         ws.save(str(tmp / "policy.vw"))
         ws.finish()
-        write_json(tmp / "policy.json", {"vw_args": vw.policy_args(cfg), "decisions": len(examples)})
+        write_json(tmp / "policy.json", {"vw_args": vw.policy_args(bandit), "decisions": len(examples)})
     return out / "policy.vw"
 
 
@@ -106,10 +112,6 @@ INPUT_EXAMPLE = {"question": "Does the BRCA1 gene variant change outcomes in pat
 
 def signature() -> Any:
     """Rows of ``question`` + ``candidates`` (hypothesis dicts) -> each row's action distribution."""
-    from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, DataType, Schema
-    from mlflow.types.schema import Array, Object, Property
-
     candidate = Object([Property("author", DataType.string), Property("hypothesis", DataType.string),
                         Property("rationale", DataType.string, required=False),
                         Property("evidence_pmids", Array(DataType.string), required=False)])
@@ -122,29 +124,23 @@ def log_model(model_file: Path, name: str = REGISTERED_NAME) -> Any:
     code, ``CODE_FILES`` as the package ``CODE_PACKAGE`` in its ``code/`` folder, the ``.vw`` file as the
     artifact ``vw_model``, a signature and an input example. Nothing of the ``pipeline`` package is needed
     to load it."""
-    import shutil
-    import tempfile
-
-    import mlflow
-    import pandas as pd
-
-    from pipeline.bandit import mlflow_model
+    from pipeline.bandit import mlflow_model  # noqa: PLC0415 - models-from-code: importing it runs mlflow.models.set_model
 
     src = Path(mlflow_model.__file__).parent
     with tempfile.TemporaryDirectory() as tmp:
         package = Path(tmp, CODE_PACKAGE)
         package.mkdir()
-        (package / "__init__.py").write_text('"""The supervisor policy\'s inference code, logged with the model (pipeline/bandit)."""\n')
+        (package / "__init__.py").write_text('"""The supervisor policy\'s inference code, logged with the model '
+                                             '(pipeline/bandit)."""\n')
         for rel in CODE_FILES:
             shutil.copyfile(src / rel, package / rel)
         return mlflow.pyfunc.log_model(name=name, python_model=mlflow_model.__file__, artifacts={"vw_model": str(model_file)},
-                                       code_paths=[str(package)], signature=signature(), input_example=pd.DataFrame([INPUT_EXAMPLE]),
-                                       pip_requirements=PIP_REQUIREMENTS)
+                                       code_paths=[str(package)], signature=signature(),
+                                       input_example=pd.DataFrame([INPUT_EXAMPLE]), pip_requirements=PIP_REQUIREMENTS)
 
 
+# whole Params: registry.register_candidate takes it (the role's baseline reads five sections)
 def register(params: Params, model_file: Path, data_file: Path, examples: list[dict[str, Any]], run: Any) -> Any:
-    from pipeline import lineage, registry
-
     info = log_model(model_file)
     tags = lineage.tags(run, data_file.parent, examples, params.rollouts.out_dir, role="supervisor", kind="contextual_bandit",
                         **{"lineage.base_model": "vw --cb_explore_adf"})
@@ -163,23 +159,18 @@ def no_signal_reason(examples: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
+def no_signal(bandit: BanditParams, mlflow: MlflowParams, reason: str, no_mlflow: bool) -> int:
     """The outputs and MLflow say the data carried no signal; no policy is trained or registered."""
-    from pipeline import plots, tracking
-
-    with atomic_dir(Path(params.bandit.out_dir)) as tmp:
+    with atomic_dir(Path(bandit.out_dir)) as tmp:
         write_json(tmp / "no_signal.json", {"no_signal": True, "no_signal_reason": reason})
     report = {"no_signal": True, "no_signal_reason": reason}
     write_json(METRICS_FILE, report)
-    from pipeline import metrics_files
-    from pipeline.io import write_text
-
     metrics_files.write("train_bandit", report)
     write_text(PLOT_CSV, PLOT_COLUMNS)
     plots.message(PLOT_PNG, f"no signal: {reason}")
     print(f"train_bandit: no_signal, nothing trained or registered: {reason}")
     if not no_mlflow:
-        tracking.record_no_signal("train_bandit", params, reason, METRICS_FILE)
+        tracking.record_no_signal("train_bandit", mlflow, reason, METRICS_FILE)
     return 0
 
 
@@ -196,26 +187,21 @@ def main(args: argparse.Namespace, params: Params) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if (reason := no_signal_reason(examples)) is not None:
-        return no_signal(params, f"{data_file}: {reason}", args.no_mlflow)
+        return no_signal(params.bandit, params.mlflow, f"{data_file}: {reason}", args.no_mlflow)
     estimates = evaluate_offline(cfg, examples)
     print_table(estimates, len(examples))
     model_file = train_final(cfg, examples)
     plot(estimates)
     result: dict[str, Any] = {"decisions": len(examples), "ope": estimates,
-              "dr_gain": estimates["learned"]["dr"]["value"] - estimates["logging"]["dr"]["value"]}
+                              "dr_gain": estimates["learned"]["dr"]["value"] - estimates["logging"]["dr"]["value"]}
     write_json(METRICS_FILE, result)
-    from pipeline import metrics_files
-
     metrics_files.write("train_bandit", result)
     if args.no_mlflow:
         return 0
-    from pipeline import tracking
-
-    with tracking.stage_run("train_bandit", params) as run:
-        import mlflow
-
+    with tracking.stage_run("train_bandit", params.mlflow) as run:
         mlflow.log_params({**cfg.model_dump(), "decisions": len(examples)})
-        mlflow.log_metrics({f"ope.{p}.{e}.{k}": v for p, t in estimates.items() for e, d in t.items() for k, v in d.items()})
+        mlflow.log_metrics({f"ope.{p}.{e}.{k}": v for p, t in estimates.items() for e, d in t.items()
+                            for k, v in d.items()})
         mlflow.log_metric("ope.dr_gain", float(result["dr_gain"]))
         mlflow.log_artifact(str(PLOT_PNG), artifact_path="plots")
         mlflow.log_artifact(str(METRICS_FILE))

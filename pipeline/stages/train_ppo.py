@@ -26,30 +26,37 @@ stage that chooses between them (a said plane, a backend with its fallback reaso
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params
-from pipeline.io import write_json, write_text
-from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV, train_trl
+from pipeline import envs, metrics_files, plots, tracking
+from pipeline.config import Params, PpoParams
+from pipeline.io import atomic_path, write_json, write_text
+from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV, make_reward, train_trl
 from pipeline.rl.prompts import data_dir, load_prompts
 from pipeline.rl.verl_driver import train_verl
+
+# This module runs in both planes (the TRL path re-runs it with --in-model-plane, and the backend probe imports it
+# there): torch is imported where the model plane needs it; mlflow, the registry and the serving stack where the
+# control plane uses them.
 
 METRICS_FILE = Path("reports/train_ppo.json")
 CURVE_CSV = Path("reports/plots/ppo_reward.csv")
 CURVE_PNG = Path("reports/plots/ppo_reward.png")
 
 
-def pick_backend(params: Params) -> tuple[str, str | None]:
+def pick_backend(ppo: PpoParams) -> tuple[str, str | None]:
     """(backend, why ``auto`` fell back to TRL or None), decided in the model plane where torch is."""
-    import importlib.util
+    import torch  # noqa: PLC0415 - model plane only
 
-    import torch
-
-    want = params.ppo.backend
+    want = ppo.backend
     if want == "trl":
         return "trl", None
     missing = [m for m in ("verl", "agentlightning") if importlib.util.find_spec(m) is None]
@@ -61,23 +68,22 @@ def pick_backend(params: Params) -> tuple[str, str | None]:
     return "trl", f"ppo.backend=auto fell back to TRL GRPO: {why}"
 
 
-def resolve_backend(params: Params, params_path: str | None) -> tuple[str, str | None]:
+def resolve_backend(ppo: PpoParams, params_path: str | None) -> tuple[str, str | None]:
     """:func:`pick_backend` asked of the model plane's interpreter (the control plane has no torch)."""
-    if params.ppo.backend == "trl":
+    if ppo.backend == "trl":
         return "trl", None
-    import subprocess
-
-    from pipeline.envs import REPO_ROOT, model_python
-
     probe = ("import json, sys; from pipeline.config import load_params; from pipeline.stages.train_ppo import pick_backend\n"
-             "try:\n print(json.dumps(pick_backend(load_params(sys.argv[1] or None))))\n"
+             "try:\n print(json.dumps(pick_backend(load_params(sys.argv[1] or None).ppo)))\n"
              "except RuntimeError as exc:\n print(json.dumps(['error', str(exc)]))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([model_python(), "-c", probe, params_path or ""], capture_output=True, text=True, check=False, env=env, timeout=300)
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(envs.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([envs.model_python(), "-c", probe, params_path or ""], capture_output=True, text=True, check=False,
+                         env=env, timeout=300)
     try:
         backend, why = json.loads(out.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError) as exc:
-        raise RuntimeError(f"could not ask the model plane ({model_python()}) for a ppo backend: {out.stderr[-1500:]}") from exc
+        raise RuntimeError(f"could not ask the model plane ({envs.model_python()}) for a ppo backend: "
+                           f"{out.stderr[-1500:]}") from exc
     if backend == "error":
         raise RuntimeError(why)
     return backend, why
@@ -86,11 +92,10 @@ def resolve_backend(params: Params, params_path: str | None) -> tuple[str, str |
 # --- control plane: MLflow + registry -------------------------------------------------------------------
 
 def _log_curves(history: list[dict[str, Any]]) -> None:
-    from pipeline.plots import png
-
     rows = [h for h in history if "reward" in h]
-    write_text(CURVE_CSV, "step,reward,kl\n" + "".join(f"{h['step']},{h['reward']},{'' if h.get('kl') is None else h['kl']}\n" for h in rows))
-    with png(CURVE_PNG) as ax:
+    write_text(CURVE_CSV, "step,reward,kl\n"
+               + "".join(f"{h['step']},{h['reward']},{'' if h.get('kl') is None else h['kl']}\n" for h in rows))
+    with plots.png(CURVE_PNG) as ax:
         steps = [h["step"] for h in rows]
         ax.plot(steps, [h["reward"] for h in rows], "o-", label="mean reward of sampled completions")
         if any("kl" in h for h in rows):
@@ -100,10 +105,11 @@ def _log_curves(history: list[dict[str, Any]]) -> None:
         ax.legend()
 
 
+# whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
 def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
-    import mlflow
+    import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
-    from pipeline import registry, tracking
+    from pipeline import registry  # noqa: PLC0415 - control plane only (MLflow registry, serving), as above
 
     cfg = params.ppo
     out = Path(cfg.out_dir)
@@ -116,13 +122,13 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     if (out / "completions.jsonl").exists():
         scored = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
         if scored:
-            mlflow.log_table({k: [r.get(k) for r in scored] for k in ("step", "agent", "task_id", "value", "validity", "judge", "aligned", "reason", "completion")},
-                             artifact_file="completions.json")
+            columns = ("step", "agent", "task_id", "value", "validity", "judge", "aligned", "reason", "completion")
+            mlflow.log_table({k: [r.get(k) for r in scored] for k in columns}, artifact_file="completions.json")
     if metrics.get("no_signal"):  # an adapter trained on zero advantages is the base model: nothing to register or evaluate
         tracking.tag_no_signal(metrics["no_signal_reason"])
         return None
-    rows = [{"run_id": r.get("run_id", "")} for r in load_prompts(params)]
-    return registry.register_adapter(params, run, cfg.role, out / "adapter", data_dir(params), rows, cfg.base_model,
+    rows = [{"run_id": r.get("run_id", "")} for r in load_prompts(params.datasets, cfg)]
+    return registry.register_adapter(params, run, cfg.role, out / "adapter", data_dir(params.datasets), rows, cfg.base_model,
                                      f"LoRA adapter for the {cfg.role} role (online RL on the society's rollouts)",
                                      backend=metrics["backend"], algorithm=metrics["algorithm"])
 
@@ -134,9 +140,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _summary(m: dict[str, Any]) -> str:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-    return (f"train_ppo [{m['backend']}/{m['algorithm']}/{m['device']}]: {m['steps']} steps, {m['seconds_per_step']} s/step, reward "
-            f"{fmt(m.get('reward_first'))} -> {fmt(m.get('reward_last'))} (mean {fmt(m.get('reward_mean'))}), KL {fmt(m.get('kl_last'))}, "
-            f"reasons {m.get('reward_reasons', {})}; valid {fmt(m.get('valid_fraction'))}, reward std {fmt(m.get('reward_std'))}, "
+    return (f"train_ppo [{m['backend']}/{m['algorithm']}/{m['device']}]: {m['steps']} steps, {m['seconds_per_step']} s/step, "
+            f"reward {fmt(m.get('reward_first'))} -> {fmt(m.get('reward_last'))} (mean {fmt(m.get('reward_mean'))}), "
+            f"KL {fmt(m.get('kl_last'))}, reasons {m.get('reward_reasons', {})}; valid {fmt(m.get('valid_fraction'))}, "
+            f"reward std {fmt(m.get('reward_std'))}, "
             f"{m.get('zero_advantage_groups')}/{m.get('groups')} groups with zero advantage"
             + (f"; NO SIGNAL: {m['no_signal_reason']}" if m.get("no_signal") else ""))
 
@@ -144,64 +151,53 @@ def _summary(m: dict[str, Any]) -> str:
 def main(args: argparse.Namespace, params: Params) -> int:
     """Control plane (what the DAG and dvc.yaml run, on any worker): MLflow run, backend, registration.
     ``--in-model-plane`` (said by the control plane, never guessed from what imports) trains with TRL."""
-    from pipeline.envs import run_in_model_plane
-
     if args.in_model_plane:
         try:
-            backend, why = pick_backend(params)
+            backend, why = pick_backend(params.ppo)
             if backend == "verl":
                 raise RuntimeError("the verl backend is driven from the control plane (`python -m pipeline train-ppo`)")
-            metrics = {**train_trl(params), "fallback_reason": why}
+            reward_for = functools.partial(make_reward, params.agents, params.ppo, params.judge, params.reward)
+            metrics = {**train_trl(params.ppo, params.datasets, reward_for), "fallback_reason": why}
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         write_json(METRICS_FILE, metrics)
-        from pipeline import metrics_files
-
         metrics_files.write("train_ppo", metrics)
         # the CPU path's training samples are its scored completions: into the RL trace store with them
-        import shutil
-
-        from pipeline.io import atomic_path
-
         with atomic_path(Path(params.ppo.agl.trace_dir) / "grpo-completions.jsonl") as dest:
             shutil.copyfile(Path(params.ppo.out_dir) / "completions.jsonl", dest)
         print(_summary(metrics))
         return 0
     try:  # fail fast, before paying for torch or services, on data that cannot train
-        load_prompts(params)
-        backend, why = resolve_backend(params, args.params_path)
+        load_prompts(params.datasets, params.ppo)
+        backend, why = resolve_backend(params.ppo, args.params_path)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if why:
         print(f"train_ppo: {why}")
-    from pipeline.serving import stack
+    from pipeline.serving import stack  # noqa: PLC0415 - control plane only (serving); the model plane imports this module
 
-    url, key = stack.ensure(params)  # the judge scores completions through the proxy
+    url, key = stack.ensure(params.serving, params.mlflow)  # the judge scores completions through the proxy
     os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV] = url, os.environ.get("LLM_API_KEY", key)
     argv = (["--params", args.params_path] if args.params_path else []) + ["train-ppo", "--in-model-plane"]
-    from pipeline import tracking
-
     if args.no_mlflow and backend == "trl":
-        return run_in_model_plane(argv)
-    with tracking.stage_run("train_ppo", params) as run:
-        import mlflow
+        return envs.run_in_model_plane(argv)
+    with tracking.stage_run("train_ppo", params.mlflow) as run:
+        import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
         mlflow.set_tags({"backend": backend, "fallback_reason": why or ""})
         if backend == "verl":
             try:
-                metrics = train_verl(params, run.info.run_id)
+                metrics = train_verl(params.ppo, params.serving, params.gpu, run.info.run_id)
             except Exception as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
             write_json(METRICS_FILE, {**metrics, "fallback_reason": why})
-            from pipeline import metrics_files
-
             metrics_files.write("train_ppo", metrics)
             print(_summary(metrics))
         else:
-            rc = run_in_model_plane(argv)
+            rc = envs.run_in_model_plane(argv)
             if rc != 0:
                 return rc
         metrics = json.loads(METRICS_FILE.read_text())

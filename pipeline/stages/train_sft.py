@@ -21,14 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from pipeline import metrics_files
-from pipeline.config import Params, SftParams
+from pipeline import envs, metrics_files, plots, tracking
+from pipeline.config import DatasetsParams, MlflowParams, Params, SftParams
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
+
+# This module runs in both planes (its main re-runs itself with --in-model-plane): torch, unsloth, peft, transformers
+# and trl are imported where the model plane trains, mlflow and the registry where the control plane logs.
 
 METRICS_FILE = Path("reports/train_sft.json")
 LOSS_CSV = Path("reports/plots/sft_loss.csv")
@@ -36,19 +40,19 @@ EVAL_CSV = Path("reports/plots/sft_eval_loss.csv")
 LOSS_PNG = Path("reports/plots/sft_loss.png")
 
 
-def data_file(params: Params) -> Path:
-    return Path(params.datasets.out_dir) / "sft" / "train.jsonl"
+def data_file(datasets: DatasetsParams) -> Path:
+    return Path(datasets.out_dir) / "sft" / "train.jsonl"
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
     return read_rows(path, 2, "SFT example", "training needs at least 2 (one is held out for eval loss)")
 
 
-def split(rows: list[dict[str, Any]], cfg: SftParams) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def split(rows: list[dict[str, Any]], sft: SftParams) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Held-out eval slice, whole rollouts at a time when possible so eval calls are unseen contexts."""
     order = sorted({r["rollout_id"] for r in rows})
-    random.Random(cfg.seed).shuffle(order)
-    n_eval = max(1, round(len(rows) * cfg.eval_fraction))
+    random.Random(sft.seed).shuffle(order)
+    n_eval = max(1, round(len(rows) * sft.eval_fraction))
     held: set[str] = set()
     for rid in order:
         if sum(r["rollout_id"] in held for r in rows) >= n_eval or len(held) == len(order) - 1:
@@ -57,80 +61,82 @@ def split(rows: list[dict[str, Any]], cfg: SftParams) -> tuple[list[dict[str, An
     evals = [r for r in rows if r["rollout_id"] in held]
     if not evals:  # a single rollout: hold out individual calls instead
         idx = list(range(len(rows)))
-        random.Random(cfg.seed).shuffle(idx)
+        random.Random(sft.seed).shuffle(idx)
         keep = set(idx[:n_eval])
         evals = [rows[i] for i in sorted(keep)]
         return [rows[i] for i in range(len(rows)) if i not in keep], evals
     return [r for r in rows if r["rollout_id"] not in held], evals
 
 
-def pick_backend(cfg: SftParams) -> tuple[str, str | None]:
+def pick_backend(sft: SftParams) -> tuple[str, str | None]:
     """(backend, why ``auto`` fell back to TRL or None). A broken unsloth raises more than ImportError
     (NotImplementedError without a GPU, RuntimeError/AttributeError against the wrong trl or transformers):
     ``auto`` falls back on any of them and says which; ``unsloth`` fails with it."""
-    import torch
+    import torch  # noqa: PLC0415 - model plane only
 
-    if cfg.backend == "trl":
+    if sft.backend == "trl":
         return "trl", None
     why: str | None = None
     if not torch.cuda.is_available():
         why = "no CUDA device"
     else:
         try:
-            import unsloth  # noqa: F401 - must be imported before trl/transformers to patch them
+            import unsloth  # noqa: F401, PLC0415 - model plane only; before trl/transformers, to patch them
         except Exception as exc:
             why = f"unsloth does not import ({type(exc).__name__}: {str(exc)[:200]})"
     if why is None:
         return "unsloth", None
-    if cfg.backend == "unsloth":
+    if sft.backend == "unsloth":
         raise RuntimeError(f"sft.backend=unsloth: {why}; use trl or auto")
     return "trl", f"sft.backend=auto fell back to TRL: {why}"
 
 
-def _model_and_peft(cfg: SftParams, backend: str) -> tuple[Any, Any, Any]:
+def _model_and_peft(sft: SftParams, backend: str) -> tuple[Any, Any, Any]:
     """(model, tokenizer, peft_config or None when the model is already wrapped)."""
-    lora = cfg.lora
+    lora = sft.lora
     if backend == "unsloth":
-        from unsloth import FastLanguageModel
+        from unsloth import FastLanguageModel  # noqa: PLC0415 - model plane only (GPU)
 
-        model, tokenizer = FastLanguageModel.from_pretrained(cfg.base_model, max_seq_length=cfg.max_length, load_in_4bit=False, dtype=None)
+        model, tokenizer = FastLanguageModel.from_pretrained(sft.base_model, max_seq_length=sft.max_length, load_in_4bit=False,
+                                                             dtype=None)
         model = FastLanguageModel.get_peft_model(model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=lora.target_modules, random_state=cfg.seed,
+                                                 target_modules=lora.target_modules, random_state=sft.seed,
                                                  use_gradient_checkpointing="unsloth")
         return model, tokenizer, None
-    import torch
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # noqa: PLC0415 - model plane only
+    from peft import LoraConfig  # noqa: PLC0415 - model plane only
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # CPU: bf16 matmuls are slow without AVX-512 BF16
-    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
-    peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(sft.base_model, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(sft.base_model)
+    peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+                      task_type="CAUSAL_LM")
     return model, tokenizer, peft
 
 
-def train(params: Params) -> dict[str, Any]:
+def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
     """Model plane: train, save adapter (+ merged folder) atomically, return the metrics."""
-    import torch
+    import torch  # noqa: PLC0415 - model plane only
 
-    cfg = params.sft
-    rows = load_rows(data_file(params))
-    train_rows, eval_rows = split(rows, cfg)
-    backend, fallback_reason = pick_backend(cfg)
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
+    rows = load_rows(data_file(datasets))
+    train_rows, eval_rows = split(rows, sft)
+    backend, fallback_reason = pick_backend(sft)
+    from datasets import Dataset  # noqa: PLC0415 - 0.7 s import, only the model plane trains
+    from trl import SFTConfig, SFTTrainer  # noqa: PLC0415 - model plane only, after pick_backend (unsloth patches trl)
 
-    model, tokenizer, peft = _model_and_peft(cfg, backend)
+    model, tokenizer, peft = _model_and_peft(sft, backend)
     columns = ["prompt", "completion"]
     train_ds = Dataset.from_list([{k: r[k] for k in columns} for r in train_rows])
     eval_ds = Dataset.from_list([{k: r[k] for k in columns} for r in eval_rows])
-    out = Path(cfg.out_dir)
+    out = Path(sft.out_dir)
     with atomic_dir(out) as tmp:
-        args = SFTConfig(output_dir=str(tmp / "checkpoints"), max_steps=cfg.max_steps, per_device_train_batch_size=cfg.batch_size,
-                         per_device_eval_batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.grad_accum,
-                         learning_rate=cfg.learning_rate, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
-                         eval_strategy="steps", eval_steps=max(1, cfg.max_steps // 2), save_strategy="no", report_to="none",
-                         max_length=cfg.max_length, completion_only_loss=True, seed=cfg.seed, data_seed=cfg.seed,
+        args = SFTConfig(output_dir=str(tmp / "checkpoints"), max_steps=sft.max_steps,
+                         per_device_train_batch_size=sft.batch_size, per_device_eval_batch_size=sft.batch_size,
+                         gradient_accumulation_steps=sft.grad_accum,
+                         learning_rate=sft.learning_rate, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+                         eval_strategy="steps", eval_steps=max(1, sft.max_steps // 2), save_strategy="no", report_to="none",
+                         max_length=sft.max_length, completion_only_loss=True, seed=sft.seed, data_seed=sft.seed,
                          bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
                          disable_tqdm=False)
         trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
@@ -142,42 +148,39 @@ def train(params: Params) -> dict[str, Any]:
         final_eval = trainer.evaluate()["eval_loss"]
         trainer.model.save_pretrained(str(tmp / "adapter"))
         tokenizer.save_pretrained(str(tmp / "adapter"))
-        if cfg.merge:
+        if sft.merge:
             if backend == "unsloth":
                 trainer.model.save_pretrained_merged(str(tmp / "merged"), tokenizer, save_method="merged_16bit")
             else:
                 merged = trainer.model.merge_and_unload()
                 merged.to(torch.bfloat16).save_pretrained(str(tmp / "merged"), safe_serialization=True)
                 tokenizer.save_pretrained(str(tmp / "merged"))
-        import shutil
-
         shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
         history = trainer.state.log_history
         write_json(tmp / "log_history.json", history)
         losses = [h["loss"] for h in history if "loss" in h]
         tokens = next((h["num_tokens"] for h in reversed(history) if "num_tokens" in h), None)
         third = max(1, len(losses) // 3)
-        metrics = {"backend": backend, "fallback_reason": fallback_reason, "device": "cuda" if torch.cuda.is_available() else "cpu", "steps": result.global_step,
+        metrics = {"backend": backend, "fallback_reason": fallback_reason,
+                   "device": "cuda" if torch.cuda.is_available() else "cpu", "steps": result.global_step,
                    "train_rows": len(train_rows), "eval_rows": len(eval_rows), "train_seconds": round(seconds, 2),
                    "train_loss": result.training_loss, "first_loss": losses[0], "last_loss": losses[-1],
                    "loss_first_third": sum(losses[:third]) / third, "loss_last_third": sum(losses[-third:]) / third,
                    "eval_loss_before": base_eval, "eval_loss": final_eval,
                    "tokens": tokens, "tokens_per_s": (tokens / seconds) if tokens else None,
-                   "base_model": str(Path(cfg.base_model).resolve())}
+                   "base_model": str(Path(sft.base_model).resolve())}
         write_json(tmp / "train_meta.json", metrics)
     return metrics
 
 
 def _log_curves(history: list[dict[str, Any]], eval_before: float | None = None) -> None:
-    from pipeline.plots import png
-
     train = [(h["step"], h["loss"]) for h in history if "loss" in h]
     # the base model's eval loss at step 0, then each evaluation (the final one repeats the last step's: kept once)
     evals = sorted({h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}.items())
     evals = ([(0, eval_before)] if eval_before is not None else []) + evals
     write_text(LOSS_CSV, "step,loss\n" + "".join(f"{s},{v}\n" for s, v in train))
     write_text(EVAL_CSV, "step,eval_loss\n" + "".join(f"{s},{v}\n" for s, v in evals))
-    with png(LOSS_PNG) as ax:
+    with plots.png(LOSS_PNG) as ax:
         ax.plot(*zip(*train, strict=True), label="train loss (completion tokens)")
         if evals:
             ax.plot(*zip(*evals, strict=True), "o--", label="eval loss (held-out calls)")
@@ -187,11 +190,12 @@ def _log_curves(history: list[dict[str, Any]], eval_before: float | None = None)
         ax.legend()
 
 
+# whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
 def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage."""
-    import mlflow
+    import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
-    from pipeline import registry, tracking
+    from pipeline import registry  # noqa: PLC0415 - control plane only (MLflow registry, serving), as above
 
     cfg = params.sft
     out = Path(cfg.out_dir)
@@ -201,9 +205,10 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"]},
                           history, metrics, LOSS_PNG)
-    data = data_file(params)
+    data = data_file(params.datasets)
     return registry.register_adapter(params, run, cfg.role, out / "adapter", data.parent, load_rows(data), cfg.base_model,
-                                     f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)", backend=metrics["backend"])
+                                     f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)",
+                                     backend=metrics["backend"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -213,17 +218,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _summary(metrics: dict[str, Any]) -> str:
     tps = f"{metrics['tokens_per_s']:.0f} tok/s" if metrics.get("tokens_per_s") else "tok/s n/a"
-    return (f"train_sft [{metrics['backend']}/{metrics['device']}]: {metrics['steps']} steps on {metrics['train_rows']} rows, loss "
-            f"{metrics['first_loss']:.3f} -> {metrics['last_loss']:.3f}, eval loss {metrics['eval_loss_before']:.3f} -> "
+    return (f"train_sft [{metrics['backend']}/{metrics['device']}]: {metrics['steps']} steps on {metrics['train_rows']} rows, "
+            f"loss {metrics['first_loss']:.3f} -> {metrics['last_loss']:.3f}, eval loss {metrics['eval_loss_before']:.3f} -> "
             f"{metrics['eval_loss']:.3f}, {tps}")
 
 
-def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
+def no_signal(sft: SftParams, mlflow: MlflowParams, reason: str, no_mlflow: bool) -> int:
     """Record that this cycle's data carried no signal: the stage's outputs say so, MLflow says so, nothing is registered."""
-    from pipeline import plots, tracking
-
     metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0}
-    with atomic_dir(Path(params.sft.out_dir)) as tmp:
+    with atomic_dir(Path(sft.out_dir)) as tmp:
         write_json(tmp / "train_meta.json", metrics)
     write_json(METRICS_FILE, metrics)
     metrics_files.write("train_sft", metrics)
@@ -232,16 +235,14 @@ def no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
     plots.message(LOSS_PNG, f"no signal: {reason}")
     print(f"train_sft: no_signal, nothing trained or registered: {reason}")
     if not no_mlflow:
-        tracking.record_no_signal("train_sft", params, reason, METRICS_FILE)
+        tracking.record_no_signal("train_sft", mlflow, reason, METRICS_FILE)
     return 0
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from pipeline.envs import run_in_model_plane
-
     if args.in_model_plane:  # said by the control plane that spawned us, never guessed from what imports
         try:
-            metrics = train(params)
+            metrics = train(params.sft, params.datasets)
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -249,22 +250,21 @@ def main(args: argparse.Namespace, params: Params) -> int:
         metrics_files.write("train_sft", metrics)
         print(_summary(metrics))
         return 0
-    path = data_file(params)
+    path = data_file(params.datasets)
     if not path.exists():  # fail fast, before paying for torch: the datasets stage did not run
         print(f"error: {path}: no SFT examples; run the datasets stage first", file=sys.stderr)
         return 1
     rows = sum(1 for line in path.read_text().splitlines() if line.strip())
     if rows < 2:  # no rollout passed the SFT filter: nothing to learn from, so nothing is trained or registered
-        return no_signal(params, f"{path}: {rows} SFT example(s) (training needs 2: one is held out for eval loss)", args.no_mlflow)
+        reason = f"{path}: {rows} SFT example(s) (training needs 2: one is held out for eval loss)"
+        return no_signal(params.sft, params.mlflow, reason, args.no_mlflow)
     argv = (["--params", args.params_path] if args.params_path else []) + ["train-sft", "--in-model-plane"]
     if args.no_mlflow:
-        return run_in_model_plane(argv)
-    from pipeline import tracking
+        return envs.run_in_model_plane(argv)
+    with tracking.stage_run("train_sft", params.mlflow) as run:
+        import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
-    with tracking.stage_run("train_sft", params) as run:
-        import mlflow
-
-        rc = run_in_model_plane(argv)
+        rc = envs.run_in_model_plane(argv)
         if rc != 0:
             return rc
         metrics = json.loads(METRICS_FILE.read_text())

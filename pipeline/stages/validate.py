@@ -10,15 +10,19 @@ With ``validate.quarantine: true`` rows failing a row-level rule are moved, with
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from rich.console import Console
+from rich.markup import escape
 
-from pipeline import metrics_files
-from pipeline.config import Params
+from pipeline import metrics_files, tracking
+from pipeline.config import Params, ValidateParams
 from pipeline.io import atomic_dir, write_json
+from pipeline.validation.suite import failure_dicts, quarantine_reasons, run_suites
 
 METRICS_FILE = Path("reports/validation.json")
 SPLITS = ("train", "val", "test")
@@ -27,7 +31,8 @@ SPLITS = ("train", "val", "test")
 class ValidationFailed(RuntimeError):
     def __init__(self, messages: list[str], report_dir: str):
         self.messages = messages
-        super().__init__(f"{len(messages)} expectation(s) failed (report: {report_dir}):\n" + "\n".join(f"  - {m}" for m in messages))
+        super().__init__(f"{len(messages)} expectation(s) failed (report: {report_dir}):\n"
+                         + "\n".join(f"  - {m}" for m in messages))
 
 
 def load_splits(in_dir: str) -> dict[str, pd.DataFrame]:
@@ -41,8 +46,6 @@ def load_splits(in_dir: str) -> dict[str, pd.DataFrame]:
 
 
 def run(params: Params) -> dict[str, Any]:
-    from pipeline.validation.suite import failure_dicts, quarantine_reasons, run_suites
-
     cfg = params.validate_
     report_dir = Path(cfg.report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -86,9 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-
     console = Console(stderr=True)
     report_dir = Path(params.validate_.report_dir)
     try:
@@ -96,18 +96,17 @@ def main(args: argparse.Namespace, params: Params) -> int:
             if args.no_mlflow:
                 summary = run(params)
             else:
-                from pipeline import tracking
-
-                with tracking.stage_run("validate", params):
+                with tracking.stage_run("validate", params.mlflow):
                     try:
                         summary = run(params)
                     finally:
-                        log_to_mlflow(params, report_dir)  # a failed validation is logged too
+                        log_to_mlflow(params.validate_, report_dir)  # a failed validation is logged too
     except ValidationFailed as exc:
         console.print(f"[red]validate FAILED[/]: {len(exc.messages)} expectation(s) failed")
         for message in exc.messages:
             console.print(f"  [red]x[/] {escape(message)}", highlight=False)
-        console.print(f"GX results: {report_dir / 'gx_results.json'}   Data Docs: {report_dir / 'data_docs' / 'index.html'}")
+        console.print(f"GX results: {report_dir / 'gx_results.json'}   "
+                      f"Data Docs: {report_dir / 'data_docs' / 'index.html'}")
         return 1
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -117,13 +116,11 @@ def main(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
-def log_to_mlflow(params: Params, report_dir: Path) -> None:
-    import mlflow
+def log_to_mlflow(validate: ValidateParams, report_dir: Path) -> None:
+    import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow)
 
-    mlflow.log_params({"quarantine": params.validate_.quarantine, "label_tolerance": params.validate_.label_tolerance})
+    mlflow.log_params({"quarantine": validate.quarantine, "label_tolerance": validate.label_tolerance})
     if METRICS_FILE.exists():
-        import json
-
         summary = json.loads(METRICS_FILE.read_text())
         mlflow.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, (int, float, bool))})
         mlflow.set_tag("validation.success", str(summary.get("success")))
@@ -132,6 +129,6 @@ def log_to_mlflow(params: Params, report_dir: Path) -> None:
             mlflow.log_artifact(str(report_dir / name), artifact_path="validation")
     if (report_dir / "data_docs").exists():
         mlflow.log_artifacts(str(report_dir / "data_docs"), artifact_path="validation/data_docs")
-    quarantine = Path(params.validate_.out_dir) / "quarantine.parquet"
+    quarantine = Path(validate.out_dir) / "quarantine.parquet"
     if quarantine.exists():
         mlflow.log_artifact(str(quarantine), artifact_path="validation")

@@ -88,7 +88,7 @@ def _llm_calls(trace: Trace, agents: set[str] | None = None, model: str | None =
         yield d
 
 
-def sft_examples(traces: list[Trace], cfg: DatasetsParams, drops: Drops) -> list[dict[str, Any]]:
+def sft_examples(traces: list[Trace], datasets: DatasetsParams, drops: Drops) -> list[dict[str, Any]]:
     ranks = group_ranks(traces)
     out: list[dict[str, Any]] = []
     for t in traces:
@@ -96,10 +96,10 @@ def sft_examples(traces: list[Trace], cfg: DatasetsParams, drops: Drops) -> list
         if t.status != "ok" or t.reward is None:
             drops.add("sft.rollout_failed", f"{where}: {(t.error or 'no reward')[:120]}")
             continue
-        if t.reward < cfg.sft.min_reward:
-            drops.add("sft.below_min_reward", f"{where}: reward {t.reward:.3f} < {cfg.sft.min_reward}")
+        if t.reward < datasets.sft.min_reward:
+            drops.add("sft.below_min_reward", f"{where}: reward {t.reward:.3f} < {datasets.sft.min_reward}")
             continue
-        if ranks[t.rollout_id] >= cfg.sft.top_k:
+        if ranks[t.rollout_id] >= datasets.sft.top_k:
             drops.add("sft.not_top_of_group", f"{where}: rank {ranks[t.rollout_id] + 1} in task {t.task_id}")
             continue
         for d in _llm_calls(t, model=JUNIOR_MODEL):
@@ -112,8 +112,9 @@ def sft_examples(traces: list[Trace], cfg: DatasetsParams, drops: Drops) -> list
     return out
 
 
-def rl_prompts(traces: list[Trace], tasks: Mapping[str, Mapping[str, Any]], cfg: DatasetsParams, drops: Drops) -> list[dict[str, Any]]:
-    agents = set(cfg.senior_agents)
+def rl_prompts(traces: list[Trace], tasks: Mapping[str, Mapping[str, Any]], datasets: DatasetsParams,
+               drops: Drops) -> list[dict[str, Any]]:
+    agents = set(datasets.senior_agents)
     out: list[dict[str, Any]] = []
     for t in traces:
         task = tasks.get(t.task_id)

@@ -11,13 +11,13 @@ import json
 import time
 from typing import Any
 
+import mlflow
+
 SPAN_TYPES = {"llm": "CHAT_MODEL", "tool": "TOOL", "reward": "EVALUATOR", "decision": "AGENT"}
 
 
 def log_traces(traces: list[dict[str, Any]]) -> list[str]:
     """Log each rollout as an MLflow trace; returns their trace ids in order."""
-    import mlflow
-
     logged: list[str] = []
     for t in traces:
         start = time.time_ns() - int(t.get("latency_s", 0) * 1e9)
@@ -33,8 +33,10 @@ def log_traces(traces: list[dict[str, Any]]) -> list[str]:
             child = mlflow.start_span_no_context(
                 name=f"{s['kind']}:{s['name']}", span_type=SPAN_TYPES.get(s["kind"], "UNKNOWN"), parent_span=root,
                 start_time_ns=clock, inputs=data.get("messages") or data.get("args") or data.get("candidates"),
-                attributes={k: json.dumps(v, default=str)[:2000] for k, v in data.items() if k not in ("messages", "output", "result")})
-            child.set_outputs(data.get("output") or data.get("result") or {k: data.get(k) for k in ("value", "chosen", "propensity") if k in data})
+                attributes={k: json.dumps(v, default=str)[:2000] for k, v in data.items()
+                            if k not in ("messages", "output", "result")})
+            child.set_outputs(data.get("output") or data.get("result")
+                              or {k: data.get(k) for k in ("value", "chosen", "propensity") if k in data})
             clock += duration
             child.end(end_time_ns=clock)
         root.set_outputs({"decision": t.get("decision"), "rationale": t.get("rationale"), "protocol": t.get("protocol"),

@@ -47,7 +47,8 @@ class Failure:
         where = f"column '{self.column}'" if self.column else "table"
         text = f"[{self.split}] {self.expectation} on {where} ({self.rule})"
         if self.ids:
-            shown = ", ".join(f"{i} ({v!r})" if v is not None else str(i) for i, v in zip(self.ids[:10], self.values[:10], strict=False))
+            shown = ", ".join(f"{i} ({v!r})" if v is not None else str(i)
+                              for i, v in zip(self.ids[:10], self.values[:10], strict=False))
             more = f" and {len(self.ids) - 10} more" if len(self.ids) > 10 else ""
             text += f": {len(self.ids)} row(s): ids {shown}{more}"
         elif self.observed is not None:
@@ -64,9 +65,9 @@ def prepare(frame: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     return out
 
 
-def build_suite(split: str, frames: Mapping[str, pd.DataFrame], cfg: ValidateParams) -> Any:
-    import great_expectations as gx
-    import great_expectations.expectations as gxe
+def build_suite(split: str, frames: Mapping[str, pd.DataFrame], validate: ValidateParams) -> Any:
+    import great_expectations as gx  # noqa: PLC0415 - 2.6 s import, only running the suites needs it (not reading failures)
+    import great_expectations.expectations as gxe  # noqa: PLC0415 - as above
 
     pool = pd.concat([frames[s] for s in ("train", "val") if s in frames])
     other_ids = sorted({i for s, f in frames.items() if s != split for i in f["id"].dropna()})
@@ -74,41 +75,42 @@ def build_suite(split: str, frames: Mapping[str, pd.DataFrame], cfg: ValidatePar
     for col in REQUIRED:
         suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column=col, meta={"rule": "required column non-null"}))
     suite.add_expectation(gxe.ExpectColumnValuesToBeUnique(column="id", meta={"rule": "unique id"}))
-    suite.add_expectation(gxe.ExpectColumnValuesToBeInSet(column="final_decision", value_set=cfg.labels,
-                                                          meta={"rule": f"label in {cfg.labels}"}))
+    suite.add_expectation(gxe.ExpectColumnValuesToBeInSet(column="final_decision", value_set=validate.labels,
+                                                          meta={"rule": f"label in {validate.labels}"}))
     suite.add_expectation(gxe.ExpectColumnValueLengthsToBeBetween(
-        column="question", min_value=cfg.question_chars.min, max_value=cfg.question_chars.max,
-        meta={"rule": f"question length in [{cfg.question_chars.min}, {cfg.question_chars.max}] chars"}))
+        column="question", min_value=validate.question_chars.min, max_value=validate.question_chars.max,
+        meta={"rule": f"question length in [{validate.question_chars.min}, {validate.question_chars.max}] chars"}))
     suite.add_expectation(gxe.ExpectColumnValuesToBeBetween(
-        column="context_chars", min_value=cfg.context_chars.min, max_value=cfg.context_chars.max,
-        meta={"rule": f"context length in [{cfg.context_chars.min}, {cfg.context_chars.max}] chars"}))
+        column="context_chars", min_value=validate.context_chars.min, max_value=validate.context_chars.max,
+        meta={"rule": f"context length in [{validate.context_chars.min}, {validate.context_chars.max}] chars"}))
     suite.add_expectation(gxe.ExpectColumnValuesToNotBeInSet(column="id", value_set=other_ids,
                                                              meta={"rule": "id not in another split"}))
-    rows = cfg.split_rows.get(split)  # type: ignore[call-overload]
+    rows = validate.split_rows.get(split)  # type: ignore[call-overload]
     if rows is not None:
         suite.add_expectation(gxe.ExpectTableRowCountToBeBetween(min_value=rows.min, max_value=rows.max,
                                                                  meta={"rule": f"{split} rows in [{rows.min}, {rows.max}]"}))
     if split in ("train", "val") and len(pool):
-        for label in cfg.labels:
+        for label in validate.labels:
             share = float((pool["final_decision"] == label).mean())
-            lo, hi = max(0.0, share - cfg.label_tolerance), min(1.0, share + cfg.label_tolerance)
+            lo, hi = max(0.0, share - validate.label_tolerance), min(1.0, share + validate.label_tolerance)
             suite.add_expectation(gxe.ExpectColumnMeanToBeBetween(
                 column=f"is_{label}", min_value=round(lo, 4), max_value=round(hi, 4),
-                meta={"rule": f"share of '{label}' within ±{cfg.label_tolerance} of train+val share {share:.3f}"}))
+                meta={"rule": f"share of '{label}' within ±{validate.label_tolerance} of train+val share {share:.3f}"}))
     return suite
 
 
-def run_suites(frames: Mapping[str, pd.DataFrame], cfg: ValidateParams, docs_dir: Path | None = None) -> tuple[list[Failure], dict[str, Any]]:
+def run_suites(frames: Mapping[str, pd.DataFrame], validate: ValidateParams,
+               docs_dir: Path | None = None) -> tuple[list[Failure], dict[str, Any]]:
     """Validate every split; return the failures and the raw GX result (JSON-able).
 
     A throwaway file-backed context is used (not the ephemeral one) because only it can render
     Data Docs; the rendered site is copied to ``docs_dir``.
     """
-    import great_expectations as gx
-    from great_expectations.checkpoint import UpdateDataDocsAction
-    from great_expectations.data_context.types.base import ProgressBarsConfig
+    import great_expectations as gx  # noqa: PLC0415 - 2.6 s import, only running the suites needs it (not reading failures)
+    from great_expectations.checkpoint import UpdateDataDocsAction  # noqa: PLC0415 - as above
+    from great_expectations.data_context.types.base import ProgressBarsConfig  # noqa: PLC0415 - as above
 
-    prepared = {s: prepare(f, cfg.labels) for s, f in frames.items()}
+    prepared = {s: prepare(f, validate.labels) for s, f in frames.items()}
     root = Path(tempfile.mkdtemp(prefix="gx-"))
     try:
         ctx = gx.get_context(mode="file", project_root_dir=str(root))
@@ -117,8 +119,9 @@ def run_suites(frames: Mapping[str, pd.DataFrame], cfg: ValidateParams, docs_dir
         definitions = []
         for split in prepared:
             batch_def = asset.add_batch_definition_whole_dataframe(split)
-            suite = ctx.suites.add(build_suite(split, prepared, cfg))
-            definitions.append(ctx.validation_definitions.add(gx.ValidationDefinition(name=f"tasks_{split}", data=batch_def, suite=suite)))
+            suite = ctx.suites.add(build_suite(split, prepared, validate))
+            definition = gx.ValidationDefinition(name=f"tasks_{split}", data=batch_def, suite=suite)
+            definitions.append(ctx.validation_definitions.add(definition))
         failures: list[Failure] = []
         raw: dict[str, Any] = {}
         for split, vd in zip(prepared, definitions, strict=True):

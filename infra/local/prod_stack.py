@@ -1,4 +1,7 @@
-"""The production executor on one host, without Docker: ``python -m pipeline prod up|status|dag-run|down``.
+"""The production executor on one host, without Docker: what ``make prod-stack|prod-run|prod-down`` run.
+
+    python infra/local/prod_stack.py [--params FILE] up|status|dag-run|down   (the repository root on PYTHONPATH,
+                                                                               as the Makefile exports it)
 
 What ``infra/docker-compose.yml`` runs in containers, started here from Debian's packages and the
 control environment, on loopback: Postgres (Airflow metadata, Celery results, MLflow backend store),
@@ -7,6 +10,10 @@ server here: MinIO has no Debian package; compose and Kubernetes use MinIO), MLf
 the CeleryExecutor: api-server, scheduler, dag-processor, triggerer and one Celery worker per queue
 (``default``, and ``gpu`` where the DAG puts its GPU-bound tasks). The two stacks are kept in step
 by ``COMPOSE`` and ``AIRFLOW_ENV_NAMES`` (tests/test_infra.py compares them with the compose file).
+
+This is infrastructure, not pipeline code: it imports the ``pipeline`` package (the params schema, process
+supervision, the deploy steps every stack shares: ``pipeline.services.buckets``, ``pipeline.services.mlflow_users``),
+never the other way round. ``python -m pipeline prod up|status|dag-run|down`` runs this script in a child process.
 
 Every process is a ``process.Service`` under ``prod_stack.home``; its secrets (the Postgres superuser's and
 the ``airflow`` role's passwords, Redis' password, the S3 keys, MLflow's admin/writer/reader passwords and Flask
@@ -19,17 +26,18 @@ workers log, register and promote as a writer user, everyone else reads). No sec
 Secrets, configs and logs are created 0600, the stack's folders 0700 (0711 for the home as root, so that
 the ``postgres`` user reaches its data folder).
 ``dag-run`` triggers the DAG through Airflow's REST API, follows it, and prints which worker ran
-each task: a task of the ``gpu`` queue that ran anywhere but the ``gpu`` worker is an error.
-
-Only the standard library is imported at module level: Airflow workers import ``worker_hostname``.
+each task: a task of the ``gpu`` queue that ran anywhere but the ``gpu`` worker is an error (the workers name
+themselves with ``pipeline.services.airflow_server.worker_hostname``).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import hashlib
 import hmac
+import importlib.util
 import json
 import os
 import secrets
@@ -38,13 +46,21 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params, ProdStackParams
+import httpx
+import redis
+from celery import Celery
+from werkzeug.serving import run_simple
+from werkzeug.wrappers import Request, Response
+
+from pipeline.config import ParamsError, ProdStackParams, load_params
 from pipeline.envs import REPO_ROOT
-from pipeline.services import airflow_server
-from pipeline.services.process import Service, ServiceError, port_is_free, start, stop
+from pipeline.services import airflow_server, buckets
+from pipeline.services.mlflow_users import MLFLOW_ADMIN, MLFLOW_USERS, provision_mlflow_users
+from pipeline.services.process import Service, ServiceError, free_port, port_is_free, start, stop
 
 # our component -> the infra/docker-compose.yml service it stands for
 COMPOSE = {
@@ -62,27 +78,15 @@ AIRFLOW_ENV_NAMES = (
 )
 DAG_ID = "agent_retraining"
 PG_SUPERUSER = "postgres"
-DATABASES = ("airflow", "mlflow", "mlflow_auth")  # infra/postgres-init.sql + compose's POSTGRES_DB: metadata/results, MLflow, its users
+# infra/postgres-init.sql + compose's POSTGRES_DB: Airflow's metadata and Celery results, MLflow's store, its users
+DATABASES = ("airflow", "mlflow", "mlflow_auth")
 S3_USER = "pipeline"  # the IAM user of the stack's S3 server: the only identity whose signed requests it serves
-MLFLOW_ADMIN = "admin"
-# MLflow's basic-auth users besides the admin: the Airflow workers (trainers, evaluation, promotion) write as
-# `writer`; `reader` is for people and tools that only look (default_permission = READ covers every user)
-MLFLOW_USERS = {"writer": "pipeline-writer", "reader": "pipeline-reader"}
-# the writer's grants on every experiment and registered model: log runs, register versions, move aliases;
-# MANAGE on models because rollback and promotion delete aliases (EDIT cannot delete)
-MLFLOW_WRITER_GRANTS = (("experiment", "*", "EDIT"), ("registered_model", "*", "MANAGE"))
-
-
-def worker_hostname() -> str:
-    """``core.hostname_callable`` of the Celery workers: the queue in the name each task instance
-    records, so the UI, the API and ``dag-run`` show which worker ran it (both run on this host)."""
-    return f"{os.environ.get('PIPELINE_WORKER_QUEUE', 'worker')}-worker.{socket.gethostname()}"
 
 
 # --- paths, secrets, environments -----------------------------------------------------------
 
-def _home(cfg: ProdStackParams) -> Path:
-    return Path(cfg.home).resolve()
+def _home(prod_stack: ProdStackParams) -> Path:
+    return Path(prod_stack.home).resolve()
 
 
 def _is_root() -> bool:
@@ -96,10 +100,10 @@ def _private_dir(path: Path, mode: int = 0o700) -> Path:
     return path
 
 
-def _home_dir(cfg: ProdStackParams) -> Path:
+def _home_dir(prod_stack: ProdStackParams) -> Path:
     """The stack's home: 0700; as root 0711, so that the ``postgres`` user can traverse it to its data folder
     (it still cannot list it, and every file in it is 0600)."""
-    return _private_dir(_home(cfg), 0o711 if _is_root() else 0o700)
+    return _private_dir(_home(prod_stack), 0o711 if _is_root() else 0o700)
 
 
 def write_private(path: Path, text: str, keep_existing: bool = False) -> Path:
@@ -124,18 +128,18 @@ def write_private(path: Path, text: str, keep_existing: bool = False) -> Path:
     return path
 
 
-def _secret(cfg: ProdStackParams, name: str, make: Any = lambda: secrets.token_hex(20)) -> str:
-    path = _home(cfg) / "secrets" / name
+def _secret(prod_stack: ProdStackParams, name: str, make: Any = lambda: secrets.token_hex(20)) -> str:
+    path = _home(prod_stack) / "secrets" / name
     if not path.exists():
         _private_dir(path.parent)
         write_private(path, make(), keep_existing=True)
     return path.read_text().strip()
 
 
-def _service(cfg: ProdStackParams, name: str) -> Service:
+def _service(prod_stack: ProdStackParams, name: str) -> Service:
     """The stack's service ``name``, its log (the child's stdout and stderr, which ``process.start`` appends
     to) created 0600 first: service logs may carry connection strings and tracebacks with secrets."""
-    service = Service(name, _home_dir(cfg))
+    service = Service(name, _home_dir(prod_stack))
     fd = os.open(service.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.close(fd)
     service.log_file.chmod(0o600)
@@ -143,69 +147,68 @@ def _service(cfg: ProdStackParams, name: str) -> Service:
 
 
 def _fernet_key() -> str:
-    import base64
-
     return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
 
 
-def _db_url(cfg: ProdStackParams, db: str, scheme: str = "postgresql+psycopg2", password: bool = True) -> str:
+def _db_url(prod_stack: ProdStackParams, db: str, scheme: str = "postgresql+psycopg2", password: bool = True) -> str:
     """The ``airflow`` role's URL of ``db``; ``password=False`` leaves the password to libpq (``PGPASSWORD``)."""
-    login = f"airflow:{_secret(cfg, 'postgres_password')}" if password else "airflow"
-    return f"{scheme}://{login}@{cfg.host}:{cfg.postgres_port}/{db}"
+    login = f"airflow:{_secret(prod_stack, 'postgres_password')}" if password else "airflow"
+    return f"{scheme}://{login}@{prod_stack.host}:{prod_stack.postgres_port}/{db}"
 
 
-def broker_url(cfg: ProdStackParams) -> str:
+def broker_url(prod_stack: ProdStackParams) -> str:
     """Celery's broker URL, with Redis' password: only ever in an environment (``AIRFLOW__CELERY__BROKER_URL``)
     or in memory, never on a command line or in a message."""
-    return f"redis://:{_secret(cfg, 'redis_password')}@{cfg.host}:{cfg.redis_port}/0"
+    return f"redis://:{_secret(prod_stack, 'redis_password')}@{prod_stack.host}:{prod_stack.redis_port}/0"
 
 
-def mlflow_client_env(cfg: ProdStackParams, user: str = "writer") -> dict[str, str]:
+def mlflow_client_env(prod_stack: ProdStackParams, user: str = "writer") -> dict[str, str]:
     """How an MLflow client authenticates to the stack's server (MLflow's client reads these two variables)."""
     name = MLFLOW_USERS[user]
-    return {"MLFLOW_TRACKING_USERNAME": name, "MLFLOW_TRACKING_PASSWORD": _secret(cfg, f"mlflow_{user}_password")}
+    return {"MLFLOW_TRACKING_USERNAME": name, "MLFLOW_TRACKING_PASSWORD": _secret(prod_stack, f"mlflow_{user}_password")}
 
 
-def s3_env(cfg: ProdStackParams) -> dict[str, str]:
+def s3_env(prod_stack: ProdStackParams) -> dict[str, str]:
     """What every S3 client of the stack gets (MLflow server, DVC, boto3): endpoint and keys."""
-    return {"AWS_ENDPOINT_URL": f"http://{cfg.host}:{cfg.s3_port}", "MLFLOW_S3_ENDPOINT_URL": f"http://{cfg.host}:{cfg.s3_port}",
-            "AWS_ACCESS_KEY_ID": _secret(cfg, "s3_access_key", lambda: "pipeline" + secrets.token_hex(6)),
-            "AWS_SECRET_ACCESS_KEY": _secret(cfg, "s3_secret_key"), "AWS_DEFAULT_REGION": "us-east-1"}
+    endpoint = f"http://{prod_stack.host}:{prod_stack.s3_port}"
+    return {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": _secret(prod_stack, "s3_access_key", lambda: "pipeline" + secrets.token_hex(6)),
+            "AWS_SECRET_ACCESS_KEY": _secret(prod_stack, "s3_secret_key"), "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def mlflow_uri(cfg: ProdStackParams) -> str:
-    return f"http://{cfg.host}:{cfg.mlflow_port}"
+def mlflow_uri(prod_stack: ProdStackParams) -> str:
+    return f"http://{prod_stack.host}:{prod_stack.mlflow_port}"
 
 
-def airflow_url(cfg: ProdStackParams) -> str:
-    return f"http://{cfg.host}:{cfg.airflow_port}"
+def airflow_url(prod_stack: ProdStackParams) -> str:
+    return f"http://{prod_stack.host}:{prod_stack.airflow_port}"
 
 
-def airflow_env(cfg: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str]:
+def airflow_env(prod_stack: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str]:
     """The environment of every Airflow process (and so of every task): infra/docker-compose.yml's x-airflow."""
-    home = _home(cfg) / "airflow"
+    home = _home(prod_stack) / "airflow"
     return {
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _db_url(cfg, "airflow"),
-        "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + _db_url(cfg, "airflow", "postgresql"),
-        "AIRFLOW__CELERY__BROKER_URL": broker_url(cfg),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _db_url(prod_stack, "airflow"),
+        "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + _db_url(prod_stack, "airflow", "postgresql"),
+        "AIRFLOW__CELERY__BROKER_URL": broker_url(prod_stack),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_FOLDER": str(project / "dags"),
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{airflow_url(cfg)}/execution/",
-        "AIRFLOW__API__HOST": cfg.host,
-        "AIRFLOW__API__PORT": str(cfg.airflow_port),
-        "AIRFLOW__API__BASE_URL": airflow_url(cfg),
-        "AIRFLOW__API_AUTH__JWT_SECRET": _secret(cfg, "airflow_jwt_secret"),
-        "AIRFLOW__API__SECRET_KEY": _secret(cfg, "airflow_api_secret"),
-        "AIRFLOW__CORE__FERNET_KEY": _secret(cfg, "airflow_fernet_key", _fernet_key),
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{airflow_url(prod_stack)}/execution/",
+        "AIRFLOW__API__HOST": prod_stack.host,
+        "AIRFLOW__API__PORT": str(prod_stack.airflow_port),
+        "AIRFLOW__API__BASE_URL": airflow_url(prod_stack),
+        "AIRFLOW__API_AUTH__JWT_SECRET": _secret(prod_stack, "airflow_jwt_secret"),
+        "AIRFLOW__API__SECRET_KEY": _secret(prod_stack, "airflow_api_secret"),
+        "AIRFLOW__CORE__FERNET_KEY": _secret(prod_stack, "airflow_fernet_key", _fernet_key),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
         "PIPELINE_ROOT": str(project),
-        "MLFLOW_TRACKING_URI": mlflow_uri(cfg),
-        **mlflow_client_env(cfg, "writer"),  # tasks log, register and promote: the writer user
+        "MLFLOW_TRACKING_URI": mlflow_uri(prod_stack),
+        **mlflow_client_env(prod_stack, "writer"),  # tasks log, register and promote: the writer user
         "PYTHONPATH": os.pathsep.join(filter(None, [str(project), os.environ.get("PYTHONPATH")])),
-        **s3_env(cfg),
+        **s3_env(prod_stack),
     }
 
 
@@ -225,8 +228,8 @@ def _as_postgres(cmd: list[str]) -> list[str]:
     return ["runuser", "-u", "postgres", "--", *cmd] if _is_root() else cmd
 
 
-def _pg_dirs(cfg: ProdStackParams) -> tuple[Path, Path]:
-    base = _home(cfg) / "postgres"
+def _pg_dirs(prod_stack: ProdStackParams) -> tuple[Path, Path]:
+    base = _home(prod_stack) / "postgres"
     return base / "data", base / "run"
 
 
@@ -255,7 +258,7 @@ def pg_hba_conf() -> str:
     """The stack's pg_hba.conf, rewritten on every start: every connection proves a password with SCRAM-SHA-256,
     over the Unix socket as over TCP; no ``trust`` (any local user could connect as anyone), no ``peer``; TCP
     only from this host's own addresses (the server listens on ``prod_stack.host``)."""
-    return ("# written by pipeline/services/prod_stack.py on every start; edits are overwritten\n"
+    return ("# written by infra/local/prod_stack.py on every start; edits are overwritten\n"
             "# TYPE  DATABASE  USER  ADDRESS       METHOD\n"
             "local   all       all                 scram-sha-256\n"
             "host    all       all   127.0.0.1/32  scram-sha-256\n"
@@ -272,45 +275,48 @@ def _write_hba(data: Path) -> None:
     _to_postgres(write_private(data / "pg_hba.conf", pg_hba_conf()))
 
 
-def initdb_argv(cfg: ProdStackParams, pwfile: Path) -> list[str]:
+def initdb_argv(prod_stack: ProdStackParams, pwfile: Path) -> list[str]:
     """initdb with password authentication from the first start: the superuser's password comes from ``pwfile``
     (a 0600 file, removed right after), never from the command line."""
-    data, _ = _pg_dirs(cfg)
+    data, _ = _pg_dirs(prod_stack)
     return _as_postgres([_pg_bin("initdb"), "-D", str(data), "-U", PG_SUPERUSER, "-E", "UTF8", "--auth-local=scram-sha-256",
                          "--auth-host=scram-sha-256", f"--pwfile={pwfile}", "--no-instructions"])
 
 
-def postgres_argv(cfg: ProdStackParams) -> list[str]:
-    data, run = _pg_dirs(cfg)
-    return _as_postgres([_pg_bin("postgres"), "-D", str(data), "-h", cfg.host, "-p", str(cfg.postgres_port), "-k", str(run),
+def postgres_argv(prod_stack: ProdStackParams) -> list[str]:
+    data, run = _pg_dirs(prod_stack)
+    return _as_postgres([_pg_bin("postgres"), "-D", str(data), "-h", prod_stack.host, "-p", str(prod_stack.postgres_port),
+                         "-k", str(run),
                          "-c", "max_connections=200", "-c", "password_encryption=scram-sha-256",
                          "-c", "unix_socket_permissions=0700"])  # the socket: its owner (the server's user) only
 
 
-def _pg_ready(cfg: ProdStackParams) -> bool:
-    return subprocess.run([_pg_bin("pg_isready"), "-q", "-h", cfg.host, "-p", str(cfg.postgres_port)], check=False).returncode == 0
+def _pg_ready(prod_stack: ProdStackParams) -> bool:
+    argv = [_pg_bin("pg_isready"), "-q", "-h", prod_stack.host, "-p", str(prod_stack.postgres_port)]
+    return subprocess.run(argv, check=False).returncode == 0
 
 
-def psql_argv(cfg: ProdStackParams, db: str = "postgres") -> list[str]:
+def psql_argv(prod_stack: ProdStackParams, db: str = "postgres") -> list[str]:
     """psql as the superuser over the socket; the SQL goes to its stdin and the password in ``PGPASSWORD`` of
     its environment only (``_psql``): neither is on the command line."""
-    _, run = _pg_dirs(cfg)
-    return _as_postgres([_pg_bin("psql"), "-X", "-q", "-h", str(run), "-p", str(cfg.postgres_port), "-U", PG_SUPERUSER, "-d", db,
+    _, run = _pg_dirs(prod_stack)
+    return _as_postgres([_pg_bin("psql"), "-X", "-q", "-h", str(run), "-p", str(prod_stack.postgres_port),
+                         "-U", PG_SUPERUSER, "-d", db,
                          "-v", "ON_ERROR_STOP=1", "-tA"])
 
 
-def _psql(cfg: ProdStackParams, sql: str, db: str = "postgres") -> str:
-    env = {**os.environ, "PGPASSWORD": _secret(cfg, "postgres_superuser_password")}
-    proc = subprocess.run(psql_argv(cfg, db), input=sql, env=env, capture_output=True, text=True, check=False)
+def _psql(prod_stack: ProdStackParams, sql: str, db: str = "postgres") -> str:
+    env = {**os.environ, "PGPASSWORD": _secret(prod_stack, "postgres_superuser_password")}
+    proc = subprocess.run(psql_argv(prod_stack, db), input=sql, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise ServiceError(f"postgres: {sql.split()[0]} failed: {proc.stderr.strip()}")
     return proc.stdout.strip()
 
 
-def postgres_up(cfg: ProdStackParams) -> None:
-    _home_dir(cfg)
-    data, run = _pg_dirs(cfg)
-    superuser_password = _secret(cfg, "postgres_superuser_password")
+def postgres_up(prod_stack: ProdStackParams) -> None:
+    _home_dir(prod_stack)
+    data, run = _pg_dirs(prod_stack)
+    superuser_password = _secret(prod_stack, "postgres_superuser_password")
     if not (data / "PG_VERSION").exists():
         for d in (data.parent, data, run):
             _private_dir(d)
@@ -321,7 +327,7 @@ def postgres_up(cfg: ProdStackParams) -> None:
         pwfile = write_private(data.parent / "initdb.pw", superuser_password + "\n")
         _to_postgres(pwfile)
         try:
-            proc = subprocess.run(initdb_argv(cfg, pwfile), capture_output=True, text=True, check=False)
+            proc = subprocess.run(initdb_argv(prod_stack, pwfile), capture_output=True, text=True, check=False)
         finally:
             pwfile.unlink(missing_ok=True)
         if proc.returncode != 0:
@@ -332,29 +338,31 @@ def postgres_up(cfg: ProdStackParams) -> None:
     legacy = hba_trusts(hba.read_text()) if hba.exists() else False
     if not legacy:
         _write_hba(data)
-    service = _service(cfg, "postgres")
-    _free_or_ours(service, cfg.host, cfg.postgres_port, "prod_stack.postgres_port")
-    start(service, postgres_argv(cfg), lambda: _pg_ready(cfg), timeout_s=60,
-          identity={"data": str(data), "port": cfg.postgres_port, "auth": "scram-sha-256"})
+    service = _service(prod_stack, "postgres")
+    _free_or_ours(service, prod_stack.host, prod_stack.postgres_port, "prod_stack.postgres_port")
+    start(service, postgres_argv(prod_stack), lambda: _pg_ready(prod_stack), timeout_s=60,
+          identity={"data": str(data), "port": prod_stack.postgres_port, "auth": "scram-sha-256"})
     if legacy:
-        _psql(cfg, f"ALTER ROLE {PG_SUPERUSER} WITH PASSWORD '{scram_verifier(superuser_password)}';")
+        _psql(prod_stack, f"ALTER ROLE {PG_SUPERUSER} WITH PASSWORD '{scram_verifier(superuser_password)}';")
         _write_hba(data)
-    _psql(cfg, "SELECT pg_reload_conf();")  # a server that was already running reads pg_hba.conf again
+    _psql(prod_stack, "SELECT pg_reload_conf();")  # a server that was already running reads pg_hba.conf again
     # the airflow role (Airflow's metadata and Celery results, MLflow's stores): its password as a SCRAM verifier
-    _psql(cfg, "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'airflow') THEN CREATE ROLE airflow LOGIN; END IF; END $$;\n"
-               f"ALTER ROLE airflow WITH LOGIN PASSWORD '{scram_verifier(_secret(cfg, 'postgres_password'))}';")
+    _psql(prod_stack, "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'airflow') "
+                      "THEN CREATE ROLE airflow LOGIN; END IF; END $$;\n"
+               f"ALTER ROLE airflow WITH LOGIN PASSWORD '{scram_verifier(_secret(prod_stack, 'postgres_password'))}';")
     for db in DATABASES:
-        if _psql(cfg, f"SELECT 1 FROM pg_database WHERE datname = '{db}';") != "1":  # noqa: S608 - our constant names
-            _psql(cfg, f"CREATE DATABASE {db} OWNER airflow;")
+        if _psql(prod_stack, f"SELECT 1 FROM pg_database WHERE datname = '{db}';") != "1":  # noqa: S608 - our constant names
+            _psql(prod_stack, f"CREATE DATABASE {db} OWNER airflow;")
 
 
-def redis_conf(cfg: ProdStackParams) -> str:
+def redis_conf(prod_stack: ProdStackParams) -> str:
     """redis-server's config, in a 0600 file: its password (``requirepass``) is here, not on its command line."""
-    data = _home(cfg) / "redis"
+    data = _home(prod_stack) / "redis"
     return "\n".join([
-        "# written by pipeline/services/prod_stack.py (mode 0600) on every start",
-        f"bind {cfg.host}", f"port {cfg.redis_port}", "protected-mode yes", f"dir {json.dumps(str(data), ensure_ascii=False)}",
-        "appendonly yes", 'save ""', f"requirepass {_secret(cfg, 'redis_password')}", ""])
+        "# written by infra/local/prod_stack.py (mode 0600) on every start",
+        f"bind {prod_stack.host}", f"port {prod_stack.redis_port}", "protected-mode yes",
+        f"dir {json.dumps(str(data), ensure_ascii=False)}",
+        "appendonly yes", 'save ""', f"requirepass {_secret(prod_stack, 'redis_password')}", ""])
 
 
 def _redis_bin() -> str:
@@ -364,14 +372,13 @@ def _redis_bin() -> str:
     return binary
 
 
-def redis_argv(cfg: ProdStackParams) -> list[str]:
-    return [_redis_bin(), str(_home(cfg) / "redis" / "redis.conf")]
+def redis_argv(prod_stack: ProdStackParams) -> list[str]:
+    return [_redis_bin(), str(_home(prod_stack) / "redis" / "redis.conf")]
 
 
-def _redis_ready(cfg: ProdStackParams) -> bool:
-    import redis
-
-    client = redis.Redis(host=cfg.host, port=cfg.redis_port, password=_secret(cfg, "redis_password"), socket_timeout=1.0)
+def _redis_ready(prod_stack: ProdStackParams) -> bool:
+    client = redis.Redis(host=prod_stack.host, port=prod_stack.redis_port, password=_secret(prod_stack, "redis_password"),
+                         socket_timeout=1.0)
     try:
         return bool(client.ping())
     except redis.RedisError:
@@ -380,13 +387,13 @@ def _redis_ready(cfg: ProdStackParams) -> bool:
         client.close()
 
 
-def redis_up(cfg: ProdStackParams) -> None:
-    data = _private_dir(_home_dir(cfg) / "redis")
-    write_private(data / "redis.conf", redis_conf(cfg))
-    service = _service(cfg, "redis")
-    _free_or_ours(service, cfg.host, cfg.redis_port, "prod_stack.redis_port")
-    start(service, redis_argv(cfg), lambda: _redis_ready(cfg), timeout_s=30,
-          identity={"cmd": redis_argv(cfg), "auth": "requirepass"})
+def redis_up(prod_stack: ProdStackParams) -> None:
+    data = _private_dir(_home_dir(prod_stack) / "redis")
+    write_private(data / "redis.conf", redis_conf(prod_stack))
+    service = _service(prod_stack, "redis")
+    _free_or_ours(service, prod_stack.host, prod_stack.redis_port, "prod_stack.redis_port")
+    start(service, redis_argv(prod_stack), lambda: _redis_ready(prod_stack), timeout_s=30,
+          identity={"cmd": redis_argv(prod_stack), "auth": "requirepass"})
 
 
 # --- S3, MLflow ---------------------------------------------------------------------------------
@@ -416,11 +423,11 @@ def s3_app(key: str, secret: str) -> Any:
     IAM user ``pipeline`` is created in moto's backend with the stack's key and a policy allowing S3, signature checks
     are on from the first request, and ``s3_gate`` closes moto's unauthenticated API. Changes moto's process-wide
     state: only the stack's ``s3`` service process (``s3_server``) calls it."""
-    from moto import settings
-    from moto.core import DEFAULT_ACCOUNT_ID
-    from moto.iam.models import iam_backends
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-    from werkzeug.wrappers import Request, Response
+    # moto: a 0.4 s import that sets up process-wide mock backends, for the s3-server process only
+    from moto import settings  # noqa: PLC0415 - s3-server process only (0.4 s import)
+    from moto.core import DEFAULT_ACCOUNT_ID  # noqa: PLC0415 - s3-server process only
+    from moto.iam.models import iam_backends  # noqa: PLC0415 - s3-server process only
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app  # noqa: PLC0415 - s3-server only
 
     iam = iam_backends[DEFAULT_ACCOUNT_ID]["aws"]
     iam.create_user(region_name="us-east-1", user_name=S3_USER)
@@ -446,96 +453,61 @@ def s3_app(key: str, secret: str) -> Any:
 def s3_server(host: str, port: int) -> None:
     """The stack's ``s3`` service: ``s3_app`` with the key from this process' environment (``AWS_ACCESS_KEY_ID`` /
     ``AWS_SECRET_ACCESS_KEY``, never argv), on ``host:port``."""
-    from moto.moto_server.werkzeug_app import MotoRequestHandler
-    from werkzeug.serving import run_simple
+    from moto.moto_server.werkzeug_app import MotoRequestHandler  # noqa: PLC0415 - s3-server process only (0.4 s import)
 
     os.environ.setdefault("MOTO_PORT", str(port))
     app = s3_app(os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"])
     run_simple(host, port, app, threaded=True, request_handler=MotoRequestHandler)
 
 
-def s3_argv(cfg: ProdStackParams) -> list[str]:
-    return [sys.executable, "-m", "pipeline.services.prod_stack", "s3-server", cfg.host, str(cfg.s3_port)]
+def s3_argv(prod_stack: ProdStackParams) -> list[str]:
+    """This script's ``s3-server`` (run with the repository root on PYTHONPATH: ``s3_up``)."""
+    return [sys.executable, str(Path(__file__).resolve()), "s3-server", prod_stack.host, str(prod_stack.s3_port)]
 
 
-def s3_up(cfg: ProdStackParams) -> None:
-    from pipeline.services import buckets
-
-    service = _service(cfg, "s3")
-    _free_or_ours(service, cfg.host, cfg.s3_port, "prod_stack.s3_port")
-    env = s3_env(cfg)
-    start(service, s3_argv(cfg), f"http://{cfg.host}:{cfg.s3_port}/moto-api/", timeout_s=60, cwd=REPO_ROOT,
+def s3_up(prod_stack: ProdStackParams) -> None:
+    service = _service(prod_stack, "s3")
+    _free_or_ours(service, prod_stack.host, prod_stack.s3_port, "prod_stack.s3_port")
+    env = s3_env(prod_stack)
+    start(service, s3_argv(prod_stack), f"http://{prod_stack.host}:{prod_stack.s3_port}/moto-api/", timeout_s=60, cwd=REPO_ROOT,
           env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))},
-          identity={"cmd": s3_argv(cfg), "auth": f"sigv4 iam user {S3_USER}"})
-    buckets.ensure(cfg.buckets, endpoint_url=env["AWS_ENDPOINT_URL"], region=env["AWS_DEFAULT_REGION"],
+          identity={"cmd": s3_argv(prod_stack), "auth": f"sigv4 iam user {S3_USER}"})
+    buckets.ensure(prod_stack.buckets, endpoint_url=env["AWS_ENDPOINT_URL"], region=env["AWS_DEFAULT_REGION"],
                    access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"])
 
 
-def mlflow_auth_ini(cfg: ProdStackParams) -> str:
+def mlflow_auth_ini(prod_stack: ProdStackParams) -> str:
     """MLflow's basic-auth config (``MLFLOW_AUTH_CONFIG_PATH``; keys of mlflow/server/auth/config.py): every user
     reads, only grants write; users live in Postgres' ``mlflow_auth``, reached with ``PGPASSWORD`` from the server's
     environment. No password here: the admin's comes from ``MLFLOW_AUTH_ADMIN_PASSWORD`` on the first start."""
     return "\n".join([
         "[mlflow]", "default_permission = READ",
-        f"database_uri = postgresql://airflow@{cfg.host}:{cfg.postgres_port}/mlflow_auth",
+        f"database_uri = postgresql://airflow@{prod_stack.host}:{prod_stack.postgres_port}/mlflow_auth",
         f"admin_username = {MLFLOW_ADMIN}", "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
         "grant_default_workspace_access = false", ""])
 
 
-def mlflow_argv(cfg: ProdStackParams) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", cfg.host, "--port", str(cfg.mlflow_port),
-            "--workers", "1", "--artifacts-destination", f"s3://{cfg.buckets[0]}/artifacts"]
+def mlflow_argv(prod_stack: ProdStackParams) -> list[str]:
+    return [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
+            "--host", prod_stack.host, "--port", str(prod_stack.mlflow_port),
+            "--workers", "1", "--artifacts-destination", f"s3://{prod_stack.buckets[0]}/artifacts"]
 
 
-def mlflow_server_env(cfg: ProdStackParams) -> dict[str, str]:
+def mlflow_server_env(prod_stack: ProdStackParams) -> dict[str, str]:
     """The MLflow server's environment: where its secrets reach it (the command line has none)."""
-    return {**s3_env(cfg),
-            "MLFLOW_BACKEND_STORE_URI": _db_url(cfg, "mlflow", "postgresql", password=False),
-            "PGPASSWORD": _secret(cfg, "postgres_password"),  # libpq's, for the backend and the auth store
+    return {**s3_env(prod_stack),
+            "MLFLOW_BACKEND_STORE_URI": _db_url(prod_stack, "mlflow", "postgresql", password=False),
+            "PGPASSWORD": _secret(prod_stack, "postgres_password"),  # libpq's, for the backend and the auth store
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-            "MLFLOW_AUTH_CONFIG_PATH": str(_home(cfg) / "mlflow" / "basic_auth.ini"),
+            "MLFLOW_AUTH_CONFIG_PATH": str(_home(prod_stack) / "mlflow" / "basic_auth.ini"),
             "MLFLOW_AUTH_ADMIN_USERNAME": MLFLOW_ADMIN,
-            "MLFLOW_AUTH_ADMIN_PASSWORD": _secret(cfg, "mlflow_admin_password"),
-            "MLFLOW_FLASK_SERVER_SECRET_KEY": _secret(cfg, "mlflow_flask_secret_key")}
+            "MLFLOW_AUTH_ADMIN_PASSWORD": _secret(prod_stack, "mlflow_admin_password"),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": _secret(prod_stack, "mlflow_flask_secret_key")}
 
 
 def mlflow_auth_available() -> bool:
     """MLflow's basic-auth app imports Flask-WTF (the ``mlflow[auth]`` extra) for its CSRF protection."""
-    import importlib.util
-
     return importlib.util.find_spec("flask_wtf") is not None
-
-
-def provision_mlflow_users(uri: str, admin_password: str, passwords: dict[str, str], transport: Any = None) -> dict[str, str]:
-    """Create (or re-key) the writer and reader users as MLflow's admin and give the writer its grants; idempotent.
-    ``passwords``: role (``MLFLOW_USERS``' keys) -> password. Passwords travel in JSON bodies, never in a URL.
-    Returns user -> what was done."""
-    import httpx
-
-    done: dict[str, str] = {}
-    with httpx.Client(base_url=uri, auth=(MLFLOW_ADMIN, admin_password), timeout=30, transport=transport) as api:
-        for role, password in passwords.items():
-            name = MLFLOW_USERS[role]
-            found = api.get("/api/2.0/mlflow/users/get", params={"username": name})
-            if found.status_code == 404:
-                api.post("/api/2.0/mlflow/users/create", json={"username": name, "password": password}).raise_for_status()
-                done[name] = "created"
-            else:
-                found.raise_for_status()
-                api.patch("/api/2.0/mlflow/users/update-password", json={"username": name, "password": password}).raise_for_status()
-                done[name] = "password set"
-        writer = MLFLOW_USERS["writer"]
-        listed = api.get("/api/3.0/mlflow/users/permissions/list", params={"username": writer}).raise_for_status().json()
-        have = {(p["resource_type"], p["resource_pattern"]): p["permission"] for p in listed.get("permissions", [])
-                if p.get("role_name", "").startswith("__user_")}
-        for resource_type, pattern, permission in MLFLOW_WRITER_GRANTS:
-            if have.get((resource_type, pattern)) == permission:
-                continue
-            grant = {"username": writer, "resource_type": resource_type, "resource_id": pattern}
-            if (resource_type, pattern) in have:
-                api.post("/api/3.0/mlflow/users/permissions/revoke", json=grant).raise_for_status()
-            api.post("/api/3.0/mlflow/users/permissions/grant", json={**grant, "permission": permission}).raise_for_status()
-    return done
 
 
 def _require_mlflow_auth() -> None:
@@ -544,25 +516,23 @@ def _require_mlflow_auth() -> None:
                            "add Flask-WTF (and WTForms) to requirements/control.lock.txt")
 
 
-def mlflow_up(cfg: ProdStackParams) -> None:
+def mlflow_up(prod_stack: ProdStackParams) -> None:
     _require_mlflow_auth()
-    write_private(_private_dir(_home_dir(cfg) / "mlflow") / "basic_auth.ini", mlflow_auth_ini(cfg))
-    service = _service(cfg, "mlflow")
-    _free_or_ours(service, cfg.host, cfg.mlflow_port, "prod_stack.mlflow_port")
-    cmd = mlflow_argv(cfg)
-    start(service, cmd, f"{mlflow_uri(cfg)}/health", env=mlflow_server_env(cfg), timeout_s=180,
+    write_private(_private_dir(_home_dir(prod_stack) / "mlflow") / "basic_auth.ini", mlflow_auth_ini(prod_stack))
+    service = _service(prod_stack, "mlflow")
+    _free_or_ours(service, prod_stack.host, prod_stack.mlflow_port, "prod_stack.mlflow_port")
+    cmd = mlflow_argv(prod_stack)
+    start(service, cmd, f"{mlflow_uri(prod_stack)}/health", env=mlflow_server_env(prod_stack), timeout_s=180,
           identity={"cmd": cmd, "store": "postgres/mlflow", "auth": "basic-auth postgres/mlflow_auth"})
-    provision_mlflow_users(mlflow_uri(cfg), _secret(cfg, "mlflow_admin_password"),
-                           {role: _secret(cfg, f"mlflow_{role}_password") for role in MLFLOW_USERS})
+    provision_mlflow_users(mlflow_uri(prod_stack), _secret(prod_stack, "mlflow_admin_password"),
+                           {role: _secret(prod_stack, f"mlflow_{role}_password") for role in MLFLOW_USERS})
 
 
 # --- Airflow with the CeleryExecutor ------------------------------------------------------------
 
-def _health(cfg: ProdStackParams, component: str) -> bool:
-    import httpx
-
+def _health(prod_stack: ProdStackParams, component: str) -> bool:
     try:
-        body = httpx.get(f"{airflow_url(cfg)}/api/v2/monitor/health", timeout=2.0).json()
+        body = httpx.get(f"{airflow_url(prod_stack)}/api/v2/monitor/health", timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
         return False
     return (body.get(component) or {}).get("status") == "healthy"
@@ -573,55 +543,54 @@ def worker_name(queue: str) -> str:
     return f"{queue}@{socket.gethostname()}"
 
 
-def worker_ready(cfg: ProdStackParams, queue: str) -> bool:
+def worker_ready(prod_stack: ProdStackParams, queue: str) -> bool:
     """The queue's Celery worker answers a ping through the broker."""
-    from celery import Celery
-
-    app = Celery(broker=broker_url(cfg))
+    app = Celery(broker=broker_url(prod_stack))
     try:
         return bool(app.control.ping(destination=[worker_name(queue)], timeout=1.0))
     finally:
         app.close()
 
 
-def airflow_up(cfg: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str]:
-    env = airflow_env(cfg, project)
+def airflow_up(prod_stack: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str]:
+    env = airflow_env(prod_stack, project)
     home = _private_dir(Path(env["AIRFLOW_HOME"]))  # airflow.cfg, the admin's password file, task logs
     airflow = airflow_server.airflow_bin()
     full_env = {**os.environ, **env}
     migrate = subprocess.run([airflow, "db", "migrate"], env=full_env, capture_output=True, text=True, check=False)
     if migrate.returncode != 0:
         raise ServiceError(f"airflow db migrate failed: {migrate.stderr[-2000:]}")
-    subprocess.run([airflow, "pools", "set", "gpu", str(cfg.workers.get("gpu", 1)), "GPU-bound stages: one slot per GPU worker process"],
+    subprocess.run([airflow, "pools", "set", "gpu", str(prod_stack.workers.get("gpu", 1)),
+                    "GPU-bound stages: one slot per GPU worker process"],
                    env=full_env, capture_output=True, check=True)
     ident = {"project": str(project), "home": str(home)}
-    api = _service(cfg, "airflow-apiserver")
-    _free_or_ours(api, cfg.host, cfg.airflow_port, "prod_stack.airflow_port")
-    start(api, [airflow, "api-server", "--host", cfg.host, "--port", str(cfg.airflow_port)], f"{airflow_url(cfg)}/api/v2/monitor/health",
+    api = _service(prod_stack, "airflow-apiserver")
+    _free_or_ours(api, prod_stack.host, prod_stack.airflow_port, "prod_stack.airflow_port")
+    start(api, [airflow, "api-server", "--host", prod_stack.host, "--port", str(prod_stack.airflow_port)],
+          f"{airflow_url(prod_stack)}/api/v2/monitor/health",
           env=env, timeout_s=240, cwd=project, identity=ident)
     for component, key in (("scheduler", "scheduler"), ("dag-processor", "dag_processor"), ("triggerer", "triggerer")):
-        start(_service(cfg, f"airflow-{component}"), [airflow, component], lambda key=key: _health(cfg, key),  # type: ignore[misc]
+        start(_service(prod_stack, f"airflow-{component}"), [airflow, component], functools.partial(_health, prod_stack, key),
               env=env, timeout_s=240, cwd=project, identity=ident)
-    for queue, concurrency in cfg.workers.items():
+    for queue, concurrency in prod_stack.workers.items():
         worker_env = {**env, "PIPELINE_WORKER_QUEUE": queue,
-                      "AIRFLOW__CORE__HOSTNAME_CALLABLE": "pipeline.services.prod_stack.worker_hostname",
+                      "AIRFLOW__CORE__HOSTNAME_CALLABLE": "pipeline.services.airflow_server.worker_hostname",
                       # two workers on one host: each serves its task logs on its own port
-                      "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port_for(cfg, f"log-{queue}"))}
-        start(_service(cfg, f"airflow-worker-{queue}"),
-              [airflow, "celery", "worker", "--queues", queue, "--concurrency", str(concurrency), "--celery-hostname", worker_name(queue)],
-              lambda queue=queue: worker_ready(cfg, queue), env=worker_env, timeout_s=240, cwd=project,  # type: ignore[misc]
+                      "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port_for(prod_stack, f"log-{queue}"))}
+        start(_service(prod_stack, f"airflow-worker-{queue}"),
+              [airflow, "celery", "worker", "--queues", queue, "--concurrency", str(concurrency),
+               "--celery-hostname", worker_name(queue)],
+              functools.partial(worker_ready, prod_stack, queue), env=worker_env, timeout_s=240, cwd=project,
               identity={**ident, "queue": queue, "concurrency": concurrency})
-    return {"url": airflow_url(cfg), "user": "admin", "password": airflow_server.admin_password(home)}
+    return {"url": airflow_url(prod_stack), "user": "admin", "password": airflow_server.admin_password(home)}
 
 
-def _free_port_for(cfg: ProdStackParams, name: str) -> int:
+def _free_port_for(prod_stack: ProdStackParams, name: str) -> int:
     """A stable port per name (kept in the home, so a restart reuses it)."""
-    path = _home(cfg) / "ports.json"
+    path = _home(prod_stack) / "ports.json"
     ports = json.loads(path.read_text()) if path.exists() else {}
-    if name not in ports or not port_is_free(cfg.host, ports[name]):
-        from pipeline.services.process import free_port
-
-        ports[name] = free_port(cfg.host)
+    if name not in ports or not port_is_free(prod_stack.host, ports[name]):
+        ports[name] = free_port(prod_stack.host)
         path.write_text(json.dumps(ports))
     return int(ports[name])
 
@@ -637,19 +606,19 @@ def _free_or_ours(service: Service, host: str, port: int, param: str) -> None:
 ORDER = list(COMPOSE)  # start order; stopped in reverse
 
 
-def up(params: Params, project: Path = REPO_ROOT) -> dict[str, str]:
-    cfg = params.prod_stack
+def up(prod_stack: ProdStackParams, project: Path = REPO_ROOT) -> dict[str, str]:
     _require_mlflow_auth()  # before anything starts
-    postgres_up(cfg)
-    redis_up(cfg)
-    s3_up(cfg)
-    mlflow_up(cfg)
-    info = airflow_up(cfg, project)
-    return {**info, "mlflow": mlflow_uri(cfg), "s3": f"http://{cfg.host}:{cfg.s3_port}", "home": str(_home(cfg))}
+    postgres_up(prod_stack)
+    redis_up(prod_stack)
+    s3_up(prod_stack)
+    mlflow_up(prod_stack)
+    info = airflow_up(prod_stack, project)
+    return {**info, "mlflow": mlflow_uri(prod_stack), "s3": f"http://{prod_stack.host}:{prod_stack.s3_port}",
+            "home": str(_home(prod_stack))}
 
 
-def down(params: Params) -> list[str]:
-    home = _home(params.prod_stack)
+def down(prod_stack: ProdStackParams) -> list[str]:
+    home = _home(prod_stack)
     stopped = []
     for name in reversed(ORDER):
         t0 = time.monotonic()
@@ -660,51 +629,51 @@ def down(params: Params) -> list[str]:
     return stopped
 
 
-def status(params: Params) -> dict[str, bool]:
-    home = _home(params.prod_stack)
+def status(prod_stack: ProdStackParams) -> dict[str, bool]:
+    home = _home(prod_stack)
     return {name: Service(name, home).pid() is not None for name in ORDER}
 
 
 def drop_s3_remote(project: Path) -> bool:
     """Undo ``use_s3_remote`` (the stack's S3 goes away with it): the committed default remote is back."""
-    proc = subprocess.run([sys.executable, "-m", "dvc", "remote", "remove", "--local", "s3"], cwd=project, capture_output=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "dvc", "remote", "remove", "--local", "s3"], cwd=project, capture_output=True,
+                          check=False)
     return proc.returncode == 0
 
 
-def use_s3_remote(params: Params, project: Path) -> None:
+def use_s3_remote(prod_stack: ProdStackParams, project: Path) -> None:
     """Point ``project``'s DVC at the stack's S3 remote, in ``.dvc/config.local`` (the committed default stays)."""
-    cfg = params.prod_stack
-    env = {**os.environ, **s3_env(cfg)}
+    env = {**os.environ, **s3_env(prod_stack)}
     dvc = [sys.executable, "-m", "dvc"]
-    for args in (["remote", "add", "--local", "--force", "--default", "s3", cfg.dvc_remote],
-                 ["remote", "modify", "--local", "s3", "endpointurl", f"http://{cfg.host}:{cfg.s3_port}"]):
+    for args in (["remote", "add", "--local", "--force", "--default", "s3", prod_stack.dvc_remote],
+                 ["remote", "modify", "--local", "s3", "endpointurl", f"http://{prod_stack.host}:{prod_stack.s3_port}"]):
         subprocess.run([*dvc, *args], cwd=project, env=env, check=True, capture_output=True)
 
 
 # --- one DAG run through the REST API -------------------------------------------------------------
 
-def _api(cfg: ProdStackParams) -> Any:
-    import httpx
-
-    home = _home(cfg) / "airflow"
+def _api(prod_stack: ProdStackParams) -> Any:
+    home = _home(prod_stack) / "airflow"
     password = airflow_server.admin_password(home)
-    token = httpx.post(f"{airflow_url(cfg)}/auth/token", json={"username": "admin", "password": password}, timeout=30).raise_for_status()
-    return httpx.Client(base_url=f"{airflow_url(cfg)}/api/v2", headers={"Authorization": f"Bearer {token.json()['access_token']}"}, timeout=60)
+    token = httpx.post(f"{airflow_url(prod_stack)}/auth/token", json={"username": "admin", "password": password},
+                       timeout=30).raise_for_status()
+    return httpx.Client(base_url=f"{airflow_url(prod_stack)}/api/v2",
+                        headers={"Authorization": f"Bearer {token.json()['access_token']}"}, timeout=60)
 
 
-def dag_run(params: Params, conf: dict[str, Any], timeout_s: float = 3600.0, poll_s: float = 10.0) -> dict[str, Any]:
+def dag_run(prod_stack: ProdStackParams, conf: dict[str, Any], timeout_s: float = 3600.0, poll_s: float = 10.0) -> dict[str, Any]:
     """Trigger the DAG, follow it to the end, and return the run with where each task instance ran."""
-    cfg = params.prod_stack
-    api = _api(cfg)
+    api = _api(prod_stack)
     deadline = time.monotonic() + 300
     while api.get(f"/dags/{DAG_ID}").status_code == 404:  # the dag-processor has not parsed it yet
         if time.monotonic() > deadline:
-            raise ServiceError(f"{DAG_ID} never appeared in Airflow at {airflow_url(cfg)}: see {cfg.home}/airflow-dag-processor.log")
+            raise ServiceError(f"{DAG_ID} never appeared in Airflow at {airflow_url(prod_stack)}: "
+                               f"see {prod_stack.home}/airflow-dag-processor.log")
         time.sleep(2)
     api.patch(f"/dags/{DAG_ID}", json={"is_paused": False}).raise_for_status()
     run = api.post(f"/dags/{DAG_ID}/dagRuns", json={"logical_date": None, "conf": conf}).raise_for_status().json()
     run_id = run["dag_run_id"]
-    print(f"dag-run: {DAG_ID} {run_id} triggered; UI {airflow_url(cfg)}/dags/{DAG_ID}/runs/{run_id}", flush=True)
+    print(f"dag-run: {DAG_ID} {run_id} triggered; UI {airflow_url(prod_stack)}/dags/{DAG_ID}/runs/{run_id}", flush=True)
     seen: dict[str, str] = {}
     said_ahead = False
     deadline = time.monotonic() + timeout_s
@@ -713,7 +682,8 @@ def dag_run(params: Params, conf: dict[str, Any], timeout_s: float = 3600.0, pol
         if state == "queued" and not said_ahead and (ahead := _runs_ahead(api, run_id)):
             said_ahead = True
             print(f"dag-run: waiting behind {', '.join(ahead)} (max_active_runs=1)", flush=True)
-        tis = api.get(f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances", params={"limit": 200}).raise_for_status().json()["task_instances"]
+        found = api.get(f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances", params={"limit": 200}).raise_for_status()
+        tis = found.json()["task_instances"]
         for ti in tis:
             key = ti["task_id"] + (f"[{ti['map_index']}]" if ti["map_index"] >= 0 else "")
             if ti["state"] and seen.get(key) != ti["state"]:
@@ -738,48 +708,65 @@ def _runs_ahead(api: Any, run_id: str) -> list[str]:
 def misplaced(task_instances: list[dict[str, Any]]) -> list[str]:
     """Task instances that ran on a worker other than their queue's (queue routing broken)."""
     return [f"{ti['task_id']} (queue {ti['queue']}) ran on {ti['hostname']}" for ti in task_instances
-            if ti["state"] in ("success", "failed") and ti["hostname"] and not ti["hostname"].startswith(f"{ti['queue']}-worker.")]
+            if ti["state"] in ("success", "failed") and ti["hostname"]
+            and not ti["hostname"].startswith(f"{ti['queue']}-worker.")]
 
 
 # --- CLI ----------------------------------------------------------------------------------------
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["up", "down", "status", "dag-run", "buckets", "mlflow-users"],
-                        help="buckets: only the boto3 bucket bootstrap, against $AWS_ENDPOINT_URL (compose's and k8s' init step); "
-                             "mlflow-users: only MLflow's writer/reader users, against $MLFLOW_TRACKING_URI as the admin "
-                             "(MLFLOW_AUTH_ADMIN_PASSWORD, MLFLOW_WRITER_PASSWORD, MLFLOW_READER_PASSWORD from the environment)")
-    parser.add_argument("--conf", default="{}", help="dag-run: the run's Params as JSON, e.g. '{\"tasks\": 1, \"eval_limit\": 1}'")
-    parser.add_argument("--timeout-s", type=float, default=3600.0)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infra/local/prod_stack.py", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--params", default=None, help="params file (default: $PIPELINE_PARAMS or params.yaml)")
+    sub = parser.add_subparsers(dest="action", metavar="action", required=True)
+    sub.add_parser("up", help="start the stack (idempotent) and make its S3 this checkout's default DVC remote")
+    sub.add_parser("status", help="which of the stack's services run")
+    sub.add_parser("down", help="stop the stack (its data stays in prod_stack.home) and drop the S3 DVC remote")
+    run = sub.add_parser("dag-run", help="one DAG run through Airflow's REST API; prints where each task ran")
+    run.add_argument("--conf", default="{}", help="the run's Params as JSON, e.g. '{\"tasks\": 1, \"eval_limit\": 1}'")
+    run.add_argument("--timeout-s", type=float, default=3600.0)
+    s3 = sub.add_parser("s3-server", help="the stack's S3 service process itself (what `up` starts; keys from the environment)")
+    s3.add_argument("host")
+    s3.add_argument("port", type=int)
+    return parser
 
 
-def main(args: argparse.Namespace, params: Params) -> int:
-    cfg = params.prod_stack
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.action == "s3-server":  # a child of `up`, with its keys in its environment: no params to read
+        s3_server(args.host, args.port)
+        return 0
+    try:
+        prod_stack = load_params(args.params).prod_stack
+    except ParamsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run_action(args, prod_stack)
+    except ServiceError as exc:  # a service that cannot be started or must not be used: say why, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def run_action(args: argparse.Namespace, prod_stack: ProdStackParams) -> int:
     if args.action == "up":
-        info = up(params)
-        use_s3_remote(params, REPO_ROOT)
+        info = up(prod_stack)
+        use_s3_remote(prod_stack, REPO_ROOT)
         secrets_dir = Path(info["home"]) / "secrets"
-        print(f"prod stack up (CeleryExecutor; workers {', '.join(cfg.workers)}): Airflow UI {info['url']} user admin password "
-              f"{info['password']}; MLflow {info['mlflow']} (Postgres store, artifacts s3://{cfg.buckets[0]}; basic auth: users "
-              f"{MLFLOW_ADMIN}, {MLFLOW_USERS['writer']}, {MLFLOW_USERS['reader']}, passwords in {secrets_dir}/mlflow_*_password); "
-              f"S3 {info['s3']} (DVC remote {cfg.dvc_remote}, now this checkout's default in .dvc/config.local); home {info['home']}")
+        print(f"prod stack up (CeleryExecutor; workers {', '.join(prod_stack.workers)}): Airflow UI {info['url']} user admin "
+              f"password {info['password']}; MLflow {info['mlflow']} (Postgres store, artifacts s3://{prod_stack.buckets[0]}; "
+              f"basic auth: users {MLFLOW_ADMIN}, {MLFLOW_USERS['writer']}, {MLFLOW_USERS['reader']}, passwords in "
+              f"{secrets_dir}/mlflow_*_password); S3 {info['s3']} (DVC remote {prod_stack.dvc_remote}, now this checkout's "
+              f"default in .dvc/config.local); home {info['home']}")
         return 0
     if args.action == "down":
-        print(f"prod stack: stopped {', '.join(down(params)) or 'nothing'}"
+        print(f"prod stack: stopped {', '.join(down(prod_stack)) or 'nothing'}"
               + ("; DVC's default remote is the committed one again" if drop_s3_remote(REPO_ROOT) else ""))
         return 0
-    if args.action == "buckets":
-        from pipeline.services import buckets
-
-        created = buckets.ensure(cfg.buckets)
-        print(f"buckets: created {', '.join(created) or 'none'}; present {', '.join(cfg.buckets)}")
-        return 0
-    if args.action == "mlflow-users":
-        return _mlflow_users_from_env(args.timeout_s)
     if args.action == "status":
-        for name, running in status(params).items():
+        for name, running in status(prod_stack).items():
             print(f"{name:<24} {'up' if running else 'down'}  (compose service: {COMPOSE[name]})")
         return 0
-    result = dag_run(params, json.loads(args.conf), timeout_s=args.timeout_s)
+    result = dag_run(prod_stack, json.loads(args.conf), timeout_s=args.timeout_s)
     wrong = misplaced(result["task_instances"])
     for line in wrong:
         print(f"misplaced: {line}", file=sys.stderr)
@@ -787,28 +774,5 @@ def main(args: argparse.Namespace, params: Params) -> int:
     return 0 if result["state"] == "success" and not wrong else 1
 
 
-def _mlflow_users_from_env(timeout_s: float) -> int:
-    """compose's ``mlflow-init`` (and a Kubernetes Job): the stack's users on a server the operator runs."""
-    from pipeline.services.process import http_ok
-
-    names = ["MLFLOW_TRACKING_URI", "MLFLOW_AUTH_ADMIN_PASSWORD", *(f"MLFLOW_{role.upper()}_PASSWORD" for role in MLFLOW_USERS)]
-    if missing := [n for n in names if not os.environ.get(n)]:
-        print(f"mlflow-users: set {', '.join(missing)}", file=sys.stderr)
-        return 2
-    uri = os.environ["MLFLOW_TRACKING_URI"].rstrip("/")
-    deadline = time.monotonic() + min(timeout_s, 600.0)
-    while not http_ok(f"{uri}/health"):
-        if time.monotonic() > deadline:
-            print(f"mlflow-users: {uri}/health never answered", file=sys.stderr)
-            return 1
-        time.sleep(2)
-    done = provision_mlflow_users(uri, os.environ["MLFLOW_AUTH_ADMIN_PASSWORD"],
-                                  {role: os.environ[f"MLFLOW_{role.upper()}_PASSWORD"] for role in MLFLOW_USERS})
-    print("mlflow-users: " + ", ".join(f"{user} {what}" for user, what in done.items()) + f"; {MLFLOW_USERS['writer']} may write everywhere")
-    return 0
-
-
-if __name__ == "__main__":  # the stack's S3 server (s3_argv): python -m pipeline.services.prod_stack s3-server HOST PORT
-    if sys.argv[1:2] != ["s3-server"] or len(sys.argv) != 4:
-        sys.exit("usage: python -m pipeline.services.prod_stack s3-server HOST PORT")
-    s3_server(sys.argv[2], int(sys.argv[3]))
+if __name__ == "__main__":
+    sys.exit(main())

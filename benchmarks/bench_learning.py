@@ -1,0 +1,265 @@
+"""Can the gate be fooled, what can it detect, and what does replay buy: measured on the served society.
+
+    PYTHONPATH=. .venv/control/bin/python benchmarks/bench_learning.py [--tasks 25] [--repeats 5] \
+        [--role senior_researcher] [--out docs/benchmarks-learning.md]
+
+Needs the validation split, the index and the model folder (`dvc repro build_index materialize_model`, or
+what `make run` leaves); brings the serving stack up from params.yaml. On ``--tasks`` validation questions
+(default ``promote.min_tasks``: the n at which the gate starts deciding), in this order:
+
+1. **The champion, whole, ``--repeats`` times** (rollout seeds 0, 1, ...; the judge scores each rollout as
+   the rollouts stage does). Every ordered pair of repeats (i as champion, j as candidate) is an A/A
+   comparison: the same model against itself, so the gate's ``promoted`` rate over them is its
+   false-promotion rate, to be compared with ``promote.alpha``. Decided by ``pipeline.evaluation.gate.decide``
+   on the same summaries and paired test ``evaluate`` computes, with the configured ``promote`` section.
+2. **The same A/A comparison by replay** (``--repeats`` - 1 candidates, each replaying repeat 0's calls of every
+   role but ``--role``, as ``evaluate`` does with ``evaluate.replay``). Its paired differences hold only
+   ``--role``'s own sampling noise.
+3. **What each costs and how much it varies**: LLM calls sent and replayed per task, rollout seconds per task,
+   society runs per minute; the standard deviation of the paired reward differences, whole and replayed, and
+   the minimum detectable effect at ``--tasks`` from each (one-sided ``promote.alpha``, power 0.8), with the
+   task count each way needs to detect a 0.05 reward gain.
+
+4. **The LoRA path** (``--lora``): a LoRA adapter of ``--lora-rank`` on the q/k/v/o projections (zero-initialised B,
+   so it answers as the base does: only the cost differs; made by the model plane with peft) is hot-loaded into
+   the worker, and the champion's recorded requests are sent straight to the worker at ``evaluate.concurrency``
+   in flight, once by the base model's name and once by the adapter's: throughput ratio, adapter / base.
+
+Not measured here (docs/benchmarks-learning.md says so): the before/after of a trained role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import psutil
+from bench_rollouts import replay, replay_requests  # the direct-to-worker replay of recorded requests
+from report import write_report  # benchmarks/report.py (the script's folder is on sys.path)
+from rich.progress import Progress
+from scipy.stats import beta
+
+from pipeline.agents.llm import RoleClient
+from pipeline.agents.replay import CallBook
+from pipeline.agents.rollout import run_with_retries
+from pipeline.agents.tools import Toolbox
+from pipeline.config import Params, load_params
+from pipeline.data.splits import load_tasks
+from pipeline.evaluation import gate
+from pipeline.evaluation.metrics import CRITERIA, paired_difference, summarise
+from pipeline.evaluation.significance import min_tasks_for, minimum_detectable_effect
+from pipeline.serving import stack, worker
+from pipeline.traces.schema import Trace
+
+
+def record(trace: Trace) -> dict[str, Any]:
+    """The evaluation record ``evaluate`` scores a trace into (reward and its components from the final span)."""
+    final = next((s.data for s in trace.spans if s.kind == "reward" and s.name == "final"), {})
+    return {"task_id": trace.task_id, "rollout_id": trace.rollout_id, "label": trace.label, "decision": trace.decision,
+            "status": trace.status, "error": trace.error, "reward": float(final.get("value", 0.0)),
+            "components": dict(final.get("components") or {}), "scores": {c: float(trace.rewards.get(c, 0.0)) for c in CRITERIA},
+            "turns": trace.turns, "tokens": trace.tokens, "latency_s": trace.latency_s}
+
+
+async def society(params: Params, base_url: str, key: str, tools: Toolbox, tasks: list[dict[str, Any]], seed: int,
+                  book: CallBook | None, bar: Progress, bar_id: Any) -> dict[str, Any]:
+    """One society over ``tasks`` (judge included), ``evaluate.concurrency`` rollouts in flight; traces and cost."""
+    cfg = params.evaluate
+    sem = asyncio.Semaphore(cfg.concurrency)
+    client = RoleClient.for_agents(params.agents, base_url, key, cfg.timeout_s, replay=book)
+
+    async def one(task: dict[str, Any]) -> Trace:
+        ids = {"run_id": "bench_learning", "shard": 0, "task_id": task["id"], "rollout_id": f"{task['id']}-0"}
+        async with sem:
+            trace = await run_with_retries(params.agents, params.judge, params.reward, client, tools, task, ids, seed, None, None,
+                                           cfg.timeout_s, params.rollouts.retries, score=True)
+        bar.advance(bar_id)
+        return trace
+
+    t0 = time.perf_counter()
+    try:
+        traces = list(await asyncio.gather(*[one(t) for t in tasks]))
+    finally:
+        await client.aclose()
+    wall = time.perf_counter() - t0
+    llm = [s for t in traces for s in t.spans if s.kind == "llm"]
+    replayed = sum(1 for s in llm if s.data.get("replayed"))
+    return {"traces": traces, "records": [record(t) for t in traces], "wall_s": wall, "sent": len(llm) - replayed,
+            "replayed": replayed, "failed": sum(t.status != "ok" for t in traces)}
+
+
+def compare(params: Params, candidate: dict[str, Any], champion: dict[str, Any]) -> tuple[dict[str, Any], gate.Decision]:
+    cfg = params.evaluate
+    diff = paired_difference(candidate["records"], champion["records"], cfg.bootstrap, cfg.ci, cfg.seed)
+    decision = gate.decide(summarise(candidate["records"], cfg.bootstrap, cfg.ci, cfg.seed),
+                           summarise(champion["records"], cfg.bootstrap, cfg.ci, cfg.seed), diff, params.promote)
+    return diff, decision
+
+
+ZERO_ADAPTER = """
+import sys
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+cfg = LoraConfig(r=int(sys.argv[3]), lora_alpha=2 * int(sys.argv[3]), target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+get_peft_model(model, cfg).save_pretrained(sys.argv[2])
+"""
+
+
+def lora_path(params: Params, traces: list[Trace], rank: int) -> dict[str, Any]:
+    """The same recorded requests straight to worker 0, by the base model's name and by a hot-loaded adapter's."""
+    w = params.serving.workers[0]
+    mix = replay_requests([t.model_dump() for t in traces])
+    concurrency = params.evaluate.concurrency
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as folder:
+        python = os.environ.get("PIPELINE_MODEL_PYTHON", ".venv/model/bin/python")
+        subprocess.run([python, "-c", ZERO_ADAPTER, w.model, folder, str(rank)], check=True, timeout=600)
+        name = f"bench-zero-r{rank}"
+        worker.load_lora(w, name, folder)
+        try:
+            base = asyncio.run(replay(worker.base_url(w), mix, concurrency, "base"))
+            adapted = [[{**b, "model": name} for b in bodies] for bodies in mix]
+            lora = asyncio.run(replay(worker.base_url(w), adapted, concurrency, "lora"))
+        finally:
+            worker.unload_lora(w, name)
+    return {"rank": rank, "concurrency": concurrency, "base": base, "lora": lora}
+
+
+def rate(k: int, n: int) -> str:
+    """k/n with its exact (Clopper-Pearson) 95% interval: valid at any n."""
+    lo = 0.0 if k == 0 else float(beta.ppf(0.025, k, n - k + 1))
+    hi = 1.0 if k == n else float(beta.ppf(0.975, k + 1, n - k))
+    return f"{k}/{n} = {k / n:.2f} [95% CI {lo:.2f}, {hi:.2f}]" if n else "no comparisons"
+
+
+def differences(pairs: list[dict[str, Any]]) -> list[float]:
+    return [d for p in pairs for d in p["diffs"]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", type=int, default=None, help="validation questions (default promote.min_tasks)")
+    ap.add_argument("--repeats", type=int, default=5, help="whole champion societies (ordered pairs = A/A comparisons)")
+    ap.add_argument("--role", default="senior_researcher", help="the role a replayed candidate runs live")
+    ap.add_argument("--gain", type=float, default=0.05, help="the reward gain whose required task count is reported")
+    ap.add_argument("--concurrency", type=int, default=None, help="rollouts in flight (default evaluate.concurrency)")
+    ap.add_argument("--lora", action="store_true", help="also measure the worker's LoRA path on the recorded requests")
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    params = load_params()
+    if args.concurrency:
+        params = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"concurrency": args.concurrency})})
+    n = args.tasks or params.promote.min_tasks
+    base_url, key = stack.ensure(params.serving, params.mlflow)
+    tasks = load_tasks(params.validate_, "val", n, rotation="bench_learning")
+    tools = Toolbox(params.rollouts.index_dir, params.agents.search_top_k)
+    _ = tools.bm25, tools.mesh, tools.genes  # loaded once, not a per-rollout cost
+    with Progress(transient=False) as bar:
+        whole = [asyncio.run(society(params, base_url, key, tools, tasks, i, None, bar,
+                                     bar.add_task(f"champion, whole, seed {i}", total=len(tasks))))
+                 for i in range(args.repeats)]
+        # a fresh book per candidate: each recorded call answers once per society
+        replayed = [asyncio.run(society(params, base_url, key, tools, tasks, 0, CallBook.from_traces(whole[0]["traces"], live=[args.role]),
+                                        bar, bar.add_task(f"champion copy, replayed but {args.role}, #{j}", total=len(tasks))))
+                    for j in range(1, args.repeats)]
+
+    pairs_whole = []
+    for i, j in itertools.permutations(range(args.repeats), 2):
+        diff, decision = compare(params, whole[j], whole[i])
+        pairs_whole.append({"i": i, "j": j, "diff": diff, "decision": decision,
+                            "diffs": [b["reward"] - a["reward"] for a, b in zip(whole[i]["records"], whole[j]["records"], strict=True)]})
+    pairs_replay = []
+    for j, cand in enumerate(replayed, start=1):
+        diff, decision = compare(params, cand, whole[0])
+        pairs_replay.append({"i": 0, "j": j, "diff": diff, "decision": decision,
+                             "diffs": [b["reward"] - a["reward"] for a, b in zip(whole[0]["records"], cand["records"], strict=True)]})
+    lora = lora_path(params, whole[0]["traces"], args.lora_rank) if args.lora else None
+    lines = render(params, args, n, whole, replayed, pairs_whole, pairs_replay, lora)
+    print("\n".join(lines))
+    if args.out:
+        write_report(args.out, lines)
+
+
+def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[str, Any]], replayed: list[dict[str, Any]],
+           pairs_whole: list[dict[str, Any]], pairs_replay: list[dict[str, Any]], lora: dict[str, Any] | None) -> list[str]:
+    alpha = params.promote.alpha
+    w = params.serving.workers[0]
+    lines = [
+        "# Benchmark: the gate under A/A comparisons, its detectable effect, and evaluation by replay", "",
+        f"`benchmarks/bench_learning.py --tasks {n} --repeats {args.repeats} --role {args.role}`, "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}: {psutil.cpu_count()} CPU(s), "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB; worker `{w.name}` ({w.model}, max_model_len {w.max_model_len}); "
+        f"agents at temperature {params.agents.temperature}, seeded calls {params.agents.seeded_calls}; judge at temperature "
+        f"{params.judge.temperature}; reward = {params.reward.judge} judge + {params.reward.decision} decision; "
+        f"gate: promote.min_tasks {params.promote.min_tasks}, alpha {alpha}, margin {params.promote.margin}; "
+        f"{params.evaluate.concurrency} rollouts in flight.", "",
+        "## (a) False promotions on A/A comparisons", "",
+        "| comparison | comparisons | promoted (false promotions) | decisions by rule |", "|---|---|---|---|",
+    ]
+    for name, pairs in (("whole society vs whole society (other seed)", pairs_whole),
+                        (f"replayed copy (only {args.role} sampled) vs the champion", pairs_replay)):
+        rules: dict[str, int] = {}
+        for p in pairs:
+            rules[p["decision"].rule] = rules.get(p["decision"].rule, 0) + 1
+        k = sum(p["decision"].promote for p in pairs)
+        lines.append(f"| {name} | {len(pairs)} | {rate(k, len(pairs))} | "
+                     f"{', '.join(f'{r} {c}' for r, c in sorted(rules.items()))} |")
+    small_p = [p for p in pairs_whole if p["diff"]["p_value"] < alpha]
+    lines += ["", f"Goal: at most alpha = {alpha}. Of the whole-society comparisons, {len(small_p)} of {len(pairs_whole)} had a "
+              f"sign-flip p below alpha (the test alone, before the gate's other rules).", "",
+              "## (b) Spread of the paired differences and the minimum detectable effect", "",
+              f"| evaluation | paired differences | mean | sd | MDE at n = {n} (one-sided alpha {alpha}, power 0.8) | "
+              f"tasks to detect +{args.gain} |", "|---|---|---|---|---|---|"]
+    for name, pairs in (("whole (each unordered pair once)", [p for p in pairs_whole if p["i"] < p["j"]]), ("replayed", pairs_replay)):
+        d = differences(pairs)
+        if len(d) < 2:
+            lines.append(f"| {name} | {len(d)} | - | - | - | - |")
+            continue
+        sd = statistics.stdev(d)
+        need = min_tasks_for(args.gain / sd, alpha) if sd > 0 else 1
+        lines.append(f"| {name} | {len(d)} | {statistics.fmean(d):+.4f} | {sd:.4f} | "
+                     f"{minimum_detectable_effect(sd, n, alpha):.4f} | {need} |")
+    lines += ["", "## Replay against whole societies: cost", "",
+              "| society | runs | tasks each | LLM calls sent / task | replayed / task | rollout s / task (mean) | "
+              "society runs / min | failed rollouts |", "|---|---|---|---|---|---|---|---|"]
+    for name, runs in (("champion, whole", whole), (f"candidate, replayed (live: {args.role})", replayed)):
+        if not runs:
+            continue
+        tasks = sum(len(r["records"]) for r in runs)
+        wall = sum(r["wall_s"] for r in runs)
+        lat = statistics.fmean(rec["latency_s"] for r in runs for rec in r["records"])
+        lines.append(f"| {name} | {len(runs)} | {n} | {sum(r['sent'] for r in runs) / tasks:.1f} | "
+                     f"{sum(r['replayed'] for r in runs) / tasks:.1f} | {lat:.1f} | {tasks / wall * 60:.2f} | "
+                     f"{sum(r['failed'] for r in runs)} |")
+    if whole and replayed:
+        cw = sum(r["wall_s"] for r in whole) / sum(len(r["records"]) for r in whole)
+        cr = sum(r["wall_s"] for r in replayed) / sum(len(r["records"]) for r in replayed)
+        dw, dr = differences([p for p in pairs_whole if p["i"] < p["j"]]), differences(pairs_replay)
+        vw = statistics.variance(dw) if len(dw) > 1 else float("nan")
+        vr = statistics.variance(dr) if len(dr) > 1 else float("nan")
+        lines += ["", f"Replayed / whole: cost per task {cr / cw:.2f}x; variance of the paired difference "
+                  f"{(vr / vw) if vw else float('nan'):.2f}x (so the tasks a decision needs scale by the same factor)."]
+    if lora:
+        b, a = lora["base"], lora["lora"]
+        lines += ["", "## The LoRA path", "",
+                  f"The champion's recorded requests, {b['requests']} each way, straight to the worker at {lora['concurrency']} in flight.", "",
+                  "| served as | requests / s | tokens / s (prompt + generated) | generated tokens / s | p50 latency s |", "|---|---|---|---|---|",
+                  f"| base model | {b['req_s']:.2f} | {b['tok_s']:.0f} | {b['gen_tok_s']:.1f} | {b['p50']:.2f} |",
+                  f"| LoRA r={lora['rank']} (q, k, v, o) | {a['req_s']:.2f} | {a['tok_s']:.0f} | {a['gen_tok_s']:.1f} | {a['p50']:.2f} |", "",
+                  f"Adapter / base throughput: {a['tok_s'] / b['tok_s']:.2f}x."]
+    return lines
+
+
+if __name__ == "__main__":
+    main()
