@@ -21,7 +21,7 @@ IN=requirements/gpu.in
 OVERRIDES=requirements/gpu.overrides.txt
 LOCK=requirements/gpu.lock.txt
 UV_VERSION=0.13.9
-EXCLUDE_NEWER=2026-11-25T00:00:00Z   # move forward deliberately (and re-lock) to take newer releases
+EXCLUDE_NEWER=2026-11-17T00:00:00Z   # a week behind the day it was set: a package index (or mirror) that publishes late cannot change the answer; move forward deliberately (and re-lock)
 
 pip_check() {
     local allowed out unexpected
