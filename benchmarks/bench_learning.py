@@ -25,6 +25,11 @@ what `make run` leaves); brings the serving stack up from params.yaml. On ``--ta
    the worker, and the champion's recorded requests are sent straight to the worker at ``evaluate.concurrency``
    in flight, once by the base model's name and once by the adapter's: throughput ratio, adapter / base.
 
+5. **What a GPU run must reach** (computed, no model runs): on the validation split and the official test split, the
+   decision accuracy (yes/no questions) whose exact 95% lower bound clears the majority class, and the interval any
+   measured accuracy carries at that n, next to the published references. Run the script under the GPU profile
+   (``PIPELINE_PARAMS=params/gpu.yaml``) and its whole report is that profile's.
+
 Not measured here (docs/benchmarks-learning.md says so): the before/after of a trained role.
 """
 
@@ -139,6 +144,43 @@ def rate(k: int, n: int) -> str:
     lo = 0.0 if k == 0 else float(beta.ppf(0.025, k, n - k + 1))
     hi = 1.0 if k == n else float(beta.ppf(0.975, k + 1, n - k))
     return f"{k}/{n} = {k / n:.2f} [95% CI {lo:.2f}, {hi:.2f}]" if n else "no comparisons"
+
+
+# Published PubMedQA test-set accuracies (reasoning-required setting, 3 classes): BioGPT paper (Luo et al. 2022) and
+# PubMedQA (Jin et al. 2019). Our decision is binary (GO/NO-GO), scored on the yes/no questions only.
+REFERENCES = {"fine-tuned BioGPT-Large (1.5B)": 0.810, "fine-tuned BioGPT (347M)": 0.782, "single human": 0.780,
+              "majority class (3-class test set)": 0.552}
+
+
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Exact binomial interval: valid at any n."""
+    a = (1 - level) / 2
+    return (0.0 if k == 0 else float(beta.ppf(a, k, n - k + 1)), 1.0 if k == n else float(beta.ppf(1 - a, k + 1, n - k)))
+
+
+def accuracy_to_beat(p0: float, n: int, level: float = 0.95) -> float:
+    """The smallest accuracy k/n whose exact one-sided ``level`` lower bound exceeds ``p0``."""
+    return next((k / n for k in range(n + 1) if clopper_pearson(k, n, 2 * level - 1)[0] > p0), float("nan"))
+
+
+def targets(params: Params) -> list[str]:
+    """What a trained society must reach to be told apart from the majority class, at the validation and test n."""
+    val = [t for t in load_tasks(params.validate_, "val") if t["final_decision"] in ("yes", "no")]
+    test = [t for t in load_tasks(params.validate_, "test") if t["final_decision"] in ("yes", "no")]
+    lines = ["## (c) What a trained society must reach", "",
+             "| split | yes/no questions | majority class (yes/no) | accuracy to beat it (exact one-sided 95%) | "
+             "95% interval at 0.78 |", "|---|---|---|---|---|"]
+    for name, rows in (("validation (the gate's)", val), ("official test", test)):
+        n = len(rows)
+        if not n:
+            continue
+        yes = sum(t["final_decision"] == "yes" for t in rows)
+        major = max(yes, n - yes) / n
+        lo, hi = clopper_pearson(round(0.78 * n), n)
+        lines.append(f"| {name} | {n} | {major:.3f} | {accuracy_to_beat(major, n):.3f} | [{lo:.3f}, {hi:.3f}] |")
+    lines += ["", "References (PubMedQA test set, 3 classes; ours is scored on its yes/no questions): "
+              + "; ".join(f"{k} {v:.1%}" for k, v in REFERENCES.items()) + "."]
+    return lines
 
 
 def differences(pairs: list[dict[str, Any]]) -> list[float]:
@@ -258,6 +300,7 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
                   f"| base model | {b['req_s']:.2f} | {b['tok_s']:.0f} | {b['gen_tok_s']:.1f} | {b['p50']:.2f} |",
                   f"| LoRA r={lora['rank']} (q, k, v, o) | {a['req_s']:.2f} | {a['tok_s']:.0f} | {a['gen_tok_s']:.1f} | {a['p50']:.2f} |", "",
                   f"Adapter / base throughput: {a['tok_s'] / b['tok_s']:.2f}x."]
+    lines += ["", *targets(params)]
     return lines
 
 
