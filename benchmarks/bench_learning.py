@@ -183,6 +183,11 @@ def targets(params: Params) -> list[str]:
     return lines
 
 
+def rewards_minus(candidate: list[dict[str, Any]], champion: list[dict[str, Any]]) -> list[float]:
+    """Per-task reward differences, candidate - champion (the same tasks, in the same order)."""
+    return [b["reward"] - a["reward"] for a, b in zip(champion, candidate, strict=True)]
+
+
 def differences(pairs: list[dict[str, Any]]) -> list[float]:
     return [d for p in pairs for d in p["diffs"]]
 
@@ -194,6 +199,9 @@ def main() -> None:
     ap.add_argument("--role", default="senior_researcher", help="the role a replayed candidate runs live")
     ap.add_argument("--gain", type=float, default=0.05, help="the reward gain whose required task count is reported")
     ap.add_argument("--concurrency", type=int, default=None, help="rollouts in flight (default evaluate.concurrency)")
+    ap.add_argument("--min-tasks", type=int, default=None,
+                    help="the gate's task floor (default promote.min_tasks); lower it with --tasks to exercise the gate's "
+                         "other rules below the configured n (the report says so)")
     ap.add_argument("--lora", action="store_true", help="also measure the worker's LoRA path on the recorded requests")
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--out", default=None)
@@ -202,6 +210,8 @@ def main() -> None:
     params = load_params()
     if args.concurrency:
         params = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"concurrency": args.concurrency})})
+    if args.min_tasks:
+        params = params.model_copy(update={"promote": params.promote.model_copy(update={"min_tasks": args.min_tasks})})
     n = args.tasks or params.promote.min_tasks
     base_url, key = stack.ensure(params.serving, params.mlflow)
     tasks = load_tasks(params.validate_, "val", n, rotation="bench_learning")
@@ -212,7 +222,8 @@ def main() -> None:
                                      bar.add_task(f"champion, whole, seed {i}", total=len(tasks))))
                  for i in range(args.repeats)]
         # a fresh book per candidate: each recorded call answers once per society
-        replayed = [asyncio.run(society(params, base_url, key, tools, tasks, 0, CallBook.from_traces(whole[0]["traces"], live=[args.role]),
+        replayed = [asyncio.run(society(params, base_url, key, tools, tasks, 0,
+                                        CallBook.from_traces(whole[0]["traces"], live=[args.role]),
                                         bar, bar.add_task(f"champion copy, replayed but {args.role}, #{j}", total=len(tasks))))
                     for j in range(1, args.repeats)]
 
@@ -220,12 +231,12 @@ def main() -> None:
     for i, j in itertools.permutations(range(args.repeats), 2):
         diff, decision = compare(params, whole[j], whole[i])
         pairs_whole.append({"i": i, "j": j, "diff": diff, "decision": decision,
-                            "diffs": [b["reward"] - a["reward"] for a, b in zip(whole[i]["records"], whole[j]["records"], strict=True)]})
+                            "diffs": rewards_minus(whole[j]["records"], whole[i]["records"])})
     pairs_replay = []
     for j, cand in enumerate(replayed, start=1):
         diff, decision = compare(params, cand, whole[0])
         pairs_replay.append({"i": 0, "j": j, "diff": diff, "decision": decision,
-                             "diffs": [b["reward"] - a["reward"] for a, b in zip(whole[0]["records"], cand["records"], strict=True)]})
+                             "diffs": rewards_minus(cand["records"], whole[0]["records"])})
     lora = lora_path(params, whole[0]["traces"], args.lora_rank) if args.lora else None
     lines = render(params, args, n, whole, replayed, pairs_whole, pairs_replay, lora)
     print("\n".join(lines))
@@ -239,7 +250,9 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
     w = params.serving.workers[0]
     lines = [
         "# Benchmark: the gate under A/A comparisons, its detectable effect, and evaluation by replay", "",
-        f"`benchmarks/bench_learning.py --tasks {n} --repeats {args.repeats} --role {args.role}`, "
+        f"`benchmarks/bench_learning.py --tasks {n} --repeats {args.repeats} --role {args.role}"
+        f"{f' --min-tasks {args.min_tasks}' if args.min_tasks else ''}"
+        f"{f' --concurrency {args.concurrency}' if args.concurrency else ''}`, "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}: {psutil.cpu_count()} CPU(s), "
         f"{psutil.virtual_memory().total / 2**30:.0f} GiB; worker `{w.name}` ({w.model}, max_model_len {w.max_model_len}); "
         f"agents at temperature {params.agents.temperature}, seeded calls {params.agents.seeded_calls}; judge at temperature "
@@ -263,7 +276,8 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
               "## (b) Spread of the paired differences and the minimum detectable effect", "",
               f"| evaluation | paired differences | mean | sd | MDE at n = {n} (one-sided alpha {alpha}, power 0.8) | "
               f"tasks to detect +{args.gain} |", "|---|---|---|---|---|---|"]
-    for name, pairs in (("whole (each unordered pair once)", [p for p in pairs_whole if p["i"] < p["j"]]), ("replayed", pairs_replay)):
+    unordered = [p for p in pairs_whole if p["i"] < p["j"]]
+    for name, pairs in (("whole (each unordered pair once)", unordered), ("replayed", pairs_replay)):
         d = differences(pairs)
         if len(d) < 2:
             lines.append(f"| {name} | {len(d)} | - | - | - | - |")
@@ -295,10 +309,13 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
     if lora:
         b, a = lora["base"], lora["lora"]
         lines += ["", "## The LoRA path", "",
-                  f"The champion's recorded requests, {b['requests']} each way, straight to the worker at {lora['concurrency']} in flight.", "",
-                  "| served as | requests / s | tokens / s (prompt + generated) | generated tokens / s | p50 latency s |", "|---|---|---|---|---|",
+                  f"The champion's recorded requests, {b['requests']} each way, straight to the worker at "
+                  f"{lora['concurrency']} in flight.", "",
+                  "| served as | requests / s | tokens / s (prompt + generated) | generated tokens / s | p50 latency s |",
+                  "|---|---|---|---|---|",
                   f"| base model | {b['req_s']:.2f} | {b['tok_s']:.0f} | {b['gen_tok_s']:.1f} | {b['p50']:.2f} |",
-                  f"| LoRA r={lora['rank']} (q, k, v, o) | {a['req_s']:.2f} | {a['tok_s']:.0f} | {a['gen_tok_s']:.1f} | {a['p50']:.2f} |", "",
+                  f"| LoRA r={lora['rank']} (q, k, v, o) | {a['req_s']:.2f} | {a['tok_s']:.0f} | {a['gen_tok_s']:.1f} | "
+                  f"{a['p50']:.2f} |", "",
                   f"Adapter / base throughput: {a['tok_s'] / b['tok_s']:.2f}x."]
     lines += ["", *targets(params)]
     return lines
