@@ -63,6 +63,7 @@ from pipeline.evaluation import gate
 from pipeline.evaluation.metrics import CRITERIA, paired_difference, summarise
 from pipeline.evaluation.significance import min_tasks_for, minimum_detectable_effect
 from pipeline.serving import stack, worker
+from pipeline.stages.evaluate import society_cost
 from pipeline.traces.schema import Trace
 
 
@@ -96,10 +97,8 @@ async def society(params: Params, base_url: str, key: str, tools: Toolbox, tasks
     finally:
         await client.aclose()
     wall = time.perf_counter() - t0
-    llm = [s for t in traces for s in t.spans if s.kind == "llm"]
-    replayed = sum(1 for s in llm if s.data.get("replayed"))
-    return {"traces": traces, "records": [record(t) for t in traces], "wall_s": wall, "sent": len(llm) - replayed,
-            "replayed": replayed, "failed": sum(t.status != "ok" for t in traces)}
+    return {"traces": traces, "records": [record(t) for t in traces], "wall_s": wall, "cost": society_cost(traces),
+            "failed": sum(t.status != "ok" for t in traces)}
 
 
 def compare(params: Params, candidate: dict[str, Any], champion: dict[str, Any]) -> tuple[dict[str, Any], gate.Decision]:
@@ -141,9 +140,10 @@ def lora_path(params: Params, traces: list[Trace], rank: int) -> dict[str, Any]:
 
 def rate(k: int, n: int) -> str:
     """k/n with its exact (Clopper-Pearson) 95% interval: valid at any n."""
-    lo = 0.0 if k == 0 else float(beta.ppf(0.025, k, n - k + 1))
-    hi = 1.0 if k == n else float(beta.ppf(0.975, k + 1, n - k))
-    return f"{k}/{n} = {k / n:.2f} [95% CI {lo:.2f}, {hi:.2f}]" if n else "no comparisons"
+    if not n:
+        return "no comparisons"
+    lo, hi = clopper_pearson(k, n)
+    return f"{k}/{n} = {k / n:.2f} [95% CI {lo:.2f}, {hi:.2f}]"
 
 
 # Published PubMedQA test-set accuracies (reasoning-required setting, 3 classes): BioGPT paper (Luo et al. 2022) and
@@ -295,8 +295,9 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
         tasks = sum(len(r["records"]) for r in runs)
         wall = sum(r["wall_s"] for r in runs)
         lat = statistics.fmean(rec["latency_s"] for r in runs for rec in r["records"])
-        lines.append(f"| {name} | {len(runs)} | {n} | {sum(r['sent'] for r in runs) / tasks:.1f} | "
-                     f"{sum(r['replayed'] for r in runs) / tasks:.1f} | {lat:.1f} | {tasks / wall * 60:.2f} | "
+        sent = sum(r["cost"]["live_calls_per_task"] * r["cost"]["tasks"] for r in runs) / tasks
+        answered = sum(r["cost"]["replayed_calls_per_task"] * r["cost"]["tasks"] for r in runs) / tasks
+        lines.append(f"| {name} | {len(runs)} | {n} | {sent:.1f} | {answered:.1f} | {lat:.1f} | {tasks / wall * 60:.2f} | "
                      f"{sum(r['failed'] for r in runs)} |")
     if whole and replayed:
         cw = sum(r["wall_s"] for r in whole) / sum(len(r["records"]) for r in whole)

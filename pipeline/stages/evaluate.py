@@ -212,7 +212,7 @@ def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], t
     return records, run.info.run_id
 
 
-def _cost(traces: list[Any]) -> dict[str, Any]:
+def society_cost(traces: list[Any]) -> dict[str, Any]:
     """What one society's evaluation cost: LLM calls sent to a model and answered from the record, per task, and the
     rollouts' summed wall time (a replayed call takes none). docs/benchmarks-learning.md compares replayed and whole."""
     llm = [s for t in traces for s in t.spans if s.kind == "llm"]
@@ -282,10 +282,10 @@ def run(params: Params) -> dict[str, Any]:
         champion = [(slug, _table(params.serving, params.mlflow, slug, roles, policies), tags, None, None, None)]
         champion_traces = society.run_many(params, tasks, [(champion[0][1], slug)], tracking.pipeline_run_id(), score=False,
                                            description=f"evaluate the champion society x {len(tasks)} tasks")[0]
-        champion_cost = _cost(champion_traces)
+        champion_cost = society_cost(champion_traces)
     else:
         champion_records, champion_traces = cached
-        champion_cost = _cost(champion_traces)
+        champion_cost = society_cost(champion_traces)
     # each candidate: its role's calls live, every other call that repeats the champion's answered from its record
     books = [CallBook.from_traces(champion_traces, live=[c[3]] if params.promote.roles[c[3]] == "llm" else [])
              if params.evaluate.replay else None for c in candidates]
@@ -304,7 +304,7 @@ def run(params: Params) -> dict[str, Any]:
     scored = {s[0]: score(params, s[0], s[1], t, tasks, s[2]) for s, t in zip(societies, traces, strict=True)}
     if champion:
         champion_records, champion_run = scored[champion[0][0]]
-    costs = {c[0]: _cost(t) for c, t in zip(candidates, cand_traces, strict=True)}
+    costs = {c[0]: society_cost(t) for c, t in zip(candidates, cand_traces, strict=True)}
     cfg = params.evaluate
     champ = summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
     for slug, _, _, name, cand, where in candidates:
