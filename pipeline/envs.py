@@ -35,9 +35,15 @@ def model_python() -> str:
     )
 
 
+def pythonpath() -> str:
+    """A child's PYTHONPATH: this checkout first (so ``python -m pipeline`` and ``pipeline`` imports resolve from any
+    working directory), then whatever the caller already had."""
+    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def run_in_model_plane(argv: Sequence[str]) -> int:
     """Re-run ``python -m pipeline <argv>`` under the model-plane interpreter (streams output)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     return subprocess.call([model_python(), "-m", "pipeline", *argv], env=env)
 
 

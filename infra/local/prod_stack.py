@@ -57,7 +57,7 @@ from werkzeug.serving import run_simple
 from werkzeug.wrappers import Request, Response
 
 from pipeline.config import ParamsError, ProdStackParams, load_params
-from pipeline.envs import REPO_ROOT
+from pipeline.envs import REPO_ROOT, pythonpath
 from pipeline.services import airflow_server, buckets
 from pipeline.services.mlflow_users import MLFLOW_ADMIN, MLFLOW_USERS, provision_mlflow_users
 from pipeline.services.process import Service, ServiceError, free_port, port_is_free, start, stop
@@ -470,7 +470,7 @@ def s3_up(prod_stack: ProdStackParams) -> None:
     _free_or_ours(service, prod_stack.host, prod_stack.s3_port, "prod_stack.s3_port")
     env = s3_env(prod_stack)
     start(service, s3_argv(prod_stack), f"http://{prod_stack.host}:{prod_stack.s3_port}/moto-api/", timeout_s=60, cwd=REPO_ROOT,
-          env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))},
+          env={**env, "PYTHONPATH": pythonpath()},
           identity={"cmd": s3_argv(prod_stack), "auth": f"sigv4 iam user {S3_USER}"})
     buckets.ensure(prod_stack.buckets, endpoint_url=env["AWS_ENDPOINT_URL"], region=env["AWS_DEFAULT_REGION"],
                    access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"])

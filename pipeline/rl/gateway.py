@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import AglParams, ServingParams
-from pipeline.envs import REPO_ROOT
+from pipeline.envs import REPO_ROOT, pythonpath
 from pipeline.rl import store
 from pipeline.services.process import Service, ServiceError, free_port, http_ok, port_is_free, stop
 
@@ -99,7 +99,7 @@ def running(agl: AglParams, serving: ServingParams, model_name: str, run_id: str
     key = os.environ.get(agl.key_env) or secrets.token_urlsafe(24)
     python = python or sys.executable
     env = {**os.environ, "AGL_KEY": key,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           "PYTHONPATH": pythonpath(),
            store.TRACE_DIR_ENV: str(Path(trace_dir or agl.trace_dir).resolve()), store.RUN_ENV: run_id}
     hydra = [f"hydra.run.dir={home}/hydra", "hydra.output_subdir=null"]
     gw = Gateway(url=url, key=key, model_name=model_name, home=home,

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.envs import REPO_ROOT
+from pipeline.envs import REPO_ROOT, pythonpath
 from pipeline.services.process import Service, start, stop
 
 HOST, PORT = "127.0.0.1", 8080
@@ -43,7 +43,7 @@ def airflow_env(home: Path | None = None, port: int = PORT) -> dict[str, str]:
         "AIRFLOW__API__HOST": HOST,
         "AIRFLOW__API__PORT": str(port),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": pythonpath(),
     }
 
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import Params
-from pipeline.envs import REPO_ROOT
+from pipeline.envs import REPO_ROOT, pythonpath
 from pipeline.services import buckets, mlflow_users
 
 PROD_STACK_SCRIPT = REPO_ROOT / "infra" / "local" / "prod_stack.py"
@@ -44,7 +44,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     if args.action == "mlflow-users":
         return mlflow_users.users_from_env(args.timeout_s)
     argv = stack_argv(args.action, getattr(args, "params_path", None), args.conf, args.timeout_s)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     return subprocess.call(argv, env=env)
 
 

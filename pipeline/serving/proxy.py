@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from pipeline.config import Params, ServingParams
-from pipeline.envs import REPO_ROOT
+from pipeline.envs import pythonpath
 from pipeline.io import write_text
 from pipeline.services.process import Service, ServiceError, claim, http_ok, start, stop
 from pipeline.serving.worker import KEY_ENV as WORKER_KEY_ENV
@@ -90,7 +90,7 @@ def write_config(serving: ServingParams) -> Path:
 
 def _env(serving: ServingParams) -> dict[str, str]:
     return {KEY_ENV: api_key(serving), "PIPELINE_ROUTING_ACTIVE": str(active_file(serving)),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": pythonpath(),
             "LITELLM_LOG": os.environ.get("LITELLM_LOG", "ERROR"), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
