@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from pipeline.agents.llm import RoleClient
-from pipeline.agents.replay import CallBook
+from pipeline.agents.replay import ROLLOUT_ID, CallBook
 from pipeline.agents.rollout import run_rollout
 from pipeline.agents.tools import Toolbox
 from pipeline.config import load_params
@@ -111,3 +111,67 @@ def test_without_replay_two_whole_runs_differ_by_sampling(tmp_path: Path) -> Non
     """The control for the first test: the junior answers agree only through the record, never by chance."""
     a, b = _rollout(tmp_path, SamplingModel()), _rollout(tmp_path, SamplingModel())
     assert [c["output"] for c in _calls(a, "junior_researcher")] != [c["output"] for c in _calls(b, "junior_researcher")]
+
+
+def test_a_replaying_candidate_runs_each_task_once_the_champion_has_it_not_after_the_whole_champion(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """evaluate's schedule (one event loop): a senior candidate starts a task as soon as the champion's rollout of that
+    task is recorded, replaying its juniors; a junior candidate (nothing of the champion's before its calls) starts at
+    once. One slow question (its calls take longer) must not hold back the candidates' other questions."""
+    import time
+
+    from pipeline.evaluation import society
+    from pipeline.serving import proxy
+
+    log: list[tuple[float, str, str]] = []  # (time, society, question) of every request the model received
+    model = SamplingModel()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        question = {"100-0": "slow", "101-0": "fast-a", "102-0": "fast-b"}[ROLLOUT_ID.get() or ""]  # the rollout this call is in
+        log.append((time.perf_counter(), body["metadata"]["routing"], question))
+        await asyncio.sleep(0.15 if question == "slow" else 0.01)
+        return model(request)
+
+    real = RoleClient.for_agents
+
+    def mocked(*args: Any, **kwargs: Any) -> RoleClient:
+        client = real(*args, **kwargs)
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        return client
+
+    monkeypatch.setattr(society.RoleClient, "for_agents", mocked)
+    monkeypatch.setattr(proxy, "client_settings", lambda serving: ("http://proxy.invalid/v1", "k"))
+    params = load_params(ROOT / "params.yaml")
+    params = params.model_copy(update={"rollouts": params.rollouts.model_copy(update={"index_dir": str(tmp_path / "no-index")}),
+                                       "evaluate": params.evaluate.model_copy(update={"concurrency": 8})})
+    tasks = [{**TASK, "id": str(100 + i), "question": f"Do statins reduce mortality ({q})?"} for i, q in enumerate(("slow", "fast-a", "fast-b"))]
+    book = CallBook(live=["senior_researcher"])
+    champion, senior, junior = society.run_many(params, tasks, [(None, "champion"), (None, "senior"), (None, "junior")], "r",
+                                                score=False, description="schedule", books=[None, book, None],
+                                                sources=[None, 0, None])
+    assert all(t.status == "ok" for t in (*champion, *senior, *junior)), [t.error for t in (*champion, *senior, *junior)]
+
+    def times(who: str, question: str | None = None) -> list[float]:
+        return [t for t, s, q in log if s == who and (question is None or q == question)]
+
+    for q in ("slow", "fast-a", "fast-b"):  # each task: the candidate only after the champion's rollout of it
+        assert min(times("senior", q)) > max(times("champion", q)), q
+    assert min(times("senior", "fast-a")) < max(times("champion", "slow"))  # not after the whole champion society
+    assert min(times("junior")) < min(max(times("champion", q)) for q in ("slow", "fast-a", "fast-b"))  # at once
+    # the senior candidate's juniors came from the record, task by task
+    assert book.replayed > 0 and all(c.get("replayed") for t in senior for c in _calls(t, "junior_researcher"))
+    assert not any(c.get("replayed") for t in junior for c in _calls(t))
+
+
+def test_a_retried_rollout_is_answered_from_the_start_of_the_record_again(tmp_path: Path) -> None:
+    """run_with_retries runs the same rollout id again after a failed or timed-out attempt: the retry must replay
+    the champion's calls too, not find them used up by the attempt that failed and run them live."""
+    champion = _rollout(tmp_path, SamplingModel())
+    book = CallBook.from_traces([champion], live=["senior_researcher"])
+    before = ["junior_researcher", "supervisor"]
+    for attempt in (1, 2):
+        model = SamplingModel()
+        retry = _rollout(tmp_path, model, book)
+        assert [c["output"] for c in _calls(retry, *before)] == [c["output"] for c in _calls(champion, *before)], attempt
+        assert model.requests["junior_researcher"] == 0 and model.requests["supervisor"] == 0, attempt

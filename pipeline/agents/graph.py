@@ -35,6 +35,9 @@ JUNIORS = {
     "pharmacologist": "a pharmacologist: drugs, doses, mechanisms, interactions",
     "neurologist": "a neurologist: nervous system, cognition, clinical neurology",
 }
+# the logical model whose calls open every rollout (the juniors, from START): a candidate for it has no call of the
+# champion's before its own to replay, so evaluate runs it beside the champion rather than after it
+OPENING_MODEL = "junior_researcher"
 SEVERITY_RANK = {"APPROVE": 0, "MINOR": 1, "MAJOR": 2, "CRITICAL": 3}
 
 
@@ -84,7 +87,7 @@ class Society:
                                 {"role": "user",
                                  "content": "Tool results so far:\n" + ("\n".join(notes) or "none") + "\nNext step as JSON."}]
                     schema: type[ToolCall | EvidenceCall] = EvidenceCall if step < self.cfg.min_tool_calls else ToolCall
-                    call = await self.client.structured(name, "junior_researcher", messages, schema, spans, max_tokens=64)
+                    call = await self.client.structured(name, OPENING_MODEL, messages, schema, spans, max_tokens=64)
                     if call is None or call.tool == "none":
                         break
                     result = timed_call(self.tools, name, call.tool, call.query, spans)
@@ -92,7 +95,7 @@ class Society:
                 messages = [{"role": "system", "content": system},
                             {"role": "user", "content": "Evidence:\n" + ("\n".join(notes) or "none")
                              + "\nPropose one testable hypothesis with rationale and evidence PMIDs, as JSON."}]
-                hyp = await self.client.structured(name, "junior_researcher", messages, Hypothesis, spans)
+                hyp = await self.client.structured(name, OPENING_MODEL, messages, Hypothesis, spans)
             except LLMError as exc:
                 return {"spans": spans, "errors": [str(exc)]}
             if hyp is None:

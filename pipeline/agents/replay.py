@@ -39,11 +39,13 @@ def request_key(agent: str, body: dict[str, Any]) -> str:
 
 
 class CallBook:
-    """The successful LLM calls of recorded traces, by rollout id and request key; each recorded call is used once."""
+    """The successful LLM calls of recorded traces, by rollout id and request key; each recorded call is used once
+    per attempt: a retried rollout (``rewind``) is answered from the start of the record again."""
 
     def __init__(self, live: Iterable[str] = ()) -> None:
         self.live = frozenset(live)  # logical models whose calls always run (the candidate's role)
         self._calls: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+        self._used: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # this attempt's answers taken
         self.replayed = 0
         self.missed = 0
 
@@ -52,12 +54,16 @@ class CallBook:
         """From ``Trace`` objects (or their dicts); only calls that answered (``ok``) and recorded their request key."""
         book = cls(live)
         for trace in traces:
-            t = trace if isinstance(trace, dict) else trace.model_dump()
-            for span in t.get("spans", []):
-                d = span.get("data", {})
-                if span.get("kind") == "llm" and d.get("ok") and d.get("request_key"):
-                    book._calls[t["rollout_id"]][d["request_key"]].append(d)
+            book.add(trace)
         return book
+
+    def add(self, trace: Any) -> None:
+        """Record one more trace: evaluate fills a candidate's book task by task, as the champion's rollouts finish."""
+        t = trace if isinstance(trace, dict) else trace.model_dump()
+        for span in t.get("spans", []):
+            d = span.get("data", {})
+            if span.get("kind") == "llm" and d.get("ok") and d.get("request_key"):
+                self._calls[t["rollout_id"]][d["request_key"]].append(d)
 
     def __len__(self) -> int:
         return sum(len(calls) for by_key in self._calls.values() for calls in by_key.values())
@@ -66,11 +72,17 @@ class CallBook:
         """The recorded answer to this request in the current rollout, or None (run it live)."""
         if model in self.live:
             return None
-        rollout = ROLLOUT_ID.get()
-        calls = self._calls.get(rollout or "", {}).get(key)
-        if not calls:
+        rollout = ROLLOUT_ID.get() or ""
+        calls = self._calls.get(rollout, {}).get(key, [])
+        used = self._used[rollout][key]
+        if used >= len(calls):
             self.missed += 1
             return None
         self.replayed += 1
-        recorded = calls.pop(0)
+        self._used[rollout][key] = used + 1
+        recorded = calls[used]
         return {k: recorded.get(k) for k in _ANSWER}
+
+    def rewind(self, rollout_id: str) -> None:
+        """A new attempt at ``rollout_id``: its recorded calls answer again (a failed attempt must not use them up)."""
+        self._used.pop(rollout_id, None)

@@ -55,6 +55,8 @@ async def run_rollout(agents: AgentsParams, judge_cfg: JudgeParams, reward: Rewa
     t0 = time.perf_counter()
     rng = random.Random(f"{seed}:{ids['rollout_id']}")  # exploration reproducible per rollout
     ROLLOUT_ID.set(ids["rollout_id"])  # a client replaying recorded calls answers only from this rollout's record
+    if client.replay is not None:  # ...from its start, on every attempt
+        client.replay.rewind(ids["rollout_id"])
     if agents.seeded_calls:  # ...and every call's sampling seed (this task's context only)
         ROLLOUT_SEED.set(f"{seed}:{ids['rollout_id']}")
     society = Society(client, tools, agents, rng, policy)

@@ -37,6 +37,7 @@ from mlflow.entities import Feedback
 from mlflow.genai.scorers import scorer
 
 from pipeline import metrics_files, registry, tracking
+from pipeline.agents.graph import OPENING_MODEL
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
@@ -280,22 +281,31 @@ def run(params: Params) -> dict[str, Any]:
         slug = _slug(f"champion-{key[:12]}")
         tags = {"eval.key": key, "eval.role": "champion", "eval.champions": label}
         champion = [(slug, _table(params.serving, params.mlflow, slug, roles, policies), tags, None, None, None)]
-        champion_traces = society.run_many(params, tasks, [(champion[0][1], slug)], tracking.pipeline_run_id(), score=False,
-                                           description=f"evaluate the champion society x {len(tasks)} tasks")[0]
-        champion_cost = society_cost(champion_traces)
     else:
         champion_records, champion_traces = cached
-        champion_cost = society_cost(champion_traces)
-    # each candidate: its role's calls live, every other call that repeats the champion's answered from its record
-    books = [CallBook.from_traces(champion_traces, live=[c[3]] if params.promote.roles[c[3]] == "llm" else [])
-             if params.evaluate.replay else None for c in candidates]
-    what = f"evaluate {len(candidates)} candidate societies x {len(tasks)} tasks"
+    # each candidate: its role's calls live, every other call that repeats the champion's answered from its record,
+    # each task as soon as the champion's rollout of it has finished; all in one event loop
+    books: list[CallBook | None] = [None] * len(champion)
+    sources: list[int | None] = [None] * len(champion)
+    for c in candidates:
+        llm = params.promote.roles[c[3]] == "llm"
+        if not params.evaluate.replay or (llm and c[3] == OPENING_MODEL):
+            books.append(None)  # the juniors' calls open every rollout: nothing of the champion's comes before them
+            sources.append(None)
+        else:
+            live = [c[3]] if llm else []
+            books.append(CallBook.from_traces(champion_traces, live) if cached else CallBook(live))
+            sources.append(None if cached else 0)
+    what = f"evaluate {'the champion and ' if champion else ''}{len(candidates)} candidate societies x {len(tasks)} tasks"
     if params.evaluate.replay:
-        what += " (replaying the champion's calls of other roles)"
-    cand_traces = society.run_many(params, tasks, [(c[1], c[0]) for c in candidates], tracking.pipeline_run_id(), score=False,
-                                   description=what, books=books)
+        what += " (candidates replay the champion's calls of other roles)"
     societies = [*champion, *candidates]
-    traces = ([champion_traces] if champion else []) + cand_traces
+    traces = society.run_many(params, tasks, [(s[1], s[0]) for s in societies], tracking.pipeline_run_id(), score=False,
+                              description=what, books=books, sources=sources)
+    if champion:
+        champion_traces = traces[0]
+    cand_traces = traces[len(champion):]
+    champion_cost = society_cost(champion_traces)
     for society_, society_traces in zip(societies, traces, strict=True):
         role, version, deployment = society_[3], society_[4], society_[5]
         # every call of the role was answered by the version evaluated
