@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipeline import lineage, tracking
 from pipeline.config import Params, ServingParams
 from pipeline.digest import SHA256_TAG, artifact_sha256, served_name
@@ -136,16 +138,43 @@ def register_candidate(params: Params, name: str, model_uri: str, run_id: str, t
 # whole Params: register_candidate's five sections, plus rollouts' trace folder for the lineage
 def register_adapter(params: Params, run: Any, role: str, adapter_dir: str | Path, dataset_dir: str | Path,
                      rows: list[dict[str, Any]], base_model: str, description: str, **extra_tags: Any) -> Any:
-    """A trained LoRA adapter folder: logged to ``run`` as ``adapter/`` and registered as ``role``'s
-    challenger, tagged ``kind: lora_adapter`` with its lineage (run, data, traces, base model)."""
-    import mlflow  # noqa: PLC0415 - mlflow: 1.3 s import, control plane only
-
-    mlflow.log_artifacts(str(adapter_dir), artifact_path="adapter")
+    """A trained LoRA adapter folder: logged to ``run`` as an MLflow pyfunc model (``serving/lora_pyfunc.py``, the
+    folder as its artifact ``adapter``) and registered as ``role``'s challenger, tagged ``kind: lora_adapter`` with its
+    lineage (run, data, traces, base model) and the folder's sha256 (what ``deploy`` checks before serving it)."""
     tags = lineage.tags(run, dataset_dir, rows, params.rollouts.out_dir, role=role, kind="lora_adapter",
                         **{"lineage.base_model": params.models.base.source, "lineage.base_model_path": base_model,
                            "lineage.base_model_md5": lineage.dvc_md5(base_model)}, **extra_tags)
-    return register_candidate(params, role, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags,
-                              description=description, artifact=adapter_dir)
+    info = log_adapter_model(adapter_dir, f"{role}-{artifact_sha256(adapter_dir)[:12]}")
+    return register_candidate(params, role, info.model_uri, run.info.run_id, tags, description=description, artifact=adapter_dir)
+
+
+def log_adapter_model(adapter_dir: str | Path, adapter_name: str) -> Any:
+    """Log an adapter folder as a self-contained pyfunc in the active run: ``mlflow.pyfunc.load_model`` on it works from
+    any directory with mlflow alone (the model hands the adapter to a vLLM worker, see ``serving/lora_pyfunc.py``)."""
+    import mlflow  # noqa: PLC0415 - mlflow: 1.3 s import, control plane only
+    from mlflow.models import ModelSignature  # noqa: PLC0415 - as above
+    from mlflow.types.schema import Array, ColSpec, DataType, Object, Property, Schema  # noqa: PLC0415 - as above
+
+    from pipeline.serving import lora_pyfunc  # noqa: PLC0415 - models-from-code: importing it runs mlflow.models.set_model
+
+    message = Object([Property("role", DataType.string), Property("content", DataType.string)])
+    signature = ModelSignature(inputs=Schema([ColSpec(Array(message), "messages")]), outputs=Schema([ColSpec(DataType.string)]))
+    return mlflow.pyfunc.log_model(name="adapter", python_model=lora_pyfunc.__file__, artifacts={"adapter": str(adapter_dir)},
+                                   model_config={"adapter_name": adapter_name}, signature=signature,
+                                   pip_requirements=[f"mlflow=={mlflow.__version__}"])
+
+
+def adapter_folder(downloaded: Path) -> Path:
+    """The adapter inside a downloaded LoRA version: the pyfunc's ``adapter`` artifact (MLmodel says where), or the
+    folder itself (versions logged as plain files before LoRA versions were pyfunc models)."""
+    mlmodel = downloaded / "MLmodel"
+    if not mlmodel.exists():
+        return downloaded
+    artifacts = (yaml.safe_load(mlmodel.read_text()).get("flavors", {}).get("python_function", {}).get("artifacts") or {})
+    rel = (artifacts.get("adapter") or {}).get("path")
+    if not rel or not (downloaded / rel / "adapter_config.json").exists():
+        raise RegistryError(f"{downloaded}: an MLflow model without an 'adapter' artifact holding adapter_config.json")
+    return downloaded / rel
 
 
 def adapter_name(name: str, version: Any) -> str:
@@ -202,7 +231,7 @@ def deploy(serving: ServingParams, name: str, version: Any, worker_of: str | Non
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{adapter}-"))
         try:
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp)))
+            local = adapter_folder(Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp))))
             got = artifact_sha256(local)
             if got != want:
                 raise RegistryError(f"{name} v{version.version}: the registry's artifact {version.source} has sha256 {got}, "

@@ -90,3 +90,35 @@ def test_deploy_refuses_an_artifact_whose_digest_is_not_the_registered_one(tmp_p
     untagged = SimpleNamespace(version="9", tags={"kind": "lora_adapter"}, source=version.source)
     with pytest.raises(registry.RegistryError, match="has no sha256 tag"):
         registry.deploy(params.serving, name, untagged, "base")
+
+
+def test_a_lora_version_is_a_pyfunc_model_and_deploy_serves_the_adapter_inside_it(tmp_path: Path, mlflow_server: str,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """register_adapter logs the folder as an MLflow pyfunc (its artifact ``adapter``): the registry holds a model MLflow's
+    loaders understand, and deploy still checks and hot-loads exactly the trained bytes."""
+    import mlflow
+
+    from pipeline import lineage, registry
+    from pipeline.config import load_params
+    from tests.conftest import ROOT
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    mlflow.set_tracking_uri(mlflow_server)
+    params = load_params(ROOT / "params.yaml", environ={"PIPELINE__SERVING__HOME": str(tmp_path / "services")})
+    trained = _adapter(tmp_path / "trained", weights=b"\x07" * 64)
+    mlflow.set_experiment("digest-it")
+    with mlflow.start_run() as run:
+        info = registry.log_adapter_model(trained, "pyfunc_role-abc")
+    v = lineage.register_version("pyfunc_role", info.model_uri, run.info.run_id,
+                                 {"kind": "lora_adapter", registry.SHA256_TAG: artifact_sha256(trained)})
+    version = registry.get_version("pyfunc_role", v.version)
+    flavors = mlflow.models.get_model_info(f"models:/pyfunc_role/{v.version}").flavors
+    assert flavors["python_function"]["loader_module"].startswith("mlflow.pyfunc")  # models-from-code: no pickle
+    loaded: list[tuple[str, str]] = []
+    monkeypatch.setattr("pipeline.serving.worker.load_lora", lambda w, name, path, **k: loaded.append((name, path)))
+    monkeypatch.setattr("pipeline.serving.worker.models", lambda w: [])
+    where = registry.deploy(params.serving, "pyfunc_role", version, "base")
+    assert loaded and loaded[0][0] == where.split("/", 1)[1]
+    served = Path(loaded[0][1])
+    assert artifact_sha256(served) == artifact_sha256(trained)  # the adapter itself, not the MLflow model folder around it
+    assert (served / "adapter_model.safetensors").read_bytes() == b"\x07" * 64 and not (served / "MLmodel").exists()

@@ -177,6 +177,43 @@ def test_adapter_published_to_s3_reaches_the_worker_through_its_sidecar(params: 
         s3.stop()
 
 
+def test_a_lora_version_loads_with_mlflow_alone_from_another_directory_and_answers(params: Params, serving_models: Path,
+                                                                                   mlflow_server: str, tmp_path: Path) -> None:
+    """A registered LoRA version is a standard MLflow model: `mlflow.pyfunc.load_model("models:/<name>/<v>")` in a process
+    that cannot import this repository, pointed at a vLLM worker, answers from the adapter (the worker now serves it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import mlflow
+
+    from pipeline import lineage, registry
+
+    mlflow.set_tracking_uri(mlflow_server)
+    mlflow.set_experiment("lora-pyfunc-it")
+    with mlflow.start_run(run_name="pyfunc-adapter") as run:
+        info = registry.log_adapter_model(serving_models / "adapter-a", "pyfunc-adapter-a")
+    v = lineage.register_version("pyfunc_lora", info.model_uri, run.info.run_id,
+                                 {"kind": "lora_adapter", registry.SHA256_TAG: artifact_sha256(serving_models / "adapter-a")})
+    base = params.serving.workers[0]
+    code = ("import importlib.util, json, sys, mlflow\n"
+            "assert importlib.util.find_spec('pipeline') is None, 'this process must not see the repository'\n"
+            "m = mlflow.pyfunc.load_model(sys.argv[1], model_config={'base_url': sys.argv[2], 'max_tokens': 8})\n"
+            "print(json.dumps(m.predict([{'messages': [{'role': 'user', 'content': 'Name one gene.'}]}])))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) and not k.startswith("PIPELINE")}
+    done = subprocess.run([sys.executable, "-c", code, f"models:/pyfunc_lora/{v.version}", worker.base_url(base)], cwd=tmp_path,
+                          env={**env, "MLFLOW_TRACKING_URI": mlflow_server}, capture_output=True, text=True, timeout=600)
+    try:
+        assert done.returncode == 0, done.stderr[-3000:]
+        answers = json.loads(done.stdout.strip().splitlines()[-1])
+        assert len(answers) == 1 and answers[0].strip()
+        assert "pyfunc-adapter-a" in worker.models(base)  # answered by the adapter the model handed to the worker
+    finally:
+        if "pyfunc-adapter-a" in worker.models(base):
+            worker.unload_lora(base, "pyfunc-adapter-a")
+
+
 def test_promoted_adapter_survives_a_worker_restart(params: Params, serving_models: Path, mlflow_server: str) -> None:
     """A restart (services-down, a reboot, a rescheduled replica) loses every hot-loaded adapter while the
     live routing still names one; the restarted worker must answer from it again, so `make run` after
