@@ -7,8 +7,12 @@ UI Params) to ``.runs/<run id>/params.yaml`` and logs it on the parent run: ever
 run reads that file. ``commit-lock`` records the run's outputs in ``dvc.lock`` with the values that
 produced them (DVC reads ``params.yaml``, so the effective file stands in for it during ``dvc commit``
 and the original comes back after: a later ``dvc status`` then says which stages ran with other
-values than the file holds). ``close`` marks the parent finished or failed; ``fail`` records a failed
-task on it (the DAG's failure callback); ``times`` prints each stage run's wall time.
+values than the file holds). The live routing file is treated the same way: ``open`` snapshots it and
+``commit-lock`` records the snapshot, because the run's ``promote`` rewrites it *after* ``rollouts`` and
+``evaluate`` (its dependants) ran with the old one; recording the new one would say they rolled out with
+the new champions, and the next run would not roll out again. ``close`` marks the parent finished or
+failed; ``fail`` records a failed task on it (the DAG's failure callback); ``times`` prints each stage
+run's wall time.
 """
 
 from __future__ import annotations
@@ -32,23 +36,36 @@ def effective_file(run_key: str) -> Path:
     return RUNS_DIR / run_key / "params.yaml"
 
 
-def write_effective(params_path: str | None, run_key: str) -> Path:
-    """The run's effective params as a file (the params file's shape, overrides applied)."""
+def routing_snapshot(effective: Path) -> Path:
+    """Where ``open`` keeps the live routing file as the run found it (beside the run's effective params)."""
+    return effective.parent / "live-routing.json"
+
+
+def write_effective(params_path: str | None, run_key: str, live_file: str | None = None) -> Path:
+    """The run's effective params as a file (the params file's shape, overrides applied), and the live routing as it is
+    now (``live_file``): what this run's rollouts and evaluation will be served by."""
     out = effective_file(run_key)
     write_text(out, f"# effective params of pipeline run {run_key}: {params_path or DEFAULT_PARAMS} + the run's overrides\n"
                + yaml.safe_dump(effective_raw(params_path), sort_keys=False))
+    if live_file and Path(live_file).exists():
+        write_text(routing_snapshot(out), Path(live_file).read_text())
     return out
 
 
-def commit_lock(effective: Path, stages: list[str]) -> None:
-    """``dvc commit --force STAGES`` with the effective params standing in for params.yaml (restored whatever happens)."""
-    target = Path(DEFAULT_PARAMS)
-    saved = target.read_bytes()
+def commit_lock(effective: Path, stages: list[str], live_file: str | None = None) -> None:
+    """``dvc commit --force STAGES`` with the effective params standing in for params.yaml and, when ``open`` took one,
+    the routing snapshot for ``live_file`` (both restored whatever happens)."""
+    stand_ins = [(Path(DEFAULT_PARAMS), effective)]
+    if live_file and routing_snapshot(effective).exists() and Path(live_file).exists():
+        stand_ins.append((Path(live_file), routing_snapshot(effective)))
+    saved = [(target, target.read_bytes()) for target, _ in stand_ins]
     try:
-        target.write_bytes(effective.read_bytes())
+        for target, stand_in in stand_ins:
+            target.write_bytes(stand_in.read_bytes())
         subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", *stages], check=True)
     finally:
-        target.write_bytes(saved)
+        for target, data in saved:
+            target.write_bytes(data)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,14 +86,14 @@ def main(args: argparse.Namespace, params: Params) -> int:
     run_key = tracking.pipeline_run_id()
     if args.action == "commit-lock":
         effective = Path(args.params_path) if args.params_path else effective_file(run_key)
-        commit_lock(effective, args.stages)
+        commit_lock(effective, args.stages, params.serving.live_file)
         print(f"dvc.lock: {len(args.stages)} stage(s) committed with the params of {effective}")
         return 0
     mlflow_run = tracking.parent_run(params.mlflow)
     if args.action == "open" and args.write_params:
         from mlflow import MlflowClient  # noqa: PLC0415 - 1.3 s import; the DAG's tasks import this module for effective_file
 
-        path = write_effective(args.params_path, run_key)
+        path = write_effective(args.params_path, run_key, params.serving.live_file)
         MlflowClient().log_artifact(mlflow_run, str(path), "params")
     if args.action == "close":
         tracking.finish_parent(params.mlflow, args.status)

@@ -50,3 +50,30 @@ def test_dvc_lock_records_the_values_that_produced_the_outputs(tmp_path: Path, m
     assert (tmp_path / "params.yaml").read_text() == "promote:\n  margin: 0.0\n"  # the file is back as it was
     status = subprocess.run([sys.executable, "-m", "dvc", "status", "promote"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert "modified:" in status.stdout and "promote" in status.stdout  # honest: the output was produced with other values than the file holds
+
+
+def test_dvc_lock_records_the_routing_the_rollouts_ran_with_not_the_one_promote_wrote(tmp_path: Path,
+                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Airflow the lock is committed at the end of the run, after `promote` rewrote the live routing file: the
+    rollouts' entry must name the routing they were served by (open's snapshot), so the next run rolls out again."""
+    import hashlib
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True, env=env)
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  rollouts:\n    cmd: echo\n    params: [rollouts]\n    deps: [live-routing.json]\n"
+                                       "    outs: [traces.jsonl]\n")
+    before, after = '{"version": 1}\n', '{"version": 2}\n'
+    (tmp_path / "live-routing.json").write_text(before)
+    effective = runs.write_effective(None, "r", "live-routing.json")  # the DAG's open_run
+    (tmp_path / "traces.jsonl").write_text("{}\n")  # rollouts ran, served by routing v1
+    (tmp_path / "live-routing.json").write_text(after)  # promote switched the routing
+    runs.commit_lock(effective, ["rollouts"], "live-routing.json")
+    lock = yaml.safe_load((tmp_path / "dvc.lock").read_text())
+    dep = next(d for d in lock["stages"]["rollouts"]["deps"] if d["path"] == "live-routing.json")
+    assert dep["md5"] == hashlib.md5(before.encode()).hexdigest()
+    assert (tmp_path / "live-routing.json").read_text() == after  # the live file is back as promote left it
+    status = subprocess.run([sys.executable, "-m", "dvc", "status", "rollouts"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert "live-routing.json" in status.stdout  # the next run rolls out with the new champions
