@@ -47,9 +47,9 @@ def tags(run: Any, dataset_dir: str | Path, rows: list[dict[str, Any]], traces_d
 def register_version(name: str, model_uri: str, run_id: str, tags: dict[str, Any], description: str = "") -> Any:
     """A new version of registered model ``name`` (created on first use) with lineage tags.
 
-    ``model_uri`` is a logged MLflow model (``models:/m-...``, e.g. the bandit's pyfunc) or a run's
-    plain artifact folder (``runs:/<run>/adapter``: a PEFT adapter, which has no MLflow flavor the
-    vLLM worker could use, so it is registered as files).
+    ``model_uri`` is a logged MLflow model (``models:/m-...``: the bandit's pyfunc, a LoRA adapter's pyfunc) or a
+    run's plain artifact folder (``runs:/<run>/adapter``: how LoRA versions were registered before they were pyfunc
+    models, and what tests register by hand; ``registry.deploy`` serves both).
     """
     # mlflow: a 1.3 s import, control plane only (the model plane, which has none, imports this module through registry)
     import mlflow  # noqa: PLC0415 - see above
