@@ -160,7 +160,7 @@ def log_adapter_model(adapter_dir: str | Path, adapter_name: str) -> Any:
     message = Object([Property("role", DataType.string), Property("content", DataType.string)])
     signature = ModelSignature(inputs=Schema([ColSpec(Array(message), "messages")]), outputs=Schema([ColSpec(DataType.string)]))
     return mlflow.pyfunc.log_model(name="adapter", python_model=lora_pyfunc.__file__, artifacts={"adapter": str(adapter_dir)},
-                                   model_config={"adapter_name": adapter_name}, signature=signature,
+                                   model_config={**lora_pyfunc.DEFAULTS, "adapter_name": adapter_name}, signature=signature,
                                    pip_requirements=[f"mlflow=={mlflow.__version__}"])
 
 

@@ -27,7 +27,8 @@ from typing import Any
 import mlflow
 from mlflow.pyfunc import PythonModel
 
-DEFAULTS = {"base_url": None, "api_key_env": "VLLM_API_KEY", "adapter_name": None, "max_tokens": 256, "temperature": 0.0,
+# logged as the model's config: MLflow lets load_model(model_config=...) override only keys the logged config has
+DEFAULTS = {"base_url": "", "api_key_env": "VLLM_API_KEY", "adapter_name": "adapter", "max_tokens": 256, "temperature": 0.0,
             "timeout_s": 120.0, "retries": 2}
 
 
