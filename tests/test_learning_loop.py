@@ -183,12 +183,16 @@ def test_ppo_logs_reward_and_kl_curves_and_registers_a_senior_version(cycle: dic
     for curve in ("reward", "kl"):
         assert len(client.get_metric_history(run.info.run_id, curve)) == 2, curve
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)} | {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
-    assert {"completions.json", "plots/ppo_reward.png", "adapter"} <= artifacts
+    assert {"completions.json", "plots/ppo_reward.png"} <= artifacts
     local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="completions.json", tracking_uri=cycle["mlflow"])
     table = json.loads(Path(local).read_text())
     assert len(table["data"]) == metrics["completions_scored"] and "reason" in table["columns"]
     v = _version(cycle, "senior_researcher")
     assert v.tags["kind"] == "lora_adapter" and v.tags["lineage.training_run"] == run.info.run_id
+    # the adapter is an MLflow model logged by this run (a pyfunc whose artifact is the PEFT folder)
+    mlflow.set_tracking_uri(cycle["mlflow"])
+    info = mlflow.models.get_model_info(f"models:/senior_researcher/{v.version}")
+    assert info.run_id == run.info.run_id and "python_function" in info.flavors
     assert v.tags["lineage.dataset_md5"] == _lock_md5(clone, "datasets", "data/datasets/rl")
     assert (clone / "data/rl_traces/grpo-completions.jsonl").exists()
 
