@@ -316,6 +316,8 @@ class SftParams(_Strict):
     seed: int
     lora: LoraParams
     merge: bool = Field(description="also write a merged HF folder (export)")
+    min_fit_drop: float = Field(ge=0.0, lt=1.0, description="the loss on the training rows must fall by at least this "
+                                "fraction, or the adapter learned nothing measurable and nothing is registered")
 
 
 

@@ -151,7 +151,8 @@ def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
     clone = cycle["clone"]
     metrics = json.loads((clone / "reports/train_sft.json").read_text())
     assert metrics["steps"] == 6 and metrics["backend"] == "trl"
-    assert metrics["loss_last_third"] < metrics["loss_first_third"], metrics
+    # the same training rows before and after (per-step losses are different batches: at 6 steps their thirds are noise)
+    assert metrics["fit_loss_after"] < metrics["fit_loss_before"] and not metrics["no_signal"], metrics
     assert metrics["tokens_per_s"] > 0
     run = _children(cycle)["train_sft"]
     assert "loss" in run.data.metrics and "eval_loss" in run.data.metrics

@@ -141,11 +141,15 @@ def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
                          disable_tqdm=False)
         trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
                              peft_config=peft)
+        # the loss on the training rows themselves, before and after: per-step losses are on different batches (noise
+        # at a few steps), the held-out loss may not move at a few rows; the same rows twice say whether it learned
         base_eval = trainer.evaluate()["eval_loss"]
+        fit_before = trainer.evaluate(eval_dataset=train_ds, metric_key_prefix="fit")["fit_loss"]
         t0 = time.perf_counter()
         result = trainer.train()
         seconds = time.perf_counter() - t0
         final_eval = trainer.evaluate()["eval_loss"]
+        fit_after = trainer.evaluate(eval_dataset=train_ds, metric_key_prefix="fit")["fit_loss"]
         trainer.model.save_pretrained(str(tmp / "adapter"))
         tokenizer.save_pretrained(str(tmp / "adapter"))
         if sft.merge:
@@ -161,12 +165,18 @@ def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
         losses = [h["loss"] for h in history if "loss" in h]
         tokens = next((h["num_tokens"] for h in reversed(history) if "num_tokens" in h), None)
         third = max(1, len(losses) // 3)
+        fit_drop = (fit_before - fit_after) / fit_before if fit_before > 0 else 0.0
+        learned = fit_drop >= sft.min_fit_drop
         metrics = {"backend": backend, "fallback_reason": fallback_reason,
                    "device": "cuda" if torch.cuda.is_available() else "cpu", "steps": result.global_step,
                    "train_rows": len(train_rows), "eval_rows": len(eval_rows), "train_seconds": round(seconds, 2),
                    "train_loss": result.training_loss, "first_loss": losses[0], "last_loss": losses[-1],
                    "loss_first_third": sum(losses[:third]) / third, "loss_last_third": sum(losses[-third:]) / third,
                    "eval_loss_before": base_eval, "eval_loss": final_eval,
+                   "fit_loss_before": fit_before, "fit_loss_after": fit_after, "fit_drop": fit_drop, "no_signal": not learned,
+                   "no_signal_reason": None if learned else
+                   f"the loss on its own {len(train_rows)} training rows did not fall by sft.min_fit_drop="
+                   f"{sft.min_fit_drop:.0%} ({fit_before:.4f} -> {fit_after:.4f}, {fit_drop:+.2%})",
                    "tokens": tokens, "tokens_per_s": (tokens / seconds) if tokens else None,
                    "base_model": str(Path(sft.base_model).resolve())}
         write_json(tmp / "train_meta.json", metrics)
@@ -192,7 +202,8 @@ def _log_curves(history: list[dict[str, Any]], eval_before: float | None = None)
 
 # whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
 def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
-    """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage."""
+    """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage; None (tagged
+    no_signal) when training did not lower the loss on its own rows."""
     import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
     from pipeline import registry  # noqa: PLC0415 - control plane only (MLflow registry, serving), as above
@@ -205,6 +216,9 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"]},
                           history, metrics, LOSS_PNG)
+    if metrics.get("no_signal"):  # an adapter that did not fit its own rows learned nothing: nothing to register
+        tracking.tag_no_signal(metrics["no_signal_reason"])
+        return None
     data = data_file(params.datasets)
     return registry.register_adapter(params, run, cfg.role, out / "adapter", data.parent, load_rows(data), cfg.base_model,
                                      f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)",
@@ -220,7 +234,8 @@ def _summary(metrics: dict[str, Any]) -> str:
     tps = f"{metrics['tokens_per_s']:.0f} tok/s" if metrics.get("tokens_per_s") else "tok/s n/a"
     return (f"train_sft [{metrics['backend']}/{metrics['device']}]: {metrics['steps']} steps on {metrics['train_rows']} rows, "
             f"loss {metrics['first_loss']:.3f} -> {metrics['last_loss']:.3f}, eval loss {metrics['eval_loss_before']:.3f} -> "
-            f"{metrics['eval_loss']:.3f}, {tps}")
+            f"{metrics['eval_loss']:.3f}, loss on its training rows {metrics['fit_loss_before']:.3f} -> "
+            f"{metrics['fit_loss_after']:.3f}, {tps}")
 
 
 def no_signal(sft: SftParams, mlflow: MlflowParams, reason: str, no_mlflow: bool) -> int:
@@ -270,5 +285,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
         metrics = json.loads(METRICS_FILE.read_text())
         version = log_and_register(params, metrics, mlflow.get_run(run.info.run_id))
         mlflow.log_artifact(str(METRICS_FILE))
-        print(f"registered {params.sft.role} version {version.version} (models:/{params.sft.role}/{version.version})")
+        if version is None:
+            print(f"train_sft: no_signal, nothing registered: {metrics['no_signal_reason']}")
+        else:
+            print(f"registered {params.sft.role} version {version.version} (models:/{params.sft.role}/{version.version})")
     return 0
