@@ -48,7 +48,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psutil
-from bench_rollouts import replay, replay_requests  # the direct-to-worker replay of recorded requests
+from bench_rollouts import WORKER_HEADERS, replay, replay_requests  # the direct-to-worker replay of recorded requests
 from report import write_report  # benchmarks/report.py (the script's folder is on sys.path)
 from rich.progress import Progress
 from scipy.stats import beta
@@ -129,6 +129,7 @@ def lora_path(params: Params, traces: list[Trace], rank: int) -> dict[str, Any]:
         subprocess.run([python, "-c", ZERO_ADAPTER, w.model, folder, str(rank)], check=True, timeout=600)
         name = f"bench-zero-r{rank}"
         worker.load_lora(w, name, folder)
+        WORKER_HEADERS.update(worker.headers(w))
         try:
             base = asyncio.run(replay(worker.base_url(w), mix, concurrency, "base"))
             adapted = [[{**b, "model": name} for b in bodies] for bodies in mix]

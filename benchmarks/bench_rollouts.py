@@ -66,9 +66,15 @@ COUNTERS = {"prompt": "vllm:prompt_tokens_total", "generated": "vllm:generation_
 
 # ---------------------------------------------------------------- probes
 
+# what a request straight to the worker carries (its key: every path but /health requires it); set by main
+WORKER_HEADERS: dict[str, str] = {}
+
+
 def engine_metrics(url: str) -> dict[str, float]:
     """The counters and histogram sums this benchmark reads, summed over label sets (one model, LoRA or not)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    resp = httpx.get(f"{url}/metrics", timeout=10, headers=WORKER_HEADERS)
+    resp.raise_for_status()
+    text = resp.text
     wanted = {**COUNTERS, **{k: f"{v}_sum" for k, v in HISTOGRAMS.items()}}
     by_name = {v: k for k, v in wanted.items()}
     out = dict.fromkeys(wanted, 0.0)
@@ -237,6 +243,7 @@ async def replay(url: str, rollouts: list[list[dict[str, Any]]], concurrency: in
 
     The sample is the whole mix or, at low concurrency, ``max(24, 6 * concurrency)`` requests drawn from it
     (enough to fill the level many times over; the whole mix at concurrency 1 would take longer than the society)."""
+    headers = headers if headers is not None else WORKER_HEADERS  # no headers given: straight to the worker
     queue = [_nonce(b, tag, by_role) for bodies in rollouts for b in bodies]
     random.Random(0).shuffle(queue)
     queue = queue[: max(24, 6 * concurrency)]
@@ -286,9 +293,10 @@ async def proxy_added(direct_url: str, proxy_url: str, key: str, rollouts: list[
         for i, original in enumerate(sample):
             body = _nonce({**original, "temperature": 0.0, "seed": 0}, f"proxy-{i}")
             # warm the prefix cache first so both measured sends see the same cache state
-            (await http.post(f"{direct_url}/v1/chat/completions", json={**body, "max_tokens": 1})).raise_for_status()
+            (await http.post(f"{direct_url}/v1/chat/completions", json={**body, "max_tokens": 1},
+                             headers=WORKER_HEADERS)).raise_for_status()
             t0 = time.perf_counter()
-            (await http.post(f"{direct_url}/v1/chat/completions", json=body)).raise_for_status()
+            (await http.post(f"{direct_url}/v1/chat/completions", json=body, headers=WORKER_HEADERS)).raise_for_status()
             t1 = time.perf_counter()
             (await http.post(f"{proxy_url}/chat/completions", json={**body, "model": role[id(original)]},
                              headers={"Authorization": f"Bearer {key}"})).raise_for_status()
@@ -362,6 +370,7 @@ def main() -> None:
     chain = load_params(environ={**env, "PIPELINE__AGENTS__CONCURRENT_REVIEWS": "false"})
     base_url, key = stack.ensure(chain.serving, chain.mlflow)
     direct = worker.base_url(chain.serving.workers[0])
+    WORKER_HEADERS.update(worker.headers(chain.serving.workers[0]))
     tasks = shard_tasks(chain.rollouts, chain.validate_, 0)
     tools = Toolbox(chain.rollouts.index_dir, chain.agents.search_top_k)
     _ = tools.bm25, tools.mesh, tools.genes  # loaded once per shard in the rollouts stage: not a per-rollout cost

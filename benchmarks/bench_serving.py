@@ -68,7 +68,7 @@ def main() -> None:
     params = load_params()
     stack.ensure(params.serving, params.mlflow)
     w = params.serving.workers[0]
-    direct = (f"{worker.base_url(w)}/v1/chat/completions", worker.served_name(w), {})
+    direct = (f"{worker.base_url(w)}/v1/chat/completions", worker.served_name(w), worker.headers(w))
     url, key = proxy.client_settings(params.serving)
     via = (f"{url}/chat/completions", "senior_researcher", {"Authorization": f"Bearer {key}"})
     asyncio.run(throughput(*direct, 1, 2, 8))  # warm-up

@@ -137,6 +137,8 @@ class WorkerParams(_Strict):
         gt=0, le=1, description="GPU workers: vLLM --gpu-memory-utilization, this worker's share of its device "
         "(vLLM's own default takes ~0.9 and leaves nothing for verl's rollout engine on the same GPU); null on CPU")
     device: int = Field(ge=0, description="GPU workers: the CUDA device a local worker runs on (CUDA_VISIBLE_DEVICES)")
+    key_file: str | None = Field(description="the key the worker requires (created 0600 for a local worker); "
+                                 "VLLM_API_KEY in the environment wins; null: a remote worker keyed by VLLM_API_KEY or open")
 
 
 class ProxyParams(_Strict):

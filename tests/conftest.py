@@ -148,6 +148,7 @@ def serving_stack(serving_models: Path, tmp_path_factory: pytest.TempPathFactory
         "PIPELINE__SERVING__WORKERS": workers, "PIPELINE__SERVING__HOME": str(home / "run"),
         "PIPELINE__SERVING__ROUTING_DIR": str(home / "versions"), "PIPELINE__SERVING__PROXY__PORT": str(free_port()),
         "PIPELINE__SERVING__PROXY__KEY_FILE": str(home / "secrets" / "key"),
+        "PIPELINE__SERVING__WORKER_DEFAULTS__KEY_FILE": str(home / "secrets" / "worker_key"),
         "PIPELINE__SERVING__LIVE_FILE": str(home / "live-routing.json")})  # never the repository's tracked file
     worker.up(p.serving, p.serving.workers[0])  # the "offline" worker is deliberately not started
     proxy.up(p.serving)

@@ -142,3 +142,53 @@ def test_verl_config_follows_params(params, tmp_path: Path) -> None:
     section = agentlightning_section(params.ppo, params.judge, "http://gw", "k")
     assert Path(section["hooks"]).exists() and section["local"]["agent_class"] == "pipeline.rl.agent:SocietyAgent"
     assert section["trace_aggregator"]["level"] == "transition"
+
+
+def test_the_gateway_forwards_calls_with_the_upstream_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agent Lightning 1.0.2's gateway forwards with only a content-type header; a keyed vLLM worker answers 401 to
+    that. ``pipeline.rl.agl_server`` is its server with the key on the upstream client: exercised here on the real
+    app (its lifespan, its ``_send_upstream_with_retries``) against a stub upstream that records what arrived."""
+    import functools
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from agentlightning.server import proxy as agl_proxy
+    from fastapi.testclient import TestClient
+    from omegaconf import OmegaConf
+
+    from pipeline.rl import agl_server, gateway
+
+    seen: list[dict[str, str]] = []
+
+    class Upstream(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            self.rfile.read(int(self.headers["content-length"]))
+            seen.append({k.lower(): v for k, v in self.headers.items()})
+            body = b'{"choices": []}'
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = OmegaConf.load(Path(agl_proxy.__file__).parents[1] / "config" / "server.yaml")
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+    try:
+        monkeypatch.setenv(gateway.UPSTREAM_KEY_ENV, "worker-key")
+        app = agl_server.build(config)
+        with TestClient(app) as tc:
+            send = functools.partial(agl_proxy._send_upstream_with_retries, client=app.state.http_client, url=url, body={"a": 1})
+            assert tc.portal.call(send).status_code == 200
+        monkeypatch.delenv(gateway.UPSTREAM_KEY_ENV)
+        plain = agl_server.build(config)  # no key configured: Agent Lightning's app unchanged
+        with TestClient(plain) as tc:
+            send = functools.partial(agl_proxy._send_upstream_with_retries, client=plain.state.http_client, url=url, body={})
+            assert tc.portal.call(send).status_code == 200
+    finally:
+        server.shutdown()
+    assert seen[0]["authorization"] == "Bearer worker-key" and seen[0]["content-type"] == "application/json"
+    assert "authorization" not in seen[1]

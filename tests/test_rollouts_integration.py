@@ -41,7 +41,7 @@ def _with_stack(project: Path, stack: Params) -> dict[str, str]:
     workers = f"[{{name: {w.name}, model: '{w.model}', port: {w.port}}}]"
     return {"PIPELINE__SERVING__WORKERS": workers, "PIPELINE__SERVING__HOME": s.home, "PIPELINE__SERVING__ROUTING_DIR": s.routing_dir,
             "PIPELINE__SERVING__PROXY__PORT": str(s.proxy.port), "PIPELINE__SERVING__PROXY__KEY_FILE": s.proxy.key_file,
-            "PIPELINE__SERVING__LIVE_FILE": s.live_file}
+            "PIPELINE__SERVING__WORKER_DEFAULTS__KEY_FILE": str(w.key_file), "PIPELINE__SERVING__LIVE_FILE": s.live_file}
 
 
 @pytest.mark.e2e  # `make test-all`: ~2 min of CI; the journal logic it relies on is unit-tested (test_agents_logic.py)
@@ -119,7 +119,8 @@ def test_agent_lightning_collects_triplets_and_keeps_finished_rollouts_when_the_
     policy = params.serving.workers[0]
     trace_dir = ready / "rl_traces"
     tasks = load_tasks(params.validate_, "train", 3)
-    with gateway.running(params.ppo.agl, params.serving, worker.served_name(policy), run_id="agl-it", trace_dir=trace_dir) as gw:
+    with gateway.running(params.ppo.agl, params.serving, worker.served_name(policy), run_id="agl-it", trace_dir=trace_dir,
+                         upstream_key=worker.api_key(policy)) as gw:
         completed = collect(params.ppo.agl, gw, tasks[:2], 1, [f"{worker.base_url(policy)}/v1"], trace_dir=str(trace_dir))
         assert len(completed) == 2 and problems(completed, str(trace_dir)) == []
         for c in completed:

@@ -42,6 +42,28 @@ def test_materialized_models(serving_models: Path) -> None:
     assert json.loads((serving_models / "base" / "materialized.json").read_text())["parameters"] > 100_000_000
 
 
+def test_the_worker_answers_only_with_its_key_on_every_path_but_health(params: Params) -> None:
+    """The local worker hot-loads adapters: nothing reaches it without its key, not the OpenAI routes (vLLM's own
+    check) and not ``/invocations`` or ``/tokenize`` (open in vLLM 0.32 even with ``--api-key``: the guard middleware)."""
+    base = params.serving.workers[0]
+    url, key = worker.base_url(base), worker.api_key(base)
+    key_file = Path(base.key_file)
+    assert key and key_file.read_text().strip() == key and key_file.stat().st_mode & 0o077 == 0
+    assert key not in " ".join(worker.command(base, "python"))  # never on a command line
+    chat = {"model": worker.served_name(base), "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    requests = [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", chat), ("POST", "/invocations", chat),
+                ("POST", "/tokenize", {"model": worker.served_name(base), "prompt": "hi"}),
+                ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}), ("GET", "/metrics", None)]
+    for method, path, body in requests:
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+            resp = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=60)
+            assert resp.status_code == 401, (path, headers, resp.status_code, resp.text[:300])
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # what supervisors poll
+    for method, path, body in requests[:4]:
+        resp = httpx.request(method, f"{url}{path}", json=body, headers=worker.headers(base), timeout=300)
+        assert resp.status_code == 200, (path, resp.text[:300])
+
+
 def test_every_role_answers_through_the_proxy(params: Params) -> None:
     routing.apply(params.serving, params.mlflow, 1)
     for role in params.serving.roles:
@@ -202,8 +224,10 @@ def test_a_lora_version_loads_with_mlflow_alone_from_another_directory_and_answe
             "m = mlflow.pyfunc.load_model(sys.argv[1], model_config={'base_url': sys.argv[2], 'max_tokens': 8})\n"
             "print(json.dumps(m.predict([{'messages': [{'role': 'user', 'content': 'Name one gene.'}]}])))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) and not k.startswith("PIPELINE")}
+    # the worker's key, from the environment variable the model's config names (api_key_env), as a serving host holds it
     done = subprocess.run([sys.executable, "-c", code, f"models:/pyfunc_lora/{v.version}", worker.base_url(base)], cwd=tmp_path,
-                          env={**env, "MLFLOW_TRACKING_URI": mlflow_server}, capture_output=True, text=True, timeout=600)
+                          env={**env, "MLFLOW_TRACKING_URI": mlflow_server, worker.KEY_ENV: worker.api_key(base)},
+                          capture_output=True, text=True, timeout=600)
     try:
         assert done.returncode == 0, done.stderr[-3000:]
         answers = json.loads(done.stdout.strip().splitlines()[-1])

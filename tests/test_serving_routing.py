@@ -26,6 +26,7 @@ def params(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         "PIPELINE__SERVING__WORKERS": WORKERS, "PIPELINE__SERVING__HOME": str(tmp_path / "home"),
         "PIPELINE__SERVING__ROUTING_DIR": str(tmp_path / "versions"),
         "PIPELINE__SERVING__PROXY__KEY_FILE": str(tmp_path / "secrets" / "key"),
+        "PIPELINE__SERVING__WORKER_DEFAULTS__KEY_FILE": str(tmp_path / "secrets" / "worker_key"),
         "PIPELINE__SERVING__LIVE_FILE": str(tmp_path / "live-routing.json")})
 
 

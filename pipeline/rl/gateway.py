@@ -31,6 +31,8 @@ from pipeline.envs import REPO_ROOT, pythonpath
 from pipeline.rl import store
 from pipeline.services.process import Service, ServiceError, free_port, http_ok, port_is_free, stop
 
+UPSTREAM_KEY_ENV = "AGL_UPSTREAM_KEY"  # read by pipeline.rl.agl_server (the gateway's upstream client sends it)
+
 AGENT_CLASS = "pipeline.rl.agent:SocietyAgent"
 HOOKS_FILE = str(REPO_ROOT / "pipeline" / "rl" / "hooks.py")
 
@@ -85,8 +87,10 @@ def controller_overrides(agl: AglParams, url: str) -> list[str]:
 
 @contextmanager
 def running(agl: AglParams, serving: ServingParams, model_name: str, run_id: str = "agl", python: str | None = None,
-            trace_dir: str | Path | None = None) -> Iterator[Gateway]:
-    """agl-server + agl-controller (``ppo.agl.runner``) up for the block; both stopped after, whatever happened."""
+            trace_dir: str | Path | None = None, upstream_key: str | None = None) -> Iterator[Gateway]:
+    """agl-server + agl-controller (``ppo.agl.runner``) up for the block; both stopped after, whatever happened.
+    ``upstream_key``: what the policy server registered with the gateway requires (a local vLLM worker's key); the
+    gateway sends it on every forwarded call (``pipeline.rl.agl_server``), agents never see it."""
     home = Path(serving.home).resolve() / "agl"
     if agl.runner == "k8s":  # the Service behind advertise_url forwards to this port: no fallback
         if not port_is_free(agl.host, agl.port):
@@ -101,13 +105,15 @@ def running(agl: AglParams, serving: ServingParams, model_name: str, run_id: str
     env = {**os.environ, "AGL_KEY": key,
            "PYTHONPATH": pythonpath(),
            store.TRACE_DIR_ENV: str(Path(trace_dir or agl.trace_dir).resolve()), store.RUN_ENV: run_id}
+    env.pop(UPSTREAM_KEY_ENV, None)  # the controller and the agents it spawns never hold the upstream's key
+    server_env = {**env, UPSTREAM_KEY_ENV: upstream_key} if upstream_key else env
     hydra = [f"hydra.run.dir={home}/hydra", "hydra.output_subdir=null"]
     gw = Gateway(url=url, key=key, model_name=model_name, home=home,
                  agent_url=(agl.advertise_url or url) if agl.runner == "k8s" else url)
     try:
-        gw.procs["agl-server"] = _spawn(home, "agl-server", [python, "-m", "agentlightning.server", f"host={agl.host}",
+        gw.procs["agl-server"] = _spawn(home, "agl-server", [python, "-m", "pipeline.rl.agl_server", f"host={agl.host}",
                                                             f"port={port}", "key=${oc.env:AGL_KEY}",
-                                                            f"default_proxy.model_name={model_name}", *hydra], env)
+                                                            f"default_proxy.model_name={model_name}", *hydra], server_env)
         deadline = time.monotonic() + agl.startup_timeout_s
         while not http_ok(f"{url}/healthz"):
             gw.check()

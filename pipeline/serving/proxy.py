@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from pipeline.config import Params, ServingParams
 from pipeline.envs import pythonpath
 from pipeline.io import write_text
 from pipeline.services.process import Service, ServiceError, claim, http_ok, start, stop
+from pipeline.serving import keys, worker
 from pipeline.serving.worker import KEY_ENV as WORKER_KEY_ENV
 from pipeline.serving.worker import served_name
 
@@ -37,15 +37,7 @@ def api_key(serving: ServingParams) -> str:
     """The proxy key: from the environment, else the local key file (created 0600 on first use)."""
     if os.environ.get(KEY_ENV):
         return os.environ[KEY_ENV]
-    path = Path(serving.proxy.key_file)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(f"sk-{secrets.token_urlsafe(32)}\n")
-    if path.stat().st_mode & 0o077:
-        raise ServiceError(f"{path}: proxy key file must be readable by its owner only (chmod 600)")
-    return path.read_text().strip()
+    return keys.read_or_create(serving.proxy.key_file)
 
 
 def base_url(serving: ServingParams) -> str:
@@ -60,13 +52,13 @@ def client_settings(serving: ServingParams) -> tuple[str, str]:
 def deployments(serving: ServingParams) -> dict[str, dict[str, Any]]:
     """Deployment name -> litellm_params, for every worker in ``serving.workers`` (running or not)."""
     out: dict[str, dict[str, Any]] = {}
-    for worker in serving.workers:
-        api_base = f"http://{worker.host}:{worker.port}/v1"
-        # workers that require a key (production: VLLM_API_KEY) get it from the proxy's environment only
-        api_key = f"os.environ/{WORKER_KEY_ENV}" if os.environ.get(WORKER_KEY_ENV) else "none"
+    for worker_ in serving.workers:
+        api_base = f"http://{worker_.host}:{worker_.port}/v1"
+        # workers that require a key (VLLM_API_KEY, or a local worker's key file) get it from the proxy's environment only
+        api_key = f"os.environ/{WORKER_KEY_ENV}" if worker.api_key(worker_) else "none"
         common = {"api_base": api_base, "api_key": api_key, "timeout": serving.proxy.request_timeout_s}
-        out[worker.name] = {"model": f"hosted_vllm/{served_name(worker)}", **common}
-        out[f"{worker.name}/*"] = {"model": "hosted_vllm/*", **common}
+        out[worker_.name] = {"model": f"hosted_vllm/{served_name(worker_)}", **common}
+        out[f"{worker_.name}/*"] = {"model": "hosted_vllm/*", **common}
     return out
 
 
@@ -89,9 +81,19 @@ def write_config(serving: ServingParams) -> Path:
 
 
 def _env(serving: ServingParams) -> dict[str, str]:
-    return {KEY_ENV: api_key(serving), "PIPELINE_ROUTING_ACTIVE": str(active_file(serving)),
+    return {KEY_ENV: api_key(serving), **_worker_key(serving), "PIPELINE_ROUTING_ACTIVE": str(active_file(serving)),
             "PYTHONPATH": pythonpath(),
             "LITELLM_LOG": os.environ.get("LITELLM_LOG", "ERROR"), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+
+def _worker_key(serving: ServingParams) -> dict[str, str]:
+    """``VLLM_API_KEY`` for the proxy's process: the one key the workers require (the proxy's deployments name that
+    variable). Workers keyed differently cannot sit behind one proxy: refused, naming them."""
+    found = {w.name: k for w in serving.workers if (k := worker.api_key(w))}
+    if len(set(found.values())) > 1:
+        raise ServiceError(f"serving.workers {sorted(found)} require different keys; the proxy holds one {WORKER_KEY_ENV} "
+                           "(give them one key_file, or one VLLM_API_KEY)")
+    return {WORKER_KEY_ENV: next(iter(found.values()))} if found else {}
 
 
 def _command(serving: ServingParams, host: str) -> list[str]:

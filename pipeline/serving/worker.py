@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 
 from pipeline.config import Params, ServingParams, WorkerParams
-from pipeline.envs import model_python
+from pipeline.envs import model_python, pythonpath
 from pipeline.services.process import Service, ServiceError, claim, http_ok, probe_http, start, stop
-from pipeline.serving import adapter_store
+from pipeline.serving import adapter_store, keys
 
 KEY_ENV = "VLLM_API_KEY"
 
@@ -37,11 +37,16 @@ def served_name(worker: WorkerParams) -> str:
     return worker.served_name or worker.name
 
 
+GUARD = "pipeline.serving.vllm_guard.KeyOnEveryPath"
+
+
 def command(worker: WorkerParams, python: str) -> list[str]:
+    """The worker's argv. Its key is never on it: vLLM reads ``VLLM_API_KEY`` from the environment ``up`` gives it, and
+    the guard middleware (same key) covers the paths vLLM's own check leaves open (``/invocations``, ``/tokenize``)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_id(worker),
            "--served-model-name", served_name(worker), "--host", worker.host, "--port", str(worker.port),
            "--max-model-len", str(worker.max_model_len), "--enable-lora", "--max-lora-rank", str(worker.max_lora_rank),
-           "--max-loras", "4", "--dtype", worker.dtype, "--disable-uvicorn-access-log"]
+           "--max-loras", "4", "--dtype", worker.dtype, "--disable-uvicorn-access-log", "--middleware", GUARD]
     if worker.enforce_eager:
         cmd.append("--enforce-eager")
     if worker.gpu_memory_utilization is not None:  # a GPU worker takes its planned share, not vLLM's ~0.9 default
@@ -74,6 +79,8 @@ def up(serving: ServingParams, worker: WorkerParams) -> str:
         "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapters),
         "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+        KEY_ENV: _require_key(worker),  # vLLM's own check (/v1...) and the guard (every other path but /health)
+        "PYTHONPATH": pythonpath(),  # the guard middleware is imported from this checkout
     }
     if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
         env["CUDA_VISIBLE_DEVICES"] = str(worker.device)
@@ -98,10 +105,28 @@ def model_id(worker: WorkerParams) -> str:
     return str(Path(worker.model).resolve()) if is_local(worker) else worker.model
 
 
-def _headers() -> dict[str, str]:
-    """Production workers require ``VLLM_API_KEY`` (vLLM reads it itself); only the proxy and the
-    promotion step that hot-loads adapters hold it."""
-    key = os.environ.get(KEY_ENV)
+def api_key(worker: WorkerParams) -> str | None:
+    """The key ``worker`` requires: ``VLLM_API_KEY`` from the environment (production, one Secret), else its
+    ``key_file`` (a local worker's is generated 0600 on first use). None: a remote worker with no key configured.
+    Only the proxy, promotion (hot-loading adapters) and the Agent Lightning gateway hold it; agents never do."""
+    if os.environ.get(KEY_ENV):
+        return os.environ[KEY_ENV]
+    if worker.key_file and (is_local(worker) or Path(worker.key_file).exists()):
+        return keys.read_or_create(worker.key_file)
+    return None
+
+
+def _require_key(worker: WorkerParams) -> str:
+    key = api_key(worker)
+    if not key:
+        raise ServiceError(f"worker {worker.name}: no key (serving.worker_defaults.key_file or {KEY_ENV}); "
+                           "a worker that hot-loads adapters is never started open")
+    return key
+
+
+def headers(worker: WorkerParams) -> dict[str, str]:
+    """What a client of the worker itself (not of the proxy) sends."""
+    key = api_key(worker)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
@@ -122,7 +147,7 @@ def down(serving: ServingParams, worker: WorkerParams) -> bool:
 
 
 def models(worker: WorkerParams, timeout: float = 5.0) -> list[str]:
-    resp = httpx.get(f"{base_url(worker)}/v1/models", timeout=timeout, headers=_headers())
+    resp = httpx.get(f"{base_url(worker)}/v1/models", timeout=timeout, headers=headers(worker))
     resp.raise_for_status()
     return [m["id"] for m in resp.json()["data"]]
 
@@ -139,7 +164,7 @@ def load_lora(worker: WorkerParams, name: str, path: str, wait_s: float = 0.0) -
     deadline = time.monotonic() + wait_s
     while True:
         resp = httpx.post(f"{base_url(worker)}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": lora_path},
-                          timeout=120, headers=_headers())
+                          timeout=120, headers=headers(worker))
         if resp.status_code == 200:
             return
         if time.monotonic() >= deadline:
@@ -149,7 +174,7 @@ def load_lora(worker: WorkerParams, name: str, path: str, wait_s: float = 0.0) -
 
 
 def unload_lora(worker: WorkerParams, name: str) -> None:
-    resp = httpx.post(f"{base_url(worker)}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60, headers=_headers())
+    resp = httpx.post(f"{base_url(worker)}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60, headers=headers(worker))
     if resp.status_code != 200:
         raise ServiceError(f"worker {worker.name}: unloading adapter {name} failed: {resp.status_code} {resp.text[:300]}")
 
