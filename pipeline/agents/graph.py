@@ -25,6 +25,7 @@ from typing import Annotated, Any, TypedDict
 
 from langgraph.graph import END, START, StateGraph
 
+from pipeline import roles
 from pipeline.agents.llm import DESIGNER_TOKENS, LLMError, RoleClient
 from pipeline.agents.tools import Toolbox, timed_call
 from pipeline.config import AgentsParams
@@ -37,7 +38,7 @@ JUNIORS = {
 }
 # the logical model whose calls open every rollout (the juniors, from START): a candidate for it has no call of the
 # champion's before its own to replay, so evaluate runs it beside the champion rather than after it
-OPENING_MODEL = "junior_researcher"
+OPENING_MODEL = roles.JUNIOR
 SEVERITY_RANK = {"APPROVE": 0, "MINOR": 1, "MAJOR": 2, "CRITICAL": 3}
 
 
@@ -127,7 +128,7 @@ class Society:
                          "content": f"Question: {self._question(state)}\nCandidates:\n{listing}\n"
                                     "Answer with JSON: chosen index and reason."}]
             try:
-                choice = await self.client.structured("supervisor", "supervisor", messages, SupervisorChoice, spans,
+                choice = await self.client.structured("supervisor", roles.SUPERVISOR, messages, SupervisorChoice, spans,
                                                       max_tokens=128)
             except LLMError as exc:
                 return {"spans": spans, "errors": [str(exc)]}
@@ -158,21 +159,21 @@ class Society:
         critique = "\n".join(f"- {r['severity']}: {r['summary']}" for r in state.get("reviews", [])[-2:])
         prompt = (f"You refine research hypotheses. Question: {self._question(state)}\nHypothesis: {base.get('hypothesis', '')}\n"
                   f"Reviewer concerns:\n{critique or 'none'}\nReturn the sharpened hypothesis as JSON.")
-        return await self._senior("hypothesis_refiner", "senior_researcher", Hypothesis, prompt, state, "refined")
+        return await self._senior("hypothesis_refiner", roles.SENIOR, Hypothesis, prompt, state, "refined")
 
     async def designer(self, state: SocietyState) -> dict[str, Any]:
         hyp = (state.get("refined") or state.get("selection") or {}).get("hypothesis", "")
         critique = "\n".join(f"- {r['severity']}: {'; '.join(r['issues'])}" for r in state.get("reviews", [])[-2:])
         prompt = (f"You design experimental protocols. Hypothesis: {hyp}\nReviewer concerns:\n{critique or 'none'}\n"
                   "Return a concise protocol as JSON (title, objective, methods, controls, outcome_measures).")
-        return await self._senior("protocol_designer", "senior_researcher", Protocol, prompt, state, "protocol",
+        return await self._senior("protocol_designer", roles.SENIOR, Protocol, prompt, state, "protocol",
                                   tokens=DESIGNER_TOKENS * self.cfg.max_tokens)
 
     def reviewer(self, agent: str, focus: str):
         async def node(state: SocietyState) -> dict[str, Any]:
             prompt = (f"You are the {focus}. Review this protocol for the question '{self._question(state)}':\n"
                       f"{state.get('protocol')}\nRate severity CRITICAL, MAJOR, MINOR or APPROVE with issues, as JSON.")
-            out = await self._senior(agent, "review_board", Review, prompt, state, "review", tokens=2 * self.cfg.max_tokens)
+            out = await self._senior(agent, roles.REVIEW_BOARD, Review, prompt, state, "review", tokens=2 * self.cfg.max_tokens)
             if "review" in out:
                 out["reviews"] = [{"reviewer": agent, "round": state.get("review_round", 0), **out.pop("review")}]
             return out
@@ -194,7 +195,7 @@ class Society:
         reviews = "\n".join(f"- {r['reviewer']}: {r['severity']}: {r['summary']}" for r in state.get("reviews", []))
         prompt = (f"You are the principal investigator. Question: {self._brief(state)}\nProtocol: {state.get('protocol')}\n"
                   f"Reviews:\n{reviews or 'none'}\nDecide GO or NO-GO with a rationale, as JSON.")
-        return await self._senior("principal_investigator", "senior_researcher", PIDecision, prompt, state, "decision",
+        return await self._senior("principal_investigator", roles.SENIOR, PIDecision, prompt, state, "decision",
                                   tokens=max(self.cfg.max_tokens, 256))
 
     def compile(self) -> Any:

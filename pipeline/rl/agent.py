@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from pipeline import roles
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.rollout import run_with_retries, supervisor_policy
 from pipeline.agents.tools import Toolbox
@@ -35,7 +36,7 @@ from pipeline.serving import routing
 from pipeline.serving.routing import society_endpoint
 
 TASK_ENV = "PUBMEDQA_TASK"
-TRAINED_ROLES = ("senior_researcher",)
+TRAINED_ROLES = (roles.SENIOR,)
 _EVENT_URL = re.compile(r"^(?P<base>.*)/api/rollouts/(?P<rollout>[^/]+)/attempt/(?P<attempt>[^/]+)/events/?$")
 
 

@@ -26,11 +26,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pipeline import roles
 from pipeline.bandit.features import decision_features
 from pipeline.config import DatasetsParams
 from pipeline.traces.schema import Trace
 
-JUNIOR_MODEL = "junior_researcher"
+JUNIOR_MODEL = roles.JUNIOR
 
 
 @dataclass
