@@ -35,7 +35,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "datasets": ("traces", "ok_rollouts", "task_groups", "sft.rows", "sft.rollouts", "rl.rows", "bandit.rows",
                  "bandit.mean_reward"),
     "train_sft": ("steps", "train_rows", "eval_rows", "train_loss", "first_loss", "last_loss", "eval_loss_before",
-                  "eval_loss", "fit_loss_before", "fit_loss_after", "no_signal", "tokens_per_s"),
+                  "eval_loss", "tokens_per_s"),
     "train_ppo": ("steps", "prompts", "groups", "completions_scored", "reward_first", "reward_last", "reward_mean",
                   "reward_std", "kl_last", "valid_fraction", "decision_accuracy", "zero_advantage_groups", "no_signal"),
     "train_bandit": ("decisions", "dr_gain", "ope.learned.dr.value", "ope.learned.dr.ci_low", "ope.learned.dr.ci_high",
