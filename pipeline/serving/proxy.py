@@ -26,8 +26,9 @@ from pipeline.config import Params, ServingParams
 from pipeline.envs import pythonpath
 from pipeline.io import write_text
 from pipeline.services.process import Service, ServiceError, claim, http_ok, start, stop
-from pipeline.serving import keys, worker
+from pipeline.serving import keys
 from pipeline.serving.worker import KEY_ENV as WORKER_KEY_ENV
+from pipeline.serving.worker import api_key as worker_key
 from pipeline.serving.worker import served_name
 
 KEY_ENV = "LITELLM_MASTER_KEY"
@@ -52,13 +53,13 @@ def client_settings(serving: ServingParams) -> tuple[str, str]:
 def deployments(serving: ServingParams) -> dict[str, dict[str, Any]]:
     """Deployment name -> litellm_params, for every worker in ``serving.workers`` (running or not)."""
     out: dict[str, dict[str, Any]] = {}
-    for worker_ in serving.workers:
-        api_base = f"http://{worker_.host}:{worker_.port}/v1"
+    for worker in serving.workers:
+        api_base = f"http://{worker.host}:{worker.port}/v1"
         # workers that require a key (VLLM_API_KEY, or a local worker's key file) get it from the proxy's environment only
-        api_key = f"os.environ/{WORKER_KEY_ENV}" if worker.api_key(worker_) else "none"
+        api_key = f"os.environ/{WORKER_KEY_ENV}" if worker_key(worker) else "none"
         common = {"api_base": api_base, "api_key": api_key, "timeout": serving.proxy.request_timeout_s}
-        out[worker_.name] = {"model": f"hosted_vllm/{served_name(worker_)}", **common}
-        out[f"{worker_.name}/*"] = {"model": "hosted_vllm/*", **common}
+        out[worker.name] = {"model": f"hosted_vllm/{served_name(worker)}", **common}
+        out[f"{worker.name}/*"] = {"model": "hosted_vllm/*", **common}
     return out
 
 
@@ -89,7 +90,7 @@ def _env(serving: ServingParams) -> dict[str, str]:
 def _worker_key(serving: ServingParams) -> dict[str, str]:
     """``VLLM_API_KEY`` for the proxy's process: the one key the workers require (the proxy's deployments name that
     variable). Workers keyed differently cannot sit behind one proxy: refused, naming them."""
-    found = {w.name: k for w in serving.workers if (k := worker.api_key(w))}
+    found = {w.name: k for w in serving.workers if (k := worker_key(w))}
     if len(set(found.values())) > 1:
         raise ServiceError(f"serving.workers {sorted(found)} require different keys; the proxy holds one {WORKER_KEY_ENV} "
                            "(give them one key_file, or one VLLM_API_KEY)")

@@ -20,9 +20,8 @@ import httpx
 from pipeline.config import Params, ServingParams, WorkerParams
 from pipeline.envs import model_python, pythonpath
 from pipeline.services.process import Service, ServiceError, claim, http_ok, probe_http, start, stop
-from pipeline.serving import adapter_store, keys
-
-KEY_ENV = "VLLM_API_KEY"
+from pipeline.serving import adapter_store, keys, vllm_guard
+from pipeline.serving.vllm_guard import KEY_ENV  # the variable vLLM and the guard read: one spelling
 
 
 def service(serving: ServingParams, worker: WorkerParams) -> Service:
@@ -37,7 +36,7 @@ def served_name(worker: WorkerParams) -> str:
     return worker.served_name or worker.name
 
 
-GUARD = "pipeline.serving.vllm_guard.KeyOnEveryPath"
+GUARD = f"{vllm_guard.__name__}.{vllm_guard.KeyOnEveryPath.__name__}"  # what vLLM's --middleware imports
 
 
 def command(worker: WorkerParams, python: str) -> list[str]:

@@ -31,8 +31,6 @@ from pipeline.bandit.features import decision_features
 from pipeline.config import DatasetsParams
 from pipeline.traces.schema import Trace
 
-JUNIOR_MODEL = roles.JUNIOR
-
 
 @dataclass
 class Drops:
@@ -103,7 +101,7 @@ def sft_examples(traces: list[Trace], datasets: DatasetsParams, drops: Drops) ->
         if ranks[t.rollout_id] >= datasets.sft.top_k:
             drops.add("sft.not_top_of_group", f"{where}: rank {ranks[t.rollout_id] + 1} in task {t.task_id}")
             continue
-        for d in _llm_calls(t, model=JUNIOR_MODEL):
+        for d in _llm_calls(t, model=roles.JUNIOR):
             if d.get("attempt") != 1 or not d.get("parsed"):
                 drops.add("sft.call_not_parsed_first_attempt", f"{where}: {d.get('agent')} attempt {d.get('attempt')}")
                 continue
