@@ -27,7 +27,7 @@ PY
 fi
 echo "stage wall times (MLflow stage runs of this pipeline run; stages DVC skipped are not listed):"
 python -m pipeline run times || true
-URI="${MLFLOW_TRACKING_URI:-$(python -c 'from pipeline.config import load_params; from pipeline.services.mlflow_server import tracking_uri; print(tracking_uri(load_params()))')}"
+URI="${MLFLOW_TRACKING_URI:-$(python -c 'from pipeline.config import load_params; from pipeline.services.mlflow_server import tracking_uri; print(tracking_uri(load_params().mlflow))')}"
 cat <<EOT
 
 pipeline run ${PIPELINE_RUN_ID}: ${status}
