@@ -320,6 +320,8 @@ class SftParams(_Strict):
     merge: bool = Field(description="also write a merged HF folder (export)")
     min_fit_drop: float = Field(ge=0.0, lt=1.0, description="the loss on the training rows must fall by at least this "
                                 "fraction, or the adapter learned nothing measurable and nothing is registered")
+    gradient_checkpointing: bool = Field(description="TRL backend: recompute activations in the backward pass; saves "
+                                         "memory, costs a quarter more a step (CPU, 135M: 7.3 vs 5.5 s)")
 
 
 
@@ -402,6 +404,8 @@ class PpoParams(_Strict):
     kl_coef: float = Field(ge=0, description="KL penalty to the base policy (GRPO beta / verl kl_loss_coef)")
     temperature: float = Field(gt=0)
     full_finetune: bool = Field(description="GPU only: train all weights instead of a LoRA adapter")
+    gradient_checkpointing: bool = Field(description="TRL GRPO and verl's actor: recompute activations in the backward pass; "
+                                         "saves memory, costs a quarter more a step (CPU, 135M: 7.3 vs 5.5 s)")
     seed: int
     lora: LoraParams
     reward: PpoRewardParams

@@ -77,7 +77,9 @@ class Review(StructuredOutput):
 
 class PIDecision(StructuredOutput):
     decision: Literal["GO", "NO-GO"]
-    rationale: str = Field(max_length=600)
+    # 300 characters: a GO/NO-GO's reasons (the protocol carries the detail); at 600 the CPU GRPO trainer's sampled
+    # rationales ran past its completion cap (a cut completion is malformed JSON) and took minutes a step
+    rationale: str = Field(max_length=300)
 
 
 # The judge scores each criterion with one digit 0-9 (an enum to guided decoding; one token each): a float

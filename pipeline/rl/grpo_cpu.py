@@ -106,7 +106,8 @@ def train_trl(ppo: PpoParams, datasets: DatasetsParams, reward_for: Callable[[li
                           max_completion_length=ppo.max_completion_tokens, learning_rate=ppo.learning_rate,
                           beta=ppo.kl_coef, temperature=ppo.temperature, logging_steps=1, save_strategy="no", report_to="none",
                           seed=ppo.seed, data_seed=ppo.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0,
-                          disable_tqdm=False, lr_scheduler_type="constant", warmup_steps=0)
+                          disable_tqdm=False, lr_scheduler_type="constant", warmup_steps=0,
+                          gradient_checkpointing=ppo.gradient_checkpointing)
         grammars = compile_grammars(tokenizer, model.config.vocab_size, {a: SCHEMAS[a] for a in ppo.agents})
         trainer = GuidedGRPOTrainer(model=model, reward_funcs=[reward_for(scored)], args=args, train_dataset=train_ds,
                                     processing_class=tokenizer, peft_config=peft, grammars=grammars,

@@ -84,6 +84,7 @@ def overrides(ppo: PpoParams, mlflow: MlflowParams, checkpoints: str | Path, exp
         f"data.max_prompt_length={ppo.max_prompt_tokens}",
         f"data.max_response_length={ppo.max_completion_tokens}",
         f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={str(ppo.gradient_checkpointing).lower()}",
         *lora,
         *attention(ppo.attention, "actor_rollout_ref.model"),
         f"actor_rollout_ref.actor.optim.lr={ppo.learning_rate}",

@@ -138,7 +138,7 @@ def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
                          eval_strategy="steps", eval_steps=max(1, sft.max_steps // 2), save_strategy="no", report_to="none",
                          max_length=sft.max_length, completion_only_loss=True, seed=sft.seed, data_seed=sft.seed,
                          bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-                         disable_tqdm=False)
+                         disable_tqdm=False, gradient_checkpointing=sft.gradient_checkpointing)
         trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
                              peft_config=peft)
         # the loss on the training rows themselves, before and after: per-step losses are on different batches (noise
