@@ -17,20 +17,16 @@ import argparse
 import asyncio
 import os
 import platform
-import subprocess
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import httpx
 from bench_serving import throughput  # benchmarks/ (the script's folder is on sys.path)
 from report import write_report
 
 from pipeline.config import load_params
-from pipeline.envs import model_python, pythonpath
+from pipeline.envs import model_python
 from pipeline.services.process import free_port
 from pipeline.serving import worker
-from pipeline.serving.vllm_guard import KEY_ENV
 
 LORA_FLAGS = {"--enable-lora": 0, "--max-lora-rank": 1, "--max-loras": 1}  # flag -> how many values follow it
 
@@ -47,27 +43,14 @@ def without_lora(argv: list[str]) -> list[str]:
     return out
 
 
-def measure(argv: list[str], w, levels: tuple[int, ...], requests: int, max_tokens: int) -> dict[int, float]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(w.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           KEY_ENV: worker.api_key(w) or "", "PYTHONPATH": pythonpath()}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+def measure(serving, w, argv: list[str], levels: tuple[int, ...], requests: int, max_tokens: int) -> dict[int, float]:
+    worker.up(serving, w, argv)  # the project's start: the worker's env, key and health wait
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{worker.base_url(w)}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker did not start: {' '.join(argv)}")
-            time.sleep(1)
         target = (f"{worker.base_url(w)}/v1/chat/completions", worker.served_name(w), worker.headers(w))
         asyncio.run(throughput(*target, 1, 2, 8))  # warm-up
         return {c: asyncio.run(throughput(*target, c, max(requests, c), max_tokens)) for c in levels}
     finally:
-        os.killpg(proc.pid, 9)
-        proc.wait()
+        worker.down(serving, w)
 
 
 def main() -> None:
@@ -77,11 +60,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     params = load_params()
-    w = params.serving.workers[0].model_copy(update={"port": free_port(), "lora_modules": {}})
+    # its own name (service state beside a running stack's "base"), a spare port, no adapters loaded at start
+    w = params.serving.workers[0].model_copy(update={"name": "bench-lora-tax", "port": free_port(), "lora_modules": {}})
     levels = (1, 2, 4)
     argv = worker.command(w, model_python())
-    lora = measure(argv, w, levels, args.requests, args.max_tokens)
-    plain = measure(without_lora(argv), w, levels, args.requests, args.max_tokens)
+    lora = measure(params.serving, w, argv, levels, args.requests, args.max_tokens)
+    plain = measure(params.serving, w, without_lora(argv), levels, args.requests, args.max_tokens)
     for c in levels:
         print(f"{c} in flight: LoRA enabled {lora[c]:6.1f} tok/s  without {plain[c]:6.1f} tok/s  ratio {lora[c] / plain[c]:.2f}")
     if args.out:

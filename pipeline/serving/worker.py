@@ -55,14 +55,16 @@ def command(worker: WorkerParams, python: str) -> list[str]:
     return cmd
 
 
-def up(serving: ServingParams, worker: WorkerParams) -> str:
-    """Start the worker unless it already answers; returns its base URL."""
+def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = None) -> str:
+    """Start the worker unless it already answers; returns its base URL. ``argv`` replaces `command` (a benchmark
+    varying the command line keeps the worker's environment, key and health wait: benchmarks/bench_lora_tax.py)."""
     url = base_url(worker)
     if not is_local(worker):
         if http_ok(f"{url}/health"):
             return url  # a remote GPU worker configured on purpose: only health-checked
         raise ServiceError(f"worker {worker.name} at {url} is remote and not healthy; it is not started from here")
-    identity = {"model": str(Path(worker.model).resolve()), "served_name": served_name(worker)}
+    identity = {"model": str(Path(worker.model).resolve()), "served_name": served_name(worker),
+                **({"argv": argv} if argv else {})}
     if claim(service(serving, worker), identity, worker.host, worker.port, f"{url}/health",
              f"serving.workers[{worker.name}].port", lambda: describe(url)):
         return url
@@ -83,7 +85,7 @@ def up(serving: ServingParams, worker: WorkerParams) -> str:
     }
     if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
         env["CUDA_VISIBLE_DEVICES"] = str(worker.device)
-    start(service(serving, worker), command(worker, model_python()), f"{url}/health", env=env,
+    start(service(serving, worker), argv or command(worker, model_python()), f"{url}/health", env=env,
           timeout_s=serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity)
     return url
 
