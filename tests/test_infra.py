@@ -890,3 +890,53 @@ def test_ray_dashboard_listens_on_loopback_and_no_service_exposes_it() -> None:
     for _, _, spec in pods.values():
         for c in spec["containers"]:
             assert not {p["containerPort"] for p in c.get("ports", [])} & {8265, 52365, 10001}, c["name"]
+
+
+# --- the workers' key on every path ---------------------------------------------------------------------------------
+
+GUARD = "vllm_guard.KeyOnEveryPath"
+
+
+def test_every_vllm_worker_in_compose_and_k8s_requires_the_key_on_every_path(tmp_path: Path) -> None:
+    """vLLM 0.20.2 (the stock image's) checks --api-key only under /v1 (server_utils.AuthenticationMiddleware), so
+    /invocations, /tokenize, /pooling and /scale_elastic_ep would answer anyone. Every stock-image worker loads the
+    project's guard as `vllm serve`'s --middleware (a class: app.add_middleware, api_server.build_app of 0.20.2), from a
+    folder on PYTHONPATH holding the local workers' own file alone; the guard imports with the standard library only."""
+    import subprocess
+    import sys
+
+    guard_file = INFRA.parent / "pipeline/serving/vllm_guard.py"
+    compose = yaml.safe_load((INFRA / "docker-compose.yml").read_text())
+    workers = {n: s for n, s in compose["services"].items() if str(s.get("image", "")).startswith("vllm/vllm-openai")}
+    assert workers
+    for name, svc in workers.items():
+        argv = shlex.split(_interpolate(svc["command"]))
+        assert _flag(argv, "--middleware") == GUARD, name
+        folder = svc["environment"]["PYTHONPATH"]
+        mounts = [v.split(":") for v in svc["volumes"] if str(v).endswith(":ro") and ":" in v]
+        source = next(src for src, dest, _ in mounts if dest == f"{folder}/vllm_guard.py")
+        assert (INFRA / source).resolve() == guard_file, name  # compose resolves a bind mount from the file's folder
+    # the control image holds the checkout at /opt/project: the init container copies the guard out of it
+    assert "COPY . /opt/project" in (INFRA / "docker/Dockerfile.control").read_text()
+    deployments = [d for d in yaml.safe_load_all((INFRA / "k8s/vllm-deployment.yaml").read_text()) if d and d["kind"] == "Deployment"]
+    for dep in deployments:
+        spec = dep["spec"]["template"]["spec"]
+        vllm = next(c for c in spec["containers"] if c["image"].startswith("vllm/vllm-openai"))
+        assert _flag(vllm["args"], "--middleware") == GUARD, dep["metadata"]["name"]
+        folder = _env(vllm)["PYTHONPATH"]
+        volume = next(m["name"] for m in vllm["volumeMounts"] if m["mountPath"] == folder)
+        init = next(c for c in spec["initContainers"] if any(m["name"] == volume for m in c["volumeMounts"]))
+        dest = next(m["mountPath"] for m in init["volumeMounts"] if m["name"] == volume)
+        assert init["command"] == ["cp", "/opt/project/pipeline/serving/vllm_guard.py", f"{dest}/vllm_guard.py"], init
+        assert "control" in init["image"]
+    # what the containers import: the file alone, no site-packages (-S), the key from the environment
+    alone = tmp_path / "guard"
+    alone.mkdir()
+    (alone / "vllm_guard.py").write_bytes(guard_file.read_bytes())
+    code = "import sys, vllm_guard; g = vllm_guard.KeyOnEveryPath(lambda *a: None); print(sorted(m for m in sys.modules if m.split('.')[0] == 'pipeline'))"
+    out = subprocess.run([sys.executable, "-S", "-c", code], env={"PYTHONPATH": str(alone), "VLLM_API_KEY": "k"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    refused = subprocess.run([sys.executable, "-S", "-c", "import vllm_guard; vllm_guard.KeyOnEveryPath(lambda *a: None)"],
+                             env={"PYTHONPATH": str(alone)}, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "VLLM_API_KEY is not set" in refused.stderr
