@@ -31,7 +31,7 @@ BIN = Path(sys.executable).parent
 # needs a repair), a few SFT and GRPO steps
 CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160", "PIPELINE__ROLLOUTS__SAMPLES_PER_TASK": "2", "PIPELINE__AGENTS__MAX_REVIEW_ROUNDS": "0",
          "PIPELINE__AGENTS__MAX_TOOL_CALLS": "1", "PIPELINE__ROLLOUTS__MAX_FAILURE_RATE": "1.0",
-         "PIPELINE__DATASETS__SFT__MIN_REWARD": "0.0", "PIPELINE__SFT__MAX_STEPS": "6", "PIPELINE__BANDIT__FOLDS": "2",
+         "PIPELINE__DATASETS__SFT__MIN_REWARD": "0.0", "PIPELINE__SFT__MAX_STEPS": "4", "PIPELINE__BANDIT__FOLDS": "2",
          "PIPELINE__BANDIT__BOOTSTRAP": "200", "PIPELINE__EVALUATE__LIMIT": "1", "PIPELINE__EVALUATE__BOOTSTRAP": "200",
          "PIPELINE__REPORT__LIMIT": "1", "PIPELINE__PPO__PROMPTS_PER_STEP": "1",
          # the gate's evaluation runs on the junior adapter and the bandit: the senior adapter takes the same
@@ -150,8 +150,8 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
 def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
     clone = cycle["clone"]
     metrics = json.loads((clone / "reports/train_sft.json").read_text())
-    assert metrics["steps"] == 6 and metrics["backend"] == "trl"
-    # the same training rows before and after (per-step losses are different batches: at 6 steps their thirds are noise)
+    assert metrics["steps"] == 4 and metrics["backend"] == "trl"
+    # the same training rows before and after (per-step losses are different batches: at 4 steps their thirds are noise)
     assert metrics["fit_loss_after"] < metrics["fit_loss_before"] and not metrics["no_signal"], metrics
     assert metrics["tokens_per_s"] > 0
     run = _children(cycle)["train_sft"]
@@ -159,7 +159,7 @@ def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
     import mlflow
 
     client = mlflow.MlflowClient(cycle["mlflow"])
-    assert len(client.get_metric_history(run.info.run_id, "loss")) == 6
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 4
     assert "plots/sft_loss.png" in [a.path for a in client.list_artifacts(run.info.run_id, "plots")]
     v = _version(cycle, "junior_researcher")
     assert v.run_id == run.info.run_id and v.tags["lineage.training_run"] == run.info.run_id
@@ -339,10 +339,13 @@ def test_after_a_promotion_the_next_repro_rolls_out_with_the_new_champions(cycle
         applied = _pipeline(cycle, "route", "apply", "--version", str(expected))
         assert applied.returncode == 0, applied.stdout + applied.stderr
     assert json.loads((clone / "serving/live-routing.json").read_text())["version"] == expected
-    again = subprocess.run(["dvc", "repro", "rollouts"], cwd=clone, env=cycle["env"], capture_output=True, text=True)
+    # one sample of the task is enough to show whose models rolled out (the first cycle's group of 2 is what GRPO needed);
+    # the routing file changed, not this override, is what makes DVC re-run the stage
+    env = {**cycle["env"], "PIPELINE__ROLLOUTS__SAMPLES_PER_TASK": "1"}
+    again = subprocess.run(["dvc", "repro", "rollouts"], cwd=clone, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "Running stage 'rollouts'" in again.stdout, again.stdout[-3000:]
     second = [json.loads(line) for line in (clone / "data/rollouts/shard-00000.jsonl").read_text().splitlines()]
     assert second and {t["routing_version"] for t in second} == {expected} != {1}
-    settled = subprocess.run(["dvc", "repro", "rollouts"], cwd=clone, env=cycle["env"], capture_output=True, text=True)
+    settled = subprocess.run(["dvc", "repro", "rollouts"], cwd=clone, env=env, capture_output=True, text=True)
     assert settled.returncode == 0 and "Running stage" not in settled.stdout  # same routing, same inputs: up to date
