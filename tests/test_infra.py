@@ -578,6 +578,13 @@ def test_checkpoints_and_traces_land_on_shared_claims(monkeypatch: pytest.Monkey
         c = spec["containers"][0]
         where[label] = _backing(spec, c, _workdir(c) / params.ppo.agl.trace_dir)
     assert len(set(where.values())) == 1, where
+    # what a rollout Job's agent reads besides its task: the tools' index and the live routing, the workspace's own
+    for rel in (params.rollouts.index_dir, params.serving.live_file):
+        seen = {"job": _backing(job["spec"]["template"]["spec"], job_c, _workdir(job_c) / rel)}
+        for label in ("RayCluster/verl/head", "Pod/gpu-task"):
+            spec = pods[label][2]
+            seen[label] = _backing(spec, spec["containers"][0], _workdir(spec["containers"][0]) / rel)
+        assert len(set(seen.values())) == 1, (rel, seen)
     claims = {name for (_, name) in _objects("PersistentVolumeClaim")}
     for label, (_, _, spec) in pods.items():
         for v in spec.get("volumes", []):
