@@ -68,6 +68,9 @@ def test_rollout_job_template_renders_one_job_with_the_task() -> None:
     import json
 
     assert json.loads(env["PUBMEDQA_TASK"]) == task and container["command"] == ["python", "-m", "pipeline.rl.agent"]
+    # the routed supervisor policy comes from the registry the trainer writes, read as MLflow's reader user
+    assert env["MLFLOW_TRACKING_URI"] == _env(_ray_head()[2])["MLFLOW_TRACKING_URI"]
+    assert [s["secretRef"]["name"] for s in container["envFrom"]] == ["mlflow-reader-credentials"]
     assert env["AGL_EVENT_URL"] == "http://agl:8090/api/rollouts/r1/attempt/0/events"
 
 
@@ -785,7 +788,7 @@ EXPECTED_INGRESS: dict[tuple[str, int], set[str]] = {
     ("litellm", 4000): AIRFLOW_PODS | {"ray-head", "rollout"},
     ("vllm-society", 8000): {"litellm", "gpu-task", "ray-head"},
     ("vllm-judge", 8001): {"litellm", "gpu-task", "ray-head"},
-    ("mlflow", 5000): AIRFLOW_PODS | {"ray-head"},
+    ("mlflow", 5000): AIRFLOW_PODS | {"ray-head", "rollout"},                  # rollout: the routed policy, as the reader
     ("minio", 9000): AIRFLOW_PODS | {"ray-head", "mlflow", "vllm-society"},   # vllm-society: its sync-adapters sidecar
     ("ray-head", 8090): RAY_PODS | {"rollout"},                                  # the RL gateway (agl-gateway)
     ("ray-head", 8265): RAY_PODS,                                                # Ray's dashboard (on loopback anyway)
