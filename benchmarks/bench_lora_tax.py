@@ -23,7 +23,7 @@ from pathlib import Path
 from bench_serving import throughput  # benchmarks/ (the script's folder is on sys.path)
 from report import write_report
 
-from pipeline.config import load_params
+from pipeline.config import ServingParams, WorkerParams, load_params
 from pipeline.envs import model_python
 from pipeline.services.process import free_port
 from pipeline.serving import worker
@@ -43,7 +43,8 @@ def without_lora(argv: list[str]) -> list[str]:
     return out
 
 
-def measure(serving, w, argv: list[str], levels: tuple[int, ...], requests: int, max_tokens: int) -> dict[int, float]:
+def measure(serving: ServingParams, w: WorkerParams, argv: list[str], levels: tuple[int, ...], requests: int,
+            max_tokens: int) -> dict[int, float]:
     worker.up(serving, w, argv)  # the project's start: the worker's env, key and health wait
     try:
         target = (f"{worker.base_url(w)}/v1/chat/completions", worker.served_name(w), worker.headers(w))
