@@ -30,7 +30,8 @@ what `make run` leaves); brings the serving stack up from params.yaml. On ``--ta
    measured accuracy carries at that n, next to the published references. Run the script under the GPU profile
    (``PIPELINE_PARAMS=params/gpu.yaml``) and its whole report is that profile's.
 
-Not measured here (docs/benchmarks-learning.md says so): the before/after of a trained role.
+The before/after of a trained role is its own script: benchmarks/bench_before_after.py
+(docs/benchmarks-before-after.md).
 """
 
 from __future__ import annotations

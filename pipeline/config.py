@@ -330,7 +330,7 @@ class PpoRewardParams(_Strict):
 
     validity: float = Field(ge=0, description="the completion parses as the agent's schema "
                             "(0 otherwise, and the judge is skipped)")
-    judge: float = Field(ge=0, description="the judge's weighted score of the completion, through the proxy")
+    judge: float = Field(ge=0, description="the judge's weighted score of the completion, through the proxy (0: not called)")
     alignment: float = Field(ge=0, description="principal_investigator only: the decision credit against the task's label "
                              "(reward.maybe_credit on maybe labels; pipeline.rewards.judge.decision_credit)")
     timeout_s: float = Field(gt=0, description="a judge call slower than this scores 0 with reason 'timeout'")

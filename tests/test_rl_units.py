@@ -54,6 +54,19 @@ def test_malformed_completion_scores_low_without_calling_the_judge(params) -> No
     assert out["value"] == pytest.approx(params.ppo.reward.validity * 0.25) and out["judge"] is None
 
 
+def test_a_gold_only_reward_scores_the_decision_without_a_judge(params) -> None:
+    """judge weight 0 (benchmarks/bench_before_after.py): the decision against the label is the whole signal, and
+    no judge call is spent (the client points at the discard port: a call would show as a failure reason)."""
+    w = params.ppo.reward.model_copy(update={"judge": 0.0})
+    right = asyncio.run(senior.score(_client(9), w, params.judge, params.reward, "principal_investigator",
+                                     '{"decision": "GO", "rationale": "r"}', TASK))  # TASK's label is yes
+    wrong = asyncio.run(senior.score(_client(9), w, params.judge, params.reward, "principal_investigator",
+                                     '{"decision": "NO-GO", "rationale": "r"}', TASK))
+    assert right["judge"] is None and "judge: weight 0, not called" in right["reason"]
+    assert right["value"] == pytest.approx(w.validity + w.alignment) and wrong["value"] == pytest.approx(w.validity)
+    assert right["aligned"] is True and wrong["aligned"] is False
+
+
 def test_judge_failure_and_timeout_are_low_rewards_with_reasons(params) -> None:
     valid = '{"decision": "GO", "rationale": "r"}'
     with socket.socket() as s:  # a closed port: the judge call fails

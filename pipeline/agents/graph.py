@@ -42,6 +42,19 @@ OPENING_MODEL = roles.JUNIOR
 SEVERITY_RANK = {"APPROVE": 0, "MINOR": 1, "MAJOR": 2, "CRITICAL": 3}
 
 
+def brief(task: dict[str, Any], context_chars: int) -> str:
+    """The question with its own abstract (PubMedQA's reasoning-required setting), the same for every split."""
+    abstract = " ".join(task.get("contexts") or [])[:context_chars]
+    return f"{task['question']}\nAbstract: {abstract}" if abstract else task["question"]
+
+
+def pi_prompt(brief_text: str, protocol: Any, reviews: list[dict[str, Any]]) -> str:
+    """The principal investigator's prompt (benchmarks/bench_before_after.py asks the trained PI the same)."""
+    lines = "\n".join(f"- {r['reviewer']}: {r['severity']}: {r['summary']}" for r in reviews)
+    return (f"You are the principal investigator. Question: {brief_text}\nProtocol: {protocol}\n"
+            f"Reviews:\n{lines or 'none'}\nDecide GO or NO-GO with a rationale, as JSON.")
+
+
 class SocietyState(TypedDict, total=False):
     task: dict[str, Any]
     hypotheses: Annotated[list[dict[str, Any]], operator.add]
@@ -71,9 +84,7 @@ class Society:
         return state["task"]["question"]
 
     def _brief(self, state: SocietyState) -> str:
-        """The question with its own abstract (PubMedQA's reasoning-required setting), the same for every split."""
-        abstract = " ".join(state["task"].get("contexts") or [])[: self.cfg.context_chars]
-        return f"{self._question(state)}\nAbstract: {abstract}" if abstract else self._question(state)
+        return brief(state["task"], self.cfg.context_chars)
 
     def junior(self, name: str):
         async def node(state: SocietyState) -> dict[str, Any]:
@@ -192,9 +203,7 @@ class Society:
         return {3: "refiner", 2: "designer"}.get(worst, "principal_investigator")
 
     async def principal_investigator(self, state: SocietyState) -> dict[str, Any]:
-        reviews = "\n".join(f"- {r['reviewer']}: {r['severity']}: {r['summary']}" for r in state.get("reviews", []))
-        prompt = (f"You are the principal investigator. Question: {self._brief(state)}\nProtocol: {state.get('protocol')}\n"
-                  f"Reviews:\n{reviews or 'none'}\nDecide GO or NO-GO with a rationale, as JSON.")
+        prompt = pi_prompt(self._brief(state), state.get("protocol"), state.get("reviews", []))
         return await self._senior("principal_investigator", roles.SENIOR, PIDecision, prompt, state, "decision",
                                   tokens=max(self.cfg.max_tokens, 256))
 

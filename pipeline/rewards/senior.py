@@ -83,12 +83,16 @@ async def score(client: RoleClient, ppo_reward: PpoRewardParams, judge: JudgePar
     data = obj.model_dump() if isinstance(obj, BaseModel) else obj
     state = ({"decision": data, "protocol": "(the PI's decision on the team's protocol)"} if agent == "principal_investigator"
              else {"protocol": data})
-    try:
-        res = await asyncio.wait_for(run_judge(client, judge, reward, task, state, 1, []), ppo_reward.timeout_s)
-        judged, judge_reason = float(res["components"]["judge"]), res["reason"]
-    except TimeoutError:
-        judged, judge_reason = judge.failure_score, f"judge timed out after {ppo_reward.timeout_s:g}s"
-    value = ppo_reward.validity * validity + ppo_reward.judge * judged
+    judged: float | None = None
+    if ppo_reward.judge == 0:  # a gold-only reward (benchmarks/bench_before_after.py): no judge call for a zero weight
+        judge_reason = "weight 0, not called"
+    else:
+        try:
+            res = await asyncio.wait_for(run_judge(client, judge, reward, task, state, 1, []), ppo_reward.timeout_s)
+            judged, judge_reason = float(res["components"]["judge"]), res["reason"]
+        except TimeoutError:
+            judged, judge_reason = judge.failure_score, f"judge timed out after {ppo_reward.timeout_s:g}s"
+    value = ppo_reward.validity * validity + ppo_reward.judge * (judged or 0.0)
     out.update(judge=judged, reason=f"{why}; judge: {judge_reason}")
     if agent == "principal_investigator":
         decision = (data or {}).get("decision")

@@ -1,0 +1,210 @@
+"""One role trained on the gold signal, before and after: does GRPO on CPU change what the PI decides?
+
+    PYTHONPATH=. .venv/control/bin/python benchmarks/bench_before_after.py [--train-tasks 64] [--steps 40] \
+        [--out docs/benchmarks-before-after.md]
+
+Item 6(c) of docs/benchmarks-learning.md, measured. The role is the principal investigator, whose GO/NO-GO is
+the one output of the society a PubMedQA label checks. Its prompt is the society's own
+(``pipeline.agents.graph.pi_prompt``: the question, its abstract, the protocol, the reviews), with no protocol
+and no reviews: a protocol per question would cost a whole society run each (about 3 min on 2 cores), and the
+evidence for yes/no is in the abstract. So this measures the PI's decision skill on the evidence, not the
+society's accuracy.
+
+1. **Before.** The served base model answers the PI prompt of every yes/no validation question, decoded under
+   the ``PIDecision`` schema (as the society decodes it) at temperature 0, straight to worker 0.
+2. **Train.** The ``train_ppo`` stage's CPU trainer (TRL GRPO + LoRA, completions under the same schema;
+   ``pipeline.rl.grpo_cpu``) on the PI prompts of ``--train-tasks`` training questions, with the gold-only
+   reward: ``ppo.reward`` validity 0.2 + alignment 0.5 x decision credit, judge weight 0 (the judge is noise at
+   135M: docs/benchmarks-learning.md (a)). Its signal figures (valid fraction, reward spread, groups with zero
+   advantage) are reported with the result; a run with no signal says so and compares nothing.
+3. **After.** The trained adapter is hot-loaded into the same worker and answers the same prompts the same way.
+4. **The test.** Accuracy before and after with exact (Clopper-Pearson) 95% intervals, the exact McNemar test on
+   the paired right/wrong answers, and the share of GO answers each way (a shift toward the majority answer
+   raises accuracy without any reading of the abstract: the GO share tells the two apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from bench_learning import clopper_pearson  # benchmarks/ (the script's folder is on sys.path)
+from datasets import Dataset
+from pydantic import ValidationError
+from report import write_report
+
+from pipeline.agents.graph import brief, pi_prompt
+from pipeline.config import Params, load_params
+from pipeline.data.splits import load_tasks
+from pipeline.envs import model_python, pythonpath
+from pipeline.evaluation.metrics import answer
+from pipeline.evaluation.significance import mcnemar_exact
+from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV
+from pipeline.schemas import PIDecision
+from pipeline.serving import stack, worker
+
+ADAPTER = "bench-pi-grpo"
+NO_PROTOCOL = "none yet: decide from the question and its abstract"
+
+
+def prompt(params: Params, task: dict[str, Any]) -> list[dict[str, str]]:
+    return [{"role": "user", "content": pi_prompt(brief(task, params.agents.context_chars), NO_PROTOCOL, [])}]
+
+
+def rows(params: Params, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The GRPO trainer's prompt rows (the columns the datasets stage writes for ``rl/hf``)."""
+    return [{"prompt": prompt(params, t), "agent": "principal_investigator", "task_id": t["id"], "rollout_id": f"{t['id']}-pi",
+             "run_id": "bench_before_after", "label": t["final_decision"], "question": t["question"],
+             "abstract": " ".join(t["contexts"]), "rollout_reward": None} for t in tasks]
+
+
+async def decide(params: Params, model: str, tasks: list[dict[str, Any]], concurrency: int) -> dict[str, str | None]:
+    """Each task's decision by ``model`` on worker 0 (None: no valid PIDecision within the token cap)."""
+    w = params.serving.workers[0]
+    sem = asyncio.Semaphore(concurrency)
+    cap = max(params.agents.max_tokens, PIDecision.token_budget())
+
+    async def one(http: httpx.AsyncClient, task: dict[str, Any]) -> tuple[str, str | None]:
+        body = {"model": model, "messages": prompt(params, task), "max_tokens": cap, "temperature": 0.0,
+                "response_format": PIDecision.response_format()}
+        async with sem:
+            for attempt in range(3):  # transport errors only; an invalid answer is the model's and counts as none
+                try:
+                    resp = await http.post(f"{worker.base_url(w)}/v1/chat/completions", json=body, timeout=300)
+                    resp.raise_for_status()
+                    break
+                except httpx.HTTPError:
+                    if attempt == 2:
+                        raise
+                    await asyncio.sleep(2 ** attempt)
+        text = resp.json()["choices"][0]["message"]["content"] or ""
+        try:
+            return task["id"], PIDecision.model_validate_json(text).decision
+        except ValidationError:
+            return task["id"], None
+
+    async with httpx.AsyncClient(headers=worker.headers(w)) as http:
+        return dict(await asyncio.gather(*[one(http, t) for t in tasks]))
+
+
+def train(params: Params, train_tasks: list[dict[str, Any]], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``train_ppo``'s CPU trainer in the model plane, in ``work`` (its reports and adapter stay out of the checkout)."""
+    Dataset.from_list(rows(params, train_tasks)).save_to_disk(str(work / "datasets" / "rl" / "hf"))
+    url, key = stack.ensure(params.serving, params.mlflow)
+    overrides = {"DATASETS__OUT_DIR": str(work / "datasets"), "PPO__OUT_DIR": str(work / "ppo"),
+                 "PPO__BASE_MODEL": str(Path(params.ppo.base_model).resolve()), "PPO__AGENTS": "[principal_investigator]",
+                 "PPO__MAX_STEPS": str(args.steps), "PPO__PROMPTS_PER_STEP": str(args.prompts_per_step),
+                 "PPO__GROUP_SIZE": str(args.group_size), "PPO__LEARNING_RATE": str(args.learning_rate),
+                 "PPO__KL_COEF": str(args.kl_coef),
+                 "PPO__REWARD__JUDGE": "0", "PPO__AGL__TRACE_DIR": str(work / "rl_traces")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")},
+           **{f"PIPELINE__{k}": v for k, v in overrides.items()},
+           "PYTHONPATH": pythonpath(), JUDGE_URL_ENV: url, JUDGE_KEY_ENV: key}
+    params_file = str(Path(os.environ.get("PIPELINE_PARAMS", "params.yaml")).resolve())
+    subprocess.run([model_python(), "-m", "pipeline", "--params", params_file, "train-ppo", "--in-model-plane"],
+                   cwd=work, env=env, check=True)
+    return json.loads((work / "ppo" / "train_meta.json").read_text())
+
+
+def score(tasks: list[dict[str, Any]], decisions: dict[str, str | None]) -> dict[str, Any]:
+    right = [answer(decisions[t["id"]]) == t["final_decision"] for t in tasks]
+    k, n = sum(right), len(tasks)
+    return {"right": right, "k": k, "n": n, "accuracy": k / n, "ci": clopper_pearson(k, n),
+            "go": sum(decisions[t["id"]] == "GO" for t in tasks) / n,
+            "invalid": sum(decisions[t["id"]] is None for t in tasks)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--train-tasks", type=int, default=64, help="training questions whose PI prompts GRPO samples")
+    ap.add_argument("--val-tasks", type=int, default=None, help="validation questions (default: every yes/no one)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prompts-per-step", type=int, default=1)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--learning-rate", type=float, default=5e-4)
+    ap.add_argument("--kl-coef", type=float, default=0.0,
+                    help="0 skips the reference model's forward pass (a quarter of a CPU step)")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    params = load_params()
+    val = [t for t in load_tasks(params.validate_, "val") if t["final_decision"] in ("yes", "no")][: args.val_tasks]
+    # maybe-labelled questions give every decision the same credit: a group of equal rewards teaches nothing
+    train_tasks = [t for t in load_tasks(params.validate_, "train") if t["final_decision"] in ("yes", "no")][: args.train_tasks]
+    stack.ensure(params.serving, params.mlflow)
+    w = params.serving.workers[0]
+    t0 = time.perf_counter()
+    before = asyncio.run(decide(params, worker.served_name(w), val, args.concurrency))
+    eval_s = time.perf_counter() - t0
+    print(f"before: {sum(answer(before[t['id']]) == t['final_decision'] for t in val)}/{len(val)} right", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-before-after-") as folder:
+        t0 = time.perf_counter()
+        meta = train(params, train_tasks, args, Path(folder))
+        train_s = time.perf_counter() - t0
+        after = None
+        if not meta["no_signal"]:
+            worker.load_lora(w, ADAPTER, str(Path(folder) / "ppo" / "adapter"))
+            try:
+                after = asyncio.run(decide(params, ADAPTER, val, args.concurrency))
+            finally:
+                worker.unload_lora(w, ADAPTER)
+    lines = render(params, args, val, train_tasks, before, after, meta, train_s, eval_s)
+    print("\n".join(lines))
+    if args.out:
+        write_report(args.out, lines)
+
+
+def render(params: Params, args: argparse.Namespace, val: list[dict[str, Any]], train_tasks: list[dict[str, Any]],
+           before: dict[str, str | None], after: dict[str, str | None] | None, meta: dict[str, Any], train_s: float,
+           eval_s: float) -> list[str]:
+    w = params.serving.workers[0]
+    r = params.ppo.reward
+    yes = sum(t["final_decision"] == "yes" for t in val) / len(val)
+    lines = ["# Benchmark: the PI before and after GRPO on the gold signal", "",
+             f"`benchmarks/bench_before_after.py --train-tasks {args.train_tasks} --steps {args.steps} --prompts-per-step "
+             f"{args.prompts_per_step} --group-size {args.group_size} --learning-rate {args.learning_rate} "
+             f"--kl-coef {args.kl_coef}`, "
+             f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()}, {os.cpu_count()} cores; worker `{w.name}` "
+             f"({w.model}, {w.dtype}); PI prompt without protocol or reviews, decoded under `PIDecision` at temperature 0.", "",
+             "## Training (train_ppo's CPU trainer, gold-only reward)", "",
+             "| training questions | steps | completions scored | valid fraction | reward std | groups with zero advantage | "
+             "reward first step → last | decision accuracy of the samples | train time |",
+             "|---|---|---|---|---|---|---|---|---|",
+             f"| {len(train_tasks)} | {meta['steps']} | {meta['completions_scored']} | {meta['valid_fraction']:.2f} | "
+             f"{meta['reward_std']:.3f} | {meta['zero_advantage_groups']}/{meta['groups']} | "
+             f"{meta['reward_first']:.3f} → {meta['reward_last']:.3f} | "
+             f"{(meta['decision_accuracy'] or 0):.2f} | {train_s / 60:.1f} min |", "",
+             f"Reward per completion: {r.validity} x valid + {r.alignment} x decision credit (judge weight 0, not called); "
+             f"LoRA r={params.ppo.lora.r}, KL coefficient {args.kl_coef}, sampling temperature {params.ppo.temperature}.", ""]
+    b = score(val, before)
+    lines += ["## Validation decision accuracy (yes/no questions)", "",
+              "| policy | questions | right | accuracy [exact 95% CI] | GO share | no valid decision |",
+              "|---|---|---|---|---|---|",
+              f"| base (before) | {b['n']} | {b['k']} | {b['accuracy']:.3f} [{b['ci'][0]:.3f}, {b['ci'][1]:.3f}] | "
+              f"{b['go']:.2f} | {b['invalid']} |"]
+    if after is None:
+        lines += ["", f"**No after:** the training data carried no signal ({meta['no_signal_reason']}); nothing to compare.", ""]
+        return lines
+    a = score(val, after)
+    test = mcnemar_exact(a["right"], b["right"])
+    lines += [f"| GRPO adapter (after) | {a['n']} | {a['k']} | {a['accuracy']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}] | "
+              f"{a['go']:.2f} | {a['invalid']} |", "",
+              f"Majority answer (yes = GO) on these questions: {yes:.3f}. Exact McNemar, after vs before: right only after "
+              f"{test['b']}, right only before {test['c']}, two-sided p = {test['p_value']:.3f} (n = {test['n']}). "
+              f"One validation pass took {eval_s / 60:.1f} min ({args.concurrency} in flight, base model).", ""]
+    return lines
+
+
+if __name__ == "__main__":
+    main()
