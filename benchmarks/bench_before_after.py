@@ -49,6 +49,7 @@ from pipeline.data.splits import load_tasks
 from pipeline.envs import model_python, pythonpath
 from pipeline.evaluation.metrics import answer
 from pipeline.evaluation.significance import mcnemar_exact
+from pipeline.io import write_json
 from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV
 from pipeline.schemas import PIDecision
 from pipeline.serving import stack, worker
@@ -163,6 +164,11 @@ def main() -> None:
     print("\n".join(lines))
     if args.out:
         write_report(args.out, lines)
+        # the per-question answers beside the report: a later reading (per-class recall, other tests) needs no rerun
+        write_json(Path(args.out).with_suffix(".json"), {
+            "questions": [{"id": t["id"], "label": t["final_decision"], "before": before[t["id"]],
+                           "after": after[t["id"]] if after else None} for t in val],
+            "train_task_ids": [t["id"] for t in train_tasks], "train": meta})
 
 
 def render(params: Params, args: argparse.Namespace, val: list[dict[str, Any]], train_tasks: list[dict[str, Any]],
