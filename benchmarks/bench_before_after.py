@@ -98,10 +98,11 @@ async def decide(params: Params, model: str, tasks: list[dict[str, Any]], concur
         return dict(await asyncio.gather(*[one(http, t) for t in tasks]))
 
 
-def train(params: Params, train_tasks: list[dict[str, Any]], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def train(params: Params, train_tasks: list[dict[str, Any]], args: argparse.Namespace, work: Path,
+          proxy: tuple[str, str]) -> dict[str, Any]:
     """``train_ppo``'s CPU trainer in the model plane, in ``work`` (its reports and adapter stay out of the checkout)."""
     Dataset.from_list(rows(params, train_tasks)).save_to_disk(str(work / "datasets" / "rl" / "hf"))
-    url, key = stack.ensure(params.serving, params.mlflow)
+    url, key = proxy  # the stack main brought up (the trainer's reward function reads it, though judge weight 0 calls nothing)
     overrides = {"DATASETS__OUT_DIR": str(work / "datasets"), "PPO__OUT_DIR": str(work / "ppo"),
                  "PPO__BASE_MODEL": str(Path(params.ppo.base_model).resolve()), "PPO__AGENTS": "[principal_investigator]",
                  "PPO__MAX_STEPS": str(args.steps), "PPO__PROMPTS_PER_STEP": str(args.prompts_per_step),
@@ -143,7 +144,7 @@ def main() -> None:
     val = [t for t in load_tasks(params.validate_, "val") if t["final_decision"] in ("yes", "no")][: args.val_tasks]
     # maybe-labelled questions give every decision the same credit: a group of equal rewards teaches nothing
     train_tasks = [t for t in load_tasks(params.validate_, "train") if t["final_decision"] in ("yes", "no")][: args.train_tasks]
-    stack.ensure(params.serving, params.mlflow)
+    proxy = stack.ensure(params.serving, params.mlflow)
     w = params.serving.workers[0]
     t0 = time.perf_counter()
     before = asyncio.run(decide(params, worker.served_name(w), val, args.concurrency))
@@ -151,7 +152,7 @@ def main() -> None:
     print(f"before: {sum(answer(before[t['id']]) == t['final_decision'] for t in val)}/{len(val)} right", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-before-after-") as folder:
         t0 = time.perf_counter()
-        meta = train(params, train_tasks, args, Path(folder))
+        meta = train(params, train_tasks, args, Path(folder), proxy)
         train_s = time.perf_counter() - t0
         after = None
         if not meta["no_signal"]:
