@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
 
-from pipeline.services.process import Service, _group_alive, start, stop
+from pipeline.services.process import Service, _group_alive, ephemeral_range, free_port, port_is_free, start, stop
 
 
 def test_stop_reaps_what_this_process_started_and_the_group_is_gone(tmp_path: Path) -> None:
@@ -20,3 +21,23 @@ def test_stop_reaps_what_this_process_started_and_the_group_is_gone(tmp_path: Pa
     with pytest.raises(ChildProcessError):  # already reaped by stop(): no zombie left behind
         os.waitpid(pid, os.WNOHANG)
     assert svc.pid() is None and not stop(svc)
+
+
+def test_a_port_promised_to_a_later_service_is_not_taken_by_port_zero_binds() -> None:
+    """A CI run lost a worker's port: chosen at session start, it was taken 30 minutes later by a socket the kernel
+    gave port 0 (vLLM's torch.distributed rendezvous, a client). Promised ports sit outside the ephemeral range."""
+    low, high = ephemeral_range()
+    promised = [free_port() for _ in range(20)]
+    assert len(set(promised)) == 20  # never handed out twice
+    assert all(not low <= p <= high for p in promised)
+    held = []
+    try:
+        for _ in range(200):  # what the kernel gives everything else meanwhile
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            held.append(sock)
+        assert not {s.getsockname()[1] for s in held} & set(promised)
+        assert all(port_is_free("127.0.0.1", p) for p in promised)
+    finally:
+        for sock in held:
+            sock.close()

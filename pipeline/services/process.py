@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -137,10 +138,43 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for port-0 binds and client sockets (Linux's default where /proc cannot say)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port free now for a service started later, chosen outside the ephemeral range.
+
+    A port from ``bind(0)`` is in the kernel's ephemeral range, so between the choice and the start
+    any client socket or any other ``bind(0)`` (vLLM's torch.distributed rendezvous, a ZMQ socket)
+    may take it; a CI run lost a worker's port that way after 30 minutes. Ports below (or above) the
+    range are handed out only on request, and never twice by this process.
+    """
+    low, high = ephemeral_range()
+    pool = range(10000, low) if low > 12000 else range(high + 1, 65536)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(pool)
+        if port not in _HANDED_OUT and port_is_free(host, port) and not _listening(host, port):
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # crowded: the kernel's choice
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((host, port)) == 0
 
 
 def http_ok(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> bool:
