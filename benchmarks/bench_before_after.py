@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import subprocess
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from bench_learning import clopper_pearson  # benchmarks/ (the script's folder is on sys.path)
 from datasets import Dataset
 from pydantic import ValidationError
@@ -48,7 +50,7 @@ from pipeline.config import Params, load_params
 from pipeline.data.splits import load_tasks
 from pipeline.envs import model_python, pythonpath
 from pipeline.evaluation.metrics import answer
-from pipeline.evaluation.significance import mcnemar_exact
+from pipeline.evaluation.significance import mcnemar_exact, sign_flip
 from pipeline.io import write_json
 from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV
 from pipeline.schemas import PIDecision
@@ -56,6 +58,7 @@ from pipeline.serving import stack, worker
 
 ADAPTER = "bench-pi-grpo"
 NO_PROTOCOL = "none yet: decide from the question and its abstract"
+TOP_LOGPROBS = 20  # enough that both GO and NO are listed at the decision token
 
 
 def prompt(params: Params, task: dict[str, Any]) -> list[dict[str, str]]:
@@ -69,15 +72,32 @@ def rows(params: Params, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "abstract": " ".join(t["contexts"]), "rollout_reward": None} for t in tasks]
 
 
-async def decide(params: Params, model: str, tasks: list[dict[str, Any]], concurrency: int) -> dict[str, str | None]:
-    """Each task's decision by ``model`` on worker 0 (None: no valid PIDecision within the token cap)."""
+Answer = tuple[str | None, float | None]  # (greedy decision or None: no valid PIDecision, P(GO) at the decision token)
+
+
+def p_go(content: list[dict[str, Any]]) -> float | None:
+    """The model's probability of GO where it writes the decision: the first "GO"/"NO" token (``PIDecision``'s first
+    field; SmolLM2's tokenizer writes ``"GO"`` and ``"NO"`` + ``-GO`` after ``{"decision": "``), renormalised over the
+    two. vLLM returns raw logprobs (before the grammar's mask), so the renormalisation is what the grammar leaves;
+    other spellings of the same word (``G`` + ``O``) are left out. This is the chance a sample at temperature 1
+    says GO: it moves before a greedy answer flips."""
+    for entry in content:
+        if entry.get("token") in ("GO", "NO"):
+            top = {t["token"]: t["logprob"] for t in entry.get("top_logprobs") or []}
+            go, no = math.exp(top.get("GO", -math.inf)), math.exp(top.get("NO", -math.inf))
+            return go / (go + no) if go + no > 0 else None
+    return None
+
+
+async def decide(params: Params, model: str, tasks: list[dict[str, Any]], concurrency: int) -> dict[str, Answer]:
+    """Each task's greedy decision by ``model`` on worker 0 and its P(GO) (`p_go`)."""
     w = params.serving.workers[0]
     sem = asyncio.Semaphore(concurrency)
     cap = max(params.agents.max_tokens, PIDecision.token_budget())
 
     async def one(http: httpx.AsyncClient, task: dict[str, Any]) -> tuple[str, str | None]:
         body = {"model": model, "messages": prompt(params, task), "max_tokens": cap, "temperature": 0.0,
-                "response_format": PIDecision.response_format()}
+                "response_format": PIDecision.response_format(), "logprobs": True, "top_logprobs": TOP_LOGPROBS}
         async with sem:
             for attempt in range(3):  # transport errors only; an invalid answer is the model's and counts as none
                 try:
@@ -88,11 +108,12 @@ async def decide(params: Params, model: str, tasks: list[dict[str, Any]], concur
                     if attempt == 2:
                         raise
                     await asyncio.sleep(2 ** attempt)
-        text = resp.json()["choices"][0]["message"]["content"] or ""
+        choice = resp.json()["choices"][0]
+        prob = p_go((choice.get("logprobs") or {}).get("content") or [])
         try:
-            return task["id"], PIDecision.model_validate_json(text).decision
+            return task["id"], (PIDecision.model_validate_json(choice["message"]["content"] or "").decision, prob)
         except ValidationError:
-            return task["id"], None
+            return task["id"], (None, prob)
 
     async with httpx.AsyncClient(headers=worker.headers(w)) as http:
         return dict(await asyncio.gather(*[one(http, t) for t in tasks]))
@@ -118,12 +139,17 @@ def train(params: Params, train_tasks: list[dict[str, Any]], args: argparse.Name
     return json.loads((work / "ppo" / "train_meta.json").read_text())
 
 
-def score(tasks: list[dict[str, Any]], decisions: dict[str, str | None]) -> dict[str, Any]:
-    right = [answer(decisions[t["id"]]) == t["final_decision"] for t in tasks]
+def score(tasks: list[dict[str, Any]], answers: dict[str, Answer]) -> dict[str, Any]:
+    right = [answer(answers[t["id"]][0]) == t["final_decision"] for t in tasks]
     k, n = sum(right), len(tasks)
+    probs = [answers[t["id"]][1] for t in tasks]
     return {"right": right, "k": k, "n": n, "accuracy": k / n, "ci": clopper_pearson(k, n),
-            "go": sum(decisions[t["id"]] == "GO" for t in tasks) / n,
-            "invalid": sum(decisions[t["id"]] is None for t in tasks)}
+            "go": sum(answers[t["id"]][0] == "GO" for t in tasks) / n,
+            "invalid": sum(answers[t["id"]][0] is None for t in tasks),
+            # P(the right answer) at the decision token, None where the token was not found
+            "p_right": [None if p is None else (p if t["final_decision"] == "yes" else 1 - p)
+                        for p, t in zip(probs, tasks, strict=True)],
+            "p_go": probs}
 
 
 def main() -> None:
@@ -149,7 +175,7 @@ def main() -> None:
     t0 = time.perf_counter()
     before = asyncio.run(decide(params, worker.served_name(w), val, args.concurrency))
     eval_s = time.perf_counter() - t0
-    print(f"before: {sum(answer(before[t['id']]) == t['final_decision'] for t in val)}/{len(val)} right", flush=True)
+    print(f"before: {sum(answer(before[t['id']][0]) == t['final_decision'] for t in val)}/{len(val)} right", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-before-after-") as folder:
         t0 = time.perf_counter()
         meta = train(params, train_tasks, args, Path(folder), proxy)
@@ -167,13 +193,15 @@ def main() -> None:
         write_report(args.out, lines)
         # the per-question answers beside the report: a later reading (per-class recall, other tests) needs no rerun
         write_json(Path(args.out).with_suffix(".json"), {
-            "questions": [{"id": t["id"], "label": t["final_decision"], "before": before[t["id"]],
-                           "after": after[t["id"]] if after else None} for t in val],
+            "questions": [{"id": t["id"], "label": t["final_decision"],
+                           "before": before[t["id"]][0], "p_go_before": before[t["id"]][1],
+                           "after": after[t["id"]][0] if after else None, "p_go_after": after[t["id"]][1] if after else None}
+                          for t in val],
             "train_task_ids": [t["id"] for t in train_tasks], "train": meta})
 
 
 def render(params: Params, args: argparse.Namespace, val: list[dict[str, Any]], train_tasks: list[dict[str, Any]],
-           before: dict[str, str | None], after: dict[str, str | None] | None, meta: dict[str, Any], train_s: float,
+           before: dict[str, Answer], after: dict[str, Answer] | None, meta: dict[str, Any], train_s: float,
            eval_s: float) -> list[str]:
     w = params.serving.workers[0]
     r = params.ppo.reward
@@ -210,7 +238,37 @@ def render(params: Params, args: argparse.Namespace, val: list[dict[str, Any]], 
               f"Majority answer (yes = GO) on these questions: {yes:.3f}. Exact McNemar, after vs before: right only after "
               f"{test['b']}, right only before {test['c']}, two-sided p = {test['p_value']:.3f} (n = {test['n']}). "
               f"One validation pass took {eval_s / 60:.1f} min ({args.concurrency} in flight, base model).", ""]
-    return lines
+    return lines + probability_table(b, a)
+
+
+def probability_table(b: dict[str, Any], a: dict[str, Any]) -> list[str]:
+    """The paired shift in P(right answer) at the decision token: it sees a policy move that has not yet flipped a greedy
+    answer. Sign-flip permutation test (two-sided) on the per-question differences, questions where both were read."""
+    pairs = [(x, y) for x, y in zip(a["p_right"], b["p_right"], strict=True) if x is not None and y is not None]
+    if not pairs:
+        return ["No decision token was found in the logprobs: no probability comparison.", ""]
+    diffs = [x - y for x, y in pairs]
+    lo, hi = bootstrap_mean_ci(diffs)
+
+    def mean(values: list[float | None]) -> float:
+        kept = [v for v in values if v is not None]
+        return sum(kept) / len(kept)
+
+    rows = [f"| {name} | {sum(p is not None for p in s['p_right'])} | {mean(s['p_right']):.3f} | {mean(s['p_go']):.3f} |"
+            for name, s in (("base (before)", b), ("GRPO adapter (after)", a))]
+    return ["## P(right answer) at the decision token", "",
+            "| policy | questions read | mean P(right) | mean P(GO) |", "|---|---|---|---|", *rows,
+            "",
+            f"Paired difference after − before: mean {sum(diffs) / len(diffs):+.4f}, 95% bootstrap CI [{lo:+.4f}, {hi:+.4f}], "
+            f"sign-flip permutation p = {sign_flip(diffs, 'two-sided'):.4f} (two-sided, n = {len(diffs)}). "
+            "P(right) is the chance a sample at temperature 1 gives the labelled answer, so its mean is the expected "
+            "accuracy of that sampling policy.", ""]
+
+
+def bootstrap_mean_ci(diffs: list[float], draws: int = 10000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    x = np.asarray(diffs)
+    means = np.random.default_rng(seed).choice(x, size=(draws, x.size)).mean(axis=1)
+    return float(np.quantile(means, (1 - level) / 2)), float(np.quantile(means, 1 - (1 - level) / 2))
 
 
 if __name__ == "__main__":
