@@ -21,6 +21,9 @@ society's accuracy.
 4. **The test.** Accuracy before and after with exact (Clopper-Pearson) 95% intervals, the exact McNemar test on
    the paired right/wrong answers, and the share of GO answers each way (a shift toward the majority answer
    raises accuracy without any reading of the abstract: the GO share tells the two apart).
+5. **The probabilities.** P(GO) at the decision token (vLLM logprobs, `p_go`) before and after: the mean P(right
+   answer) with the paired sign-flip test, which sees a move before a greedy answer flips, and the AUC of P(GO)
+   between yes and no questions, which stays at 0.5 for a policy that learned only the majority answer.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def score(tasks: list[dict[str, Any]], answers: dict[str, Answer]) -> dict[str, 
             # P(the right answer) at the decision token, None where the token was not found
             "p_right": [None if p is None else (p if t["final_decision"] == "yes" else 1 - p)
                         for p, t in zip(probs, tasks, strict=True)],
-            "p_go": probs}
+            "p_go": probs, "labels": [t["final_decision"] for t in tasks]}
 
 
 def main() -> None:
@@ -254,15 +257,45 @@ def probability_table(b: dict[str, Any], a: dict[str, Any]) -> list[str]:
         kept = [v for v in values if v is not None]
         return sum(kept) / len(kept)
 
-    rows = [f"| {name} | {sum(p is not None for p in s['p_right'])} | {mean(s['p_right']):.3f} | {mean(s['p_go']):.3f} |"
-            for name, s in (("base (before)", b), ("GRPO adapter (after)", a))]
+    def row(name: str, s: dict[str, Any]) -> str:
+        value, (low, high) = auc_ci(s["p_go"], s["labels"])
+        return (f"| {name} | {sum(p is not None for p in s['p_right'])} | {mean(s['p_right']):.3f} | {mean(s['p_go']):.3f} | "
+                f"{value:.3f} [{low:.3f}, {high:.3f}] |")
+
     return ["## P(right answer) at the decision token", "",
-            "| policy | questions read | mean P(right) | mean P(GO) |", "|---|---|---|---|", *rows,
+            "| policy | questions read | mean P(right) | mean P(GO) | AUC of P(GO), yes vs no [95% bootstrap CI] |",
+            "|---|---|---|---|---|", row("base (before)", b), row("GRPO adapter (after)", a),
+            "",
+            "The AUC asks whether P(GO) is higher on the questions labelled yes than on those labelled no: 0.5 is no "
+            "reading of the abstract at all, whatever the GO share. A policy that only learned the majority answer moves "
+            "mean P(GO) and leaves the AUC where it was.",
             "",
             f"Paired difference after − before: mean {sum(diffs) / len(diffs):+.4f}, 95% bootstrap CI [{lo:+.4f}, {hi:+.4f}], "
             f"sign-flip permutation p = {sign_flip(diffs, 'two-sided'):.4f} (two-sided, n = {len(diffs)}). "
             "P(right) is the chance a sample at temperature 1 gives the labelled answer, so its mean is the expected "
             "accuracy of that sampling policy.", ""]
+
+
+def auc(p_go: list[float | None], labels: list[str]) -> float:
+    """P(a yes question gets a higher P(GO) than a no question), ties half: the Mann-Whitney statistic, scaled."""
+    yes = np.array([p for p, y in zip(p_go, labels, strict=True) if p is not None and y == "yes"])
+    no = np.array([p for p, y in zip(p_go, labels, strict=True) if p is not None and y == "no"])
+    if not yes.size or not no.size:
+        return float("nan")
+    return float(((yes[:, None] > no[None, :]).sum() + 0.5 * (yes[:, None] == no[None, :]).sum()) / (yes.size * no.size))
+
+
+def auc_ci(p_go: list[float | None], labels: list[str], draws: int = 2000, level: float = 0.95,
+           seed: int = 0) -> tuple[float, tuple[float, float]]:
+    """`auc` with a percentile bootstrap over questions (resampled whole, labels with them)."""
+    rng = np.random.default_rng(seed)
+    n = len(labels)
+    boots = []
+    for _ in range(draws):
+        idx = rng.integers(0, n, n)
+        boots.append(auc([p_go[i] for i in idx], [labels[i] for i in idx]))
+    lo, hi = np.nanquantile(boots, ((1 - level) / 2, 1 - (1 - level) / 2))
+    return auc(p_go, labels), (float(lo), float(hi))
 
 
 def bootstrap_mean_ci(diffs: list[float], draws: int = 10000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
