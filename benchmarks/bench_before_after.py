@@ -159,6 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--train-tasks", type=int, default=64, help="training questions whose PI prompts GRPO samples")
     ap.add_argument("--val-tasks", type=int, default=None, help="validation questions (default: every yes/no one)")
+    ap.add_argument("--balanced", action="store_true", help="train on as many yes as no questions (the prior earns nothing)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prompts-per-step", type=int, default=1)
     ap.add_argument("--group-size", type=int, default=4)
@@ -172,7 +173,11 @@ def main() -> None:
     params = load_params()
     val = [t for t in load_tasks(params.validate_, "val") if t["final_decision"] in ("yes", "no")][: args.val_tasks]
     # maybe-labelled questions give every decision the same credit: a group of equal rewards teaches nothing
-    train_tasks = [t for t in load_tasks(params.validate_, "train") if t["final_decision"] in ("yes", "no")][: args.train_tasks]
+    train_tasks = [t for t in load_tasks(params.validate_, "train") if t["final_decision"] in ("yes", "no")]
+    if args.balanced:  # as many yes as no, interleaved: a constant answer earns nothing, only reading the abstract can
+        yes, no = ([t for t in train_tasks if t["final_decision"] == label] for label in ("yes", "no"))
+        train_tasks = [t for pair in zip(yes, no, strict=False) for t in pair]
+    train_tasks = train_tasks[: args.train_tasks]
     proxy = stack.ensure(params.serving, params.mlflow)
     w = params.serving.workers[0]
     t0 = time.perf_counter()
@@ -212,7 +217,7 @@ def render(params: Params, args: argparse.Namespace, val: list[dict[str, Any]], 
     lines = ["# Benchmark: the PI before and after GRPO on the gold signal", "",
              f"`benchmarks/bench_before_after.py --train-tasks {args.train_tasks} --steps {args.steps} --prompts-per-step "
              f"{args.prompts_per_step} --group-size {args.group_size} --learning-rate {args.learning_rate} "
-             f"--kl-coef {args.kl_coef}`, "
+             f"--kl-coef {args.kl_coef}{' --balanced' if args.balanced else ''}`, "
              f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()}, {os.cpu_count()} cores; worker `{w.name}` "
              f"({w.model}, {w.dtype}); PI prompt without protocol or reviews, decoded under `PIDecision` at temperature 0.", "",
              "## Training (train_ppo's CPU trainer, gold-only reward)", "",
