@@ -52,7 +52,7 @@ from pipeline.agents.graph import brief, pi_prompt
 from pipeline.config import Params, load_params
 from pipeline.data.splits import load_tasks
 from pipeline.envs import model_python, pythonpath
-from pipeline.evaluation.metrics import answer
+from pipeline.evaluation.metrics import answer, bootstrap_ci
 from pipeline.evaluation.significance import mcnemar_exact, sign_flip
 from pipeline.io import write_json
 from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV
@@ -256,7 +256,7 @@ def probability_table(b: dict[str, Any], a: dict[str, Any]) -> list[str]:
     if not pairs:
         return ["No decision token was found in the logprobs: no probability comparison.", ""]
     diffs = [x - y for x, y in pairs]
-    lo, hi = bootstrap_mean_ci(diffs)
+    lo, hi = bootstrap_ci(diffs, 10000)
 
     def mean(values: list[float | None]) -> float:
         kept = [v for v in values if v is not None]
@@ -301,12 +301,6 @@ def auc_ci(p_go: list[float | None], labels: list[str], draws: int = 2000, level
         boots.append(auc([p_go[i] for i in idx], [labels[i] for i in idx]))
     lo, hi = np.nanquantile(boots, ((1 - level) / 2, 1 - (1 - level) / 2))
     return auc(p_go, labels), (float(lo), float(hi))
-
-
-def bootstrap_mean_ci(diffs: list[float], draws: int = 10000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    x = np.asarray(diffs)
-    means = np.random.default_rng(seed).choice(x, size=(draws, x.size)).mean(axis=1)
-    return float(np.quantile(means, (1 - level) / 2)), float(np.quantile(means, 1 - (1 - level) / 2))
 
 
 if __name__ == "__main__":
