@@ -163,18 +163,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.choice(pool)
-        if port not in _HANDED_OUT and port_is_free(host, port) and not _listening(host, port):
+        if port not in _HANDED_OUT and port_is_free(host, port):  # a listener there, on it or 0.0.0.0, fails the bind
             _HANDED_OUT.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # crowded: the kernel's choice
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def _listening(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex((host, port)) == 0
 
 
 def http_ok(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> bool:
