@@ -1,7 +1,9 @@
 """One role trained on the gold signal, before and after: does GRPO on CPU change what the PI decides?
 
     PYTHONPATH=. .venv/control/bin/python benchmarks/bench_before_after.py [--train-tasks 64] [--steps 40] \
-        [--out docs/benchmarks-before-after.md]
+        [--group-size 4] [--learning-rate 5e-4] [--balanced] [--out docs/benchmarks-before-after.md]
+
+The documented run: ``--steps 24 --group-size 8 --learning-rate 0.001`` (and once more with ``--balanced``).
 
 Item 6(c) of docs/benchmarks-learning.md, measured. The role is the principal investigator, whose GO/NO-GO is
 the one output of the society a PubMedQA label checks. Its prompt is the society's own
