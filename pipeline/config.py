@@ -115,7 +115,11 @@ class WorkerParams(_Strict):
     served_name: str | None
     lora_modules: dict[str, str]
     max_model_len: int
-    max_lora_rank: int
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        description="vLLM --max-lora-rank: every adapter's weights are padded to it, so it should equal the trained rank")
+    lora_target_modules: list[str] | None = Field(
+        description="vLLM --lora-target-modules: the layers that get a LoRA path (null = every supported layer); "
+                    "on CPU each wrapped layer costs every request, adapter or not (docs/benchmarks-lora.md)")
     kv_cache_gib: int
     enforce_eager: bool
     runtime_lora: bool = Field(description="allow hot-loading adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING); "
@@ -510,6 +514,23 @@ class Params(_Strict):
     gpu: GpuParams
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _trained_adapters_fit_the_workers(self) -> Params:
+        """Every adapter the trainers make is hot-loaded into a worker that allows runtime LoRA: its rank must fit the
+        worker's padded rank and its layers must have a LoRA path there, or promotion fails (rank) or serves the adapter
+        without some of its weights (layers; serving/worker.py check_adapter refuses that at load time too)."""
+        for w in self.serving.workers:
+            if not w.runtime_lora:
+                continue
+            for section, lora in (("sft", self.sft.lora), ("ppo", self.ppo.lora)):
+                where = f"{section}.lora vs serving.workers[{w.name}]"
+                if lora.r > w.max_lora_rank:
+                    raise ValueError(f"{where}: rank {lora.r} > max_lora_rank {w.max_lora_rank}")
+                if w.lora_target_modules is not None and (missing := set(lora.target_modules) - set(w.lora_target_modules)):
+                    raise ValueError(f"{where}: {sorted(missing)} have no LoRA path in "
+                                     f"lora_target_modules {w.lora_target_modules}")
+        return self
 
 
 def _apply_env_overrides(raw: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:

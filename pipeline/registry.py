@@ -241,6 +241,7 @@ def deploy(serving: ServingParams, name: str, version: Any, worker_of: str | Non
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     _name_base_model(folder / "adapter_config.json", workers.model_id(w))
+    workers.check_adapter(w, folder)
     if adapter in workers.models(w):
         return where
     if w.adapter_store is None:

@@ -182,3 +182,57 @@ def test_the_committed_live_table_is_the_committed_first_version() -> None:
     params = load_params(ROOT / "params.yaml", environ={})
     table = routing.load_version(params.serving, 1)
     assert json.loads((ROOT / params.serving.live_file).read_text()) == {"version": 1, "roles": table["roles"], "policies": {}}
+
+
+def _adapter(folder: Path, rank: int, layers: list[str]) -> Path:
+    """A PEFT adapter folder as save_pretrained writes it: adapter_config.json and a safetensors file (header written
+    by hand: the control plane has no torch), with lora_A/lora_B weights on ``layers`` of two decoder layers."""
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"}))
+    header, offset = {}, 0
+    for i in range(2):
+        for layer in layers:
+            block = "self_attn" if layer.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            for ab in ("A", "B"):
+                header[f"base_model.model.model.layers.{i}.{block}.{layer}.lora_{ab}.weight"] = {
+                    "dtype": "F32", "shape": [rank, 4] if ab == "A" else [4, rank], "data_offsets": [offset, offset + 16 * rank]}
+                offset += 16 * rank
+    raw = json.dumps(header).encode()
+    (folder / "adapter_model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(offset))
+    return folder
+
+
+def test_an_adapter_the_worker_would_serve_without_some_of_its_weights_is_refused(tmp_path: Path) -> None:
+    """vLLM gives no LoRA path to a layer outside --lora-target-modules and loads such an adapter anyway, minus those
+    weights; a rank above --max-lora-rank it refuses itself, late. Both are refused before the worker is asked."""
+    from pipeline.services.process import ServiceError
+    from pipeline.serving import worker
+
+    w = load_params(ROOT / "params.yaml").serving.workers[0].model_copy(
+        update={"max_lora_rank": 8, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    cmd = worker.command(w, "python")
+    assert cmd[cmd.index("--lora-target-modules") + 1:][:4] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert worker.adapter_shape(_adapter(tmp_path / "attn", 8, ["q_proj", "v_proj"])) == (8, {"q_proj", "v_proj"})
+    worker.check_adapter(w, tmp_path / "attn")
+    with pytest.raises(ServiceError, match=r"weights on \['down_proj', 'gate_proj'\].*lora_target_modules"):
+        worker.check_adapter(w, _adapter(tmp_path / "mlp", 8, ["q_proj", "gate_proj", "down_proj"]))
+    with pytest.raises(ServiceError, match=r"rank 16 > worker base's max_lora_rank 8"):
+        worker.check_adapter(w, _adapter(tmp_path / "wide", 16, ["q_proj"]))
+    with pytest.raises(ServiceError, match="rank 16"):  # the CLI's and promotion's load path checks before the request
+        worker.load_lora(w, "wide", str(tmp_path / "wide"))
+    worker.check_adapter(w.model_copy(update={"max_lora_rank": 16, "lora_target_modules": None}), tmp_path / "mlp")
+
+
+def test_params_whose_trained_adapters_cannot_be_served_are_refused(tmp_path: Path) -> None:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["serving"]["worker_defaults"].update(max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"])
+    params["sft"]["lora"]["r"] = 8
+    params["ppo"]["lora"]["r"] = 8
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(ValueError, match=r"sft\.lora vs serving\.workers\[base\]: \['k_proj', 'o_proj'\] have no LoRA path"):
+        load_params(tmp_path / "params.yaml", environ={})
+    params["serving"]["worker_defaults"]["lora_target_modules"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    params["ppo"]["lora"]["r"] = 16
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(ValueError, match=r"ppo\.lora vs serving\.workers\[base\]: rank 16 > max_lora_rank 8"):
+        load_params(tmp_path / "params.yaml", environ={})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import struct
 import time
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def command(worker: WorkerParams, python: str) -> list[str]:
            "--served-model-name", served_name(worker), "--host", worker.host, "--port", str(worker.port),
            "--max-model-len", str(worker.max_model_len), "--enable-lora", "--max-lora-rank", str(worker.max_lora_rank),
            "--max-loras", "4", "--dtype", worker.dtype, "--disable-uvicorn-access-log", "--middleware", GUARD]
+    if worker.lora_target_modules is not None:
+        cmd += ["--lora-target-modules", *worker.lora_target_modules]
     if worker.enforce_eager:
         cmd.append("--enforce-eager")
     if worker.gpu_memory_utilization is not None:  # a GPU worker takes its planned share, not vLLM's ~0.9 default
@@ -153,14 +156,45 @@ def models(worker: WorkerParams, timeout: float = 5.0) -> list[str]:
     return [m["id"] for m in resp.json()["data"]]
 
 
+def adapter_shape(folder: Path) -> tuple[int, set[str]]:
+    """An adapter's largest rank and the layer names its weights are on (``q_proj``, ...), from what it stores: the
+    safetensors header (8-byte length + JSON, no torch needed) and ``adapter_config.json``'s ``r``/``rank_pattern``.
+    The config's ``target_modules`` may be a regex or ``all-linear``; the weights say what vLLM will load."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    rank = max([int(config.get("r", 0)), *[int(v) for v in (config.get("rank_pattern") or {}).values()]])
+    weights = folder / "adapter_model.safetensors"
+    if not weights.exists():
+        raise ServiceError(f"{weights}: missing (adapters are served from safetensors)")
+    with weights.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        keys = [k for k in json.loads(f.read(length)) if k != "__metadata__"]
+    return rank, {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys if ".lora_" in k}
+
+
+def check_adapter(worker: WorkerParams, folder: Path) -> None:
+    """Refuse an adapter the worker would load wrongly. vLLM refuses a rank above ``--max-lora-rank`` itself, but a
+    layer outside ``--lora-target-modules`` has no LoRA path: vLLM loads the adapter and serves it without that
+    layer's weights, a different model under the adapter's name."""
+    rank, layers = adapter_shape(folder)
+    if rank > worker.max_lora_rank:
+        raise ServiceError(f"{folder}: LoRA rank {rank} > worker {worker.name}'s max_lora_rank {worker.max_lora_rank} "
+                           f"(serving.workers[{worker.name}].max_lora_rank)")
+    if worker.lora_target_modules is not None and (missing := layers - set(worker.lora_target_modules)):
+        raise ServiceError(f"{folder}: the adapter has weights on {sorted(missing)}, which worker {worker.name} gives no LoRA "
+                           f"path (serving.workers[{worker.name}].lora_target_modules = {worker.lora_target_modules}); "
+                           "served, it would silently lose them")
+
+
 def load_lora(worker: WorkerParams, name: str, path: str, wait_s: float = 0.0) -> None:
     """Hot-load an adapter into a running worker; it is then served as model ``name``.
 
     ``path`` is as the worker sees it. With ``wait_s`` (an adapter published to the worker's S3 store,
     which its sidecar has yet to copy) a refusal is retried until the deadline.
     """
-    if wait_s == 0 and not Path(path, "adapter_config.json").exists():
-        raise FileNotFoundError(f"{path}: not a PEFT adapter folder (no adapter_config.json)")
+    if wait_s == 0:  # a local folder (a published one was checked before publishing: registry.deploy)
+        if not Path(path, "adapter_config.json").exists():
+            raise FileNotFoundError(f"{path}: not a PEFT adapter folder (no adapter_config.json)")
+        check_adapter(worker, Path(path))
     lora_path = str(Path(path).resolve()) if wait_s == 0 else path
     deadline = time.monotonic() + wait_s
     while True:
