@@ -249,6 +249,17 @@ def _flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
+def _assert_lora_as_configured(argv: list[str], worker: Any, where: object) -> None:
+    """The LoRA settings a manifest's vLLM runs with are the ones its serving config says (serving/worker.py
+    check_adapter decides from the config what an adapter may be loaded into: docs/serving.md)."""
+    if "--enable-lora" not in argv:
+        return
+    assert _flag(argv, "--max-lora-rank") == str(worker.max_lora_rank), where
+    at = argv.index("--lora-target-modules") + 1 if "--lora-target-modules" in argv else None
+    modules = None if at is None else list(itertools.takewhile(lambda a: not a.startswith("--"), argv[at:]))
+    assert modules == worker.lora_target_modules, where
+
+
 def _interpolate(text: str, env: dict[str, str] | None = None) -> str:
     """docker compose's ${VAR} / ${VAR:-default} with an empty environment (the defaults, as in CI)."""
     env = env or {}
@@ -333,6 +344,7 @@ def test_k8s_vllm_deployments_serve_the_names_the_proxy_requests() -> None:
         assert not vllm.is_local(worker), worker  # stack.ensure only health-checks it
         lora = "--enable-lora" in args
         assert lora == worker.runtime_lora == (_env(container).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == "True"), key
+        _assert_lora_as_configured(args, worker, key)
     assert served == {key for key, d in deployments.items() if any("vllm/vllm-openai" in c["image"]
                                                                   for c in d["spec"]["template"]["spec"]["containers"])}
     # one source: the pipeline's pods read the ConfigMap; nobody names the workers inline
@@ -420,6 +432,7 @@ def test_compose_pipeline_services_use_the_vllm_base_worker(monkeypatch: pytest.
         args = shlex.split(_interpolate(services[url.hostname]["command"]))
         assert _flag(args, "--served-model-name") == backend["model"].removeprefix("hosted_vllm/") == vllm.served_name(worker)
         assert int(_flag(args, "--port") or 0) == url.port and _flag(args, "--model") == vllm.model_id(worker)
+        _assert_lora_as_configured(args, worker, url.hostname)
     gpu = {name for name, svc in services.items() if "gpu" in str(svc.get("deploy", {}))}
     assert gpu == {"vllm-base", "airflow-worker-gpu"}
     for name in gpu:
