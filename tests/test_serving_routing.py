@@ -221,6 +221,9 @@ def test_an_adapter_the_worker_would_serve_without_some_of_its_weights_is_refuse
     with pytest.raises(ServiceError, match="rank 16"):  # the CLI's and promotion's load path checks before the request
         worker.load_lora(w, "wide", str(tmp_path / "wide"))
     worker.check_adapter(w.model_copy(update={"max_lora_rank": 16, "lora_target_modules": None}), tmp_path / "mlp")
+    (tmp_path / "mlp" / "adapter_model.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ServiceError, match=r"adapter_model.safetensors: not a safetensors file \(header length"):
+        worker.check_adapter(w, tmp_path / "mlp")
 
 
 def test_params_whose_trained_adapters_cannot_be_served_are_refused(tmp_path: Path) -> None:

@@ -156,6 +156,9 @@ def models(worker: WorkerParams, timeout: float = 5.0) -> list[str]:
     return [m["id"] for m in resp.json()["data"]]
 
 
+SAFETENSORS_MAX_HEADER = 100_000_000  # the format's own limit on the JSON header (safetensors' MAX_HEADER_SIZE)
+
+
 def adapter_shape(folder: Path) -> tuple[int, set[str]]:
     """An adapter's largest rank and the layer names its weights are on (``q_proj``, ...), from what it stores: the
     safetensors header (8-byte length + JSON, no torch needed) and ``adapter_config.json``'s ``r``/``rank_pattern``.
@@ -166,8 +169,14 @@ def adapter_shape(folder: Path) -> tuple[int, set[str]]:
     if not weights.exists():
         raise ServiceError(f"{weights}: missing (adapters are served from safetensors)")
     with weights.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        keys = [k for k in json.loads(f.read(length)) if k != "__metadata__"]
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < length <= SAFETENSORS_MAX_HEADER or length > weights.stat().st_size - 8:
+            raise ServiceError(f"{weights}: not a safetensors file (header length {length})")
+        try:
+            keys = [k for k in json.loads(f.read(length)) if k != "__metadata__"]
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ServiceError(f"{weights}: not a safetensors file (header: {e})") from e
     return rank, {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys if ".lora_" in k}
 
 
