@@ -46,6 +46,7 @@ import subprocess
 import tempfile
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -63,6 +64,7 @@ from pipeline.data.splits import load_tasks
 from pipeline.evaluation import gate
 from pipeline.evaluation.metrics import CRITERIA, paired_difference, summarise
 from pipeline.evaluation.significance import min_tasks_for, minimum_detectable_effect
+from pipeline.io import write_json
 from pipeline.serving import stack, worker
 from pipeline.stages.evaluate import society_cost
 from pipeline.traces.schema import Trace
@@ -244,6 +246,13 @@ def main() -> None:
     print("\n".join(lines))
     if args.out:
         write_report(args.out, lines)
+        # every society's per-task records beside the report: a question about this run (is one society a low draw
+        # that the others regress from?) is answered from the file, not by another hour of rollouts
+        write_json(Path(args.out).with_suffix(".json"), {
+            "tasks": [t["id"] for t in tasks],
+            "whole": [{"seed": i, "records": r["records"]} for i, r in enumerate(whole)],
+            "replayed": [{"copy": j, "baseline_seed": 0, "live": args.role, "records": r["records"]}
+                         for j, r in enumerate(replayed, start=1)]})
 
 
 def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[str, Any]], replayed: list[dict[str, Any]],
@@ -288,6 +297,10 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
         need = min_tasks_for(args.gain / sd, alpha) if sd > 0 else 1
         lines.append(f"| {name} | {len(d)} | {statistics.fmean(d):+.4f} | {sd:.4f} | "
                      f"{minimum_detectable_effect(sd, n, alpha):.4f} | {need} |")
+    means = [f"seed {i} {statistics.fmean(rec['reward'] for rec in r['records']):.3f}" for i, r in enumerate(whole)]
+    copies = [f"#{j} {statistics.fmean(rec['reward'] for rec in r['records']):.3f}" for j, r in enumerate(replayed, start=1)]
+    lines += ["", f"Mean reward per society over the {n} tasks: whole {', '.join(means)}"
+              + (f"; replayed copies (of seed 0) {', '.join(copies)}" if copies else "") + "."]
     lines += ["", "## Replay against whole societies: cost", "",
               "| society | runs | tasks each | LLM calls sent / task | replayed / task | rollout s / task (mean) | "
               "society runs / min | failed rollouts |", "|---|---|---|---|---|---|---|---|"]
