@@ -106,6 +106,21 @@ def copy_project(dest: Path) -> Path:
     return dest
 
 
+def lora_safetensors(rank: int, layers: list[str], decoder_layers: int = 2) -> bytes:
+    """An adapter_model.safetensors as PEFT writes it (header written by hand: the control plane has no torch), with
+    zero lora_A/lora_B weights on ``layers`` (q_proj, gate_proj, ...) of ``decoder_layers`` decoder layers."""
+    header, offset = {}, 0
+    for i in range(decoder_layers):
+        for layer in layers:
+            block = "self_attn" if layer in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            for ab in ("A", "B"):
+                header[f"base_model.model.model.layers.{i}.{block}.{layer}.lora_{ab}.weight"] = {
+                    "dtype": "F32", "shape": [rank, 4] if ab == "A" else [4, rank], "data_offsets": [offset, offset + 16 * rank]}
+                offset += 16 * rank
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + bytes(offset)
+
+
 # --- the real serving plane, shared by the serving and rollout integration tests (slow) ---
 
 ADAPTER = """

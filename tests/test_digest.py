@@ -12,6 +12,7 @@ import pytest
 from pipeline.digest import artifact_sha256, served_digest, served_name
 from pipeline.evaluation.served import check_served
 from pipeline.traces.schema import Span, Trace
+from tests.conftest import lora_safetensors
 
 
 def _adapter(folder: Path, weights: bytes = b"\x00\x01", base: str = "models/base") -> Path:
@@ -105,7 +106,8 @@ def test_a_lora_version_is_a_pyfunc_model_and_deploy_serves_the_adapter_inside_i
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     mlflow.set_tracking_uri(mlflow_server)
     params = load_params(ROOT / "params.yaml", environ={"PIPELINE__SERVING__HOME": str(tmp_path / "services")})
-    trained = _adapter(tmp_path / "trained", weights=b"\x07" * 64)
+    payload = lora_safetensors(8, ["q_proj", "v_proj"])  # deploy checks the adapter fits the worker before loading it
+    trained = _adapter(tmp_path / "trained", weights=payload)
     mlflow.set_experiment("digest-it")
     with mlflow.start_run() as run:
         info = registry.log_adapter_model(trained, "pyfunc_role-abc")
@@ -121,4 +123,4 @@ def test_a_lora_version_is_a_pyfunc_model_and_deploy_serves_the_adapter_inside_i
     assert loaded and loaded[0][0] == where.split("/", 1)[1]
     served = Path(loaded[0][1])
     assert artifact_sha256(served) == artifact_sha256(trained)  # the adapter itself, not the MLflow model folder around it
-    assert (served / "adapter_model.safetensors").read_bytes() == b"\x07" * 64 and not (served / "MLmodel").exists()
+    assert (served / "adapter_model.safetensors").read_bytes() == payload and not (served / "MLmodel").exists()

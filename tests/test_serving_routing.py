@@ -12,7 +12,7 @@ import yaml
 
 from pipeline.config import load_params
 from pipeline.serving import proxy, routing
-from tests.conftest import ROOT
+from tests.conftest import ROOT, lora_safetensors
 
 WORKERS = "[{name: base, model: models/base, port: 8101}, {name: offline, model: models/base, port: 8102}]"
 
@@ -185,20 +185,10 @@ def test_the_committed_live_table_is_the_committed_first_version() -> None:
 
 
 def _adapter(folder: Path, rank: int, layers: list[str]) -> Path:
-    """A PEFT adapter folder as save_pretrained writes it: adapter_config.json and a safetensors file (header written
-    by hand: the control plane has no torch), with lora_A/lora_B weights on ``layers`` of two decoder layers."""
+    """A PEFT adapter folder as save_pretrained writes it, with weights on ``layers``."""
     folder.mkdir(parents=True)
     (folder / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"}))
-    header, offset = {}, 0
-    for i in range(2):
-        for layer in layers:
-            block = "self_attn" if layer.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            for ab in ("A", "B"):
-                header[f"base_model.model.model.layers.{i}.{block}.{layer}.lora_{ab}.weight"] = {
-                    "dtype": "F32", "shape": [rank, 4] if ab == "A" else [4, rank], "data_offsets": [offset, offset + 16 * rank]}
-                offset += 16 * rank
-    raw = json.dumps(header).encode()
-    (folder / "adapter_model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(offset))
+    (folder / "adapter_model.safetensors").write_bytes(lora_safetensors(rank, layers))
     return folder
 
 
