@@ -96,8 +96,8 @@ async def throughput(url: str, model: str, headers: dict, concurrency: int, requ
         return sum(tokens) / (time.perf_counter() - t0)
 
 
-def measure(serving: ServingParams, w: WorkerParams, argv: list[str], adapter: str | None, args: argparse.Namespace,
-            words: int) -> dict[str, float]:
+def measure(serving: ServingParams, w: WorkerParams, argv: list[str], adapter: str | None,
+            args: argparse.Namespace) -> dict[str, float]:
     """tok/s for base short, base long and (with ``adapter``) adapter short, adapter long."""
     worker.up(serving, w, argv)  # the project's start: the worker's env, key and health wait
     try:
@@ -109,7 +109,7 @@ def measure(serving: ServingParams, w: WorkerParams, argv: list[str], adapter: s
         asyncio.run(throughput(url, models["base"], headers, 1, 2, 8, 10))  # warm-up
         out = {}
         for name, model in models.items():
-            for length, n in (("short", 10), ("long", words)):
+            for length, n in (("short", 10), ("long", args.prompt_words)):
                 out[f"{name} {length}"] = asyncio.run(throughput(url, model, headers, args.concurrency, args.requests,
                                                                  args.max_tokens, n))
                 print(f"  {name} {length}: {out[f'{name} {length}']:.1f} tok/s", flush=True)
@@ -136,12 +136,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as folder:
         subprocess.run([model_python(), "-c", ADAPTER, w0.model, folder, str(rank), ",".join(modules)], check=True, timeout=600)
         print("LoRA off", flush=True)
-        rows.append(("LoRA off", measure(params.serving, w0, without_lora(worker.command(w0, model_python())), None, args,
-                                         args.prompt_words)))
+        rows.append(("LoRA off", measure(params.serving, w0, without_lora(worker.command(w0, model_python())), None, args)))
         for label, update in settings(w0, rank, modules):
             w = w0.model_copy(update=update)
             print(label, flush=True)
-            rows.append((label, measure(params.serving, w, worker.command(w, model_python()), folder, args, args.prompt_words)))
+            rows.append((label, measure(params.serving, w, worker.command(w, model_python()), folder, args)))
     off = rows[0][1]
     cells = ["base short", "base long", "adapter short", "adapter long"]
     table = ["| worker setting | " + " | ".join(f"{c} tok/s (x LoRA-off base)" for c in cells) + " |",
