@@ -100,7 +100,7 @@ async def decide(params: Params, model: str, tasks: list[dict[str, Any]], concur
     sem = asyncio.Semaphore(concurrency)
     cap = max(params.agents.max_tokens, PIDecision.token_budget())
 
-    async def one(http: httpx.AsyncClient, task: dict[str, Any]) -> tuple[str, str | None]:
+    async def one(http: httpx.AsyncClient, task: dict[str, Any]) -> tuple[str, Answer]:
         body = {"model": model, "messages": prompt(params, task), "max_tokens": cap, "temperature": 0.0,
                 "response_format": PIDecision.response_format(), "logprobs": True, "top_logprobs": TOP_LOGPROBS}
         async with sem:

@@ -12,9 +12,10 @@ what `make run` leaves); brings the serving stack up from params.yaml. On ``--ta
    comparison: the same model against itself, so the gate's ``promoted`` rate over them is its
    false-promotion rate, to be compared with ``promote.alpha``. Decided by ``pipeline.evaluation.gate.decide``
    on the same summaries and paired test ``evaluate`` computes, with the configured ``promote`` section.
-2. **The same A/A comparison by replay** (``--repeats`` - 1 candidates, each replaying repeat 0's calls of every
-   role but ``--role``, as ``evaluate`` does with ``evaluate.replay``). Its paired differences hold only
-   ``--role``'s own sampling noise.
+2. **The same A/A comparison by replay** (``--repeats`` - 1 candidates; copy j replays repeat j - 1's calls of
+   every role but ``--role``, as ``evaluate`` does with ``evaluate.replay``, and is compared with repeat j - 1).
+   Its paired differences hold only ``--role``'s own sampling noise. Each copy has its own baseline, so the
+   replayed comparisons are independent trials: copies sharing one baseline all regress from the same draw.
 3. **What each costs and how much it varies**: LLM calls sent and replayed per task, rollout seconds per task,
    society runs per minute; the standard deviation of the paired reward differences, whole and replayed, and
    the minimum detectable effect at ``--tasks`` from each (one-sided ``promote.alpha``, power 0.8), with the
@@ -39,10 +40,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from adapters import make_adapter  # benchmarks/adapters.py
 from bench_rollouts import WORKER_HEADERS, replay, replay_requests  # the direct-to-worker replay of recorded requests
 from report import write_report  # benchmarks/report.py (the script's folder is on sys.path)
 from rich.progress import Progress
@@ -112,24 +112,13 @@ def compare(params: Params, candidate: dict[str, Any], champion: dict[str, Any])
     return diff, decision
 
 
-ZERO_ADAPTER = """
-import sys
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-cfg = LoraConfig(r=int(sys.argv[3]), lora_alpha=2 * int(sys.argv[3]), target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-get_peft_model(model, cfg).save_pretrained(sys.argv[2])
-"""
-
-
 def lora_path(params: Params, traces: list[Trace], rank: int) -> dict[str, Any]:
     """The same recorded requests straight to worker 0, by the base model's name and by a hot-loaded adapter's."""
     w = params.serving.workers[0]
     mix = replay_requests([t.model_dump() for t in traces])
     concurrency = params.evaluate.concurrency
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as folder:
-        python = os.environ.get("PIPELINE_MODEL_PYTHON", ".venv/model/bin/python")
-        subprocess.run([python, "-c", ZERO_ADAPTER, w.model, folder, str(rank)], check=True, timeout=600)
+        make_adapter(w.model, folder, rank, ["q_proj", "k_proj", "v_proj", "o_proj"], "zero")
         name = f"bench-zero-r{rank}"
         worker.load_lora(w, name, folder)
         WORKER_HEADERS.update(worker.headers(w))
@@ -210,6 +199,7 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    started = time.perf_counter()
 
     params = load_params()
     if args.concurrency:
@@ -225,10 +215,10 @@ def main() -> None:
         whole = [asyncio.run(society(params, base_url, key, tools, tasks, i, None, bar,
                                      bar.add_task(f"champion, whole, seed {i}", total=len(tasks))))
                  for i in range(args.repeats)]
-        # a fresh book per candidate: each recorded call answers once per society
-        replayed = [asyncio.run(society(params, base_url, key, tools, tasks, 0,
-                                        CallBook.from_traces(whole[0]["traces"], live=[args.role]),
-                                        bar, bar.add_task(f"champion copy, replayed but {args.role}, #{j}", total=len(tasks))))
+        # a fresh book per candidate (each recorded call answers once per society), from its own baseline
+        replayed = [asyncio.run(society(params, base_url, key, tools, tasks, j - 1,
+                                        CallBook.from_traces(whole[j - 1]["traces"], live=[args.role]), bar,
+                                        bar.add_task(f"copy of seed {j - 1}, replayed but {args.role}", total=len(tasks))))
                     for j in range(1, args.repeats)]
 
     pairs_whole = []
@@ -238,10 +228,11 @@ def main() -> None:
                             "diffs": rewards_minus(whole[j]["records"], whole[i]["records"])})
     pairs_replay = []
     for j, cand in enumerate(replayed, start=1):
-        diff, decision = compare(params, cand, whole[0])
-        pairs_replay.append({"i": 0, "j": j, "diff": diff, "decision": decision,
-                             "diffs": rewards_minus(cand["records"], whole[0]["records"])})
+        diff, decision = compare(params, cand, whole[j - 1])
+        pairs_replay.append({"i": j - 1, "j": j, "diff": diff, "decision": decision,
+                             "diffs": rewards_minus(cand["records"], whole[j - 1]["records"])})
     lora = lora_path(params, whole[0]["traces"], args.lora_rank) if args.lora else None
+    args.elapsed_min = (time.perf_counter() - started) / 60  # the stack's start included: what a user waits
     lines = render(params, args, n, whole, replayed, pairs_whole, pairs_replay, lora)
     print("\n".join(lines))
     if args.out:
@@ -251,7 +242,7 @@ def main() -> None:
         write_json(Path(args.out).with_suffix(".json"), {
             "tasks": [t["id"] for t in tasks],
             "whole": [{"seed": i, "records": r["records"]} for i, r in enumerate(whole)],
-            "replayed": [{"copy": j, "baseline_seed": 0, "live": args.role, "records": r["records"]}
+            "replayed": [{"copy": j, "baseline_seed": j - 1, "live": args.role, "records": r["records"]}
                          for j, r in enumerate(replayed, start=1)]})
 
 
@@ -269,12 +260,12 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
         f"agents at temperature {params.agents.temperature}, seeded calls {params.agents.seeded_calls}; judge at temperature "
         f"{params.judge.temperature}; reward = {params.reward.judge} judge + {params.reward.decision} decision; "
         f"gate: promote.min_tasks {params.promote.min_tasks}, alpha {alpha}, margin {params.promote.margin}; "
-        f"{params.evaluate.concurrency} rollouts in flight.", "",
+        f"{params.evaluate.concurrency} rollouts in flight; the run took {args.elapsed_min:.0f} min.", "",
         "## (a) False promotions on A/A comparisons", "",
         "| comparison | comparisons | promoted (false promotions) | decisions by rule |", "|---|---|---|---|",
     ]
     for name, pairs in (("whole society vs whole society (other seed)", pairs_whole),
-                        (f"replayed copy (only {args.role} sampled) vs the champion", pairs_replay)):
+                        (f"replayed copy (only {args.role} sampled) vs the society it replays", pairs_replay)):
         rules: dict[str, int] = {}
         for p in pairs:
             rules[p["decision"].rule] = rules.get(p["decision"].rule, 0) + 1
@@ -298,9 +289,10 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
         lines.append(f"| {name} | {len(d)} | {statistics.fmean(d):+.4f} | {sd:.4f} | "
                      f"{minimum_detectable_effect(sd, n, alpha):.4f} | {need} |")
     means = [f"seed {i} {statistics.fmean(rec['reward'] for rec in r['records']):.3f}" for i, r in enumerate(whole)]
-    copies = [f"#{j} {statistics.fmean(rec['reward'] for rec in r['records']):.3f}" for j, r in enumerate(replayed, start=1)]
+    copies = [f"of seed {j - 1} {statistics.fmean(rec['reward'] for rec in r['records']):.3f}"
+              for j, r in enumerate(replayed, start=1)]
     lines += ["", f"Mean reward per society over the {n} tasks: whole {', '.join(means)}"
-              + (f"; replayed copies (of seed 0) {', '.join(copies)}" if copies else "") + "."]
+              + (f"; replayed copies {', '.join(copies)}" if copies else "") + "."]
     lines += ["", "## Replay against whole societies: cost", "",
               "| society | runs | tasks each | LLM calls sent / task | replayed / task | rollout s / task (mean) | "
               "society runs / min | failed rollouts |", "|---|---|---|---|---|---|---|---|"]

@@ -24,14 +24,14 @@ import argparse
 import asyncio
 import os
 import platform
-import subprocess
 import tempfile
-import time
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
-import httpx
-from report import write_report  # benchmarks/ (the script's folder is on sys.path)
+from adapters import make_adapter  # benchmarks/ (the script's folder is on sys.path)
+from bench_serving import throughput
+from report import write_report
 
 from pipeline.config import ServingParams, WorkerParams, load_params
 from pipeline.envs import model_python
@@ -41,15 +41,6 @@ from pipeline.serving import worker
 LORA_FLAGS = {"--enable-lora", "--max-lora-rank", "--max-loras", "--lora-target-modules"}
 FILLER = ("Statins lower LDL cholesterol by inhibiting HMG-CoA reductase; observational cohorts report lower dementia "
           "incidence among users, but confounding by indication and healthy-user effects are hard to exclude. ")
-ADAPTER = """
-import sys
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-r = int(sys.argv[3])
-cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=sys.argv[4].split(","), init_lora_weights=False)
-get_peft_model(model, cfg).save_pretrained(sys.argv[2])
-"""
 
 
 def without_lora(argv: list[str]) -> list[str]:
@@ -79,23 +70,6 @@ def prompt(words: int, i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Request {i}. " + " ".join(body) + "\nSummarise the evidence."}]
 
 
-async def throughput(url: str, model: str, headers: dict, concurrency: int, requests: int, max_tokens: int,
-                     words: int) -> float:
-    """Generated tokens/s over ``requests`` chat requests of fixed output length, ``concurrency`` in flight."""
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=900, headers=headers) as client:
-        async def one(i: int) -> int:
-            async with sem:
-                resp = await client.post(url, json={"model": model, "messages": prompt(words, i), "max_tokens": max_tokens,
-                                                    "ignore_eos": True, "temperature": 0.7})
-                resp.raise_for_status()
-                return int(resp.json()["usage"]["completion_tokens"])
-
-        t0 = time.perf_counter()
-        tokens = await asyncio.gather(*[one(i) for i in range(requests)])
-        return sum(tokens) / (time.perf_counter() - t0)
-
-
 def measure(serving: ServingParams, w: WorkerParams, argv: list[str], adapter: str | None,
             args: argparse.Namespace) -> dict[str, float]:
     """tok/s for base short, base long and (with ``adapter``) adapter short, adapter long."""
@@ -106,12 +80,12 @@ def measure(serving: ServingParams, w: WorkerParams, argv: list[str], adapter: s
         if adapter:
             worker.load_lora(w, "bench-adapter", adapter)
             models["adapter"] = "bench-adapter"
-        asyncio.run(throughput(url, models["base"], headers, 1, 2, 8, 10))  # warm-up
+        asyncio.run(throughput(url, models["base"], headers, 1, 2, 8, partial(prompt, 10)))  # warm-up
         out = {}
         for name, model in models.items():
             for length, n in (("short", 10), ("long", args.prompt_words)):
                 out[f"{name} {length}"] = asyncio.run(throughput(url, model, headers, args.concurrency, args.requests,
-                                                                 args.max_tokens, n))
+                                                                 args.max_tokens, partial(prompt, n)))
                 print(f"  {name} {length}: {out[f'{name} {length}']:.1f} tok/s", flush=True)
         return out
     finally:
@@ -134,7 +108,7 @@ def main() -> None:
     modules = list(params.sft.lora.target_modules)
     rows: list[tuple[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as folder:
-        subprocess.run([model_python(), "-c", ADAPTER, w0.model, folder, str(rank), ",".join(modules)], check=True, timeout=600)
+        make_adapter(w0.model, folder, rank, modules, "random")
         print("LoRA off", flush=True)
         rows.append(("LoRA off", measure(params.serving, w0, without_lora(worker.command(w0, model_python())), None, args)))
         for label, update in settings(w0, rank, modules):

@@ -16,6 +16,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -28,23 +29,27 @@ from pipeline.serving import proxy, stack, worker
 PROMPT = [{"role": "user", "content": "Summarise what is known about statins and dementia risk."}]
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> tuple[int, float]:
+async def _one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int,
+               messages: list[dict[str, str]]) -> tuple[int, float]:
     t0 = time.perf_counter()
-    resp = await client.post(url, json={"model": model, "messages": PROMPT, "max_tokens": max_tokens,
+    resp = await client.post(url, json={"model": model, "messages": messages, "max_tokens": max_tokens,
                                         "ignore_eos": True, "temperature": 0.7})
     resp.raise_for_status()
     return resp.json()["usage"]["completion_tokens"], time.perf_counter() - t0
 
 
-async def throughput(url: str, model: str, headers: dict, concurrency: int, requests: int, max_tokens: int) -> float:
+async def throughput(url: str, model: str, headers: dict, concurrency: int, requests: int, max_tokens: int,
+                     messages: Callable[[int], list[dict[str, str]]] = lambda i: PROMPT) -> float:
+    """Generated tokens/s over ``requests`` chat requests of fixed output length (``messages(i)`` is request i's
+    conversation), ``concurrency`` in flight."""
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600, headers=headers) as client:
-        async def bounded() -> tuple[int, float]:
+    async with httpx.AsyncClient(timeout=900, headers=headers) as client:
+        async def bounded(i: int) -> tuple[int, float]:
             async with sem:
-                return await _one(client, url, model, max_tokens)
+                return await _one(client, url, model, max_tokens, messages(i))
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*[bounded() for _ in range(requests)])
+        results = await asyncio.gather(*[bounded(i) for i in range(requests)])
         return sum(r[0] for r in results) / (time.perf_counter() - t0)
 
 
