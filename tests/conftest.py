@@ -106,17 +106,26 @@ def copy_project(dest: Path) -> Path:
     return dest
 
 
-def lora_safetensors(rank: int, layers: list[str], decoder_layers: int = 2) -> bytes:
+# (in, out) features of SmolLM2-135M's projections (models/base): hidden 576, 9 heads and 3 KV heads of 64, MLP 1536
+SMOLLM2_135M = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576),
+                "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}
+
+
+def lora_safetensors(rank: int, layers: list[str], decoder_layers: int = 2,
+                     dims: dict[str, tuple[int, int]] = SMOLLM2_135M) -> bytes:
     """An adapter_model.safetensors as PEFT writes it (header written by hand: the control plane has no torch), with
-    zero lora_A/lora_B weights on ``layers`` (q_proj, gate_proj, ...) of ``decoder_layers`` decoder layers."""
+    zero lora_A [rank, in] / lora_B [out, rank] weights on ``layers`` (q_proj, gate_proj, ...) of ``decoder_layers``
+    decoder layers of a model with projections ``dims``."""
     header, offset = {}, 0
     for i in range(decoder_layers):
         for layer in layers:
             block = "self_attn" if layer in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            for ab in ("A", "B"):
+            fin, fout = dims[layer]
+            for ab, shape in (("A", [rank, fin]), ("B", [fout, rank])):
+                size = 4 * shape[0] * shape[1]
                 header[f"base_model.model.model.layers.{i}.{block}.{layer}.lora_{ab}.weight"] = {
-                    "dtype": "F32", "shape": [rank, 4] if ab == "A" else [4, rank], "data_offsets": [offset, offset + 16 * rank]}
-                offset += 16 * rank
+                    "dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+                offset += size
     raw = json.dumps(header).encode()
     return len(raw).to_bytes(8, "little") + raw + bytes(offset)
 

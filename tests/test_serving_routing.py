@@ -6,6 +6,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -184,11 +185,11 @@ def test_the_committed_live_table_is_the_committed_first_version() -> None:
     assert json.loads((ROOT / params.serving.live_file).read_text()) == {"version": 1, "roles": table["roles"], "policies": {}}
 
 
-def _adapter(folder: Path, rank: int, layers: list[str]) -> Path:
+def _adapter(folder: Path, rank: int, layers: list[str], **shape: Any) -> Path:
     """A PEFT adapter folder as save_pretrained writes it, with weights on ``layers``."""
     folder.mkdir(parents=True)
     (folder / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"}))
-    (folder / "adapter_model.safetensors").write_bytes(lora_safetensors(rank, layers))
+    (folder / "adapter_model.safetensors").write_bytes(lora_safetensors(rank, layers, **shape))
     return folder
 
 
@@ -214,6 +215,37 @@ def test_an_adapter_the_worker_would_serve_without_some_of_its_weights_is_refuse
     (tmp_path / "mlp" / "adapter_model.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
     with pytest.raises(ServiceError, match=r"adapter_model.safetensors: not a safetensors file \(header length"):
         worker.check_adapter(w, tmp_path / "mlp")
+
+
+def test_an_adapter_trained_on_another_base_model_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """A CPU adapter (SmolLM2-135M, hidden 576) deployed to a worker serving the GPU profile's Qwen2.5-1.5B (hidden 1536)
+    is refused before the worker is asked, with the tensor and the shapes; so is one on a layer the model lacks."""
+    from pipeline.services.process import ServiceError
+    from pipeline.serving import worker
+
+    qwen = tmp_path / "qwen2.5-1.5b"  # the model folder's config.json is all the check reads
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2,
+                                                 "intermediate_size": 8960, "num_hidden_layers": 28}))
+    smol = tmp_path / "smollm2-135m"
+    smol.mkdir()
+    (smol / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                                 "head_dim": 64, "intermediate_size": 1536, "num_hidden_layers": 30}))
+    w = load_params(ROOT / "params.yaml").serving.workers[0].model_copy(
+        update={"max_lora_rank": 8, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    cpu_adapter = _adapter(tmp_path / "cpu", 8, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    worker.check_adapter(w.model_copy(update={"model": str(smol)}), cpu_adapter)
+    assert worker.base_dims(str(qwen)) == (28, {"q_proj": (1536, 1536), "k_proj": (1536, 256), "v_proj": (1536, 256),
+                                                "o_proj": (1536, 1536), "gate_proj": (1536, 8960), "up_proj": (1536, 8960),
+                                                "down_proj": (8960, 1536)})
+    with pytest.raises(ServiceError, match=r"layers\.0\.self_attn\.q_proj\.lora_A\.weight is \[8, 576\].*maps 1536 -> 1536"):
+        worker.check_adapter(w.model_copy(update={"model": str(qwen)}), cpu_adapter)
+    with pytest.raises(ServiceError, match="another base model"):  # the CLI's load path refuses it before the request too
+        worker.load_lora(w.model_copy(update={"model": str(qwen)}), "cpu", str(cpu_adapter))
+    deep = _adapter(tmp_path / "deep", 8, ["q_proj"], decoder_layers=31)
+    with pytest.raises(ServiceError, match=r"layers\.30\..* has 30 layers"):
+        worker.check_adapter(w.model_copy(update={"model": str(smol)}), deep)
+    worker.check_adapter(w.model_copy(update={"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}), deep)  # not readable here
 
 
 def test_params_whose_trained_adapters_cannot_be_served_are_refused(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -159,13 +160,9 @@ def models(worker: WorkerParams, timeout: float = 5.0) -> list[str]:
 SAFETENSORS_MAX_HEADER = 100_000_000  # the format's own limit on the JSON header (safetensors' MAX_HEADER_SIZE)
 
 
-def adapter_shape(folder: Path) -> tuple[int, set[str]]:
-    """An adapter's largest rank and the layer names its weights are on (``q_proj``, ...), from what it stores: the
-    safetensors header (8-byte length + JSON, no torch needed) and ``adapter_config.json``'s ``r``/``rank_pattern``.
-    The config's ``target_modules`` may be a regex or ``all-linear``; the weights say what vLLM will load."""
-    config = json.loads((folder / "adapter_config.json").read_text())
-    rank = max([int(config.get("r", 0)), *[int(v) for v in (config.get("rank_pattern") or {}).values()]])
-    weights = folder / "adapter_model.safetensors"
+def _safetensors_header(weights: Path) -> dict[str, dict]:
+    """The tensors a safetensors file holds (name -> dtype, shape, offsets), read from its header: 8-byte length +
+    JSON, no torch needed."""
     if not weights.exists():
         raise ServiceError(f"{weights}: missing (adapters are served from safetensors)")
     with weights.open("rb") as f:
@@ -174,16 +171,67 @@ def adapter_shape(folder: Path) -> tuple[int, set[str]]:
         if not 0 < length <= SAFETENSORS_MAX_HEADER or length > weights.stat().st_size - 8:
             raise ServiceError(f"{weights}: not a safetensors file (header length {length})")
         try:
-            keys = [k for k in json.loads(f.read(length)) if k != "__metadata__"]
+            header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ServiceError(f"{weights}: not a safetensors file (header: {e})") from e
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
+def adapter_shape(folder: Path) -> tuple[int, set[str]]:
+    """An adapter's largest rank and the layer names its weights are on (``q_proj``, ...), from what it stores: the
+    safetensors header and ``adapter_config.json``'s ``r``/``rank_pattern``. The config's ``target_modules`` may be a
+    regex or ``all-linear``; the weights say what vLLM will load."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    rank = max([int(config.get("r", 0)), *[int(v) for v in (config.get("rank_pattern") or {}).values()]])
+    keys = _safetensors_header(folder / "adapter_model.safetensors")
     return rank, {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys if ".lora_" in k}
 
 
+LORA_KEY = re.compile(r"\.layers\.(\d+)\..*\.(\w+)\.lora_([AB])\.weight$")
+
+
+def base_dims(model: str) -> tuple[int, dict[str, tuple[int, int]]] | None:
+    """A decoder's layer count and each projection's (in, out) features (Llama, Qwen2, Mistral naming), from the model
+    folder's ``config.json``; None when that folder is not readable here (a hub id, a worker on another host) or its
+    config is not such a decoder's."""
+    try:
+        c = json.loads(Path(model, "config.json").read_text())
+        hidden, heads, inter, layers = (int(c[k]) for k in ("hidden_size", "num_attention_heads", "intermediate_size",
+                                                            "num_hidden_layers"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    q, kv = heads * head_dim, int(c.get("num_key_value_heads") or heads) * head_dim
+    return layers, {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                    "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def _check_shapes(worker: WorkerParams, weights: Path) -> None:
+    """Every LoRA matrix fits the base model the worker serves: lora_A is [r, in], lora_B [out, r] of its projection,
+    on a layer the model has. An adapter trained on another base (a CPU adapter under the GPU profile's model) is
+    refused here, naming the tensor, instead of by vLLM at load, after promotion has started."""
+    dims = base_dims(worker.model)
+    if dims is None:
+        return
+    layers, io = dims
+    for key, meta in _safetensors_header(weights).items():
+        m = LORA_KEY.search(key)
+        if not m or m.group(2) not in io:
+            continue
+        layer, (fin, fout) = int(m.group(1)), io[m.group(2)]
+        shape = list(meta.get("shape") or [])
+        fits = len(shape) == 2 and (shape[1] == fin if m.group(3) == "A" else shape[0] == fout)
+        if layer >= layers or not fits:
+            raise ServiceError(f"{weights}: {key} is {shape}, but {worker.model} (worker {worker.name}) has {layers} layers "
+                               f"and its {m.group(2)} maps {fin} -> {fout} features (lora_A [r, {fin}], lora_B [{fout}, r]): "
+                               "an adapter trained on another base model")
+
+
 def check_adapter(worker: WorkerParams, folder: Path) -> None:
-    """Refuse an adapter the worker would load wrongly. vLLM refuses a rank above ``--max-lora-rank`` itself, but a
-    layer outside ``--lora-target-modules`` has no LoRA path: vLLM loads the adapter and serves it without that
-    layer's weights, a different model under the adapter's name."""
+    """Refuse an adapter the worker would load wrongly or not at all. vLLM refuses a rank above ``--max-lora-rank``
+    itself, but a layer outside ``--lora-target-modules`` has no LoRA path: vLLM loads the adapter and serves it without
+    that layer's weights, a different model under the adapter's name. Shapes are checked against the worker's model
+    when its folder is readable here (``_check_shapes``); elsewhere vLLM checks them at load."""
     rank, layers = adapter_shape(folder)
     if rank > worker.max_lora_rank:
         raise ServiceError(f"{folder}: LoRA rank {rank} > worker {worker.name}'s max_lora_rank {worker.max_lora_rank} "
@@ -192,6 +240,7 @@ def check_adapter(worker: WorkerParams, folder: Path) -> None:
         raise ServiceError(f"{folder}: the adapter has weights on {sorted(missing)}, which worker {worker.name} gives no LoRA "
                            f"path (serving.workers[{worker.name}].lora_target_modules = {worker.lora_target_modules}); "
                            "served, it would silently lose them")
+    _check_shapes(worker, folder / "adapter_model.safetensors")
 
 
 def load_lora(worker: WorkerParams, name: str, path: str, wait_s: float = 0.0) -> None:
