@@ -198,10 +198,10 @@ def base_dims(model: str) -> tuple[int, dict[str, tuple[int, int]]] | None:
         c = json.loads(Path(model, "config.json").read_text())
         hidden, heads, inter, layers = (int(c[k]) for k in ("hidden_size", "num_attention_heads", "intermediate_size",
                                                             "num_hidden_layers"))
-    except (OSError, ValueError, KeyError, TypeError):
+        head_dim = int(c.get("head_dim") or hidden // heads)
+        q, kv = heads * head_dim, int(c.get("num_key_value_heads") or heads) * head_dim
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
-    head_dim = int(c.get("head_dim") or hidden // heads)
-    q, kv = heads * head_dim, int(c.get("num_key_value_heads") or heads) * head_dim
     return layers, {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                     "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
