@@ -117,8 +117,9 @@ def lora_path(params: Params, traces: list[Trace], rank: int) -> dict[str, Any]:
     w = params.serving.workers[0]
     mix = replay_requests([t.model_dump() for t in traces])
     concurrency = params.evaluate.concurrency
+    modules = list(params.sft.lora.target_modules)  # where the trained adapters are (sft.lora), as bench_lora_tax
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as folder:
-        make_adapter(w.model, folder, rank, ["q_proj", "k_proj", "v_proj", "o_proj"], "zero")
+        make_adapter(w.model, folder, rank, modules, "zero")
         name = f"bench-zero-r{rank}"
         worker.load_lora(w, name, folder)
         WORKER_HEADERS.update(worker.headers(w))
@@ -128,7 +129,7 @@ def lora_path(params: Params, traces: list[Trace], rank: int) -> dict[str, Any]:
             lora = asyncio.run(replay(worker.base_url(w), adapted, concurrency, "lora"))
         finally:
             worker.unload_lora(w, name)
-    return {"rank": rank, "concurrency": concurrency, "base": base, "lora": lora}
+    return {"rank": rank, "modules": modules, "concurrency": concurrency, "base": base, "lora": lora}
 
 
 def rate(k: int, n: int) -> str:
@@ -322,8 +323,8 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
                   "| served as | requests / s | tokens / s (prompt + generated) | generated tokens / s | p50 latency s |",
                   "|---|---|---|---|---|",
                   f"| base model | {b['req_s']:.2f} | {b['tok_s']:.0f} | {b['gen_tok_s']:.1f} | {b['p50']:.2f} |",
-                  f"| LoRA r={lora['rank']} (q, k, v, o) | {a['req_s']:.2f} | {a['tok_s']:.0f} | {a['gen_tok_s']:.1f} | "
-                  f"{a['p50']:.2f} |", "",
+                  f"| LoRA r={lora['rank']} ({', '.join(lora['modules'])}) | {a['req_s']:.2f} | {a['tok_s']:.0f} | "
+                  f"{a['gen_tok_s']:.1f} | {a['p50']:.2f} |", "",
                   f"Adapter / base throughput: {a['tok_s'] / b['tok_s']:.2f}x."]
     lines += ["", *targets(params)]
     return lines

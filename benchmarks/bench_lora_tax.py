@@ -85,7 +85,7 @@ def measure(serving: ServingParams, w: WorkerParams, argv: list[str], adapter: s
         for name, model in models.items():
             for length, n in (("short", 10), ("long", args.prompt_words)):
                 out[f"{name} {length}"] = asyncio.run(throughput(url, model, headers, args.concurrency, args.requests,
-                                                                 args.max_tokens, partial(prompt, n)))
+                                                                 args.max_tokens, partial(prompt, n), timeout_s=900))
                 print(f"  {name} {length}: {out[f'{name} {length}']:.1f} tok/s", flush=True)
         return out
     finally:

@@ -39,11 +39,11 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int,
 
 
 async def throughput(url: str, model: str, headers: dict, concurrency: int, requests: int, max_tokens: int,
-                     messages: Callable[[int], list[dict[str, str]]] = lambda i: PROMPT) -> float:
+                     messages: Callable[[int], list[dict[str, str]]] = lambda i: PROMPT, timeout_s: float = 600) -> float:
     """Generated tokens/s over ``requests`` chat requests of fixed output length (``messages(i)`` is request i's
-    conversation), ``concurrency`` in flight."""
+    conversation), ``concurrency`` in flight; ``timeout_s`` per request, the worker's own queueing included."""
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=900, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as client:
         async def bounded(i: int) -> tuple[int, float]:
             async with sem:
                 return await _one(client, url, model, max_tokens, messages(i))

@@ -181,10 +181,13 @@ def adapter_shape(folder: Path) -> tuple[int, set[str]]:
     """An adapter's largest rank and the layer names its weights are on (``q_proj``, ...), from what it stores: the
     safetensors header and ``adapter_config.json``'s ``r``/``rank_pattern``. The config's ``target_modules`` may be a
     regex or ``all-linear``; the weights say what vLLM will load."""
+    return _shape(folder, _safetensors_header(folder / "adapter_model.safetensors"))
+
+
+def _shape(folder: Path, tensors: dict[str, dict]) -> tuple[int, set[str]]:
     config = json.loads((folder / "adapter_config.json").read_text())
     rank = max([int(config.get("r", 0)), *[int(v) for v in (config.get("rank_pattern") or {}).values()]])
-    keys = _safetensors_header(folder / "adapter_model.safetensors")
-    return rank, {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys if ".lora_" in k}
+    return rank, {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors if ".lora_" in k}
 
 
 LORA_KEY = re.compile(r"\.layers\.(\d+)\..*\.(\w+)\.lora_([AB])\.weight$")
@@ -206,7 +209,7 @@ def base_dims(model: str) -> tuple[int, dict[str, tuple[int, int]]] | None:
                     "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
 
-def _check_shapes(worker: WorkerParams, weights: Path) -> None:
+def _check_shapes(worker: WorkerParams, weights: Path, tensors: dict[str, dict]) -> None:
     """Every LoRA matrix fits the base model the worker serves: lora_A is [r, in], lora_B [out, r] of its projection,
     on a layer the model has. An adapter trained on another base (a CPU adapter under the GPU profile's model) is
     refused here, naming the tensor, instead of by vLLM at load, after promotion has started."""
@@ -214,7 +217,7 @@ def _check_shapes(worker: WorkerParams, weights: Path) -> None:
     if dims is None:
         return
     layers, io = dims
-    for key, meta in _safetensors_header(weights).items():
+    for key, meta in tensors.items():
         m = LORA_KEY.search(key)
         if not m or m.group(2) not in io:
             continue
@@ -232,7 +235,9 @@ def check_adapter(worker: WorkerParams, folder: Path) -> None:
     itself, but a layer outside ``--lora-target-modules`` has no LoRA path: vLLM loads the adapter and serves it without
     that layer's weights, a different model under the adapter's name. Shapes are checked against the worker's model
     when its folder is readable here (``_check_shapes``); elsewhere vLLM checks them at load."""
-    rank, layers = adapter_shape(folder)
+    weights = folder / "adapter_model.safetensors"
+    tensors = _safetensors_header(weights)  # read once, for the rank and layers and for the shapes
+    rank, layers = _shape(folder, tensors)
     if rank > worker.max_lora_rank:
         raise ServiceError(f"{folder}: LoRA rank {rank} > worker {worker.name}'s max_lora_rank {worker.max_lora_rank} "
                            f"(serving.workers[{worker.name}].max_lora_rank)")
@@ -240,7 +245,7 @@ def check_adapter(worker: WorkerParams, folder: Path) -> None:
         raise ServiceError(f"{folder}: the adapter has weights on {sorted(missing)}, which worker {worker.name} gives no LoRA "
                            f"path (serving.workers[{worker.name}].lora_target_modules = {worker.lora_target_modules}); "
                            "served, it would silently lose them")
-    _check_shapes(worker, folder / "adapter_model.safetensors")
+    _check_shapes(worker, weights, tensors)
 
 
 def load_lora(worker: WorkerParams, name: str, path: str, wait_s: float = 0.0) -> None:
