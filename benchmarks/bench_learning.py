@@ -21,7 +21,7 @@ what `make run` leaves); brings the serving stack up from params.yaml. On ``--ta
    the minimum detectable effect at ``--tasks`` from each (one-sided ``promote.alpha``, power 0.8), with the
    task count each way needs to detect a 0.05 reward gain.
 
-4. **The LoRA path** (``--lora``): a LoRA adapter of ``--lora-rank`` on the q/k/v/o projections (zero-initialised B,
+4. **The LoRA path** (``--lora``): a LoRA adapter of ``--lora-rank`` on ``sft.lora.target_modules`` (zero-initialised B,
    so it answers as the base does: only the cost differs; made by the model plane with peft) is hot-loaded into
    the worker, and the champion's recorded requests are sent straight to the worker at ``evaluate.concurrency``
    in flight, once by the base model's name and once by the adapter's: throughput ratio, adapter / base.

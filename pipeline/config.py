@@ -85,6 +85,10 @@ class MlflowParams(_Strict):
     port: int
     home: str
     experiment: str
+    presigned_urls: bool = Field(
+        description="let MLflow clients move artifacts straight to and from the artifact store by presigned URL (MLflow "
+                    ">= 3.17 does whenever the server proxies to S3); false: every artifact through the tracking server, "
+                    "the only door to the store (network-policies.yaml, make prod-stack's S3)")
 
 
 class BaseModelParams(_Strict):

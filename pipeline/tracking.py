@@ -29,10 +29,22 @@ def pipeline_run_id() -> str:
     return run_id
 
 
+# MLflow's switches for moving artifacts by presigned URL instead of through the server (unset: the server decides)
+PRESIGNED_ENV = ("MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD", "MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD")
+
+
 def setup(mlflow: MlflowParams) -> str:
-    """Point the MLflow client at the tracking server (starting the local one) and the experiment."""
+    """Point the MLflow client at the tracking server (starting the local one) and the experiment.
+
+    Also decides how this process moves artifacts (``mlflow.presigned_urls``). A server that proxies an S3 store
+    advertises presigned downloads (MLflow >= 3.17; uploads from 500 MB), and its clients then GET the store directly.
+    Our stores admit only the server: Kubernetes' minio-ingress policy leaves out the rollout Jobs, which load the
+    supervisor's policy, and make prod-stack's S3 refuses presigned URLs. Left to the server, every such download fails
+    after minutes of retries."""
     from mlflow import set_experiment, set_tracking_uri  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
+    for name in PRESIGNED_ENV:
+        os.environ[name] = "true" if mlflow.presigned_urls else "false"
     uri = mlflow_server.ensure(mlflow)
     set_tracking_uri(uri)
     set_experiment(mlflow.experiment)

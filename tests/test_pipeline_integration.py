@@ -110,8 +110,7 @@ def test_airflow_dag_runs_stages_and_versions_outputs(clone: Path, mlflow_server
     assert "champions {" in proc.stdout + proc.stderr  # the gate's decision is in the task log
     # `report` runs (and is versioned) only on the promoted branch; "not promoted" skips it cleanly
     stages = [] if promotion["promoted"] else [s for s in yaml.safe_load((clone / "dvc.yaml").read_text())["stages"] if s != "report"]
-    status = subprocess.run(["dvc", "status", *stages], cwd=clone, env=_env(mlflow_server, ""), capture_output=True, text=True)
-    assert "up to date" in status.stdout, status.stdout
+    _assert_lock_is_the_runs(clone, stages, _env(mlflow_server, ""))
 
     validated = (clone / "data/validated/train.parquet").read_bytes()
     outside = _corrupt(tmp_path / "bad.json")  # a file outside data.allow.local_roots: refused before it is read
@@ -127,6 +126,32 @@ def test_airflow_dag_runs_stages_and_versions_outputs(clone: Path, mlflow_server
     assert (clone / "data/validated/train.parquet").read_bytes() == validated
 
     _browse_ui(home, ARTIFACTS)
+
+
+def _assert_lock_is_the_runs(clone: Path, stages: list[str], env: dict[str, str]) -> None:
+    """dvc.lock records the values the DAG run used (pipeline/runs.py): its effective params (params.yaml plus the
+    run's overrides, here SMALL_LOOP's) and the routing it found, not the files as they are after it. So with those
+    two standing in, every stage it ran is up to date; against the files as they are, `dvc status` names only
+    params and the routing (which the run's promotion moved), never an output."""
+    runs = sorted((clone / ".runs").glob("*/params.yaml"))
+    assert len(runs) == 1, runs
+    params, live = clone / "params.yaml", clone / "serving/live-routing.json"
+    saved = {params: params.read_bytes(), live: live.read_bytes()}
+    try:
+        params.write_bytes(runs[0].read_bytes())
+        live.write_bytes((runs[0].parent / "live-routing.json").read_bytes())
+        status = subprocess.run(["dvc", "status", *stages], cwd=clone, env=env, capture_output=True, text=True)
+        assert "up to date" in status.stdout, status.stdout
+    finally:
+        for path, data in saved.items():
+            path.write_bytes(data)
+    status = subprocess.run(["dvc", "status", "--json", *stages], cwd=clone, env=env, capture_output=True, text=True)
+    changed = json.loads(status.stdout or "{}")
+    assert changed, "the run's overrides (SMALL_LOOP) differ from params.yaml: dvc status must say so"
+    for stage, entries in changed.items():
+        for entry in entries:
+            assert isinstance(entry, dict) and set(entry) == {"changed deps"}, (stage, entry)
+            assert set(entry["changed deps"]) <= {"params.yaml", "serving/live-routing.json"}, (stage, entry)
 
 
 ARTIFACTS = ROOT / "test-artifacts"  # screenshots of the UI test (gitignored)

@@ -20,6 +20,7 @@ import mlflow
 import pytest
 
 from infra.local import prod_stack
+from pipeline import tracking
 from pipeline.config import Params, load_params
 from pipeline.envs import model_python
 from pipeline.services.process import free_port
@@ -78,7 +79,7 @@ def _s3_keys(params: Params, bucket: str) -> list[str]:
 
 
 @pytest.mark.e2e  # ~90 s of CI for what the DAG run below checks as well: `make test-all`
-def test_every_service_answers_and_stores_where_compose_would(stack: dict) -> None:
+def test_every_service_answers_and_stores_where_compose_would(stack: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     params, clone, cfg = stack["params"], stack["clone"], stack["params"].prod_stack
     health = httpx.get(f"{stack['info']['url']}/api/v2/monitor/health").json()
     assert {health[c]["status"] for c in ("metadatabase", "scheduler", "dag_processor", "triggerer")} == {"healthy"}
@@ -90,6 +91,19 @@ def test_every_service_answers_and_stores_where_compose_would(stack: dict) -> No
     run = client.create_run(exp)
     client.log_text(run.info.run_id, "stored in S3", "note.txt")
     assert any(k.endswith(f"{run.info.run_id}/artifacts/note.txt") for k in _s3_keys(params, "mlflow"))
+    # ... and back as a stage downloads an adapter: this server offers presigned downloads (MLflow >= 3.17), which the
+    # stack's S3 refuses; the pipeline's client setup (mlflow.presigned_urls: false) keeps them on the server
+    writer = prod_stack.mlflow_client_env(cfg)
+    info = httpx.get(f"{prod_stack.mlflow_uri(cfg)}/api/3.0/mlflow/server-info", timeout=30,
+                     auth=(writer["MLFLOW_TRACKING_USERNAME"], writer["MLFLOW_TRACKING_PASSWORD"])).json()
+    assert info.get("multipart_downloads_enabled") is True
+    for name in ("MLFLOW_TRACKING_URI", *tracking.PRESIGNED_ENV):  # restored after the test
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", prod_stack.mlflow_uri(cfg))
+    tracking.setup(params.mlflow)
+    with tempfile.TemporaryDirectory() as tmp:
+        got = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="note.txt", dst_path=tmp)
+        assert Path(got).read_text() == "stored in S3"
     # DVC: the clone's default remote is the stack's S3 bucket
     (clone / "probe.txt").write_text("dvc on s3\n")
     env = {**os.environ, **prod_stack.s3_env(cfg)}
