@@ -18,9 +18,11 @@ run's wall time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -52,9 +54,10 @@ def write_effective(params_path: str | None, run_key: str, live_file: str | None
     return out
 
 
-def commit_lock(effective: Path, stages: list[str], live_file: str | None = None) -> None:
-    """``dvc commit --force STAGES`` with the effective params standing in for params.yaml and, when ``open`` took one,
-    the routing snapshot for ``live_file`` (both restored whatever happens)."""
+@contextlib.contextmanager
+def run_inputs(effective: Path, live_file: str | None = None) -> Iterator[None]:
+    """What DVC reads, as the run saw it: the effective params standing in for params.yaml and, when ``open`` took one,
+    the routing snapshot for ``live_file``; both restored whatever happens. Paths are relative to the project root."""
     stand_ins = [(Path(DEFAULT_PARAMS), effective)]
     if live_file and routing_snapshot(effective).exists() and Path(live_file).exists():
         stand_ins.append((Path(live_file), routing_snapshot(effective)))
@@ -62,10 +65,16 @@ def commit_lock(effective: Path, stages: list[str], live_file: str | None = None
     try:
         for target, stand_in in stand_ins:
             target.write_bytes(stand_in.read_bytes())
-        subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", *stages], check=True)
+        yield
     finally:
         for target, data in saved:
             target.write_bytes(data)
+
+
+def commit_lock(effective: Path, stages: list[str], live_file: str | None = None) -> None:
+    """``dvc commit --force STAGES`` with the run's inputs standing in (``run_inputs``)."""
+    with run_inputs(effective, live_file):
+        subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", *stages], check=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline import runs
+from pipeline.config import load_params
 from tests.conftest import ROOT, copy_project
 from tests.test_learning_loop import CYCLE
 
@@ -133,25 +136,19 @@ def _assert_lock_is_the_runs(clone: Path, stages: list[str], env: dict[str, str]
     run's overrides, here SMALL_LOOP's) and the routing it found, not the files as they are after it. So with those
     two standing in, every stage it ran is up to date; against the files as they are, `dvc status` names only
     params and the routing (which the run's promotion moved), never an output."""
-    runs = sorted((clone / ".runs").glob("*/params.yaml"))
-    assert len(runs) == 1, runs
-    params, live = clone / "params.yaml", clone / "serving/live-routing.json"
-    saved = {params: params.read_bytes(), live: live.read_bytes()}
-    try:
-        params.write_bytes(runs[0].read_bytes())
-        live.write_bytes((runs[0].parent / "live-routing.json").read_bytes())
+    found = sorted((clone / runs.RUNS_DIR).glob("*/params.yaml"))
+    assert len(found) == 1 and runs.routing_snapshot(found[0]).exists(), found
+    live = load_params(clone / "params.yaml").serving.live_file
+    with contextlib.chdir(clone), runs.run_inputs(found[0].relative_to(clone), live):  # as the DAG's commit-lock did
         status = subprocess.run(["dvc", "status", *stages], cwd=clone, env=env, capture_output=True, text=True)
         assert "up to date" in status.stdout, status.stdout
-    finally:
-        for path, data in saved.items():
-            path.write_bytes(data)
     status = subprocess.run(["dvc", "status", "--json", *stages], cwd=clone, env=env, capture_output=True, text=True)
     changed = json.loads(status.stdout or "{}")
     assert changed, "the run's overrides (SMALL_LOOP) differ from params.yaml: dvc status must say so"
     for stage, entries in changed.items():
         for entry in entries:
             assert isinstance(entry, dict) and set(entry) == {"changed deps"}, (stage, entry)
-            assert set(entry["changed deps"]) <= {"params.yaml", "serving/live-routing.json"}, (stage, entry)
+            assert set(entry["changed deps"]) <= {"params.yaml", live}, (stage, entry)
 
 
 ARTIFACTS = ROOT / "test-artifacts"  # screenshots of the UI test (gitignored)
