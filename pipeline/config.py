@@ -460,6 +460,9 @@ class PromoteParams(_Strict):
     require_significance: bool = Field(description="the exact one-sided sign-flip test of the paired reward differences "
                                        "must give p < alpha")
     alpha: float = Field(gt=0.0, lt=1.0, description="significance level of the gate's paired test")
+    multiplicity: Literal["holm", "none"] = Field(
+        description="holm: the sign-flip p-values of all the candidates one cycle evaluated are Holm-adjusted before "
+                    "they meet alpha (the chance that any null candidate is promoted stays at alpha); none: each alone")
     min_tasks: int = Field(ge=1, description="below this many paired validation tasks the decision is insufficient_evidence "
                            "(never promotes); the default is the power calculation of docs/promotion.md")
     max_accuracy_drop: float = Field(ge=0.0, le=1.0, description="reject a candidate whose judge reward rose while its decision "

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from pipeline.evaluation.gate import decide
+from pipeline.evaluation.gate import decide, family_p_values
 from pipeline.evaluation.metrics import answer, bootstrap_ci, macro_f1, paired_difference, summarise
+from pipeline.evaluation.significance import sign_flip
 from tests.conftest import section
 
 
@@ -118,6 +120,79 @@ def test_mcnemar_exact_matches_scipy_binomtest() -> None:
             got = mcnemar_exact(a, b, alt)["p_value"]
             ref = binomtest(res["b"], m, 0.5, alternative=alt).pvalue if m else 1.0
             assert got == pytest.approx(ref, abs=1e-12), (a, b, alt)
+
+
+def test_holm_matches_closed_testing_with_bonferroni() -> None:
+    """Holm's adjusted p of H_i is the largest Bonferroni p over every intersection of hypotheses that contains H_i
+    (closed testing): checked by enumerating the intersections."""
+    from itertools import combinations
+
+    from pipeline.evaluation.significance import holm
+
+    rng = random.Random(11)
+    for _ in range(200):
+        m = rng.randint(1, 5)
+        p = {f"r{i}": rng.choice([rng.random(), rng.random() / 20, 0.5]) for i in range(m)}  # 0.5 repeats: ties
+        closed = {k: max(min(1.0, len(s) * min(p[j] for j in s)) for r in range(1, m + 1)
+                         for s in combinations(p, r) if k in s) for k in p}
+        assert holm(p) == pytest.approx(closed, abs=1e-12), p
+    assert holm({}) == {}
+
+
+def _null_cycle(rng: np.random.Generator, roles: int, n: int) -> dict[str, dict]:
+    """One cycle's summary entries for candidates identical to their champion: every candidate's rewards and the
+    shared champion run are draws of the same society, so the differences share the champion's noise."""
+    champion = rng.normal(0.3, 0.2, n)
+    entries = {}
+    for r in range(roles):
+        cand = rng.normal(0.3, 0.2, n)
+        d = cand - champion
+        entries[f"role{r}"] = {"candidate": {"reward": {"mean": float(cand.mean())}, "success_rate": {"mean": 1.0}},
+                               "champion": {"reward": {"mean": float(champion.mean())}, "success_rate": {"mean": 1.0}},
+                               "difference": {"n": n, "mean": float(d.mean()), "p_value": sign_flip(d.tolist()),
+                                              "ci": 0.95, "ci_low": 0.0, "ci_high": 0.0}}
+    return entries
+
+
+def _any_promoted(entries: dict[str, dict], cfg) -> bool:
+    adjusted = family_p_values({k: e["difference"] for k, e in entries.items()}, cfg)
+    return any(decide(e["candidate"], e["champion"], e["difference"], cfg, adjusted[k],
+                      len(adjusted) if cfg.multiplicity == "holm" else 1).promote for k, e in entries.items())
+
+
+def test_a_cycle_of_three_null_candidates_promotes_one_at_most_alpha_of_the_time() -> None:
+    """Per candidate the test holds alpha; per cycle, three null candidates tested against one champion run
+    promote *one* of them far more often unless the p-values are adjusted over the cycle (promote.multiplicity)."""
+    rng = np.random.default_rng(2026)
+    cycles = [_null_cycle(rng, roles=3, n=12) for _ in range(1500)]
+    holm_cfg, alone = section("promote", min_tasks=12), section("promote", min_tasks=12, multiplicity="none")
+    assert holm_cfg.multiplicity == "holm"  # the default
+    rate_holm = sum(_any_promoted(c, holm_cfg) for c in cycles) / len(cycles)
+    rate_alone = sum(_any_promoted(c, alone) for c in cycles) / len(cycles)
+    se = (0.05 * 0.95 / len(cycles)) ** 0.5
+    assert rate_holm <= 0.05 + 2 * se, rate_holm
+    assert rate_alone > 0.05 + 4 * se, rate_alone  # 0.13 here (1 - 0.95^3 = 0.14 if the tests were independent)
+
+
+def test_a_real_gain_next_to_null_candidates_is_judged_on_its_holm_adjusted_p() -> None:
+    """p = 0.03 passes alone; next to two candidates that did nothing (p 0.4, 0.7) Holm makes it 0.09 and the gate
+    refuses it on significance, saying so; with a clear gain (p 0.001) it still passes."""
+    rng = random.Random(4)
+    base = [rng.uniform(0.2, 0.6) for _ in range(25)]
+    cand, champ = _records([b + 0.02 for b in base]), _records(base)
+    cs, bs = summarise(cand, 500), summarise(champ, 500)
+    diff = paired_difference(cand, champ, 500)
+    cfg = section("promote")
+    for p_alone, others, promoted in ((0.03, (0.4, 0.7), False), (0.001, (0.4, 0.7), True), (0.03, (), True)):
+        diff = {**diff, "p_value": p_alone}
+        family = {"senior_researcher": diff, **{f"r{i}": {"p_value": q} for i, q in enumerate(others)}}
+        adjusted = family_p_values(family, cfg)
+        d = decide(cs, bs, diff, cfg, adjusted["senior_researcher"], len(family))
+        assert d.promote is promoted, (p_alone, others, d)
+        if others:
+            assert f"Holm-adjusted over the cycle's 3 candidates p={3 * p_alone:.4f}" in d.detail
+        if not promoted:
+            assert d.rule == "significance"
 
 
 def test_min_tasks_default_is_the_power_calculation() -> None:

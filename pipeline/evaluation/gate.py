@@ -11,7 +11,9 @@ checked in order and the first that fails decides, so the recorded ``rule`` says
    please the judge at the expense of being right).
 4. ``margin``: the mean reward gain must exceed ``promote.margin``.
 5. ``significance``: the exact one-sided sign-flip test of the paired reward differences must give
-   p < ``promote.alpha``.
+   p < ``promote.alpha``; with ``promote.multiplicity: holm`` that p is first Holm-adjusted over every
+   candidate the cycle evaluated (the caller passes it), so a cycle of several null candidates
+   promotes one of them with probability at most alpha, not about alpha per candidate.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.config import PromoteParams
+from pipeline.evaluation.significance import holm
 
 INSUFFICIENT = "insufficient_evidence"
 
@@ -38,8 +41,10 @@ def _mean(summary: dict[str, Any], key: str) -> float | None:
     return (summary.get(key) or {}).get("mean")
 
 
-def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, Any], cfg: PromoteParams) -> Decision:
-    """``candidate``/``champion``: metrics summaries; ``diff``: the paired candidate-champion difference."""
+def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, Any], cfg: PromoteParams,
+           adjusted_p: float | None = None, family: int = 1) -> Decision:
+    """``candidate``/``champion``: metrics summaries; ``diff``: the paired candidate-champion difference;
+    ``adjusted_p``: its p-value adjusted over the ``family`` of candidates tested with it (None: tested alone)."""
     if diff["n"] < cfg.min_tasks:
         return Decision(False, INSUFFICIENT, f"{diff['n']} paired task(s) < promote.min_tasks={cfg.min_tasks}: the difference "
                                              f"{diff['mean']:+.4f} (p={diff.get('p_value', float('nan')):.3f}) "
@@ -64,8 +69,19 @@ def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, 
                                          f"vs champion {champion['reward']['mean']:.4f}: "
                                          f"gain {gain:+.4f} is not above the margin {cfg.margin:.4f}")
     p = diff.get("p_value", 1.0)
-    evidence = (f"paired difference {diff['mean']:+.4f} over {diff['n']} tasks, sign-flip p={p:.4f}, "
-                f"{diff['ci']:.0%} bootstrap CI [{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]")
+    evidence = f"paired difference {diff['mean']:+.4f} over {diff['n']} tasks, sign-flip p={p:.4f}"
+    if adjusted_p is not None and family > 1:
+        evidence += f", Holm-adjusted over the cycle's {family} candidates p={adjusted_p:.4f}"
+        p = adjusted_p
+    evidence += f", {diff['ci']:.0%} bootstrap CI [{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]"
     if cfg.require_significance and not p < cfg.alpha:
         return Decision(False, "significance", f"{evidence}: p is not below promote.alpha={cfg.alpha:g}")
     return Decision(True, "promoted", f"gain {gain:+.4f} > margin {cfg.margin:.4f}; {evidence}")
+
+
+def family_p_values(differences: dict[str, dict[str, Any]], cfg: PromoteParams) -> dict[str, float]:
+    """Each role's sign-flip p-value as the gate holds it against alpha: Holm-adjusted over every candidate the
+    cycle evaluated (``promote.multiplicity: holm``), or its own. The family is fixed before any rule runs: a
+    candidate later refused on another rule still counts, which can only make the adjustment conservative."""
+    raw = {name: float(diff.get("p_value", 1.0)) for name, diff in differences.items()}
+    return holm(raw) if cfg.multiplicity == "holm" else raw

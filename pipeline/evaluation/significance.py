@@ -12,6 +12,10 @@ as significant. These two tests are valid at any n:
 - ``mcnemar_exact``: the exact McNemar test of paired decision correctness: only discordant tasks
   (one right, the other wrong) carry information, and under H0 each goes either way with p = 1/2,
   so the p-value is a binomial tail.
+- ``holm``: a cycle evaluates up to one candidate per role against one champion run and the gate
+  tests each; with three null candidates, one passes at alpha each with probability up to
+  1 - (1 - alpha)^3 (about 3 alpha). Holm's step-down adjustment keeps the chance that *any* of them
+  passes at alpha, under any dependence between the tests (they share the champion's draws).
 
 Pure numpy/stdlib so the gate runs in the control plane without scipy; the tests check both
 against scipy on synthetic data.
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from statistics import NormalDist
 from typing import Literal
 
@@ -96,3 +100,16 @@ def minimum_detectable_effect(sd: float, n: int, alpha: float = 0.05, power: flo
         return float("inf")
     z = NormalDist().inv_cdf
     return (z(1 - alpha) + z(power)) * sd / math.sqrt(n)
+
+
+def holm(p_values: Mapping[str, float]) -> dict[str, float]:
+    """Holm-adjusted p-values of a family of tests (one per key): rejecting each test whose adjusted p is below
+    alpha keeps the family-wise error rate at alpha. Sorted ascending, the i-th smallest (0-based) of m is
+    multiplied by m - i, and the running maximum keeps the adjusted values in the same order as the raw ones."""
+    order = sorted(p_values, key=lambda key: p_values[key])
+    adjusted: dict[str, float] = {}
+    running = 0.0
+    for i, key in enumerate(order):
+        running = max(running, min(1.0, (len(order) - i) * float(p_values[key])))
+        adjusted[key] = running
+    return adjusted

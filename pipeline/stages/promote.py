@@ -22,7 +22,7 @@ from mlflow import active_run, log_artifact, log_dict, log_metric
 
 from pipeline import metrics_files, registry, tracking
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
-from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide
+from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide, family_p_values
 from pipeline.io import write_json
 from pipeline.promotion import PromotionError, reconcile, switch
 from pipeline.serving import routing, stack
@@ -38,7 +38,7 @@ def _active_run_id() -> str:
 
 
 def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, entry: dict[str, Any],
-                 current_champion: str) -> dict[str, Any]:
+                 current_champion: str, adjusted_p: float | None = None, family: int = 1) -> dict[str, Any]:
     cand = registry.get_version(name, entry["candidate"]["version"])
     if str(cand.version) == str(current_champion) and cand.tags.get("promotion.decision") == "promoted":
         # a retried promote (the DAG retries the task) after this switch completed: recognise it, change nothing
@@ -55,8 +55,10 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
         decision = Decision(False, "stale", f"evaluated against champion v{entry['champion']['version']}, "
                                             f"but the champion is now v{current_champion}; evaluate again")
     else:
-        decision = decide(entry["candidate"]["metrics"], entry["champion"]["metrics"], entry["difference"], promote)
+        decision = decide(entry["candidate"]["metrics"], entry["champion"]["metrics"], entry["difference"], promote,
+                          adjusted_p, family)
     out: dict[str, Any] = {"candidate": cand.version, "champion_before": current_champion, **decision.as_dict(),
+                           "p_value": entry["difference"].get("p_value"), "p_adjusted": adjusted_p, "family": family,
                            "candidate_reward": entry["candidate"]["metrics"]["reward"]["mean"],
                            "champion_reward": entry["champion"]["metrics"]["reward"]["mean"], "difference": entry["difference"]}
     status = "promoted" if decision.promote else INSUFFICIENT if decision.rule == INSUFFICIENT else "rejected"
@@ -66,6 +68,7 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
             "promotion.run": _active_run_id(),
             "promotion.evidence": json.dumps({"candidate_run": entry["candidate"]["run_id"],
                                               "champion_run": entry["champion"]["run_id"],
+                                              "p_adjusted": adjusted_p, "family": family,
                                               "difference": entry["difference"]})[:4000]}
     if status == "promoted":
         try:  # the decision's tags are written by the switch itself, once the alias moved (or by a reconcile after a crash)
@@ -88,10 +91,12 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
     summary = json.loads(Path(evaluate.out_dir, "summary.json").read_text())
     decisions: dict[str, Any] = {}
     failure: PromotionError | None = None
+    family = family_p_values({name: entry["difference"] for name, entry in summary["roles"].items()}, promote)
     for name, entry in summary["roles"].items():
         champion = registry.by_alias(name, registry.CHAMPION)
         try:
-            decisions[name] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "")
+            decisions[name] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "",
+                                           family[name], len(family) if promote.multiplicity == "holm" else 1)
         except PromotionError as exc:
             decisions[name] = {"status": "failed", "rule": "deployment", "detail": str(exc),
                                "candidate": entry["candidate"]["version"]}
