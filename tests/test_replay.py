@@ -175,3 +175,35 @@ def test_a_retried_rollout_is_answered_from_the_start_of_the_record_again(tmp_pa
         retry = _rollout(tmp_path, model, book)
         assert [c["output"] for c in _calls(retry, *before)] == [c["output"] for c in _calls(champion, *before)], attempt
         assert model.requests["junior_researcher"] == 0 and model.requests["supervisor"] == 0, attempt
+
+
+def test_a_call_that_asks_for_logprobs_is_never_answered_from_the_record() -> None:
+    """The judge scores from the logprobs of its answer, which a recorded span does not keep. With seeded calls a
+    candidate's judge request can equal the champion's byte for byte; answered from the record, it scored 0 on every
+    task (seen in benchmarks/bench_learning.py). It is sent, and its span carries the logprobs."""
+    sent: Counter[str] = Counter()
+
+    def judge_model(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent[body["model"]] += 1
+        token = {"token": "4", "logprob": -0.1, "top_logprobs": [{"token": "4", "logprob": -0.1}]}
+        return httpx.Response(200, json={"model": body["model"], "usage": {"total_tokens": 3}, "choices": [
+            {"message": {"content": '{"score": 4}'}, "finish_reason": "stop", "logprobs": {"content": [token]}}]})
+
+    async def ask(book: CallBook | None) -> dict[str, Any]:
+        client = RoleClient("http://proxy.invalid/v1", "k", max_tokens=8, temperature=0.0, timeout_s=5, replay=book)
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(judge_model))
+        spans: list[dict[str, Any]] = []
+        try:
+            await client.chat("judge", "judge", [{"role": "user", "content": "Score it."}], spans, top_logprobs=5)
+        finally:
+            await client.aclose()
+        return spans[0]
+
+    ROLLOUT_ID.set("123-0")
+    recorded = asyncio.run(ask(None))
+    recorded["data"].pop("logprobs")  # what the judge does before the span is kept
+    book = CallBook.from_traces([{"rollout_id": "123-0", "spans": [recorded]}], live=["senior_researcher"])
+    again = asyncio.run(ask(book))
+    assert sent["judge"] == 2 and not again["data"].get("replayed") and again["data"]["logprobs"]
+    assert book.replayed == 0

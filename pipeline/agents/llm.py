@@ -119,7 +119,9 @@ class RoleClient:
                                          "max_tokens": body["max_tokens"], "temperature": temp,
                                          "frequency_penalty": penalty, "seed": body.get("seed")}}
         span["data"]["request_key"] = key = request_key(agent, body)
-        if self.replay is not None and (recorded := self.replay.take(model, key)) is not None:
+        # a call that asks for logprobs (the judge's) runs live: a record keeps no logprobs (they are taken off the span),
+        # so a replayed answer would score as if the judge had given no probabilities at all
+        if self.replay is not None and not top_logprobs and (recorded := self.replay.take(model, key)) is not None:
             span["data"].update(ok=True, replayed=True, latency_s=0.0, **recorded)
             spans.append(span)
             return recorded["output"] or ""
