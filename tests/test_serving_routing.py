@@ -261,3 +261,49 @@ def test_params_whose_trained_adapters_cannot_be_served_are_refused(tmp_path: Pa
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     with pytest.raises(ValueError, match=r"ppo\.lora vs serving\.workers\[base\]: rank 16 > max_lora_rank 8"):
         load_params(tmp_path / "params.yaml", environ={})
+
+
+HEALTHY = ("import http.server, sys\n"
+           "class H(http.server.BaseHTTPRequestHandler):\n"
+           "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+           "    def log_message(self, *a): pass\n"
+           "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+
+
+def test_a_running_worker_started_with_other_settings_is_restarted_not_reused(tmp_path: Path, params,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker left running by an earlier `make run` is reused only if it was started exactly as params now ask:
+    after a change of chunked_prefill (the flags seeded calls need on CPU) or of the KV cache it is restarted with
+    the new settings. The worker here is a stand-in HTTP server started with the worker's own argv appended."""
+    import sys
+
+    from pipeline.services.process import free_port
+    from pipeline.serving import worker
+
+    real = worker.command
+    monkeypatch.setattr(worker, "command", lambda w, python: [sys.executable, "-c", HEALTHY, str(w.port), *real(w, python)[3:]])
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    w = params.serving.workers[0].model_copy(update={"model": str(model), "port": free_port()})
+
+    def cmdline() -> str:
+        pid = worker.service(params.serving, w).pid()
+        assert pid is not None
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+    try:
+        worker.up(params.serving, w)
+        first = worker.service(params.serving, w).pid()
+        assert "--no-enable-chunked-prefill" in cmdline()
+        worker.up(params.serving, w)
+        assert worker.service(params.serving, w).pid() == first  # the same settings: reused
+        w = w.model_copy(update={"chunked_prefill": True})
+        worker.up(params.serving, w)
+        second = worker.service(params.serving, w).pid()
+        assert second != first and "--enable-chunked-prefill" in cmdline()
+        w = w.model_copy(update={"kv_cache_gib": w.kv_cache_gib + 1})
+        worker.up(params.serving, w)
+        assert worker.service(params.serving, w).pid() not in (first, second)
+    finally:
+        worker.down(params.serving, w)

