@@ -155,9 +155,9 @@ def _null_cycle(rng: np.random.Generator, roles: int, n: int) -> dict[str, dict]
 
 
 def _any_promoted(entries: dict[str, dict], cfg) -> bool:
-    adjusted = family_p_values({k: e["difference"] for k, e in entries.items()}, cfg)
-    return any(decide(e["candidate"], e["champion"], e["difference"], cfg, adjusted[k],
-                      len(adjusted) if cfg.multiplicity == "holm" else 1).promote for k, e in entries.items())
+    adjusted, family = family_p_values({k: e["difference"] for k, e in entries.items()}, cfg)
+    return any(decide(e["candidate"], e["champion"], e["difference"], cfg, adjusted[k], family).promote
+               for k, e in entries.items())
 
 
 def test_a_cycle_of_three_null_candidates_promotes_one_at_most_alpha_of_the_time() -> None:
@@ -186,13 +186,23 @@ def test_a_real_gain_next_to_null_candidates_is_judged_on_its_holm_adjusted_p() 
     for p_alone, others, promoted in ((0.03, (0.4, 0.7), False), (0.001, (0.4, 0.7), True), (0.03, (), True)):
         diff = {**diff, "p_value": p_alone}
         family = {"senior_researcher": diff, **{f"r{i}": {"p_value": q} for i, q in enumerate(others)}}
-        adjusted = family_p_values(family, cfg)
-        d = decide(cs, bs, diff, cfg, adjusted["senior_researcher"], len(family))
+        adjusted, size = family_p_values(family, cfg)
+        assert size == len(family)
+        d = decide(cs, bs, diff, cfg, adjusted["senior_researcher"], size)
         assert d.promote is promoted, (p_alone, others, d)
         if others:
             assert f"Holm-adjusted over the cycle's 3 candidates p={3 * p_alone:.4f}" in d.detail
         if not promoted:
             assert d.rule == "significance"
+
+
+def test_without_multiplicity_each_candidate_keeps_its_own_p_and_a_family_of_one() -> None:
+    """promote.multiplicity: none: the p-values pass through unchanged and decide() is told each stood alone, so
+    its detail names no Holm adjustment."""
+    family = {"a": {"p_value": 0.03}, "b": {"p_value": 0.4}, "c": {"p_value": 0.7}}
+    assert family_p_values(family, section("promote", multiplicity="none")) == ({"a": 0.03, "b": 0.4, "c": 0.7}, 1)
+    adjusted, size = family_p_values(family, section("promote"))
+    assert size == 3 and adjusted["a"] == pytest.approx(0.09)
 
 
 def test_min_tasks_default_is_the_power_calculation() -> None:

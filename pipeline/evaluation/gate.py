@@ -79,9 +79,12 @@ def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, 
     return Decision(True, "promoted", f"gain {gain:+.4f} > margin {cfg.margin:.4f}; {evidence}")
 
 
-def family_p_values(differences: dict[str, dict[str, Any]], cfg: PromoteParams) -> dict[str, float]:
-    """Each role's sign-flip p-value as the gate holds it against alpha: Holm-adjusted over every candidate the
-    cycle evaluated (``promote.multiplicity: holm``), or its own. The family is fixed before any rule runs: a
-    candidate later refused on another rule still counts, which can only make the adjustment conservative."""
+def family_p_values(differences: dict[str, dict[str, Any]], cfg: PromoteParams) -> tuple[dict[str, float], int]:
+    """Each role's sign-flip p-value as the gate holds it against alpha, and the size of the family it was adjusted
+    over (``decide``'s ``family``): Holm-adjusted over every candidate the cycle evaluated
+    (``promote.multiplicity: holm``), or its own (family 1). The family is fixed before any rule runs: a candidate
+    later refused on another rule still counts, which can only make the adjustment conservative."""
     raw = {name: float(diff.get("p_value", 1.0)) for name, diff in differences.items()}
-    return holm(raw) if cfg.multiplicity == "holm" else raw
+    if cfg.multiplicity == "holm":
+        return holm(raw), len(raw)
+    return raw, 1

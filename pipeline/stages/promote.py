@@ -91,12 +91,12 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
     summary = json.loads(Path(evaluate.out_dir, "summary.json").read_text())
     decisions: dict[str, Any] = {}
     failure: PromotionError | None = None
-    family = family_p_values({name: entry["difference"] for name, entry in summary["roles"].items()}, promote)
+    adjusted, family = family_p_values({name: entry["difference"] for name, entry in summary["roles"].items()}, promote)
     for name, entry in summary["roles"].items():
         champion = registry.by_alias(name, registry.CHAMPION)
         try:
             decisions[name] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "",
-                                           family[name], len(family) if promote.multiplicity == "holm" else 1)
+                                           adjusted[name], family)
         except PromotionError as exc:
             decisions[name] = {"status": "failed", "rule": "deployment", "detail": str(exc),
                                "candidate": entry["candidate"]["version"]}
