@@ -307,3 +307,37 @@ def test_a_running_worker_started_with_other_settings_is_restarted_not_reused(tm
         assert worker.service(params.serving, w).pid() not in (first, second)
     finally:
         worker.down(params.serving, w)
+
+
+def test_a_running_proxy_started_with_other_deployments_is_restarted_not_reused(params,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy's config comes from params (its deployments: one per worker, their addresses and timeouts). A proxy
+    left running by an earlier run is reused only while params would write the same config: after a worker moves to
+    another port it is restarted, and its litellm.yaml names the new address. The proxy here is a stand-in HTTP server
+    started with the proxy's own argv appended; its keys stay out of what it records."""
+    import sys
+
+    from pipeline.services.process import Service, free_port
+
+    real = proxy._command
+    monkeypatch.setattr(proxy, "_command", lambda s, host: [sys.executable, "-c", HEALTHY, str(s.proxy.port), *real(s, host)])
+    serving = params.serving.model_copy(update={"proxy": params.serving.proxy.model_copy(update={"port": free_port()})})
+    service = Service("proxy", Path(serving.home).resolve())
+    try:
+        proxy.up(serving)
+        first = service.pid()
+        assert first is not None
+        proxy.up(serving)
+        assert service.pid() == first  # the same params: reused
+        moved = serving.workers[0].model_copy(update={"port": serving.workers[0].port + 1})
+        serving = serving.model_copy(update={"workers": [moved, *serving.workers[1:]]})
+        proxy.up(serving)
+        second = service.pid()
+        assert second not in (None, first)
+        cfg = yaml.safe_load((Path(serving.home) / "litellm.yaml").read_text())
+        bases = {m["litellm_params"]["api_base"] for m in cfg["model_list"] if m["model_name"] == moved.name}
+        assert bases == {f"http://{moved.host}:{moved.port}/v1"}
+        recorded = service.meta_file.read_text()
+        assert proxy.api_key(serving) not in recorded and "os.environ/LITELLM_MASTER_KEY" in recorded
+    finally:
+        proxy.down(serving)

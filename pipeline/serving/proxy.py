@@ -67,17 +67,22 @@ def active_file(serving: ServingParams) -> Path:
     return Path(serving.home).resolve() / "routing" / "active.json"
 
 
-def write_config(serving: ServingParams) -> Path:
-    config = {
+def config(serving: ServingParams) -> dict[str, Any]:
+    """The proxy's litellm config, from params alone (routing lives in ``active.json``, read per request). It names
+    keys by environment variable only, so it can sit in a file and in the service's recorded identity."""
+    return {
         "model_list": [{"model_name": name, "litellm_params": lp} for name, lp in deployments(serving).items()],
         "litellm_settings": {"callbacks": "pipeline.serving.role_router.role_router", "drop_params": False,
                              "request_timeout": serving.proxy.request_timeout_s},
         "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY",
                              "custom_auth": "pipeline.serving.auth.user_api_key_auth"},
     }
+
+
+def write_config(serving: ServingParams) -> Path:
     path = Path(serving.home).resolve() / "litellm.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text(path, yaml.safe_dump(config, sort_keys=False))
+    write_text(path, yaml.safe_dump(config(serving), sort_keys=False))
     return path
 
 
@@ -112,11 +117,15 @@ def up(serving: ServingParams, host: str | None = None) -> str:
             return url
         raise ServiceError(f"proxy at {url} is remote and not healthy; it is not started from here")
     service = Service("proxy", Path(serving.home).resolve())
-    identity = {"config": str(Path(serving.home).resolve() / "litellm.yaml")}
+    host = host or serving.proxy.host
+    env = _env(serving)
+    # everything it is started with but its keys: a proxy left running with other deployments (a worker added or moved,
+    # another timeout) is restarted, not reused answering from the old config (the workers' rule: serving/worker.py)
+    identity = {"config_file": str(Path(serving.home).resolve() / "litellm.yaml"), "config": config(serving), "host": host,
+                "port": serving.proxy.port, "env": {k: v for k, v in env.items() if k not in (KEY_ENV, WORKER_KEY_ENV)}}
     if claim(service, identity, serving.proxy.host, serving.proxy.port, health, "serving.proxy.port"):
         return url
-    start(service, _command(serving, host or serving.proxy.host), health, env=_env(serving), timeout_s=180, meta={"url": url},
-          identity=identity)
+    start(service, _command(serving, host), health, env=env, timeout_s=180, meta={"url": url}, identity=identity)
     return url
 
 
