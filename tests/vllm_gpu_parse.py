@@ -1,7 +1,7 @@
 """Parse vLLM command lines with the GPU image's own vLLM release (run by tests/test_vllm_gpu_argv.py).
 
-Run with the model venv's python and the unpacked release first on PYTHONPATH (.venv/vllm-gpu,
-requirements/contract-vllm-gpu.txt). Reads {"api_server": [argv, ...], "serve": [argv, ...]} on stdin: ``api_server``
+Run with the model venv's python and the unpacked release first on PYTHONPATH (.venv/gpu-unpacked,
+requirements/gpu-unpacked.txt). Reads {"api_server": [argv, ...], "serve": [argv, ...]} on stdin: ``api_server``
 argvs are what follows ``python -m vllm.entrypoints.openai.api_server`` (the local workers' launcher, parsed as its
 ``__main__`` parses them), ``serve`` argvs what follows the stock image's ``vllm serve`` entrypoint (compose, Kubernetes),
 parsed by the ``serve`` subcommand's parser. Both then go through ``validate_parsed_serve_args``, as at startup.

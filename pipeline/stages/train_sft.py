@@ -91,17 +91,43 @@ def pick_backend(sft: SftParams) -> tuple[str, str | None]:
     return "trl", f"sft.backend=auto fell back to TRL: {why}"
 
 
+def unsloth_load_kwargs(sft: SftParams) -> dict[str, Any]:
+    """``FastLanguageModel.from_pretrained``'s keywords (after the model path). A function of its own so that the
+    contract test checks these very names against the pinned unsloth release (tests/test_sft_gpu_contract.py)."""
+    return {"max_seq_length": sft.max_length, "load_in_4bit": False, "dtype": None}
+
+
+def unsloth_peft_kwargs(sft: SftParams) -> dict[str, Any]:
+    """``FastLanguageModel.get_peft_model``'s keywords (after the model); checked like ``unsloth_load_kwargs``."""
+    lora = sft.lora
+    return {"r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": lora.target_modules,
+            "random_state": sft.seed, "use_gradient_checkpointing": "unsloth"}
+
+
+UNSLOTH_MERGED = "merged_16bit"  # save_pretrained_merged's save_method: the merged weights in 16 bit, as vLLM loads them
+
+
+def trainer_args(sft: SftParams, output_dir: Path, cuda: bool) -> dict[str, Any]:
+    """TRL ``SFTConfig``'s keywords, for both backends. ``cuda``: bf16 on the device, else fp32 on the CPU. Checked against
+    the GPU image's trl and transformers releases (tests/test_sft_gpu_contract.py), the CPU plane's run them here."""
+    return {"output_dir": str(output_dir), "max_steps": sft.max_steps,
+            "per_device_train_batch_size": sft.batch_size, "per_device_eval_batch_size": sft.batch_size,
+            "gradient_accumulation_steps": sft.grad_accum,
+            "learning_rate": sft.learning_rate, "lr_scheduler_type": "constant", "warmup_steps": 0, "logging_steps": 1,
+            "eval_strategy": "steps", "eval_steps": max(1, sft.max_steps // 2), "save_strategy": "no", "report_to": "none",
+            "max_length": sft.max_length, "completion_only_loss": True, "seed": sft.seed, "data_seed": sft.seed,
+            "bf16": cuda, "use_cpu": not cuda, "dataloader_num_workers": 0,
+            "disable_tqdm": False, "gradient_checkpointing": sft.gradient_checkpointing}
+
+
 def _model_and_peft(sft: SftParams, backend: str) -> tuple[Any, Any, Any]:
     """(model, tokenizer, peft_config or None when the model is already wrapped)."""
     lora = sft.lora
     if backend == "unsloth":
         from unsloth import FastLanguageModel  # noqa: PLC0415 - model plane only (GPU)
 
-        model, tokenizer = FastLanguageModel.from_pretrained(sft.base_model, max_seq_length=sft.max_length, load_in_4bit=False,
-                                                             dtype=None)
-        model = FastLanguageModel.get_peft_model(model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=lora.target_modules, random_state=sft.seed,
-                                                 use_gradient_checkpointing="unsloth")
+        model, tokenizer = FastLanguageModel.from_pretrained(sft.base_model, **unsloth_load_kwargs(sft))
+        model = FastLanguageModel.get_peft_model(model, **unsloth_peft_kwargs(sft))
         return model, tokenizer, None
     import torch  # noqa: PLC0415 - model plane only
     from peft import LoraConfig  # noqa: PLC0415 - model plane only
@@ -131,14 +157,7 @@ def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
     eval_ds = Dataset.from_list([{k: r[k] for k in columns} for r in eval_rows])
     out = Path(sft.out_dir)
     with atomic_dir(out) as tmp:
-        args = SFTConfig(output_dir=str(tmp / "checkpoints"), max_steps=sft.max_steps,
-                         per_device_train_batch_size=sft.batch_size, per_device_eval_batch_size=sft.batch_size,
-                         gradient_accumulation_steps=sft.grad_accum,
-                         learning_rate=sft.learning_rate, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
-                         eval_strategy="steps", eval_steps=max(1, sft.max_steps // 2), save_strategy="no", report_to="none",
-                         max_length=sft.max_length, completion_only_loss=True, seed=sft.seed, data_seed=sft.seed,
-                         bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-                         disable_tqdm=False, gradient_checkpointing=sft.gradient_checkpointing)
+        args = SFTConfig(**trainer_args(sft, tmp / "checkpoints", torch.cuda.is_available()))
         trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
                              peft_config=peft)
         # the loss on the training rows themselves, before and after: per-step losses are on different batches (noise
@@ -154,7 +173,7 @@ def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
         tokenizer.save_pretrained(str(tmp / "adapter"))
         if sft.merge:
             if backend == "unsloth":
-                trainer.model.save_pretrained_merged(str(tmp / "merged"), tokenizer, save_method="merged_16bit")
+                trainer.model.save_pretrained_merged(str(tmp / "merged"), tokenizer, save_method=UNSLOTH_MERGED)
             else:
                 merged = trainer.model.merge_and_unload()
                 merged.to(torch.bfloat16).save_pretrained(str(tmp / "merged"), safe_serialization=True)
