@@ -304,7 +304,15 @@ def test_a_running_worker_started_with_other_settings_is_restarted_not_reused(tm
         assert second != first and "--enable-chunked-prefill" in cmdline()
         w = w.model_copy(update={"kv_cache_gib": w.kv_cache_gib + 1})
         worker.up(params.serving, w)
-        assert worker.service(params.serving, w).pid() not in (first, second)
+        third = worker.service(params.serving, w).pid()
+        assert third not in (first, second)
+        Path(w.key_file).unlink()  # the worker's key rotated: restarted with the new one, which is never recorded
+        worker.up(params.serving, w)
+        fourth = worker.service(params.serving, w).pid()
+        assert fourth not in (first, second, third)
+        key = worker.api_key(w)
+        assert f"{worker.KEY_ENV}={key}".encode() in Path(f"/proc/{fourth}/environ").read_bytes().split(b"\0")
+        assert key not in worker.service(params.serving, w).meta_file.read_text()
     finally:
         worker.down(params.serving, w)
 
@@ -339,5 +347,16 @@ def test_a_running_proxy_started_with_other_deployments_is_restarted_not_reused(
         assert bases == {f"http://{moved.host}:{moved.port}/v1"}
         recorded = service.meta_file.read_text()
         assert proxy.api_key(serving) not in recorded and "os.environ/LITELLM_MASTER_KEY" in recorded
+        # a rotated key (the key file replaced): the proxy still holding the old one would refuse every client
+        key_file = Path(serving.proxy.key_file)
+        key_file.unlink()
+        new_key = proxy.api_key(serving)  # generated anew, 0600
+        proxy.up(serving)
+        third = service.pid()
+        assert third not in (None, first, second)
+        assert f"{proxy.KEY_ENV}={new_key}".encode() in Path(f"/proc/{third}/environ").read_bytes().split(b"\0")
+        assert new_key not in service.meta_file.read_text()
+        proxy.up(serving)
+        assert service.pid() == third  # the same key: reused
     finally:
         proxy.down(serving)

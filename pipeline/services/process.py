@@ -63,9 +63,12 @@ class Service:
             return None  # the pid was reused by a later, unrelated process
         return pid
 
-    def runs_as(self, identity: Mapping[str, object]) -> bool:
-        """Our recorded process is alive and was started with this identity."""
-        return self.pid() is not None and self.meta().get("identity") == identity_key(identity)
+    def runs_as(self, identity: Mapping[str, object], secrets: Mapping[str, str] | None = None) -> bool:
+        """Our recorded process is alive and was started with this identity and, when given, these secrets in its
+        environment (a key rotated since: restart it, or every client holding the new key is refused)."""
+        pid = self.pid()
+        return (pid is not None and self.meta().get("identity") == identity_key(identity)
+                and _started_with(pid, secrets or {}))
 
     def meta(self) -> dict:
         try:
@@ -84,19 +87,35 @@ def _process_start(pid: int) -> float | None:
     return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
+def _started_with(pid: int, secrets: Mapping[str, str]) -> bool:
+    """Whether process ``pid`` was started with these environment values. They are compared in place (the process's
+    initial environment, ``/proc/<pid>/environ``, readable by its own user), never recorded. Where that cannot be read
+    (no /proc), True: the identity alone decides, as it did before secrets were compared."""
+    if not secrets:
+        return True
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return True
+    env = dict(entry.split(b"=", 1) for entry in raw.split(b"\0") if b"=" in entry)
+    return all(env.get(name.encode()) == value.encode() for name, value in secrets.items())
+
+
 def identity_key(identity: Mapping[str, object]) -> str:
     return json.dumps(identity, sort_keys=True, default=str)
 
 
 def claim(service: Service, identity: Mapping[str, object], host: str, port: int, health_url: str, param: str,
-          describe: Callable[[], str] | None = None, wait_s: float = 60.0) -> bool:
+          describe: Callable[[], str] | None = None, wait_s: float = 60.0,
+          secrets: Mapping[str, str] | None = None) -> bool:
     """True if this checkout's own service, with this identity, already answers (reuse it).
 
-    Our own service with another identity (params changed) or unhealthy is stopped, so the caller
+    Our own service with another identity (params changed), started with other ``secrets`` (a rotated
+    key: compared in its environment, never recorded) or unhealthy is stopped, so the caller
     starts a fresh one. If anything else holds the port, raise naming the port, what answers there
     and the param to change.
     """
-    if service.runs_as(identity):
+    if service.runs_as(identity, secrets):
         deadline = time.monotonic() + wait_s  # ours and the same: it may still be starting (a parallel task)
         while True:
             if http_ok(health_url):
@@ -190,6 +209,7 @@ def start(
     cwd: str | Path | None = None,
     health_headers: Mapping[str, str] | None = None,
     identity: Mapping[str, object] | None = None,
+    secrets: Mapping[str, str] | None = None,
 ) -> int:
     """Start ``cmd`` detached unless this same service (same identity) already answers; wait until healthy.
 
@@ -200,7 +220,7 @@ def start(
     identity = identity or {"cmd": list(cmd)}
     ready: Callable[[], bool] = ((lambda: http_ok(health_url, headers=health_headers)) if isinstance(health_url, str)
                                  else health_url)
-    if service.runs_as(identity) and ready():
+    if service.runs_as(identity, secrets) and ready():
         return service.pid()  # type: ignore[return-value]
     stop(service)
     log = open(service.log_file, "ab")  # noqa: SIM115 - handed to the child

@@ -121,11 +121,13 @@ def up(serving: ServingParams, host: str | None = None) -> str:
     env = _env(serving)
     # everything it is started with but its keys: a proxy left running with other deployments (a worker added or moved,
     # another timeout) is restarted, not reused answering from the old config (the workers' rule: serving/worker.py)
+    secrets = {k: v for k, v in env.items() if k in (KEY_ENV, WORKER_KEY_ENV)}  # compared in its environment, never recorded
     identity = {"config_file": str(Path(serving.home).resolve() / "litellm.yaml"), "config": config(serving), "host": host,
-                "port": serving.proxy.port, "env": {k: v for k, v in env.items() if k not in (KEY_ENV, WORKER_KEY_ENV)}}
-    if claim(service, identity, serving.proxy.host, serving.proxy.port, health, "serving.proxy.port"):
+                "port": serving.proxy.port, "env": {k: v for k, v in env.items() if k not in secrets}}
+    if claim(service, identity, serving.proxy.host, serving.proxy.port, health, "serving.proxy.port", secrets=secrets):
         return url
-    start(service, _command(serving, host), health, env=env, timeout_s=180, meta={"url": url}, identity=identity)
+    start(service, _command(serving, host), health, env=env, timeout_s=180, meta={"url": url}, identity=identity,
+          secrets=secrets)
     return url
 
 

@@ -87,8 +87,9 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
     # chunked_prefill, the KV cache, the LoRA rank) is restarted, not reused with the old ones
     identity = {"model": str(Path(worker.model).resolve()), "served_name": served_name(worker), "argv": argv,
                 "env": settings}
+    key = _require_key(worker)  # vLLM's own check (/v1...) and the guard (every other path but /health)
     if claim(service(serving, worker), identity, worker.host, worker.port, f"{url}/health",
-             f"serving.workers[{worker.name}].port", lambda: describe(url)):
+             f"serving.workers[{worker.name}].port", lambda: describe(url), secrets={KEY_ENV: key}):
         return url
     if not Path(worker.model, "config.json").exists():
         raise ServiceError(f"worker {worker.name}: {worker.model} is not an HF model folder; "
@@ -96,11 +97,12 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
     adapters.mkdir(parents=True, exist_ok=True)
     env = {
         **settings,
-        KEY_ENV: _require_key(worker),  # vLLM's own check (/v1...) and the guard (every other path but /health)
+        KEY_ENV: key,
         "PYTHONPATH": pythonpath(),  # the guard middleware is imported from this checkout
     }
     start(service(serving, worker), argv, f"{url}/health", env=env,
-          timeout_s=serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity)
+          timeout_s=serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity,
+          secrets={KEY_ENV: key})
     return url
 
 
