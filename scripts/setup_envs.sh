@@ -21,6 +21,14 @@ CONTRACT=requirements/contract.txt
 # name==version pins of a requirements file, names normalised (PEP 503), comments dropped
 pins() { sed -e 's/#.*//' -e 's/;.*//' -e 's/[[:space:]]//g' "$1" | awk -F'==' 'NF == 2 { n = tolower($1); gsub(/[-_.]+/, "-", n); print n "==" $2 }'; }
 
+# the pins of file $2 that lock $1 pins otherwise, each "name (lock X, <$3> Y)"; with "all" as $4, also those the lock
+# does not pin at all, "name (<$3> Y, not in lock)"
+unlike() {  # lock file label [all]
+  awk -F'==' -v label="$3" -v all="${4:-}" 'NR == FNR { lock[$1] = $2; next }
+    ($1 in lock) && lock[$1] != $2 { printf "%s (lock %s, %s %s) ", $1, lock[$1], label, $2 }
+    !($1 in lock) && all != "" { printf "%s (%s %s, not in lock) ", $1, label, $2 }' <(pins "$1") <(pins "$2")
+}
+
 # verl's wheel also installs top-level `tests` and `scripts` packages into site-packages; run from
 # outside the checkout, `import tests` would find verl's instead of this repository's.
 drop_stray_packages() {
@@ -37,8 +45,7 @@ build() {  # name python lockfile
   local name=$1 py=$2 lock=$3
   # --no-deps on top of the lock would silently replace a locked version: a shared package must share its pin
   local clash
-  clash=$(awk -F'==' 'NR == FNR { lock[$1] = $2; next } ($1 in lock) && lock[$1] != $2 { printf "%s (lock %s, contract %s) ", $1, lock[$1], $2 }' \
-          <(pins "$lock") <(pins "$CONTRACT"))
+  clash=$(unlike "$lock" "$CONTRACT" contract)
   [ -z "$clash" ] || { echo "setup: $CONTRACT pins differ from $lock: $clash" >&2; exit 1; }
   [ -x "$py" ] || { echo "setup: interpreter $py for '$name' not found (set PIPELINE_PY312/PIPELINE_PY311)" >&2; exit 1; }
   local key
@@ -65,9 +72,8 @@ build() {  # name python lockfile
 unpack() {  # name pinfile lockfile python
   local name=$1 file=$2 lock=$3 py=$4
   local clash
-  clash=$(awk -F'==' 'NR == FNR { lock[$1] = $2; next } !($1 in lock) || lock[$1] != $2 { printf "%s==%s ", $1, $2 }' \
-          <(pins "$lock") <(pins "$file"))
-  [ -z "$clash" ] || { echo "setup: $file pins $clash not as $lock pins them" >&2; exit 1; }
+  clash=$(unlike "$lock" "$file" "$file" all)
+  [ -z "$clash" ] || { echo "setup: $file must pin exactly as $lock: $clash" >&2; exit 1; }
   local key
   key=$(cat "$file" | sha256sum | cut -c1-16)
   local dir="$ROOT/$name-$key"
