@@ -14,18 +14,14 @@ stops at "0 active drivers". Tried on the random-weight test model: it failed th
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
 from pathlib import Path
 
 from pipeline.config import SftParams, load_params
-from pipeline.envs import model_python
 from pipeline.stages.train_sft import UNSLOTH_MERGED, trainer_args, unsloth_load_kwargs, unsloth_peft_kwargs
+from tests.conftest import GPU_RELEASES, run_with_gpu_releases
 
 ROOT = Path(__file__).resolve().parent.parent
-UNPACKED = ROOT / ".venv" / "gpu-unpacked"
-UNSLOTH = UNPACKED / "unsloth"
+UNSLOTH = GPU_RELEASES / "unsloth"
 
 
 def _function(path: Path, name: str, cls: str | None = None) -> ast.FunctionDef:
@@ -95,19 +91,9 @@ def test_the_trainer_arguments_are_fields_of_the_pinned_trl_and_build_its_config
         "print(json.dumps({'trl': trl.__version__, 'transformers': transformers.__version__, 'unknown': unknown,\n"
         "                  'max_length': cfg.max_length, 'completion_only_loss': cfg.completion_only_loss,\n"
         "                  'gradient_checkpointing': cfg.gradient_checkpointing}))\n")
-    out = _run_unpacked(["-c", script, str(ROOT), str(tmp_path)])
+    out = run_with_gpu_releases(["-c", script, str(ROOT), str(tmp_path)])
     assert (out["trl"], out["transformers"]) == ("1.15.0", "5.17.0")
     assert out["unknown"] == []
     assert (out["max_length"], out["completion_only_loss"], out["gradient_checkpointing"]) == (
         sft.max_length, True, sft.gradient_checkpointing)
     assert set(trainer_args(sft, tmp_path, cuda=True)) == set(trainer_args(sft, tmp_path, cuda=False))  # only values differ
-
-
-def _run_unpacked(argv: list[str], timeout: int = 300) -> dict:
-    """The model venv's python with the GPU image's releases first on its path (then this checkout)."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "MLFLOW_"))},
-           "PYTHONPATH": f"{UNPACKED}{os.pathsep}{ROOT}", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([model_python(), *argv], capture_output=True, text=True, timeout=timeout, env=env, check=False,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])

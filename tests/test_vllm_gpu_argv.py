@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +19,18 @@ import yaml
 
 from pipeline.config import load_params
 from pipeline.serving import worker as worker_mod
+from tests.conftest import GPU_RELEASES, run_with_gpu_releases
 from tests.test_infra import _interpolate, _objects
 
 ROOT = Path(__file__).resolve().parent.parent
-RELEASE = ROOT / ".venv" / "gpu-unpacked"
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 STOCK_GUARD = "vllm_guard.KeyOnEveryPath"
 
 
 def _parse(api_server: list[list[str]], serve: list[list[str]]) -> dict[str, Any]:
-    assert (RELEASE / "vllm").is_dir(), f"{RELEASE} missing: run `make setup` (scripts/setup_envs.sh unpacks it)"
-    env = {"PYTHONPATH": str(RELEASE), "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "VLLM_LOGGING_LEVEL": "ERROR"}
-    out = subprocess.run([str(ROOT / ".venv/model/bin/python"), str(ROOT / "tests/vllm_gpu_parse.py")],
-                         input=json.dumps({"api_server": api_server, "serve": serve}), capture_output=True, text=True,
-                         check=False, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_with_gpu_releases([str(ROOT / "tests/vllm_gpu_parse.py")],
+                                 stdin=json.dumps({"api_server": api_server, "serve": serve}),
+                                 env={"VLLM_LOGGING_LEVEL": "ERROR"})
 
 
 def _pinned() -> str:
@@ -65,7 +60,7 @@ def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_par
     commands = [worker_mod.command(w, "python") for w in workers]
     assert all(cmd[:3] == LAUNCHER for cmd in commands)
     # the launcher module exists in that release and parses as its __main__ does (make_arg_parser + validate)
-    main = (RELEASE / "vllm/entrypoints/openai/api_server.py").read_text()
+    main = (GPU_RELEASES / "vllm/entrypoints/openai/api_server.py").read_text()
     assert 'if __name__ == "__main__":' in main and "make_arg_parser(parser)" in main
     stock = _stock_argvs()
     assert stock, "no stock-image vLLM worker found in compose or Kubernetes"
