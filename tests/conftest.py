@@ -158,15 +158,19 @@ def serving_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 GPU_RELEASES = ROOT / ".venv" / "gpu-unpacked"  # the GPU image's own vLLM, unsloth, trl, transformers (make setup)
 
 
+def gpu_releases_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a model-venv process that imports the GPU image's releases (then this checkout) first."""
+    assert GPU_RELEASES.is_dir(), f"{GPU_RELEASES} missing: run `make setup` (scripts/setup_envs.sh unpacks it)"
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "MLFLOW_"))},
+            "PYTHONPATH": f"{GPU_RELEASES}{os.pathsep}{ROOT}", **(env or {})}
+
+
 def run_with_gpu_releases(argv: list[str], stdin: str | None = None, timeout: int = 300,
                           env: dict[str, str] | None = None) -> dict[str, Any]:
     """``python argv`` in the model venv with the GPU image's releases first on its path (then this checkout), for the
     contract tests of the GPU path; returns the JSON object its last stdout line prints."""
-    assert GPU_RELEASES.is_dir(), f"{GPU_RELEASES} missing: run `make setup` (scripts/setup_envs.sh unpacks it)"
-    full = {**{k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "MLFLOW_"))},
-            "PYTHONPATH": f"{GPU_RELEASES}{os.pathsep}{ROOT}", **(env or {})}
-    proc = subprocess.run([model_python(), *argv], input=stdin, capture_output=True, text=True, timeout=timeout, env=full,
-                          check=False, cwd=ROOT)
+    proc = subprocess.run([model_python(), *argv], input=stdin, capture_output=True, text=True, timeout=timeout,
+                          env=gpu_releases_env(env), check=False, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

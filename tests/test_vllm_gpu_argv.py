@@ -38,19 +38,26 @@ def _pinned() -> str:
     return re.search(r"^vllm==(\S+)$", lock, re.M).group(1)  # type: ignore[union-attr]
 
 
-def _stock_argvs() -> dict[str, list[str]]:
-    """What follows the stock image's `vllm serve` entrypoint, per compose service and Kubernetes container."""
-    argvs: dict[str, list[str]] = {}
+def stock_workers() -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Each compose service and Kubernetes container of the stock vLLM image: what follows its `vllm serve` entrypoint,
+    and the plain values of its environment (a Secret's value is not in the manifest)."""
+    workers: dict[str, tuple[list[str], dict[str, str]]] = {}
     compose = yaml.safe_load((ROOT / "infra/docker-compose.yml").read_text())
     for name, svc in compose["services"].items():
         if str(svc.get("image", "")).startswith("vllm/vllm-openai"):
-            argvs[f"compose:{name}"] = shlex.split(_interpolate(svc["command"]))
+            env = {k: _interpolate(str(v)) for k, v in (svc.get("environment") or {}).items()}
+            workers[f"compose:{name}"] = (shlex.split(_interpolate(svc["command"])), env)
     for (_, name), dep in _objects("Deployment").items():
         for c in dep["spec"]["template"]["spec"]["containers"]:
             if c["image"].startswith("vllm/vllm-openai"):
                 assert "command" not in c, f"{name}: the image's `vllm serve` entrypoint is what these args follow"
-                argvs[f"k8s:{name}/{c['name']}"] = [str(a) for a in c["args"]]
-    return argvs
+                env = {e["name"]: str(e["value"]) for e in c.get("env") or [] if "value" in e}
+                workers[f"k8s:{name}/{c['name']}"] = ([str(a) for a in c["args"]], env)
+    return workers
+
+
+def _stock_argvs() -> dict[str, list[str]]:
+    return {where: argv for where, (argv, _) in stock_workers().items()}
 
 
 def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_params() -> None:

@@ -73,16 +73,7 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
         raise ServiceError(f"worker {worker.name} at {url} is remote and not healthy; it is not started from here")
     argv = argv or command(worker, model_python())
     adapters = adapter_cache(serving)
-    settings = {
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if worker.runtime_lora else "False",
-        # vLLM's filesystem resolver: a request for an adapter this process has not loaded (it was
-        # hot-loaded before a restart) loads it from promotion's copy, so the live routing survives restarts
-        "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapters),
-        "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
-    }
-    if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
-        settings["CUDA_VISIBLE_DEVICES"] = str(worker.device)
+    settings = environment(serving, worker)
     # everything the worker is started with but its key: a running worker started with other settings (a params change:
     # chunked_prefill, the KV cache, the LoRA rank) is restarted, not reused with the old ones
     identity = {"model": str(Path(worker.model).resolve()), "served_name": served_name(worker), "argv": argv,
@@ -104,6 +95,22 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
           timeout_s=serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity,
           secrets={KEY_ENV: key})
     return url
+
+
+def environment(serving: ServingParams, worker: WorkerParams) -> dict[str, str]:
+    """The settings a local worker is started with besides its argv and key (part of its identity). The runtime-LoRA
+    switch decides whether vLLM registers ``/v1/load_lora_adapter`` at all: off, promotion's hot-load answers 404."""
+    settings = {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if worker.runtime_lora else "False",
+        # vLLM's filesystem resolver: a request for an adapter this process has not loaded (it was
+        # hot-loaded before a restart) loads it from promotion's copy, so the live routing survives restarts
+        "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapter_cache(serving)),
+        "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+    }
+    if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
+        settings["CUDA_VISIBLE_DEVICES"] = str(worker.device)
+    return settings
 
 
 def is_local(worker: WorkerParams) -> bool:
