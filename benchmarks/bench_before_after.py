@@ -1,9 +1,10 @@
 """One role trained on the gold signal, before and after: does GRPO on CPU change what the PI decides?
 
-    PYTHONPATH=. .venv/control/bin/python benchmarks/bench_before_after.py [--train-tasks 64] [--steps 40] \
-        [--group-size 4] [--learning-rate 5e-4] [--balanced] [--out docs/benchmarks-before-after.md]
+    PYTHONPATH=. .venv/control/bin/python benchmarks/bench_before_after.py [--train-tasks 64] [--steps 24] \
+        [--group-size 8] [--learning-rate 1e-3] [--balanced] [--out docs/benchmarks-before-after.md]
 
-The documented run: ``--steps 24 --group-size 8 --learning-rate 0.001`` (and once more with ``--balanced``).
+The defaults are the documented run's (which ran once more with ``--balanced``). benchmarks/bench_learning.py runs the
+same measurement as its part (c), with these options as ``--pi-...``.
 
 Item 6(c) of docs/benchmarks-learning.md, measured. The role is the principal investigator, whose GO/NO-GO is
 the one output of the society a PubMedQA label checks. Its prompt is the society's own
@@ -45,8 +46,8 @@ from typing import Any
 
 import httpx
 import numpy as np
-from bench_learning import clopper_pearson  # benchmarks/ (the script's folder is on sys.path)
 from datasets import Dataset
+from intervals import clopper_pearson  # benchmarks/ (the script's folder is on sys.path)
 from pydantic import ValidationError
 from report import write_report
 
@@ -157,22 +158,29 @@ def score(tasks: list[dict[str, Any]], answers: dict[str, Answer]) -> dict[str, 
             "p_go": probs, "labels": [t["final_decision"] for t in tasks]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--train-tasks", type=int, default=64, help="training questions whose PI prompts GRPO samples")
-    ap.add_argument("--val-tasks", type=int, default=None, help="validation questions (default: every yes/no one)")
-    ap.add_argument("--balanced", action="store_true", help="train on as many yes as no questions (the prior earns nothing)")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--prompts-per-step", type=int, default=1)
-    ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--learning-rate", type=float, default=5e-4)
-    ap.add_argument("--kl-coef", type=float, default=0.0,
+def options(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """This benchmark's options (``prefix``: bench_learning's part (c) takes them as ``--pi-...``)."""
+    ap.add_argument(f"--{prefix}train-tasks", type=int, default=64, help="training questions whose PI prompts GRPO samples")
+    ap.add_argument(f"--{prefix}val-tasks", type=int, default=None, help="validation questions (default: every yes/no one)")
+    ap.add_argument(f"--{prefix}balanced", action="store_true",
+                    help="train on as many yes as no questions (the prior earns nothing)")
+    ap.add_argument(f"--{prefix}steps", type=int, default=24)
+    ap.add_argument(f"--{prefix}prompts-per-step", type=int, default=1)
+    ap.add_argument(f"--{prefix}group-size", type=int, default=8)
+    ap.add_argument(f"--{prefix}learning-rate", type=float, default=1e-3)
+    ap.add_argument(f"--{prefix}kl-coef", type=float, default=0.0,
                     help="0 skips the reference model's forward pass (a quarter of a CPU step)")
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    ap.add_argument(f"--{prefix}concurrency", type=int, default=8)
 
-    params = load_params()
+
+def unprefixed(args: argparse.Namespace, prefix: str) -> argparse.Namespace:
+    """The options `options` added under ``prefix``, by their own names."""
+    key = prefix.replace("-", "_")
+    return argparse.Namespace(**{k.removeprefix(key): v for k, v in vars(args).items() if k.startswith(key)})
+
+
+def measure(params: Params, args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """Before, train, after (module docstring): the report's lines and the per-question answers."""
     val = [t for t in load_tasks(params.validate_, "val") if t["final_decision"] in ("yes", "no")][: args.val_tasks]
     # maybe-labelled questions give every decision the same credit: a group of equal rewards teaches nothing
     train_tasks = [t for t in load_tasks(params.validate_, "train") if t["final_decision"] in ("yes", "no")]
@@ -198,16 +206,34 @@ def main() -> None:
             finally:
                 worker.unload_lora(w, ADAPTER)
     lines = render(params, args, val, train_tasks, before, after, meta, train_s, eval_s)
+    # the per-question answers: a later reading (per-class recall, other tests) needs no rerun
+    record = {"questions": [{"id": t["id"], "label": t["final_decision"],
+                             "before": before[t["id"]][0], "p_go_before": before[t["id"]][1],
+                             "after": after[t["id"]][0] if after else None, "p_go_after": after[t["id"]][1] if after else None}
+                            for t in val],
+              "train_task_ids": [t["id"] for t in train_tasks], "train": meta}
+    return lines, record
+
+
+def command(args: argparse.Namespace) -> str:
+    return (f"--train-tasks {args.train_tasks} --steps {args.steps} --prompts-per-step {args.prompts_per_step} "
+            f"--group-size {args.group_size} --learning-rate {args.learning_rate} --kl-coef {args.kl_coef}"
+            f"{' --balanced' if args.balanced else ''}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    options(ap)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lines, record = measure(load_params(), args)
+    lines = ["# Benchmark: the PI before and after GRPO on the gold signal", "",
+             f"`benchmarks/bench_before_after.py {command(args)}`, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, "
+             f"{platform.machine()}, {os.cpu_count()} cores; {lines[0]}", "", *lines[1:]]
     print("\n".join(lines))
     if args.out:
         write_report(args.out, lines)
-        # the per-question answers beside the report: a later reading (per-class recall, other tests) needs no rerun
-        write_json(Path(args.out).with_suffix(".json"), {
-            "questions": [{"id": t["id"], "label": t["final_decision"],
-                           "before": before[t["id"]][0], "p_go_before": before[t["id"]][1],
-                           "after": after[t["id"]][0] if after else None, "p_go_after": after[t["id"]][1] if after else None}
-                          for t in val],
-            "train_task_ids": [t["id"] for t in train_tasks], "train": meta})
+        write_json(Path(args.out).with_suffix(".json"), record)
 
 
 def render(params: Params, args: argparse.Namespace, val: list[dict[str, Any]], train_tasks: list[dict[str, Any]],
@@ -216,12 +242,9 @@ def render(params: Params, args: argparse.Namespace, val: list[dict[str, Any]], 
     w = params.serving.workers[0]
     r = params.ppo.reward
     yes = sum(t["final_decision"] == "yes" for t in val) / len(val)
-    lines = ["# Benchmark: the PI before and after GRPO on the gold signal", "",
-             f"`benchmarks/bench_before_after.py --train-tasks {args.train_tasks} --steps {args.steps} --prompts-per-step "
-             f"{args.prompts_per_step} --group-size {args.group_size} --learning-rate {args.learning_rate} "
-             f"--kl-coef {args.kl_coef}{' --balanced' if args.balanced else ''}`, "
-             f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()}, {os.cpu_count()} cores; worker `{w.name}` "
-             f"({w.model}, {w.dtype}); PI prompt without protocol or reviews, decoded under `PIDecision` at temperature 0.", "",
+    # the first line goes after the caller's command line (this script's or bench_learning's); headings are level 2
+    lines = [f"worker `{w.name}` ({w.model}, {w.dtype}); PI prompt without protocol or reviews, decoded under `PIDecision` "
+             "at temperature 0.",
              "## Training (train_ppo's CPU trainer, gold-only reward)", "",
              "| training questions | steps | completions scored | valid fraction | reward std | groups with zero advantage | "
              "reward first step → last | decision accuracy of the samples | train time |",

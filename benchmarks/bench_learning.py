@@ -31,8 +31,11 @@ what `make run` leaves); brings the serving stack up from params.yaml. On ``--ta
    measured accuracy carries at that n, next to the published references. Run the script under the GPU profile
    (``PIPELINE_PARAMS=params/gpu.yaml``) and its whole report is that profile's.
 
-The before/after of a trained role is its own script: benchmarks/bench_before_after.py
-(docs/benchmarks-before-after.md).
+6. **(c) One role trained on the gold signal, before and after** (``--before-after``): the PI (its calls are the
+   senior researcher's logical model) trained with ``train_ppo``'s CPU GRPO trainer on the gold-only reward, and its
+   decisions on every yes/no validation question before and after, with the exact McNemar test. This is
+   benchmarks/bench_before_after.py's measurement (its options as ``--pi-...``; docs/benchmarks-before-after.md), so
+   one run of this script prints all three figures of docs/benchmarks-learning.md. On 2 cores: about 33 min on top.
 """
 
 from __future__ import annotations
@@ -48,13 +51,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import bench_before_after  # benchmarks/: part (c)
 import psutil
 from adapters import make_adapter  # benchmarks/adapters.py
 from bench_rollouts import WORKER_HEADERS, replay, replay_requests  # the direct-to-worker replay of recorded requests
+from intervals import clopper_pearson
 from report import write_report  # benchmarks/report.py (the script's folder is on sys.path)
 from rich.progress import Progress
-from scipy.stats import beta
 
+from pipeline import roles
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.replay import CallBook
 from pipeline.agents.rollout import run_with_retries
@@ -146,12 +151,6 @@ REFERENCES = {"fine-tuned BioGPT-Large (1.5B)": 0.810, "fine-tuned BioGPT (347M)
               "majority class (3-class test set)": 0.552}
 
 
-def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
-    """Exact binomial interval: valid at any n."""
-    a = (1 - level) / 2
-    return (0.0 if k == 0 else float(beta.ppf(a, k, n - k + 1)), 1.0 if k == n else float(beta.ppf(1 - a, k + 1, n - k)))
-
-
 def accuracy_to_beat(p0: float, n: int, level: float = 0.95) -> float:
     """The smallest accuracy k/n whose exact one-sided ``level`` lower bound exceeds ``p0``."""
     return next((k / n for k in range(n + 1) if clopper_pearson(k, n, 2 * level - 1)[0] > p0), float("nan"))
@@ -161,7 +160,7 @@ def targets(params: Params) -> list[str]:
     """What a trained society must reach to be told apart from the majority class, at the validation and test n."""
     val = [t for t in load_tasks(params.validate_, "val") if t["final_decision"] in ("yes", "no")]
     test = [t for t in load_tasks(params.validate_, "test") if t["final_decision"] in ("yes", "no")]
-    lines = ["## (c) What a trained society must reach", "",
+    lines = ["## What a trained society must reach", "",
              "| split | yes/no questions | majority class (yes/no) | accuracy to beat it (exact one-sided 95%) | "
              "95% interval at 0.78 |", "|---|---|---|---|---|"]
     for name, rows in (("validation (the gate's)", val), ("official test", test)):
@@ -196,12 +195,20 @@ def main() -> None:
     ap.add_argument("--min-tasks", type=int, default=None,
                     help="the gate's task floor (default promote.min_tasks); lower it with --tasks to exercise the gate's "
                          "other rules below the configured n (the report says so)")
+    ap.add_argument("--before-after", action="store_true",
+                    help="(c): the PI trained on the gold reward, before and after (benchmarks/bench_before_after.py; "
+                         "its options as --pi-...)")
+    bench_before_after.options(ap, "pi-")
     ap.add_argument("--lora", action="store_true", help="also measure the worker's LoRA path on the recorded requests")
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     started = time.perf_counter()
 
+    if args.role not in roles.ALL or args.role == roles.JUDGE:
+        # a name no call is made under would leave every call replayed: an A/A of nothing, tying exactly
+        ap.error(f"--role {args.role!r}: a candidate's logical model, one of {[r for r in roles.ALL if r != roles.JUDGE]} "
+                 "(the PI's calls are the senior researcher's)")
     params = load_params()
     if args.concurrency:
         params = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"concurrency": args.concurrency})})
@@ -233,8 +240,9 @@ def main() -> None:
         pairs_replay.append({"i": j - 1, "j": j, "diff": diff, "decision": decision,
                              "diffs": rewards_minus(cand["records"], whole[j - 1]["records"])})
     lora = lora_path(params, whole[0]["traces"], args.lora_rank) if args.lora else None
+    before_after = bench_before_after.measure(params, bench_before_after.unprefixed(args, "pi-")) if args.before_after else None
     args.elapsed_min = (time.perf_counter() - started) / 60  # the stack's start included: what a user waits
-    lines = render(params, args, n, whole, replayed, pairs_whole, pairs_replay, lora)
+    lines = render(params, args, n, whole, replayed, pairs_whole, pairs_replay, lora, before_after)
     print("\n".join(lines))
     if args.out:
         write_report(args.out, lines)
@@ -244,18 +252,22 @@ def main() -> None:
             "tasks": [t["id"] for t in tasks],
             "whole": [{"seed": i, "records": r["records"]} for i, r in enumerate(whole)],
             "replayed": [{"copy": j, "baseline_seed": j - 1, "live": args.role, "records": r["records"]}
-                         for j, r in enumerate(replayed, start=1)]})
+                         for j, r in enumerate(replayed, start=1)],
+            "before_after": before_after[1] if before_after else None})
 
 
 def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[str, Any]], replayed: list[dict[str, Any]],
-           pairs_whole: list[dict[str, Any]], pairs_replay: list[dict[str, Any]], lora: dict[str, Any] | None) -> list[str]:
+           pairs_whole: list[dict[str, Any]], pairs_replay: list[dict[str, Any]], lora: dict[str, Any] | None,
+           before_after: tuple[list[str], dict[str, Any]] | None) -> list[str]:
     alpha = params.promote.alpha
     w = params.serving.workers[0]
     lines = [
         "# Benchmark: the gate under A/A comparisons, its detectable effect, and evaluation by replay", "",
         f"`benchmarks/bench_learning.py --tasks {n} --repeats {args.repeats} --role {args.role}"
         f"{f' --min-tasks {args.min_tasks}' if args.min_tasks else ''}"
-        f"{f' --concurrency {args.concurrency}' if args.concurrency else ''}`, "
+        f"{f' --concurrency {args.concurrency}' if args.concurrency else ''}"
+        f"{' --lora' if args.lora else ''}"
+        f"{' --before-after ' + pi_command(args) if args.before_after else ''}`, "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}: {psutil.cpu_count()} CPU(s), "
         f"{psutil.virtual_memory().total / 2**30:.0f} GiB; worker `{w.name}` ({w.model}, max_model_len {w.max_model_len}); "
         f"agents at temperature {params.agents.temperature}, seeded calls {params.agents.seeded_calls}; judge at temperature "
@@ -267,15 +279,18 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
     ]
     for name, pairs in (("whole society vs whole society (other seed)", pairs_whole),
                         (f"replayed copy (only {args.role} sampled) vs the society it replays", pairs_replay)):
+        if not pairs:
+            continue
         rules: dict[str, int] = {}
         for p in pairs:
             rules[p["decision"].rule] = rules.get(p["decision"].rule, 0) + 1
         k = sum(p["decision"].promote for p in pairs)
         lines.append(f"| {name} | {len(pairs)} | {rate(k, len(pairs))} | "
                      f"{', '.join(f'{r} {c}' for r, c in sorted(rules.items()))} |")
-    small_p = [p for p in pairs_whole if p["diff"]["p_value"] < alpha]
-    lines += ["", f"Goal: at most alpha = {alpha}. Of the whole-society comparisons, {len(small_p)} of {len(pairs_whole)} had a "
-              f"sign-flip p below alpha (the test alone, before the gate's other rules).", "",
+    lines += ["", f"Goal: at most alpha = {alpha}. "
+              + " ".join(f"Of the {what} comparisons, {sum(p['diff']['p_value'] < alpha for p in pairs)} of {len(pairs)} had "
+                         "a sign-flip p below alpha (the test alone, before the gate's other rules)."
+                         for what, pairs in (("whole-society", pairs_whole), ("replayed", pairs_replay)) if pairs), "",
               "## (b) Spread of the paired differences and the minimum detectable effect", "",
               f"| evaluation | paired differences | mean | sd | MDE at n = {n} (one-sided alpha {alpha}, power 0.8) | "
               f"tasks to detect +{args.gain} |", "|---|---|---|---|---|---|"]
@@ -290,10 +305,9 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
         lines.append(f"| {name} | {len(d)} | {statistics.fmean(d):+.4f} | {sd:.4f} | "
                      f"{minimum_detectable_effect(sd, n, alpha):.4f} | {need} |")
     means = [f"seed {i} {statistics.fmean(rec['reward'] for rec in r['records']):.3f}" for i, r in enumerate(whole)]
-    copies = [f"of seed {j - 1} {statistics.fmean(rec['reward'] for rec in r['records']):.3f}"
-              for j, r in enumerate(replayed, start=1)]
+    copy_means = [f"{j} {statistics.fmean(rec['reward'] for rec in r['records']):.3f}" for j, r in enumerate(replayed, start=1)]
     lines += ["", f"Mean reward per society over the {n} tasks: whole {', '.join(means)}"
-              + (f"; replayed copies {', '.join(copies)}" if copies else "") + "."]
+              + (f"; replayed copies {', '.join(copy_means)}" if copy_means else "") + "."]
     lines += ["", "## Replay against whole societies: cost", "",
               "| society | runs | tasks each | LLM calls sent / task | replayed / task | rollout s / task (mean) | "
               "society runs / min | failed rollouts |", "|---|---|---|---|---|---|---|---|"]
@@ -326,8 +340,17 @@ def render(params: Params, args: argparse.Namespace, n: int, whole: list[dict[st
                   f"| LoRA r={lora['rank']} ({', '.join(lora['modules'])}) | {a['req_s']:.2f} | {a['tok_s']:.0f} | "
                   f"{a['gen_tok_s']:.1f} | {a['p50']:.2f} |", "",
                   f"Adapter / base throughput: {a['tok_s'] / b['tok_s']:.2f}x."]
+    if before_after:
+        lines += ["", "## (c) One role trained on the gold signal: the PI before and after GRPO", "",
+                  f"benchmarks/bench_before_after.py's measurement (docs/benchmarks-before-after.md says how to read it): "
+                  f"{before_after[0][0]}", "", *[f"#{line}" if line.startswith("## ") else line for line in before_after[0][1:]]]
     lines += ["", *targets(params)]
     return lines
+
+
+def pi_command(args: argparse.Namespace) -> str:
+    """Part (c)'s options as this script takes them."""
+    return bench_before_after.command(bench_before_after.unprefixed(args, "pi-")).replace("--", "--pi-")
 
 
 if __name__ == "__main__":
