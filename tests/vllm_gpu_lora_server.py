@@ -11,8 +11,8 @@ guard) and puts that release's ``OpenAIServingModels`` behind it, as ``init_app_
 ``--lora-modules`` included. The workers' key is this process's ``VLLM_API_KEY``. Then it serves every app on a
 free loopback port, prints {name: port} and serves until stdin closes.
 
-What stands in is the GPU engine alone (no CUDA here): its ``add_lora`` takes the ``LoRARequest`` vLLM built,
-and refuses a folder without ``adapter_config.json`` as the real engine's loader does (PEFTHelper reads it), which
+What stands in is the GPU engine alone (no CUDA here): its health check answers, and its ``add_lora`` takes the
+``LoRARequest`` vLLM built or refuses a folder without ``adapter_config.json`` as the real engine's loader does, which
 is the answer a worker gives while its sidecar has yet to copy a published adapter. Everything a client's request
 meets before the engine (route, key check, guard, request model, vLLM's bookkeeping of loaded adapters, what
 /v1/models lists) is the release's own code.
@@ -56,6 +56,9 @@ class Engine:
         self.model_config = SimpleNamespace(max_model_len=max_model_len)
         self.renderer = self.input_processor = None
 
+    async def check_health(self) -> None:  # /health asks the engine (and answers 200 when it returns)
+        return None
+
     async def add_lora(self, request: Any) -> bool:
         if not Path(request.lora_path, "adapter_config.json").exists():  # noqa: ASYNC240 - one stat, as the engine's loader
             raise ValueError(f"Loading lora {request.lora_name} failed: No adapter found for {request.lora_path}")
@@ -78,11 +81,12 @@ def build(deployment: dict[str, Any], parser: Any) -> Any:
         validate_parsed_serve_args(args)
         app = build_app(args, supported_tasks=("generate",))
         names = args.served_model_name or [args.model]
-        models = OpenAIServingModels(Engine(args.max_model_len or 4096),
+        engine = Engine(args.max_model_len or 4096)
+        models = OpenAIServingModels(engine,
                                      [BaseModelPath(name=n, model_path=args.model) for n in names],
                                      lora_modules=process_lora_modules(args.lora_modules, {}))
         asyncio.run(models.init_static_loras())
-        app.state.openai_serving_models = models
+        app.state.openai_serving_models, app.state.engine_client = models, engine
         return app
     finally:
         os.environ.clear()
