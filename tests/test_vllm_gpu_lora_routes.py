@@ -7,25 +7,31 @@ the request model, vLLM's key check and the project's guard are that release's c
 built by 0.20.2's own `build_app` from its own argv and environment (params/gpu.yaml's workers, compose's and
 Kubernetes' stock-image workers; tests/vllm_gpu_lora_server.py), with only the CUDA engine standing in, and the
 control plane's own client (`pipeline.serving.worker`: what `registry.deploy` calls) loads, lists and unloads an
-adapter through it.
+adapter through it. A restarted worker gets its adapters back through 0.20.2's filesystem resolver
+(tests/vllm_gpu_lora_resolve.py), and compose's worker must see the folder promotion names (docs/gpu.md).
 """
 from __future__ import annotations
 
 import json
+import re
 import selectors
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from pipeline.config import WorkerParams, load_params
 from pipeline.envs import model_python
+from pipeline.io import write_json
+from pipeline.registry import _name_base_model
 from pipeline.services.process import ServiceError
 from pipeline.serving import worker as worker_mod
-from tests.conftest import gpu_releases_env
+from tests.conftest import gpu_releases_env, run_with_gpu_releases
+from tests.test_infra import _interpolate
 from tests.test_vllm_gpu_argv import stock_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,3 +134,46 @@ def test_a_worker_without_runtime_lora_answers_promotion_404(gpu_apps, tmp_path,
     (folder / "adapter_config.json").write_text("{}")  # a load the route, were it there, would take
     with pytest.raises(ServiceError, match=r'404 \{"detail":"Not Found"\}'):
         worker_mod.load_lora(_client(ports[OFF]), folder.name, str(folder), wait_s=0.5)
+
+
+def test_a_restarted_gpu_worker_resolves_the_adapters_promotion_named_for_it(tmp_path) -> None:
+    """A restarted worker has lost its hot-loaded adapters; the proxy still routes roles to them by name. The workers
+    that set VLLM_LORA_RESOLVER_CACHE_DIR get them back from that folder through 0.20.2's filesystem resolver, which
+    takes an adapter only if its config names the worker's own --model: what `registry.deploy` writes into it
+    (`_name_base_model`). An adapter left with training's base path is not resolved (tests/vllm_gpu_lora_resolve.py)."""
+    resolving = {d["name"]: d for d in _deployments() if "VLLM_LORA_RESOLVER_CACHE_DIR" in d["env"] and d["name"] != OFF}
+    assert {n.split(":")[0] for n in resolving} == {"params-gpu", "compose", "k8s"}, sorted(resolving)
+    for name, d in resolving.items():
+        model = d["argv"][d["argv"].index("--model") + 1]
+        cache = tmp_path / name.replace(":", "_").replace("/", "_")  # stands for the worker's folder (k8s: /adapters)
+        for adapter in ("senior_researcher-v3", "junior_researcher-v2"):
+            (cache / adapter).mkdir(parents=True)
+            write_json(cache / adapter / "adapter_config.json",
+                       {"peft_type": "LORA", "r": 8, "base_model_name_or_path": "models/base"})  # as training saves it
+        _name_base_model(cache / "senior_researcher-v3" / "adapter_config.json", model)  # promotion deployed this one
+        got = run_with_gpu_releases([str(ROOT / "tests/vllm_gpu_lora_resolve.py")],
+                                    stdin=json.dumps({"model": model, "names": ["senior_researcher-v3", "junior_researcher-v2"]}),
+                                    env={"VLLM_LORA_RESOLVER_CACHE_DIR": str(cache), "VLLM_LOGGING_LEVEL": "ERROR"})
+        assert "Filesystem Resolver" in got["resolvers"], (name, got)
+        assert got["names"]["senior_researcher-v3"] == "loaded", (name, got)
+        assert got["names"]["junior_researcher-v2"] != "loaded", (name, got)
+        assert "senior_researcher-v3" in got["models"] and "junior_researcher-v2" not in got["models"], (name, got)
+
+
+def test_the_compose_worker_sees_the_adapter_folder_promotion_sends() -> None:
+    """Compose's worker has no adapter store (no S3 sidecar, unlike Kubernetes'), so `registry.deploy` hot-loads an
+    adapter by the path of its own copy, serving.home/adapters/<name> under the control image's WORKDIR. vllm-base is
+    another container: that folder must be a volume both mount at that very path (the worker read-only), and the
+    worker's resolver folder, or its load answers "no adapter found" and a restarted worker loses its adapters."""
+    compose = yaml.safe_load((ROOT / "infra/docker-compose.yml").read_text())
+    params = load_params(ROOT / "params.yaml", environ={k: _interpolate(str(v)) for k, v in compose["x-serving-env"].items()})
+    (w,) = params.serving.workers
+    assert not worker_mod.is_local(w) and w.adapter_store is None  # registry.deploy: load_lora(w, name, str(folder))
+    workdir = re.search(r"^WORKDIR (\S+)$", (ROOT / "infra/docker/Dockerfile.control").read_text(), re.M).group(1)  # type: ignore[union-attr]
+    home = PurePosixPath(params.serving.home)
+    sent = (home if home.is_absolute() else PurePosixPath(workdir) / home) / "adapters"  # worker.adapter_cache there
+    volume = {v.split(":")[1]: v for v in compose["x-airflow"]["volumes"]}.get(str(sent), "")
+    assert volume.count(":") == 1, f"the Airflow services (promotion runs there) keep {sent} on the project volume"
+    name = volume.split(":")[0]
+    assert name in compose["volumes"] and f"{name}:{sent}:ro" in compose["services"]["vllm-base"]["volumes"]
+    assert compose["services"]["vllm-base"]["environment"]["VLLM_LORA_RESOLVER_CACHE_DIR"] == str(sent)
