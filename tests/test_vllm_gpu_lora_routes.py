@@ -18,6 +18,7 @@ import selectors
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -30,6 +31,7 @@ from pipeline.io import write_json
 from pipeline.registry import _name_base_model
 from pipeline.services.process import ServiceError
 from pipeline.serving import worker as worker_mod
+from pipeline.serving.lora_pyfunc import LoraAdapterModel
 from tests.conftest import gpu_releases_env, run_with_gpu_releases
 from tests.test_infra import _interpolate
 from tests.test_vllm_gpu_argv import stock_workers
@@ -121,6 +123,13 @@ def test_every_gpu_worker_that_takes_adapters_loads_lists_and_unloads_one(gpu_ap
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200, name  # what supervisors poll stays open
         worker_mod.unload_lora(w, adapter)
         assert adapter not in worker_mod.models(w), name
+        # the registry's LoRA version as an MLflow pyfunc (lora_pyfunc) hands its adapter to the worker the same way
+        pyfunc = LoraAdapterModel()
+        pyfunc.load_context(SimpleNamespace(model_config={"base_url": url, "adapter_name": f"pyfunc-{adapter}"},
+                                            artifacts={"adapter": str(folder)}))
+        pyfunc._ensure_loaded()  # what predict does first (its generation needs the engine: not here)
+        assert f"pyfunc-{adapter}" in worker_mod.models(w), name
+        worker_mod.unload_lora(w, f"pyfunc-{adapter}")
 
 
 def test_a_worker_without_runtime_lora_answers_promotion_404(gpu_apps, tmp_path, monkeypatch) -> None:
