@@ -7,7 +7,7 @@ as in the worker's. A restarted worker has none of its hot-loaded adapters in me
 resolved by the filesystem resolver that the release's general plugins register (its ``vllm.general_plugins``
 entry point) from that folder. So this loads the release's plugins, puts them behind the release's
 ``OpenAIServingModels`` and asks it to resolve each name, as a chat request for an unknown model does. The engine
-stands in as in tests/vllm_gpu_lora_server.py. Prints {"resolvers": [...], "names": {name: "loaded" or the
+stands in as in tests/vllm_gpu_lora_server.py (its own class). Prints {"resolvers": [...], "names": {name: "loaded" or the
 error}, "models": what /v1/models would list}.
 """
 from __future__ import annotations
@@ -15,36 +15,19 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from types import SimpleNamespace
 from typing import Any
 
-import vllm.platforms as platforms
-from vllm.platforms.cpu import CpuPlatform
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.lora.resolver import LoRAResolverRegistry
+from vllm.plugins import load_general_plugins
 
-platforms._current_platform = CpuPlatform()  # as tests/vllm_gpu_parse.py
-
-from vllm.entrypoints.openai.models.protocol import BaseModelPath  # noqa: E402
-from vllm.entrypoints.openai.models.serving import OpenAIServingModels  # noqa: E402
-from vllm.lora.resolver import LoRAResolverRegistry  # noqa: E402
-from vllm.plugins import load_general_plugins  # noqa: E402
-
-
-class Engine:
-    """The engine's part: the model it serves (the resolver matches adapters against it) and a load that takes."""
-
-    def __init__(self, model: str) -> None:
-        self.model_config = SimpleNamespace(model=model, max_model_len=4096)
-        self.renderer = self.input_processor = None
-        self.loaded: list[Any] = []
-
-    async def add_lora(self, request: Any) -> bool:
-        self.loaded.append(request)
-        return True
+from tests.vllm_gpu_lora_server import Engine  # the same engine stand-in (and, through it, the CPU platform)
 
 
 async def resolve(model: str, names: list[str]) -> dict[str, Any]:
     load_general_plugins()
-    models = OpenAIServingModels(Engine(model), [BaseModelPath(name="served", model_path=model)])
+    models = OpenAIServingModels(Engine(model, 4096), [BaseModelPath(name="served", model_path=model)])
     out: dict[str, str] = {}
     for name in names:
         got = await models.resolve_lora(name)

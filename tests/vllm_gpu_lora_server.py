@@ -32,19 +32,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import vllm.platforms as platforms
-from vllm.platforms.cpu import CpuPlatform
+import uvicorn
+from vllm.entrypoints.openai.api_server import build_app
+from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.utils import process_lora_modules
 
-platforms._current_platform = CpuPlatform()  # the parser computes defaults from a platform: tests/vllm_gpu_parse.py
-
-import uvicorn  # noqa: E402
-from vllm.entrypoints.cli.serve import ServeSubcommand  # noqa: E402
-from vllm.entrypoints.openai.api_server import build_app  # noqa: E402
-from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args  # noqa: E402
-from vllm.entrypoints.openai.models.protocol import BaseModelPath  # noqa: E402
-from vllm.entrypoints.openai.models.serving import OpenAIServingModels  # noqa: E402
-from vllm.entrypoints.utils import process_lora_modules  # noqa: E402
-from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+from tests.vllm_gpu_parse import parsers  # the release's parsers (importing it puts the CPU platform in for defaults)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,8 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 class Engine:
     """The GPU engine's part of a LoRA load: take vLLM's request, or refuse a folder that holds no adapter."""
 
-    def __init__(self, max_model_len: int) -> None:
-        self.model_config = SimpleNamespace(max_model_len=max_model_len)
+    def __init__(self, model: str, max_model_len: int) -> None:
+        self.model_config = SimpleNamespace(model=model, max_model_len=max_model_len)  # the resolver matches on model
         self.renderer = self.input_processor = None
 
     async def check_health(self) -> None:  # /health asks the engine (and answers 200 when it returns)
@@ -63,12 +58,6 @@ class Engine:
         if not Path(request.lora_path, "adapter_config.json").exists():  # noqa: ASYNC240 - one stat, as the engine's loader
             raise ValueError(f"Loading lora {request.lora_name} failed: No adapter found for {request.lora_path}")
         return True
-
-
-def parsers() -> dict[str, Any]:
-    top = FlexibleArgumentParser(prog="vllm")
-    return {"api_server": make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server.")),
-            "serve": ServeSubcommand().subparser_init(top.add_subparsers(dest="subparser"))}
 
 
 def build(deployment: dict[str, Any], parser: Any) -> Any:
@@ -81,7 +70,7 @@ def build(deployment: dict[str, Any], parser: Any) -> Any:
         validate_parsed_serve_args(args)
         app = build_app(args, supported_tasks=("generate",))
         names = args.served_model_name or [args.model]
-        engine = Engine(args.max_model_len or 4096)
+        engine = Engine(args.model, args.max_model_len or 4096)
         models = OpenAIServingModels(engine,
                                      [BaseModelPath(name=n, model_path=args.model) for n in names],
                                      lora_modules=process_lora_modules(args.lora_modules, {}))

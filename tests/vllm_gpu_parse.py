@@ -48,14 +48,19 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, object]
     return values
 
 
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    """The release's parsers: ``api_server`` as its launcher's ``__main__`` builds it, ``serve`` the CLI subcommand's."""
+    top = FlexibleArgumentParser(prog="vllm")
+    return {"api_server": make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server.")),
+            "serve": ServeSubcommand().subparser_init(top.add_subparsers(dest="subparser"))}
+
+
 def main() -> None:
     request = json.load(sys.stdin)
-    launcher = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
-    top = FlexibleArgumentParser(prog="vllm")
-    serve = ServeSubcommand().subparser_init(top.add_subparsers(dest="subparser"))
+    ps = parsers()
     out = {"version": vllm.__version__,
-           "api_server": [parse(launcher, argv) for argv in request.get("api_server", [])],
-           "serve": [parse(serve, argv) for argv in request.get("serve", [])]}
+           "api_server": [parse(ps["api_server"], argv) for argv in request.get("api_server", [])],
+           "serve": [parse(ps["serve"], argv) for argv in request.get("serve", [])]}
     print(json.dumps(out, default=str))
 
 
