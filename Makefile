@@ -5,13 +5,16 @@ export PYTHONPATH := $(CURDIR)
 export PIPELINE_MODEL_PYTHON := $(CURDIR)/.venv/model/bin/python
 export PATH := $(CURDIR)/$(CTL):$(PATH)
 
-.PHONY: setup run test test-all test-fast services-down airflow lock lock-gpu prod-stack prod-run prod-down
+.PHONY: setup run learn test test-all test-fast services-down airflow lock lock-gpu prod-stack prod-run prod-down
 
 setup:            ## create/reuse the pinned control-plane and model-plane environments
 	@bash scripts/setup_envs.sh
 
 run: setup        ## set up, start local services, run the pipeline with DVC, print where things are
 	@bash scripts/run_pipeline.sh
+
+learn: setup      ## one learning cycle of the PI (params/learn.yaml, reasoning-free): trained, gated, promoted, tested on all 500
+	@bash scripts/learn.sh
 
 test: setup       ## set up and run the whole test suite (unit, integration with real services, DAG, notebooks)
 	@bash scripts/run_tests.sh

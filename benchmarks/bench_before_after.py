@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import subprocess
@@ -51,11 +50,12 @@ from intervals import clopper_pearson  # benchmarks/ (the script's folder is on 
 from pydantic import ValidationError
 from report import write_report
 
-from pipeline.agents.graph import brief, pi_prompt
+from pipeline.agents.prompts import NO_PROTOCOL, brief, pi_prompt
 from pipeline.config import Params, load_params
 from pipeline.data.splits import load_tasks
 from pipeline.envs import model_python, pythonpath
 from pipeline.evaluation.metrics import answer, bootstrap_ci
+from pipeline.evaluation.role_level import TOP_LOGPROBS, p_go
 from pipeline.evaluation.significance import mcnemar_exact, sign_flip
 from pipeline.io import write_json
 from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV
@@ -63,8 +63,6 @@ from pipeline.schemas import PIDecision
 from pipeline.serving import stack, worker
 
 ADAPTER = "bench-pi-grpo"
-NO_PROTOCOL = "none yet: decide from the question and its abstract"
-TOP_LOGPROBS = 20  # enough that both GO and NO are listed at the decision token
 
 
 def prompt(params: Params, task: dict[str, Any]) -> list[dict[str, str]]:
@@ -79,20 +77,6 @@ def rows(params: Params, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 Answer = tuple[str | None, float | None]  # (greedy decision or None: no valid PIDecision, P(GO) at the decision token)
-
-
-def p_go(content: list[dict[str, Any]]) -> float | None:
-    """The model's probability of GO where it writes the decision: the first "GO"/"NO" token (``PIDecision``'s first
-    field; SmolLM2's tokenizer writes ``"GO"`` and ``"NO"`` + ``-GO`` after ``{"decision": "``), renormalised over the
-    two. vLLM returns raw logprobs (before the grammar's mask), so the renormalisation is what the grammar leaves;
-    other spellings of the same word (``G`` + ``O``) are left out. This is the chance a sample at temperature 1
-    says GO: it moves before a greedy answer flips."""
-    for entry in content:
-        if entry.get("token") in ("GO", "NO"):
-            top = {t["token"]: t["logprob"] for t in entry.get("top_logprobs") or []}
-            go, no = math.exp(top.get("GO", -math.inf)), math.exp(top.get("NO", -math.inf))
-            return go / (go + no) if go + no > 0 else None
-    return None
 
 
 async def decide(params: Params, model: str, tasks: list[dict[str, Any]], concurrency: int) -> dict[str, Answer]:

@@ -35,8 +35,8 @@ GPU_POOL = "gpu"  # created by `python -m pipeline services up airflow`; size it
 # pod from this template (infra/k8s/pod-template-gpu.yaml: nvidia.com/gpu, the GPU image); other executors ignore it.
 GPU: dict[str, Any] = {"queue": "gpu", "executor_config": {"pod_template_file": os.environ.get(
     "PIPELINE_GPU_POD_TEMPLATE", "/opt/airflow/pod_templates/pod-template-gpu.yaml")}}
-STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_ppo",
-          "train_bandit", "evaluate", "promote", "report"]
+STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_pi",
+          "train_ppo", "train_bandit", "evaluate", "promote", "report"]
 
 # Whoever refreshes the source data emits an event on this asset (a producer DAG with
 # ``outlets=[SOURCE_DATA]``, or ``POST /api/v2/assets/events``): the loop then runs without waiting for Monday.
@@ -51,7 +51,7 @@ RUN_PARAMS = {
     "margin": "PIPELINE__PROMOTE__MARGIN",
     "dry_run": "PIPELINE__PROMOTE__DRY_RUN",
 }
-TRAINERS = {"sft": "train-sft", "ppo": "train-ppo", "bandit": "train-bandit"}
+TRAINERS = {"sft": "train-sft", "pi": "train-pi", "ppo": "train-ppo", "bandit": "train-bandit"}
 
 
 def _apply_run_params(ctx: Any) -> None:
@@ -97,7 +97,8 @@ GROUP_DOCS = {
                "the run, no retry), materialise the base model for the vLLM workers, build the tools' BM25 index.",
     "collect": "**collect**: the society on the train split in mapped shards (`shards` Param), traces into the DVC "
                "trace store, then the per-role training data (`datasets`).",
-    "train": "**train**: `train_sft` (junior_researcher LoRA), `train_ppo` (senior_researcher online RL), "
+    "train": "**train**: `train_sft` (junior_researcher LoRA), `train_pi` (principal_investigator on the gold decision, "
+             "from the validated split: it waits for no rollout), `train_ppo` (senior_researcher online RL), "
              "`train_bandit` (supervisor policy); each registers a `challenger` in MLflow. The `trainers` Param "
              "picks which run; the others are skipped.",
     "decide": "**decide**: each challenger against its champion on the validation split (`eval_limit`), the "
@@ -158,8 +159,9 @@ def _run_stage(stage: str, *extra: str) -> None:
                        description="train questions rolled out; empty = rollouts.limit"),
         "samples_per_task": Param(None, type=["null", "integer"], minimum=1,
                                   description="rollouts per question (the GRPO/SFT group)"),
-        "trainers": Param(["sft", "ppo", "bandit"], type="array", items={"type": "string", "enum": list(TRAINERS)},
-                          description="which trainers run: sft (juniors), ppo (seniors), bandit (supervisor)"),
+        "trainers": Param(list(TRAINERS), type="array", items={"type": "string", "enum": list(TRAINERS)},
+                          description="which trainers run: sft (juniors), pi (the PI on the gold decision), "
+                                      "ppo (seniors), bandit (supervisor)"),
         "eval_limit": Param(None, type=["null", "integer"], minimum=1, description="validation questions per model compared"),
         "margin": Param(None, type=["null", "number"], minimum=0,
                         description="reward margin a challenger must beat its champion by"),
@@ -221,6 +223,11 @@ def agent_retraining() -> None:
     def train_sft() -> None:
         """LoRA SFT of junior_researcher: unsloth on a GPU worker, TRL on CPU; registers a model version."""
         _train("sft")
+
+    @task(**GPU, pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=6))
+    def train_pi() -> None:
+        """LoRA SFT of principal_investigator on the gold decision of the train split (no rollouts needed)."""
+        _train("pi")
 
     @task(**GPU, pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=12))
     def train_ppo() -> None:
@@ -303,7 +310,9 @@ def agent_retraining() -> None:
         [index, model] >> shards
         data = shards >> rollout_metrics() >> datasets()
     with TaskGroup("train", prefix_group_id=False, tooltip="one trainer per role", doc_md=GROUP_DOCS["train"]):
-        trained = data >> [train_sft(), train_ppo(), train_bandit()]
+        pi = train_pi()
+        [validated, model] >> pi  # learns from the gold labels: it waits for no rollout
+        trained = [*(data >> [train_sft(), train_ppo(), train_bandit()]), pi]
     with TaskGroup("decide", prefix_group_id=False, tooltip="evaluate, promote, report", doc_md=GROUP_DOCS["decide"]):
         branches = trained >> evaluate() >> promote() >> promotion_gate() >> [report(), not_promoted()]
     with TaskGroup("record", prefix_group_id=False, tooltip="DVC + MLflow bookkeeping", doc_md=GROUP_DOCS["record"]):

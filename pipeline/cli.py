@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from pipeline import tracking
 from pipeline.config import ParamsError, load_params
 from pipeline.services.process import ServiceError
 
@@ -27,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollouts": ("pipeline.stages.rollouts", "run the research society over train shards, write traces"),
     "datasets": ("pipeline.stages.datasets", "traces -> SFT chat data, senior RL prompts, supervisor bandit logs"),
     "train-sft": ("pipeline.stages.train_sft", "LoRA SFT of the junior researchers (unsloth on GPU, TRL on CPU)"),
+    "train-pi": ("pipeline.stages.train_pi", "LoRA SFT of the principal investigator on the gold decision (TRL on CPU)"),
+    "register-aa": ("pipeline.stages.register_aa", "register a role's champion again as an A/A candidate (alias aa)"),
     "train-ppo": ("pipeline.stages.train_ppo",
                   "online RL of the senior researchers (verl via Agent Lightning on GPU, TRL GRPO on CPU)"),
     "agl-collect": ("pipeline.rl.collect", "a few rollouts through the Agent Lightning gateway; fails on 0 triplets"),
@@ -69,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args.params_path = path
+    tracking.CONTEXT["data.setting"] = params.data.setting
     try:
         return int(module.main(args, params) or 0)
     except ServiceError as exc:  # a service that cannot be started or must not be used: say why, no traceback

@@ -61,6 +61,9 @@ class DataParams(_Strict):
     allow: SourceAllowParams
     hf_split: str
     out_dir: str
+    setting: Literal["reasoning_required", "reasoning_free"] = Field(
+        description="PubMedQA's setting: reasoning_required (question + abstract) or reasoning_free (the abstract's "
+                    "conclusion too); every report, run and version names it, and the gate never compares two")
 
 
 class SplitParams(_Strict):
@@ -455,6 +458,10 @@ class EvaluateParams(_Strict):
     bootstrap: int = Field(ge=100)
     ci: float = Field(gt=0.5, lt=1.0)
     out_dir: str
+    role_level: list[str] = Field(description="roles whose candidate is scored on its own output against the label, on every "
+                                  "validation question, paired with the champion (pipeline/evaluation/role_level.py); "
+                                  "the others are evaluated as whole societies")
+    role_concurrency: int = Field(ge=1, description="role-level requests in flight per model")
 
 
 class PromoteParams(_Strict):
@@ -479,6 +486,29 @@ class PromoteParams(_Strict):
 class ReportParams(_Strict):
     limit: int | None = Field(ge=1, description="cap on test questions (CPU runs); null = all 500")
     out_dir: str
+    role_level: bool = Field(description="also score each evaluate.role_level role's champion on its own decision over the "
+                             "test split (role_limit questions), before vs after this cycle's promotion")
+    role_limit: int | None = Field(ge=1, description="cap on test questions of the role-level report; null = all 500")
+    predictions: Literal["society", "role_level"] = Field(
+        description="which answers reports/test/predictions.json holds (PubMedQA's format): the society's (limit "
+                    "questions) or the role-level PI's (role_limit questions)")
+
+
+class PiParams(_Strict):
+    """The principal investigator learns its GO/NO-GO from the gold label (SFT: the decision, the paper's long answer as
+    its rationale) on the train split's yes/no questions (pipeline/stages/train_pi.py)."""
+
+    sft: SftParams
+    data_dir: str = Field(description="where the PI's gold-decision chat data is written (a DVC output)")
+    rationale_chars: int = Field(ge=0, le=300, description="loss_on answer: characters of the paper's long answer kept as "
+                                 "the target's rationale (in reasoning_free the long answer is in the prompt)")
+    loss_on: Literal["decision_token", "answer"] = Field(
+        description="decision_token: the loss on the decision alone, after the served prefix (decision_prefix); "
+                    "answer: on the whole PIDecision JSON with its rationale")
+    decision_prefix: str = Field(description="what the served model writes before the decision under PIDecision's schema "
+                                 "(SmolLM2-135M, greedy: an opening brace, a newline, two spaces, the key)")
+    decision_tokens: int = Field(ge=4, description="completion tokens a role-level decision call decodes: enough to "
+                                 "reach the decision token under PIDecision's schema")
 
 
 class ProdStackParams(_Strict):
@@ -516,6 +546,7 @@ class Params(_Strict):
     rollouts: RolloutsParams
     datasets: DatasetsParams
     sft: SftParams
+    pi: PiParams
     ppo: PpoParams
     bandit: BanditParams
     evaluate: EvaluateParams
@@ -534,7 +565,7 @@ class Params(_Strict):
         for w in self.serving.workers:
             if not w.runtime_lora:
                 continue
-            for section, lora in (("sft", self.sft.lora), ("ppo", self.ppo.lora)):
+            for section, lora in (("sft", self.sft.lora), ("pi.sft", self.pi.sft.lora), ("ppo", self.ppo.lora)):
                 where = f"{section}.lora vs serving.workers[{w.name}]"
                 if lora.r > w.max_lora_rank:
                     raise ValueError(f"{where}: rank {lora.r} > max_lora_rank {w.max_lora_rank}")

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline import tracking
 from pipeline.digest import file_hash
 
 _IGNORED = ("__pycache__",)
@@ -36,12 +37,14 @@ def dvc_md5(path: str | Path) -> str:
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"  # noqa: S324
 
 
-def tags(run: Any, dataset_dir: str | Path, rows: list[dict[str, Any]], traces_dir: str | Path, **extra: Any) -> dict[str, Any]:
-    """The lineage every trained version carries: its run, its data (DVC hashes) and the trace runs behind it."""
+def tags(run: Any, dataset_dir: str | Path, rows: list[dict[str, Any]], traces_dir: str | Path | None,
+         **extra: Any) -> dict[str, Any]:
+    """The lineage every trained version carries: its run, its data (DVC hashes) and the trace runs behind it
+    (``traces_dir`` None: data made from the labels alone, no traces behind it)."""
+    traces = {} if traces_dir is None else {"lineage.trace_runs": ",".join(sorted({r["run_id"] for r in rows})),
+                                            "lineage.traces_md5": dvc_md5(traces_dir)}
     return {"lineage.training_run": run.info.run_id, "lineage.pipeline_run": run.data.tags.get("pipeline.run_id", ""),
-            "lineage.dataset_path": str(dataset_dir), "lineage.dataset_md5": dvc_md5(dataset_dir),
-            "lineage.trace_runs": ",".join(sorted({r["run_id"] for r in rows})), "lineage.traces_md5": dvc_md5(traces_dir),
-            **extra}
+            "lineage.dataset_path": str(dataset_dir), "lineage.dataset_md5": dvc_md5(dataset_dir), **traces, **extra}
 
 
 def register_version(name: str, model_uri: str, run_id: str, tags: dict[str, Any], description: str = "") -> Any:
@@ -57,7 +60,7 @@ def register_version(name: str, model_uri: str, run_id: str, tags: dict[str, Any
     from mlflow.exceptions import MlflowException  # noqa: PLC0415 - see above
 
     client = MlflowClient()
-    str_tags = {k: str(v) for k, v in tags.items()}
+    str_tags = {**tracking.CONTEXT, **{k: str(v) for k, v in tags.items()}}
     try:
         client.get_registered_model(name)
     except MlflowException:

@@ -36,6 +36,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
                  "bandit.mean_reward"),
     "train_sft": ("steps", "train_rows", "eval_rows", "train_loss", "first_loss", "last_loss", "eval_loss_before",
                   "eval_loss", "tokens_per_s"),
+    "train_pi": ("steps", "train_rows", "eval_rows", "train_loss", "fit_loss_before", "fit_loss_after", "fit_drop",
+                 "eval_loss_before", "eval_loss", "no_signal"),
     "train_ppo": ("steps", "prompts", "groups", "completions_scored", "reward_first", "reward_last", "reward_mean",
                   "reward_std", "kl_last", "valid_fraction", "decision_accuracy", "zero_advantage_groups", "no_signal"),
     "train_bandit": ("decisions", "dr_gain", "ope.learned.dr.value", "ope.learned.dr.ci_low", "ope.learned.dr.ci_high",
@@ -44,7 +46,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "evaluate": ("tasks", "roles.*.candidate_reward", "roles.*.champion_reward", "roles.*.diff", "roles.*.diff_p_value",
                  "roles.*.decision_p_value"),
     "promote": ("routing_version", "dry_run", "decisions.*.status", "champions.*"),
-    "report": ("questions", "official.accuracy", "official.macro_f1", "reward.mean", "reward.ci_low", "reward.ci_high",
+    "report": ("questions", "official.accuracy", "official.macro_f1", "role_level.*.after.yes_no.accuracy",
+               "role_level.*.after.auc.value", "role_level.*.mcnemar_p", "reward.mean", "reward.ci_low", "reward.ci_high",
                "success_rate.mean", *(f"{c}.mean" for c in _CRITERIA), "turns.mean", "tokens.mean", "latency_s.mean",
                "routing_version"),
 }

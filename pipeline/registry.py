@@ -32,6 +32,7 @@ from pipeline import lineage, tracking
 from pipeline.config import Params, ServingParams
 from pipeline.digest import SHA256_TAG, artifact_sha256, served_name
 from pipeline.io import write_json
+from pipeline.roles import FALLBACK
 from pipeline.serving import adapter_store, routing
 from pipeline.serving import worker as workers
 
@@ -39,6 +40,7 @@ from pipeline.serving import worker as workers
 # module (through promotion) do not need, and the model plane has no mlflow.
 
 CHAMPION, CHALLENGER = "champion", "challenger"
+AA = "aa"  # an A/A candidate: the champion's own artifact under another version, gated beside the challenger
 
 
 class RegistryError(RuntimeError):
@@ -81,7 +83,7 @@ def delete_alias(name: str, alias: str) -> None:
 
 def _live_target(serving: ServingParams, role: str) -> str:
     table = routing.active(serving) or routing.load_version(serving, routing.versions(serving)[0])
-    return table["roles"][role]
+    return table["roles"].get(role) or table["roles"][FALLBACK.get(role, role)]  # a table from before the role's own model
 
 
 # whole Params: a role's baseline reads five sections (promote, serving, models, agents, mlflow)
@@ -115,11 +117,24 @@ def ensure_baselines(params: Params) -> dict[str, Any]:
             (path / "baseline.json").write_text(json.dumps(info, indent=1))
             client.log_artifacts(run.info.run_id, str(path), "baseline")
         client.set_terminated(run.info.run_id)
-        version = client.create_model_version(name, f"runs:/{run.info.run_id}/baseline", run_id=run.info.run_id, tags=tags,
+        version = client.create_model_version(name, f"runs:/{run.info.run_id}/baseline", run_id=run.info.run_id,
+                                              tags={**tracking.CONTEXT, **tags},
                                               description="baseline: what the society used before any training")
         set_alias(name, CHAMPION, version.version)
         champions[name] = get_version(name, version.version)
     return champions
+
+
+# whole Params: ensure_baselines reads five sections
+def register_aa(params: Params, name: str) -> Any:
+    """The champion again, as a new version aliased ``aa``: same artifact, same digest, same kind. The gate must
+    refuse it (nothing changed); a cycle that promotes it has a gate that promotes noise."""
+    champion = ensure_baselines(params)[name]
+    tags = {k: v for k, v in champion.tags.items() if not k.startswith(("promotion.", "eval."))}
+    version = lineage.register_version(name, champion.source, champion.run_id, {**tags, "aa_of": str(champion.version)},
+                                       f"A/A candidate: v{champion.version}'s artifact under another version")
+    set_alias(name, AA, version.version)
+    return get_version(name, version.version)
 
 
 # whole Params: registers after ensure_baselines (five sections)
@@ -137,11 +152,12 @@ def register_candidate(params: Params, name: str, model_uri: str, run_id: str, t
 
 # whole Params: register_candidate's five sections, plus rollouts' trace folder for the lineage
 def register_adapter(params: Params, run: Any, role: str, adapter_dir: str | Path, dataset_dir: str | Path,
-                     rows: list[dict[str, Any]], base_model: str, description: str, **extra_tags: Any) -> Any:
+                     rows: list[dict[str, Any]], base_model: str, description: str, *, from_traces: bool = True,
+                     **extra_tags: Any) -> Any:
     """A trained LoRA adapter folder: logged to ``run`` as an MLflow pyfunc model (``serving/lora_pyfunc.py``, the
     folder as its artifact ``adapter``) and registered as ``role``'s challenger, tagged ``kind: lora_adapter`` with its
     lineage (run, data, traces, base model) and the folder's sha256 (what ``deploy`` checks before serving it)."""
-    tags = lineage.tags(run, dataset_dir, rows, params.rollouts.out_dir, role=role, kind="lora_adapter",
+    tags = lineage.tags(run, dataset_dir, rows, params.rollouts.out_dir if from_traces else None, role=role, kind="lora_adapter",
                         **{"lineage.base_model": params.models.base.source, "lineage.base_model_path": base_model,
                            "lineage.base_model_md5": lineage.dvc_md5(base_model)}, **extra_tags)
     info = log_adapter_model(adapter_dir, f"{role}-{artifact_sha256(adapter_dir)[:12]}")

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 JUNIOR = "junior_researcher"   # the three juniors' calls: open every rollout (from START)
 SUPERVISOR = "supervisor"
-SENIOR = "senior_researcher"   # refiner, designer and PI
+SENIOR = "senior_researcher"   # refiner and designer
+PI = "principal_investigator"  # the GO/NO-GO: the one output a PubMedQA label checks
 REVIEW_BOARD = "review_board"  # peer reviewer and safety officer
 JUDGE = "judge"
 
-ALL = (JUNIOR, SUPERVISOR, SENIOR, REVIEW_BOARD, JUDGE)
+ALL = (JUNIOR, SUPERVISOR, SENIOR, PI, REVIEW_BOARD, JUDGE)
+
+# A routing version written before a role had its own logical model routes it where its calls went then:
+# the PI's calls were the senior researcher's until the PI got a policy of its own (docs/serving.md, migration).
+FALLBACK = {PI: SENIOR}

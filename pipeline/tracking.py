@@ -17,6 +17,9 @@ from pipeline.services import mlflow_server
 
 RUN_ID_ENV = "PIPELINE_RUN_ID"
 RUN_TAG = "pipeline.run_id"
+# what every run and registered version of this process was produced under (the CLI sets data.setting): a version
+# trained or evaluated in one PubMedQA setting is never read as the other's
+CONTEXT: dict[str, str] = {}
 # mlflow is imported inside the functions that use it: a 1.3 s import, and the model plane (which runs stage
 # modules that import this one) has no mlflow. Functions given the ``mlflow`` section import the names they call.
 
@@ -88,7 +91,7 @@ def stage_run(stage: str, mlflow: MlflowParams, tags: dict[str, str] | None = No
 
     parent_id = parent_run(mlflow)
     run_tags = {RUN_TAG: pipeline_run_id(), "pipeline.kind": "stage", "pipeline.stage": stage,
-                "mlflow.parentRunId": parent_id, **(tags or {})}
+                "mlflow.parentRunId": parent_id, **CONTEXT, **(tags or {})}
     with start_run(run_name=stage, tags=run_tags) as run:
         yield run
 

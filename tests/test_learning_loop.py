@@ -33,7 +33,8 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          "PIPELINE__AGENTS__MAX_TOOL_CALLS": "1", "PIPELINE__ROLLOUTS__MAX_FAILURE_RATE": "1.0",
          "PIPELINE__DATASETS__SFT__MIN_REWARD": "0.0", "PIPELINE__SFT__MAX_STEPS": "4", "PIPELINE__BANDIT__FOLDS": "2",
          "PIPELINE__BANDIT__BOOTSTRAP": "200", "PIPELINE__EVALUATE__LIMIT": "1", "PIPELINE__EVALUATE__BOOTSTRAP": "200",
-         "PIPELINE__REPORT__LIMIT": "1", "PIPELINE__PPO__PROMPTS_PER_STEP": "1",
+         "PIPELINE__REPORT__LIMIT": "1", "PIPELINE__PPO__PROMPTS_PER_STEP": "1", "PIPELINE__PI__SFT__MAX_STEPS": "2",
+         "PIPELINE__REPORT__ROLE_LIMIT": "4",
          # the gate's evaluation runs on the junior adapter and the bandit: the senior adapter takes the same
          # lora_adapter path (hot-load + evaluation routing), so a fourth society in `evaluate` would repeat it
          "PIPELINE__PROMOTE__ROLES": "{junior_researcher: llm, supervisor_policy: policy}",
@@ -124,7 +125,7 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     assert (clone / "models/bandit/policy.vw").exists()
 
     children = _children(cycle)
-    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_ppo", "train_bandit",
+    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_pi", "train_ppo", "train_bandit",
                              "evaluate", "promote", "report"}
     assert children["rollouts"].data.metrics["total.rollouts"] == 2
     assert children["datasets"].data.metrics["sft.rows"] > 0

@@ -301,3 +301,55 @@ def test_compare_checkpoints_notebook_renders(promo: dict, monkeypatch: pytest.M
     assert "junior_researcher v2" in html and "[" in html  # the metrics table with CIs, candidate rows by version
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2  # criteria bars + training curves
     nbformat.write(nb, promo["root"] / "compare_checkpoints.executed.ipynb")
+
+
+def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_rollout_is_answered_by_it(promo: dict) -> None:
+    """The PI's own policy through the loop (issues #42/#45): a champion PI that cannot answer (the "offline" model,
+    whose context is shorter than any PI prompt), a candidate served by SmolLM2 and an A/A copy of the champion.
+    `evaluate` scores each on its own decision over every validation question (one call per question, nothing else
+    of the society), `promote` promotes the candidate on the exact test and refuses the copy, the routing moves, and
+    the next rollout's PI calls go to the PI's logical model under the new routing version."""
+    from mlflow import MlflowClient
+
+    from pipeline import registry
+    from pipeline.serving import worker
+    from pipeline.stages.promote import switch
+
+    pi = "principal_investigator"
+    params = promo["params"]
+    worker.up(params.serving, params.serving.workers[1])  # the previous test stopped it
+    broken = _register(promo, "offline", pi)
+    switch(params.serving, params.mlflow, params.promote, pi, registry.get_version(pi, broken), "it: a PI that cannot answer")
+    assert _served(promo, pi) == "offline" and _champion(pi) == broken
+    better = _register(promo, "base", pi)
+    aa = _cli(promo, "register-aa", pi)
+    assert aa.returncode == 0 and f"alias {registry.AA}" in aa.stdout, aa.stdout + aa.stderr
+    copy = registry.by_alias(pi, registry.AA)
+    assert copy.tags["aa_of"] == broken and copy.tags["deployment"] == "offline"
+    ev = _cli(promo, "evaluate", PIPELINE__AGENTS__CONTEXT_CHARS="200")
+    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
+    summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
+    entry, twin = summary["roles"][pi], summary["roles"][f"{pi}@aa"]
+    assert entry["level"] == "role" and entry["cost"]["calls_per_task"] == 1
+    assert entry["difference"]["n"] == 100 == entry["candidate"]["metrics"]["questions"]  # every validation question
+    assert entry["candidate"]["target"] == "base" and entry["champion"]["target"] == "offline"
+    records = [json.loads(line) for line in (promo["root"] / f"data/evaluation/records/{pi}-champion.jsonl").read_text().splitlines()]
+    assert all(r["decision"] is None and r["error"].startswith("HTTP 400") for r in records)
+    assert entry["candidate"]["metrics"]["setting"] == entry["champion"]["metrics"]["setting"] == "reasoning_required"
+    assert twin["candidate"]["version"] == copy.version and twin["difference"]["mean"] == 0
+    pr = _cli(promo, "promote")  # the default gate: 100 questions >= min_tasks, Holm over the cycle's two candidates
+    assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
+    decisions = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]
+    assert decisions[pi]["status"] == "promoted" and decisions[pi]["family"] == 2, decisions[pi]
+    assert decisions[f"{pi}@aa"]["status"] == "rejected" and decisions[f"{pi}@aa"]["rule"] == "margin"
+    assert _champion(pi) == better and _live(promo)["roles"][pi] == "base" and _served(promo, pi) == "base"
+    assert MlflowClient().get_model_version(pi, copy.version).tags["promotion.decision"] == "rejected"
+    assert registry.by_alias(pi, registry.AA) is None and registry.by_alias(pi, registry.CHALLENGER) is None
+    ro = _cli(promo, "rollouts", PIPELINE__ROLLOUTS__LIMIT="1", PIPELINE__ROLLOUTS__SAMPLES_PER_TASK="1",
+              PIPELINE__ROLLOUTS__SHARDS="1", PIPELINE__ROLLOUTS__MAX_FAILURE_RATE="1.0")
+    assert ro.returncode == 0, ro.stdout[-3000:] + ro.stderr[-3000:]
+    trace = json.loads((promo["root"] / "data/rollouts/shard-00000.jsonl").read_text().splitlines()[0])
+    assert trace["routing_version"] == _live(promo)["version"]
+    calls = [s["data"] for s in trace["spans"] if s["kind"] == "llm" and s["data"]["agent"] == pi]
+    assert all(c["logical_model"] == pi for c in calls)
+    assert calls or trace["status"] != "ok"  # a rollout that reached the PI asked the PI's own model

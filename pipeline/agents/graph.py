@@ -27,6 +27,7 @@ from langgraph.graph import END, START, StateGraph
 
 from pipeline import roles
 from pipeline.agents.llm import DESIGNER_TOKENS, LLMError, RoleClient
+from pipeline.agents.prompts import SETTINGS, brief, pi_prompt
 from pipeline.agents.tools import Toolbox, timed_call
 from pipeline.config import AgentsParams
 from pipeline.schemas import EvidenceCall, Hypothesis, PIDecision, Protocol, Review, StructuredOutput, SupervisorChoice, ToolCall
@@ -40,19 +41,6 @@ JUNIORS = {
 # champion's before its own to replay, so evaluate runs it beside the champion rather than after it
 OPENING_MODEL = roles.JUNIOR
 SEVERITY_RANK = {"APPROVE": 0, "MINOR": 1, "MAJOR": 2, "CRITICAL": 3}
-
-
-def brief(task: dict[str, Any], context_chars: int) -> str:
-    """The question with its own abstract (PubMedQA's reasoning-required setting), the same for every split."""
-    abstract = " ".join(task.get("contexts") or [])[:context_chars]
-    return f"{task['question']}\nAbstract: {abstract}" if abstract else task["question"]
-
-
-def pi_prompt(brief_text: str, protocol: Any, reviews: list[dict[str, Any]]) -> str:
-    """The principal investigator's prompt (benchmarks/bench_before_after.py asks the trained PI the same)."""
-    lines = "\n".join(f"- {r['reviewer']}: {r['severity']}: {r['summary']}" for r in reviews)
-    return (f"You are the principal investigator. Question: {brief_text}\nProtocol: {protocol}\n"
-            f"Reviews:\n{lines or 'none'}\nDecide GO or NO-GO with a rationale, as JSON.")
 
 
 class SocietyState(TypedDict, total=False):
@@ -84,7 +72,8 @@ class Society:
         return state["task"]["question"]
 
     def _brief(self, state: SocietyState) -> str:
-        return brief(state["task"], self.cfg.context_chars)
+        # data.setting rides on the task (load_tasks' setting): what the juniors and the PI read of it
+        return brief(state["task"], self.cfg.context_chars, state["task"].get("setting", SETTINGS[0]))
 
     def junior(self, name: str):
         async def node(state: SocietyState) -> dict[str, Any]:
@@ -204,7 +193,7 @@ class Society:
 
     async def principal_investigator(self, state: SocietyState) -> dict[str, Any]:
         prompt = pi_prompt(self._brief(state), state.get("protocol"), state.get("reviews", []))
-        return await self._senior("principal_investigator", roles.SENIOR, PIDecision, prompt, state, "decision",
+        return await self._senior("principal_investigator", roles.PI, PIDecision, prompt, state, "decision",
                                   tokens=max(self.cfg.max_tokens, 256))
 
     def compile(self) -> Any:

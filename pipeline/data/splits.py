@@ -16,7 +16,7 @@ def split_file(validate: ValidateParams, split: str) -> Path:
 
 
 def load_tasks(validate: ValidateParams, split: str, limit: int | None = None,
-               rotation: str | None = None) -> list[dict[str, Any]]:
+               rotation: str | None = None, setting: str | None = None) -> list[dict[str, Any]]:
     """The split's tasks by id; with ``limit``, the first ``limit`` ids, or with ``rotation`` a sample of
     ``limit`` drawn with that string as seed (evaluation rotates its tasks across cycles, so a cycle's gate
     does not always look at the same few questions), returned sorted by id."""
@@ -26,5 +26,6 @@ def load_tasks(validate: ValidateParams, split: str, limit: int | None = None,
         frame = frame.sample(n=limit, random_state=seed).sort_values("id")
     elif limit:
         frame = frame.head(limit)
-    return [{**r, "id": str(r["id"]), "contexts": list(r["contexts"]), "meshes": list(r["meshes"]), "labels": list(r["labels"])}
-            for r in frame.to_dict("records")]
+    extra = {"setting": setting} if setting else {}
+    return [{**r, "id": str(r["id"]), "contexts": list(r["contexts"]), "meshes": list(r["meshes"]), "labels": list(r["labels"]),
+             **extra} for r in frame.to_dict("records")]

@@ -3,6 +3,7 @@
 Kept apart from the stage so it reads as the policy it is and is unit-tested on its own. Rules are
 checked in order and the first that fails decides, so the recorded ``rule`` says exactly why:
 
+0. ``setting``: the two evaluations were made in different PubMedQA settings (data.setting): never compared.
 1. ``insufficient_evidence``: fewer paired tasks than ``promote.min_tasks`` (docs/promotion.md
    derives the default from a power calculation). Never promotes, whatever the numbers say.
 2. ``min_success_rate`` / ``min_decision_accuracy``: floors on the candidate alone.
@@ -45,6 +46,9 @@ def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, 
            adjusted_p: float | None = None, family: int = 1) -> Decision:
     """``candidate``/``champion``: metrics summaries; ``diff``: the paired candidate-champion difference;
     ``adjusted_p``: its p-value adjusted over the ``family`` of candidates tested with it (None: tested alone)."""
+    if candidate.get("setting") != champion.get("setting"):
+        return Decision(False, "setting", f"candidate evaluated in {candidate.get('setting')}, champion in "
+                                          f"{champion.get('setting')}: evaluations in different PubMedQA settings never compare")
     if diff["n"] < cfg.min_tasks:
         return Decision(False, INSUFFICIENT, f"{diff['n']} paired task(s) < promote.min_tasks={cfg.min_tasks}: the difference "
                                              f"{diff['mean']:+.4f} (p={diff.get('p_value', float('nan')):.3f}) "

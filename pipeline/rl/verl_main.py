@@ -28,7 +28,7 @@ def main() -> None:
 
     params = load_params(args.params)
     wanted = {r["task_id"] for r in load_prompts(params.datasets, params.ppo)}
-    tasks = [t for t in load_tasks(params.validate_, "train") if t["id"] in wanted]
+    tasks = [t for t in load_tasks(params.validate_, "train", setting=params.data.setting) if t["id"] in wanted]
     cols = task_rows(tasks)
     rows = [{"data_id": d, "task_json": j, "prompt": [{"role": "user", "content": json.loads(j)["question"]}],
              "extra_info": {"index": i}} for i, (d, j) in enumerate(zip(cols["data_id"], cols["task_json"], strict=True))]

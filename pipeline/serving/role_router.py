@@ -17,6 +17,8 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException
 
+from pipeline.roles import FALLBACK
+
 EVAL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
 
 
@@ -50,7 +52,9 @@ class RoleRouter(CustomLogger):
         routing = (data.get("metadata") or {}).get("routing")
         table = self.table(routing)
         role = data.get("model")
-        target = table.get("roles", {}).get(role)
+        roles = table.get("roles", {})
+        # a live table written before the role had its own logical model: where its calls went then (pipeline/roles.py)
+        target = roles.get(role) or roles.get(FALLBACK.get(str(role), ""))
         if not target:  # a deployment or adapter name (`base/<any folder the engine sees>`) is never served directly
             raise ProxyException(message=f"model {str(role)[:80]!r} is not a role of routing version {table.get('version')}: "
                                          f"this proxy serves the role names {sorted(table.get('roles', {}))} only",

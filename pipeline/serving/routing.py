@@ -35,6 +35,7 @@ import yaml
 from pipeline import tracking
 from pipeline.config import MlflowParams, Params, RolloutsParams, ServingParams
 from pipeline.io import write_json, write_text
+from pipeline.roles import FALLBACK
 from pipeline.serving import proxy
 from pipeline.serving.worker import served_name
 
@@ -107,6 +108,9 @@ def load_version(serving: ServingParams, version: int) -> dict[str, Any]:
     roles = doc.get("roles")
     if not isinstance(roles, dict):
         raise RoutingError(f"{path}: 'roles' must map role -> deployment")
+    for role, was in FALLBACK.items():  # a version from before the role had its own model: where its calls went then
+        if role in serving.roles and role not in roles and was in roles:
+            roles = {**roles, role: roles[was]}
     missing = sorted(set(serving.roles) - set(roles))
     unknown = sorted(set(roles) - set(serving.roles))
     if missing or unknown:

@@ -43,7 +43,7 @@ from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.envs import REPO_ROOT
-from pipeline.evaluation import society
+from pipeline.evaluation import role_level, society
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, paired_difference, summarise
 from pipeline.evaluation.served import check_served
 from pipeline.io import atomic_dir, write_json, write_text
@@ -106,7 +106,7 @@ def cache_key(params: Params, champions: dict[str, Any], roles: dict[str, str], 
            "evaluate": params.evaluate.model_dump(exclude={"out_dir", "concurrency"}), "agents": params.agents.model_dump(),
            "judge": params.judge.model_dump(), "reward": params.reward.model_dump(),
            "val": dvc_md5(split_file(params.validate_, "val")), "index": dvc_md5(params.rollouts.index_dir),
-           "tasks": [t["id"] for t in tasks]}
+           "tasks": [t["id"] for t in tasks], "setting": params.data.setting}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -253,15 +253,19 @@ def run(params: Params) -> dict[str, Any]:
     cycle = ",".join(f"{n}:v{c.version}" for n in params.promote.roles
                      if (c := registry.by_alias(n, registry.CHALLENGER)) is not None and c.version != champions[n].version)
     rotation = f"{params.evaluate.seed}:{cycle}"
-    tasks = load_tasks(params.validate_, "val", params.evaluate.limit, rotation=rotation)
+    tasks = load_tasks(params.validate_, "val", params.evaluate.limit, rotation=rotation, setting=params.data.setting)
     roles, policies = champion_table(params.serving, params.promote, champions)
     label = ",".join(f"{n}:v{v.version}" for n, v in champions.items())
     key = cache_key(params, champions, roles, policies, tasks)
-    summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "task_rotation": rotation,
+    summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "task_rotation": rotation, "setting": params.data.setting,
                                "champion_versions": {n: v.version for n, v in champions.items()}, "roles": {}}
     # every society to run (name, table, tags, role, candidate version, target); the champion first unless cached
     candidates: list[tuple[str, dict[str, Any], dict[str, str], str, Any, str]] = []
+    for name in (n for n in params.evaluate.role_level if n in params.promote.roles):
+        summary["roles"].update(evaluate_role(params, name, champions[name], roles, policies, key, label))
     for name, kind in params.promote.roles.items():
+        if name in params.evaluate.role_level:
+            continue
         cand = registry.by_alias(name, registry.CHALLENGER)
         if cand is None or cand.version == champions[name].version:
             print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
@@ -316,12 +320,13 @@ def run(params: Params) -> dict[str, Any]:
         champion_records, champion_run = scored[champion[0][0]]
     costs = {c[0]: society_cost(t) for c, t in zip(candidates, cand_traces, strict=True)}
     cfg = params.evaluate
-    champ = summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
+    champ = {**summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed), "setting": params.data.setting, "level": "society"}
     for slug, _, _, name, cand, where in candidates:
         records, run_id = scored[slug]
-        mine = summarise(records, cfg.bootstrap, cfg.ci, cfg.seed)
+        mine = {**summarise(records, cfg.bootstrap, cfg.ci, cfg.seed), "setting": params.data.setting, "level": "society"}
         diff = paired_difference(records, champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
-        summary["roles"][name] = {"champion": {"version": champions[name].version,
+        summary["roles"][name] = {"role": name, "alias": registry.CHALLENGER, "level": "society",
+                                  "champion": {"version": champions[name].version,
                                                "target": roles.get(name) or policies.get(name),
                                                "label": label, "metrics": champ, "run_id": champion_run},
                                   "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
@@ -337,6 +342,63 @@ def run(params: Params) -> dict[str, Any]:
               f"paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}, sign-flip p="
               f"{diff['p_value']:.3f}; decisions McNemar p={diff['decision']['p_value']:.3f}); run {run_id}")
     return summary
+
+
+# whole Params: the role's requests read agents, reward, data, pi, serving and evaluate
+def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str], policies: dict[str, str], key: str,
+                  label: str) -> dict[str, Any]:
+    """Each candidate of ``name`` (its ``challenger`` and an A/A ``aa`` version) against the champion on the role's own
+    decision, every validation question (pipeline/evaluation/role_level.py); summary entries keyed by role (``@aa``)."""
+    cfg, setting = params.evaluate, params.data.setting
+    cands = [(alias, c) for alias in (registry.CHALLENGER, registry.AA)
+             if (c := registry.by_alias(name, alias)) is not None and c.version != champion.version]
+    if not cands:
+        print(f"evaluate: {name}: no challenger (champion v{champion.version})")
+        return {}
+    tasks = load_tasks(params.validate_, "val", None, setting=setting)  # every question: one prefill each
+    url, api_key = proxy.client_settings(params.serving)
+    runs: list[tuple[str, Any, str]] = [("champion", champion, roles[name])]
+    runs += [(alias, c, registry.deploy(params.serving, name, c, roles.get(name))) for alias, c in cands]
+    scored: dict[str, tuple[list[dict[str, Any]], dict[str, Any], str]] = {}
+    for alias, version, where in runs:
+        slug = _slug(f"{name}-{alias}-v{version.version}-{key[:8]}")
+        table = _table(params.serving, params.mlflow, slug, {**roles, name: where}, policies)
+        t0 = time.perf_counter()
+        records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward, setting,
+                                                params.pi.decision_tokens, cfg.role_concurrency, cfg.timeout_s, slug))
+        mine = role_level.metrics(records, setting, cfg.bootstrap, cfg.ci, cfg.seed)
+        with mlflow.start_run(run_name=f"eval {name} {alias} v{version.version}", nested=True,
+                              tags={"pipeline.kind": "evaluation", "eval.role": name, "eval.level": "role",
+                                    "eval.version": str(version.version), "eval.alias": alias, "data.setting": setting}) as run:
+            mlflow.log_dict(table, "evaluation/routing.json")
+            mlflow.log_metrics({k: v for k, v in flat(mine).items() if v == v})
+            mlflow.log_text("".join(json.dumps(r) + "\n" for r in records), "evaluation/records.jsonl")
+        scored[alias] = (records, mine, run.info.run_id)
+        print(f"evaluate: {name} {alias} v{version.version} ({where}): {len(records)} validation questions in "
+              f"{time.perf_counter() - t0:.0f} s, yes/no accuracy {mine['yes_no']['accuracy']:.3f} "
+              f"(n={mine['yes_no']['n']}), AUC {mine['auc']['value']}")
+    champ_records, champ, champ_run = scored["champion"]
+    out: dict[str, Any] = {}
+    for alias, cand, where in runs[1:]:
+        records, mine, run_id = scored[alias]
+        diff = paired_difference(records, champ_records, cfg.bootstrap, cfg.ci, cfg.seed)
+        out[name if alias == registry.CHALLENGER else f"{name}@{alias}"] = {
+            "role": name, "alias": alias, "level": "role",
+            "champion": {"version": champion.version, "target": roles[name], "label": label, "metrics": champ,
+                         "run_id": champ_run},
+            "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
+            "difference": diff, "records": {"champion": champ_records, "candidate": records},
+            "cost": {"calls_per_task": 1, "tasks": len(tasks)}}
+        registry.set_tags(name, cand.version, {
+            "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.level": "role", "eval.setting": setting,
+            "eval.champion_reward": f"{champ['reward']['mean']:.4f}", "eval.diff": f"{diff['mean']:+.4f}",
+            "eval.tasks": len(tasks), "eval.p_value": f"{diff['p_value']:.4f}",
+            "eval.mcnemar_p": f"{diff['decision']['p_value']:.4f}"})
+        print(f"evaluate: {name} {alias} v{cand.version} decision reward {mine['reward']['mean']:.3f} vs champion "
+              f"{champ['reward']['mean']:.3f}; paired diff {diff['mean']:+.3f} (n={diff['n']}, "
+              f"sign-flip p={diff['p_value']:.4f}; "
+              f"McNemar p={diff['decision']['p_value']:.4f}, b={diff['decision'].get('b')}, c={diff['decision'].get('c')})")
+    return out
 
 
 def write_outputs(evaluate: EvaluateParams, summary: dict[str, Any]) -> None:

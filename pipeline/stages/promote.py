@@ -39,12 +39,13 @@ def _active_run_id() -> str:
 
 def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, entry: dict[str, Any],
                  current_champion: str, adjusted_p: float | None = None, family: int = 1) -> dict[str, Any]:
+    alias = entry.get("alias", registry.CHALLENGER)  # an A/A candidate's alias is registry.AA
     cand = registry.get_version(name, entry["candidate"]["version"])
     if str(cand.version) == str(current_champion) and cand.tags.get("promotion.decision") == "promoted":
         # a retried promote (the DAG retries the task) after this switch completed: recognise it, change nothing
         print(f"promote: {name} v{cand.version} was already promoted by run {cand.tags.get('promotion.run', '?')}")
-        if registry.by_alias(name, registry.CHALLENGER) is not None:
-            registry.delete_alias(name, registry.CHALLENGER)
+        if registry.by_alias(name, alias) is not None:
+            registry.delete_alias(name, alias)
         return {"candidate": cand.version, "champion_before": cand.tags.get("promotion.previous_champion", ""),
                 "status": "promoted", "promote": True, "rule": cand.tags.get("promotion.rule", ""),
                 "detail": cand.tags.get("promotion.detail", "already promoted"),
@@ -81,7 +82,7 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
         log_artifact(str(routing.version_path(serving, out["routing_version"])), artifact_path="routing")
     else:
         registry.set_tags(name, cand.version, tags)
-    registry.delete_alias(name, registry.CHALLENGER)  # decided: the next cycle's trainer names the next challenger
+    registry.delete_alias(name, alias)  # decided: the next cycle's trainer names the next challenger
     out["status"] = status
     return out
 
@@ -92,21 +93,26 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
     decisions: dict[str, Any] = {}
     failure: PromotionError | None = None
     adjusted, family = family_p_values({name: entry["difference"] for name, entry in summary["roles"].items()}, promote)
-    for name, entry in summary["roles"].items():
+    # A/A candidates first: each is decided against the champion it was evaluated with, before a challenger may move it
+    for key, entry in sorted(summary["roles"].items(), key=lambda kv: kv[1].get("alias", registry.CHALLENGER) != registry.AA):
+        name = entry.get("role", key)
         champion = registry.by_alias(name, registry.CHAMPION)
         try:
-            decisions[name] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "",
-                                           adjusted[name], family)
+            decisions[key] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "",
+                                          adjusted[key], family)
         except PromotionError as exc:
-            decisions[name] = {"status": "failed", "rule": "deployment", "detail": str(exc),
-                               "candidate": entry["candidate"]["version"]}
+            decisions[key] = {"status": "failed", "rule": "deployment", "detail": str(exc),
+                              "candidate": entry["candidate"]["version"]}
             failure = failure or exc
-        d = decisions[name]
-        print(f"promote: {name} v{d['candidate']}: {d['status'].upper()} ({d['rule']}): {d['detail']}")
-        log_metric(f"{name}.promoted", float(d["status"] == "promoted"))
+        d = decisions[key]
+        d.update(role=name, alias=entry.get("alias", registry.CHALLENGER), level=entry.get("level", "society"),
+                 setting=entry["candidate"]["metrics"].get("setting"))
+        print(f"promote: {key} v{d['candidate']}: {d['status'].upper()} ({d['rule']}): {d['detail']}")
+        log_metric(f"{key.replace('@', '.')}.promoted", float(d["status"] == "promoted"))
     live = routing.active(serving)
     champions = {n: (v.version if (v := registry.by_alias(n, registry.CHAMPION)) else None) for n in promote.roles}
     result = {"promoted": sorted(n for n, d in decisions.items() if d["status"] == "promoted"), "decisions": decisions,
+              "setting": summary.get("setting"),
               "champions": champions, "routing_version": live and live["version"], "dry_run": promote.dry_run}
     log_dict(result, "promotion.json")
     if failure is not None:

@@ -44,8 +44,9 @@ class FailureRateExceeded(RuntimeError):
     pass
 
 
-def shard_tasks(rollouts: RolloutsParams, validate: ValidateParams, shard: int) -> list[dict[str, Any]]:
-    return load_tasks(validate, "train", rollouts.limit)[shard :: rollouts.shards]
+def shard_tasks(rollouts: RolloutsParams, validate: ValidateParams, shard: int,
+                setting: str | None = None) -> list[dict[str, Any]]:
+    return load_tasks(validate, "train", rollouts.limit, setting=setting)[shard :: rollouts.shards]
 
 
 def rollout_id(task: dict[str, Any], sample: int) -> str:
@@ -81,7 +82,8 @@ def journal_key(agents: AgentsParams, judge: JudgeParams, reward: RewardParams, 
     with the same society, judge, reward, sampling, routing version and tasks (not e.g. after a promotion)."""
     doc = {"agents": agents.model_dump(), "judge": judge.model_dump(), "reward": reward.model_dump(),
            "rollouts": rollouts.model_dump(include={"seed", "samples_per_task", "shards", "limit", "llm_base_url"}),
-           "routing_version": version, "shard": shard, "tasks": [str(t["id"]) for t in tasks]}
+           "routing_version": version, "shard": shard, "tasks": [str(t["id"]) for t in tasks],
+           "setting": tasks[0].get("setting") if tasks else None}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -131,7 +133,7 @@ def shard_lock(journal: Path) -> Iterator[None]:
 
 # whole Params: a shard reads the split, the society, judge and reward, the rollouts settings and the live routing (serving)
 async def run_shard(params: Params, shard: int, run_id: str, progress: Any = None) -> list[dict[str, Any]]:
-    tasks = shard_tasks(params.rollouts, params.validate_, shard)
+    tasks = shard_tasks(params.rollouts, params.validate_, shard, params.data.setting)
     journal = journal_path(params.rollouts, shard)
     journal.parent.mkdir(parents=True, exist_ok=True)
     with shard_lock(journal):
@@ -211,13 +213,19 @@ class _ShardBar:
         self.bar.advance(self.task_id)
 
 
+# whole Params: run_shard's sections
 def run(params: Params, shards: list[int], run_id: str) -> dict[str, Any]:
+    """Every shard at once in one event loop, as the DAG's mapped shard tasks run side by side: the engine batches
+    across them (one after another, a default cycle's 4 rollouts had 2 in flight and took twice as long)."""
     results: dict[str, Any] = {}
     all_traces: list[dict[str, Any]] = []
     with Progress(transient=False) as bar:
-        for shard in shards:
-            shard_bar = _ShardBar(bar, bar.add_task(f"rollouts shard {shard}", total=None))
-            traces = asyncio.run(run_shard(params, shard, run_id, shard_bar))
+        bars = {s: _ShardBar(bar, bar.add_task(f"rollouts shard {s}", total=None)) for s in shards}
+
+        async def every() -> list[list[dict[str, Any]]]:
+            return list(await asyncio.gather(*(run_shard(params, s, run_id, bars[s]) for s in shards)))
+
+        for shard, traces in zip(shards, asyncio.run(every()), strict=True):
             results[f"shard_{shard}"] = summarise(traces)
             all_traces += traces
     results["total"] = summarise(all_traces)

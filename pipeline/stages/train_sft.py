@@ -38,6 +38,7 @@ METRICS_FILE = Path("reports/train_sft.json")
 LOSS_CSV = Path("reports/plots/sft_loss.csv")
 EVAL_CSV = Path("reports/plots/sft_eval_loss.csv")
 LOSS_PNG = Path("reports/plots/sft_loss.png")
+FIT_ROWS = 64  # training rows whose loss, before and after, says whether the adapter learned (min_fit_drop)
 
 
 def data_file(datasets: DatasetsParams) -> Path:
@@ -141,11 +142,12 @@ def _model_and_peft(sft: SftParams, backend: str) -> tuple[Any, Any, Any]:
     return model, tokenizer, peft
 
 
-def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
-    """Model plane: train, save adapter (+ merged folder) atomically, return the metrics."""
+def train(sft: SftParams, data: Path) -> dict[str, Any]:
+    """Model plane: train on ``data``'s prompt-completion rows, save adapter (+ merged folder) atomically, return the
+    metrics (train_pi trains the PI with it on its gold-decision rows)."""
     import torch  # noqa: PLC0415 - model plane only
 
-    rows = load_rows(data_file(datasets))
+    rows = load_rows(data)
     train_rows, eval_rows = split(rows, sft)
     backend, fallback_reason = pick_backend(sft)
     from datasets import Dataset  # noqa: PLC0415 - 0.7 s import, only the model plane trains
@@ -163,12 +165,14 @@ def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
         # the loss on the training rows themselves, before and after: per-step losses are on different batches (noise
         # at a few steps), the held-out loss may not move at a few rows; the same rows twice say whether it learned
         base_eval = trainer.evaluate()["eval_loss"]
-        fit_before = trainer.evaluate(eval_dataset=train_ds, metric_key_prefix="fit")["fit_loss"]
+        # the same training rows twice; at most FIT_ROWS of them (a pass over every row costs as much as training)
+        fit_ds = train_ds.select(range(min(len(train_ds), FIT_ROWS)))
+        fit_before = trainer.evaluate(eval_dataset=fit_ds, metric_key_prefix="fit")["fit_loss"]
         t0 = time.perf_counter()
         result = trainer.train()
         seconds = time.perf_counter() - t0
         final_eval = trainer.evaluate()["eval_loss"]
-        fit_after = trainer.evaluate(eval_dataset=train_ds, metric_key_prefix="fit")["fit_loss"]
+        fit_after = trainer.evaluate(eval_dataset=fit_ds, metric_key_prefix="fit")["fit_loss"]
         trainer.model.save_pretrained(str(tmp / "adapter"))
         tokenizer.save_pretrained(str(tmp / "adapter"))
         if sft.merge:
@@ -194,7 +198,7 @@ def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
                    "eval_loss_before": base_eval, "eval_loss": final_eval,
                    "fit_loss_before": fit_before, "fit_loss_after": fit_after, "fit_drop": fit_drop, "no_signal": not learned,
                    "no_signal_reason": None if learned else
-                   f"the loss on its own {len(train_rows)} training rows did not fall by sft.min_fit_drop="
+                   f"the loss on {min(len(train_rows), FIT_ROWS)} of its own training rows did not fall by sft.min_fit_drop="
                    f"{sft.min_fit_drop:.0%} ({fit_before:.4f} -> {fit_after:.4f}, {fit_drop:+.2%})",
                    "tokens": tokens, "tokens_per_s": (tokens / seconds) if tokens else None,
                    "base_model": str(Path(sft.base_model).resolve())}
@@ -202,20 +206,22 @@ def train(sft: SftParams, datasets: DatasetsParams) -> dict[str, Any]:
     return metrics
 
 
-def _log_curves(history: list[dict[str, Any]], eval_before: float | None = None) -> None:
+def _log_curves(history: list[dict[str, Any]], eval_before: float | None = None, files: tuple[Path, Path, Path] | None = None,
+                title: str = "junior_researcher LoRA SFT") -> None:
+    loss_csv, eval_csv, loss_png = files or (LOSS_CSV, EVAL_CSV, LOSS_PNG)
     train = [(h["step"], h["loss"]) for h in history if "loss" in h]
     # the base model's eval loss at step 0, then each evaluation (the final one repeats the last step's: kept once)
     evals = sorted({h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}.items())
     evals = ([(0, eval_before)] if eval_before is not None else []) + evals
-    write_text(LOSS_CSV, "step,loss\n" + "".join(f"{s},{v}\n" for s, v in train))
-    write_text(EVAL_CSV, "step,eval_loss\n" + "".join(f"{s},{v}\n" for s, v in evals))
-    with plots.png(LOSS_PNG) as ax:
+    write_text(loss_csv, "step,loss\n" + "".join(f"{s},{v}\n" for s, v in train))
+    write_text(eval_csv, "step,eval_loss\n" + "".join(f"{s},{v}\n" for s, v in evals))
+    with plots.png(loss_png) as ax:
         ax.plot(*zip(*train, strict=True), label="train loss (completion tokens)")
         if evals:
             ax.plot(*zip(*evals, strict=True), "o--", label="eval loss (held-out calls)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
-        ax.set_title("junior_researcher LoRA SFT")
+        ax.set_title(title)
         ax.legend()
 
 
@@ -276,7 +282,7 @@ def no_signal(sft: SftParams, mlflow: MlflowParams, reason: str, no_mlflow: bool
 def main(args: argparse.Namespace, params: Params) -> int:
     if args.in_model_plane:  # said by the control plane that spawned us, never guessed from what imports
         try:
-            metrics = train(params.sft, params.datasets)
+            metrics = train(params.sft, data_file(params.datasets))
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

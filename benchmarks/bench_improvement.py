@@ -1,0 +1,136 @@
+"""Does one learning cycle improve the society? `make learn`'s figures as a report (issue #45).
+
+    PYTHONPATH=. .venv/control/bin/python benchmarks/bench_improvement.py [--run] [--out docs/benchmarks-improvement.md]
+
+With ``--run`` it runs ``make learn`` first (PARAMS picks the profile, as there); without, it reads what the last one
+left: ``reports/learn-times.tsv`` (its step times), ``reports/train_pi.json`` (the trainer and its signal),
+``data/evaluation/summary.json`` (the role-level gate's evidence, challenger and A/A), ``reports/promotion.json`` (the
+decisions) and ``reports/test.json`` (the champion PI before and after on the official test split). It writes the
+tables to ``--out`` and every figure to the JSON beside it. Each figure carries its n and an exact interval or test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from report import write_report
+
+from pipeline.io import write_json
+
+PI = "principal_investigator"
+# PubMedQA (Jin et al. 2019) and its leaderboard, reasoning-required, accuracy on the 500 test questions
+LITERATURE = [("majority class (yes)", 0.552), ("single human", 0.780), ("BioGPT-347M, fine-tuned", 0.782),
+              ("BioGPT-Large (1.5B), fine-tuned", 0.810)]
+
+
+def _read(path: str) -> Any:
+    p = Path(path)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _fmt(m: dict[str, Any]) -> list[str]:
+    yn, auc = m["yes_no"], m["auc"]
+    auc_text = "n/a" if auc["value"] is None else f"{auc['value']:.3f} [{auc['ci_low']:.3f}, {auc['ci_high']:.3f}]"
+    return [f"{m['questions']}", f"{m['official']['accuracy']:.3f}", f"{m['official']['macro_f1']:.3f}",
+            f"{yn['n']}", f"{yn['accuracy']:.3f} [{yn['ci_low']:.3f}, {yn['ci_high']:.3f}]", f"{yn['majority']:.3f}",
+            f"{yn['go_share']:.2f}", auc_text]
+
+
+def gather() -> dict[str, Any]:
+    times = {}
+    if Path("reports/learn-times.tsv").exists():
+        for line in Path("reports/learn-times.tsv").read_text().splitlines():
+            name, _, seconds = line.rpartition("\t")
+            times[name] = int(seconds)
+    summary, promotion, test = _read("data/evaluation/summary.json"), _read("reports/promotion.json"), _read("reports/test.json")
+    gate = {k: v for k, v in ((summary or {}).get("roles") or {}).items() if v.get("role", k) == PI}
+    for entry in gate.values():
+        entry.pop("records", None)
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "params": os.environ.get("PARAMS", "params/learn.yaml"),
+            "times_s": times, "train_pi": _read("reports/train_pi.json"), "gate": gate,
+            "decisions": {k: v for k, v in ((promotion or {}).get("decisions") or {}).items() if v.get("role", k) == PI},
+            "test": ((test or {}).get("role_level") or {}).get(PI), "setting": (test or {}).get("setting")}
+
+
+def lines(doc: dict[str, Any]) -> list[str]:
+    out = [f"# One learning cycle of the PI: `make learn` ({doc['setting']})", "",
+           f"Generated {doc['date']} by `benchmarks/bench_improvement.py` from the outputs of `make learn` "
+           f"(`{doc['params']}`) on this host (2 CPU cores). Figures as JSON: the `.json` beside this file.", ""]
+    t = doc["times_s"]
+    if t:
+        out += ["## Wall time", "", "| step | seconds |", "|---|---|", *(f"| {k} | {v} |" for k, v in t.items()), ""]
+        if "total" in t:
+            out += [f"**Total: {t['total'] / 60:.1f} min** (budget 60 min).", ""]
+    tr = doc["train_pi"]
+    if tr:
+        out += ["## The trainer (`train_pi`, SFT on the gold decision)", "",
+                "| steps | train rows | held-out rows | loss on its own rows (before → after) | held-out loss | signal |",
+                "|---|---|---|---|---|---|",
+                f"| {tr.get('steps')} | {tr.get('train_rows')} | {tr.get('eval_rows')} | "
+                f"{tr.get('fit_loss_before', float('nan')):.3f} → {tr.get('fit_loss_after', float('nan')):.3f} | "
+                f"{tr.get('eval_loss_before', float('nan')):.3f} → {tr.get('eval_loss', float('nan')):.3f} | "
+                f"{'no_signal: ' + str(tr.get('no_signal_reason')) if tr.get('no_signal') else 'learned'} |", ""]
+    if doc["gate"]:
+        out += ["## The gate: every validation question, paired with the champion", "",
+                "| candidate | questions | official acc. | macro-F1 | yes/no n | yes/no acc. [95% CP] | majority | GO share | "
+                "AUC of P(GO) [95% bootstrap] |", "|---|---|---|---|---|---|---|---|---|"]
+        first = next(iter(doc["gate"].values()))
+        out.append(f"| champion v{first['champion']['version']} | " + " | ".join(_fmt(first["champion"]["metrics"])) + " |")
+        for key, e in doc["gate"].items():
+            out.append(f"| {key} v{e['candidate']['version']} | " + " | ".join(_fmt(e["candidate"]["metrics"])) + " |")
+        out += ["", "| candidate | paired diff (decision reward) | sign-flip p | McNemar b / c | McNemar p | decision | rule |",
+                "|---|---|---|---|---|---|---|"]
+        for key, e in doc["gate"].items():
+            d, dec = e["difference"], doc["decisions"].get(key, {})
+            out.append(f"| {key} | {d['mean']:+.3f} (n={d['n']}) | {d['p_value']:.2e} | {d['decision']['b']} / "
+                       f"{d['decision']['c']} | {d['decision']['p_value']:.2e} | **{dec.get('status', '?')}** | "
+                       f"{dec.get('rule', '')} |")
+        out.append("")
+    test = doc["test"]
+    if test:
+        out += [f"## The official test split ({test['questions']} questions, {test['setting']})", "",
+                "| PI | questions | official acc. | macro-F1 | yes/no n | yes/no acc. [95% CP] | majority | GO share | "
+                "AUC of P(GO) [95% bootstrap] |", "|---|---|---|---|---|---|---|---|---|"]
+        if "before" in test:
+            out.append(f"| before (v{test['previous_champion']}) | " + " | ".join(_fmt(test["before"])) + " |")
+        out.append(f"| after (v{test['champion']}) | " + " | ".join(_fmt(test["after"])) + " |")
+        if "mcnemar" in test:
+            m = test["mcnemar"]
+            out += ["", f"Exact McNemar, after better than before, on the {m['n']} yes/no questions: b = {m['b']} (only after "
+                    f"right), c = {m['c']} (only before right), **p = {m['p_value']:.2e}**."]
+        out += ["", "`maybe` is never answered (the PI decides GO or NO-GO), so the 55 maybe questions count wrong in the "
+                "official three-class metric.", ""]
+    out += ["## Against the literature (reasoning-required, accuracy on the 500 test questions)", "",
+            "| system | accuracy |", "|---|---|", *(f"| {name} | {acc:.3f} |" for name, acc in LITERATURE), "",
+            "The GPU profile's target (docs/gpu.md): a ≤ 1.5B PI fine-tuned the same way, in the reasoning-required setting, "
+            "at or above BioGPT-347M's 0.782.", ""]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", action="store_true", help="run `make learn` first")
+    ap.add_argument("--out", default="docs/benchmarks-improvement.md")
+    args = ap.parse_args()
+    if args.run:
+        rc = subprocess.run(["make", "learn"], check=False).returncode
+        if rc != 0:
+            print(f"make learn exited with {rc}", file=sys.stderr)
+            return rc
+    doc = gather()
+    text = lines(doc)
+    print("\n".join(text))
+    write_report(args.out, text)
+    write_json(Path(args.out).with_suffix(".json"), doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

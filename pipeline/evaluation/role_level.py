@@ -1,0 +1,157 @@
+"""A role whose output the label checks, scored on that output alone: the PI's GO/NO-GO on every question.
+
+A whole-society comparison costs minutes a task and its paired differences spread wide (sd 0.29 of the final reward):
+25 tasks detect only a 0.15 gain. The PI's decision is the one output a PubMedQA label checks, so a PI candidate is
+scored on its own decision for every question of a split, paired with the champion PI on the same inputs.
+
+**What the PI sees**: the society's own PI prompt (``graph.pi_prompt``) over the evidence brief alone (the question,
+its abstract, and in the reasoning-free setting the abstract's conclusion), with no protocol and no reviews. A
+cached champion record of the upstream society would tie the PI's score to a protocol per question (a whole society
+run each, ~3 min here), and the evidence for yes/no is in the brief; the society-level figure keeps its own n.
+
+**One prefill**: the call decodes ``pi.decision_tokens`` tokens under ``PIDecision``'s schema at temperature 0 through
+the proxy (the routed deployment answers, as in the society), and the decision is read from the probabilities of the
+decision token (``p_go``): GO when P(GO) >= 1/2. No rationale is generated, so the judge has nothing to score here
+(docs/promotion.md says what that leaves out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+
+from pipeline.agents.prompts import pi_messages
+from pipeline.config import AgentsParams, RewardParams
+from pipeline.evaluation.metrics import answer, macro_f1, summarise
+from pipeline.rewards.judge import decision_credit
+from pipeline.schemas import PIDecision
+
+TOP_LOGPROBS = 20  # enough that both GO and NO are listed at the decision token
+RETRIES = 3  # transport errors only; an unreadable answer is the model's and counts as no decision
+
+
+def messages(task: dict[str, Any], agents: AgentsParams, setting: str) -> list[dict[str, str]]:
+    return pi_messages(task, agents.context_chars, setting)
+
+
+def p_go(content: list[dict[str, Any]]) -> float | None:
+    """P(GO) where the model writes the decision: the first "GO"/"NO" token (``PIDecision``'s first field; SmolLM2's
+    tokenizer writes ``"GO"`` and ``"NO"`` + ``-GO`` after ``{"decision": "``), renormalised over the two. vLLM returns
+    raw logprobs (before the grammar's mask), so the renormalisation is what the grammar leaves."""
+    for entry in content:
+        if entry.get("token") in ("GO", "NO"):
+            top = {t["token"]: t["logprob"] for t in entry.get("top_logprobs") or []}
+            go, no = math.exp(top.get("GO", -math.inf)), math.exp(top.get("NO", -math.inf))
+            return go / (go + no) if go + no > 0 else None
+    return None
+
+
+async def _ask(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any] | str:
+    """The completion, or why the model refused the request (a 4xx: the model's answer, no decision); transport errors
+    and 5xx are retried, then raised."""
+    for attempt in range(RETRIES):
+        try:
+            resp = await http.post(url, json=body)
+            if 400 <= resp.status_code < 500 and resp.status_code not in (401, 403, 404, 429):
+                return f"HTTP {resp.status_code}: {resp.text[:200]}"
+            resp.raise_for_status()
+            return dict(resp.json())
+        except httpx.HTTPError:
+            if attempt == RETRIES - 1:
+                raise
+            await asyncio.sleep(2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]], agents: AgentsParams, reward: RewardParams,
+                 setting: str, decision_tokens: int, concurrency: int, timeout_s: float, routing: str | None = None,
+                 progress: Any = None) -> list[dict[str, Any]]:
+    """One record per task (``metrics.summarise``'s fields): the role's decision through the proxy, its P(GO) and its
+    decision credit as the reward. ``routing``: an evaluation routing table (None = the live one)."""
+    sem = asyncio.Semaphore(concurrency)
+    url = f"{base_url}/chat/completions"
+
+    async def one(http: httpx.AsyncClient, task: dict[str, Any]) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": role, "messages": messages(task, agents, setting), "max_tokens": decision_tokens,
+                                "temperature": 0.0, "response_format": PIDecision.response_format(), "logprobs": True,
+                                "top_logprobs": TOP_LOGPROBS}
+        if routing:
+            body["metadata"] = {"routing": routing}
+        async with sem:
+            t0 = time.perf_counter()
+            doc = await _ask(http, url, body)
+            latency = time.perf_counter() - t0
+        refused = doc if isinstance(doc, str) else None
+        choice = {} if isinstance(doc, str) else doc["choices"][0]
+        prob = p_go((choice.get("logprobs") or {}).get("content") or [])
+        decision = None if prob is None else "GO" if prob >= 0.5 else "NO-GO"
+        doc = {} if isinstance(doc, str) else doc
+        credit = decision_credit(decision, task["final_decision"], reward)
+        if progress is not None:
+            progress()
+        return {"task_id": task["id"], "label": task["final_decision"], "decision": decision, "p_go": prob,
+                "status": "ok" if decision else "failed", "error": None if decision else refused or "no decision token",
+                "reward": credit, "components": {"decision": credit}, "scores": {}, "turns": 1,
+                "tokens": (doc.get("usage") or {}).get("total_tokens", 0), "latency_s": latency,
+                "served_model": doc.get("model")}
+
+    async with httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {key}"}) as http:
+        return list(await asyncio.gather(*(one(http, t) for t in tasks)))
+
+
+def auc(records: list[dict[str, Any]]) -> float | None:
+    """AUC of P(GO) between yes and no questions (Mann-Whitney, ties half); None without both labels."""
+    pos = [r["p_go"] for r in records if r["label"] == "yes" and r["p_go"] is not None]
+    neg = [r["p_go"] for r in records if r["label"] == "no" and r["p_go"] is not None]
+    if not pos or not neg:
+        return None
+    p, n = np.asarray(pos)[:, None], np.asarray(neg)[None, :]
+    return float(((p > n).sum() + 0.5 * (p == n).sum()) / (p.size * n.size))
+
+
+def auc_ci(records: list[dict[str, Any]], draws: int = 1000, ci: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Stratified percentile bootstrap of the AUC (yes and no resampled apart, so every draw has both)."""
+    yes = [r for r in records if r["label"] == "yes" and r["p_go"] is not None]
+    no = [r for r in records if r["label"] == "no" and r["p_go"] is not None]
+    if not yes or not no:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    values = [auc([yes[i] for i in rng.integers(0, len(yes), len(yes))] + [no[i] for i in rng.integers(0, len(no), len(no))])
+              for _ in range(draws)]
+    lo, hi = np.quantile(np.asarray(values, dtype=float), [(1 - ci) / 2, 1 - (1 - ci) / 2])
+    return float(lo), float(hi)
+
+
+def clopper_pearson(k: int, n: int, ci: float = 0.95) -> tuple[float, float]:
+    """Exact binomial interval of k successes in n."""
+    from scipy.stats import beta  # noqa: PLC0415 - control plane; a 0.3 s import only the reports need
+
+    a = 1 - ci
+    lo = float(beta.ppf(a / 2, k, n - k + 1)) if k > 0 else 0.0
+    hi = float(beta.ppf(1 - a / 2, k + 1, n - k)) if k < n else 1.0
+    return lo, hi
+
+
+def metrics(records: list[dict[str, Any]], setting: str, draws: int = 1000, ci: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """``summarise``'s metrics (the gate reads them) plus what a reader compares: PubMedQA's official accuracy and
+    macro-F1 over every question (three classes; the PI never answers maybe), the yes/no accuracy with its exact
+    interval, and the AUC of P(GO) with a bootstrap interval."""
+    out = summarise(records, draws, ci, seed)
+    yes_no = [r for r in records if r["label"] in ("yes", "no")]
+    right = sum(answer(r["decision"]) == r["label"] for r in yes_no)
+    lo, hi = clopper_pearson(right, len(yes_no), ci) if yes_no else (float("nan"), float("nan"))
+    a_lo, a_hi = auc_ci(records, draws, ci, seed)
+    out.update(setting=setting, level="role", questions=len(records),
+               official={"accuracy": sum(answer(r["decision"]) == r["label"] for r in records) / max(len(records), 1),
+                         "macro_f1": macro_f1([r["label"] for r in records], [answer(r["decision"]) for r in records])},
+               yes_no={"n": len(yes_no), "accuracy": right / max(len(yes_no), 1), "ci_low": lo, "ci_high": hi,
+                       "majority": max(sum(r["label"] == "yes" for r in yes_no), sum(r["label"] == "no" for r in yes_no))
+                       / max(len(yes_no), 1),
+                       "go_share": sum(r["decision"] == "GO" for r in yes_no) / max(len(yes_no), 1)},
+               auc={"value": auc(records), "ci_low": a_lo, "ci_high": a_hi})
+    return out

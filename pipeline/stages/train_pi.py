@@ -1,0 +1,172 @@
+"""The principal investigator learns its GO/NO-GO from the gold label: LoRA SFT on the train split's yes/no questions.
+
+RLVR was tried first (docs/benchmarks-before-after.md): GRPO on the decision reward moved the 135M PI from all NO-GO
+to all GO, the label prior, with AUC of P(GO) still 0.51. Supervised targets carry the label on every question, not
+only where a sampled group disagrees, and one pass fits the decision token on 2 CPU cores (docs/training.md).
+
+Each row is the PI's own prompt in the role-level setting (``role_level.messages``: the evidence brief, no protocol)
+and, as its completion, the ``PIDecision`` the label asks for: GO for yes, NO-GO for no, with the paper's long answer
+as the rationale (its first ``pi.rationale_chars``, at most the schema's 300). ``maybe`` questions are left out: no
+decision is right there.
+
+The steps every trainer takes: fail fast on its inputs (both decisions present, or ``no_signal``) -> train in the model
+plane (``train_sft.train``, TRL ``SFTTrainer`` + PEFT) -> metrics and signal (the loss on its own rows must fall by
+``pi.sft.min_fit_drop``) -> register the adapter as ``principal_investigator``'s challenger with its lineage and setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline import envs, metrics_files, plots, tracking
+from pipeline.agents.prompts import pi_messages
+from pipeline.config import Params
+from pipeline.data.splits import load_tasks
+from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.schemas import PIDecision
+from pipeline.stages import train_sft
+
+METRICS_FILE = Path("reports/train_pi.json")
+LOSS_CSV = Path("reports/plots/pi_loss.csv")
+EVAL_CSV = Path("reports/plots/pi_eval_loss.csv")
+LOSS_PNG = Path("reports/plots/pi_loss.png")
+GOLD = {"yes": "GO", "no": "NO-GO"}
+
+
+def data_file(params: Params) -> Path:
+    return Path(params.pi.data_dir) / "train.jsonl"
+
+
+def rows(tasks: list[dict[str, Any]], params: Params) -> list[dict[str, Any]]:
+    """The PI's gold-decision rows: one per yes/no question of ``tasks``, in ``data.setting``."""
+    out = []
+    for task in tasks:
+        if task["final_decision"] not in GOLD:
+            continue
+        target = PIDecision(decision=GOLD[task["final_decision"]],  # type: ignore[arg-type]
+                            rationale=(task.get("long_answer") or "")[:params.pi.rationale_chars])
+        out.append({"prompt": pi_messages(task, params.agents.context_chars, params.data.setting),
+                    "completion": [{"role": "assistant", "content": target.model_dump_json()}],
+                    "task_id": task["id"], "rollout_id": task["id"], "run_id": "pubmedqa-gold", "label": task["final_decision"]})
+    return out
+
+
+def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> list[dict[str, Any]]:
+    """``pi.loss_on: decision_token``: each chat row as text, the prompt rendered with the served chat template and
+    followed by what the served model writes before the decision (``pi.decision_prefix``), the completion the decision
+    itself. The loss then falls on the decision, not on JSON the model already writes (in the whole answer the
+    decision is 1 token of ~13, and one pass learned only the label prior: P(GO) 0.60-0.62 for yes, no and maybe)."""
+    out = []
+    for r in data:
+        prompt = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+        decision = json.loads(r["completion"][0]["content"])["decision"]
+        out.append({**r, "prompt": prompt + prefix, "completion": f'{decision}"'})
+    return out
+
+
+def training_file(params: Params) -> Path:
+    """Model plane: the file the trainer reads, the chat rows or (``decision_token``) their decision-token form."""
+    path = data_file(params)
+    if params.pi.loss_on == "answer":
+        return path
+    from transformers import AutoTokenizer  # noqa: PLC0415 - model plane only
+
+    tokenizer = AutoTokenizer.from_pretrained(params.pi.sft.base_model)
+    rows_ = decision_rows(train_sft.load_rows(path), tokenizer, params.pi.decision_prefix)
+    out = path.with_name("train.decision.jsonl")  # beside the chat rows, in the stage's DVC output
+    write_text(out, "".join(json.dumps(r) + "\n" for r in rows_))
+    return out
+
+
+def signal(data: list[dict[str, Any]]) -> str | None:
+    """Why these rows carry no signal (None when they do): a label the PI never sees the other side of teaches a prior."""
+    labels = {r["label"] for r in data}
+    if len(data) < 2 or labels != set(GOLD):
+        return f"{len(data)} gold-decision row(s) with labels {sorted(labels)}: training needs both yes and no questions"
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--in-model-plane", action="store_true", help=argparse.SUPPRESS)
+
+
+def _no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
+    metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0, "setting": params.data.setting}
+    write_json(METRICS_FILE, metrics)
+    metrics_files.write("train_pi", metrics)
+    write_text(LOSS_CSV, "step,loss\n")
+    write_text(EVAL_CSV, "step,eval_loss\n")
+    plots.message(LOSS_PNG, f"no signal: {reason}")
+    print(f"train_pi: no_signal, nothing trained or registered: {reason}")
+    if not no_mlflow:
+        tracking.record_no_signal("train_pi", params.mlflow, reason, METRICS_FILE)
+    return 0
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    cfg = params.pi.sft
+    if args.in_model_plane:  # said by the control plane that spawned us
+        try:
+            metrics = train_sft.train(cfg, training_file(params))
+        except (FileNotFoundError, ValueError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        metrics["setting"] = params.data.setting
+        write_json(METRICS_FILE, metrics)
+        metrics_files.write("train_pi", metrics)
+        print(train_sft._summary(metrics).replace("train_sft", "train_pi"))
+        return 0
+    data = rows(load_tasks(params.validate_, "train", setting=params.data.setting), params)
+    with atomic_dir(Path(params.pi.data_dir)) as tmp:
+        (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    print(f"train_pi: {len(data)} gold-decision rows ({sum(r['label'] == 'yes' for r in data)} GO, "
+          f"{sum(r['label'] == 'no' for r in data)} NO-GO) in {params.data.setting} -> {data_file(params)}")
+    if (why := signal(data)) is not None:
+        return _no_signal(params, why, args.no_mlflow)
+    argv = (["--params", args.params_path] if args.params_path else []) + ["train-pi", "--in-model-plane"]
+    if args.no_mlflow:
+        return envs.run_in_model_plane(argv)
+    with tracking.stage_run("train_pi", params.mlflow, tags={"data.setting": params.data.setting}) as run:
+        import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
+
+        rc = envs.run_in_model_plane(argv)
+        if rc != 0:
+            return rc
+        log_and_register(params, data, mlflow.get_run(run.info.run_id))
+    return 0
+
+
+# whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
+def log_and_register(params: Params, data: list[dict[str, Any]], run: Any) -> Any:
+    """Control plane, in the stage's MLflow run: curves, config and metrics logged; the adapter registered as the PI's
+    challenger with its lineage and setting, or nothing (tagged no_signal) when its loss did not fall."""
+    import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
+
+    from pipeline import registry  # noqa: PLC0415 - control plane only
+
+    cfg = params.pi.sft
+    metrics = json.loads(METRICS_FILE.read_text())
+    history = json.loads((Path(cfg.out_dir) / "log_history.json").read_text())
+    train_sft._log_curves(history, metrics.get("eval_loss_before"), (LOSS_CSV, EVAL_CSV, LOSS_PNG),
+                          f"{cfg.role} SFT on the gold decision ({params.data.setting})")
+    tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
+                           **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()},
+                           "backend_used": metrics["backend"], "data.setting": params.data.setting},
+                          history, metrics, LOSS_PNG)
+    mlflow.log_artifact(str(METRICS_FILE))
+    if metrics.get("no_signal"):  # an adapter that did not fit its own rows learned nothing: nothing to register
+        tracking.tag_no_signal(metrics["no_signal_reason"])
+        print(f"train_pi: no_signal, nothing registered: {metrics['no_signal_reason']}")
+        return None
+    version = registry.register_adapter(params, run, cfg.role, Path(cfg.out_dir) / "adapter", Path(params.pi.data_dir), data,
+                                        cfg.base_model, f"LoRA adapter for the {cfg.role} role (SFT on the gold decision)",
+                                        from_traces=False, backend=metrics["backend"],
+                                        **{"data.setting": params.data.setting})
+    print(f"registered {cfg.role} version {version.version} (models:/{cfg.role}/{version.version}), "
+          f"setting {params.data.setting}")
+    return version

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# `make learn`: one learning cycle of the PI in the reasoning-free setting (params/learn.yaml), timed end to end:
+# data + model (dvc repro) -> train the PI on the gold decision -> an A/A copy of its champion -> role-level evaluation
+# on every validation question -> the gate promotes on evidence and moves the routing -> one rollout pass with the new
+# champion -> the official test split, all 500 questions, before vs after. PARAMS=<file> picks another profile.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export PIPELINE_PARAMS="${PARAMS:-params/learn.yaml}"
+export PIPELINE_RUN_ID="${PIPELINE_RUN_ID:-learn-$(date -u +%Y%m%dT%H%M%SZ)}"
+start=$(date +%s)
+TIMES=reports/learn-times.tsv   # step<TAB>seconds, read by benchmarks/bench_improvement.py
+mkdir -p reports && : > "$TIMES"
+last=$start
+step() {
+  now=$(date +%s)
+  [ -n "${current:-}" ] && printf '%s\t%s\n' "$current" "$(( now - last ))" >> "$TIMES"
+  current="$*"; last=$now
+  echo "learn: [$(( now - start )) s] $*"
+}
+
+python -m pipeline services up mlflow
+read -r _ PARENT EXPERIMENT < <(python -m pipeline run open | tail -n 1)
+status=FAILED
+trap 'python -m pipeline run close --status "$status" > /dev/null || true' EXIT
+step "data, model and tools index (dvc repro: reused when up to date)"
+dvc repro validate materialize_model build_index
+step "serving plane up"
+python -m pipeline services up serving
+for stage in "train-pi" "register-aa principal_investigator" evaluate promote rollouts report; do
+  step "$stage"
+  # shellcheck disable=SC2086 # the stage and its argument
+  python -m pipeline $stage
+done
+status=FINISHED
+python - <<'PY'
+import json
+r = json.load(open("reports/promotion.json"))
+for key, d in r["decisions"].items():
+    print(f"promotion: {key} v{d['candidate']}: {d['status']} ({d['rule']}): {d['detail']}")
+t = json.load(open("reports/test.json"))
+for role, x in t["role_level"].items():
+    for which in ("before", "after"):
+        if which in x:
+            m = x[which]
+            print(f"test ({t['setting']}): {role} {which}: official accuracy {m['official']['accuracy']:.3f} macro-F1 "
+                  f"{m['official']['macro_f1']:.3f} (n={m['questions']}); yes/no accuracy {m['yes_no']['accuracy']:.3f} "
+                  f"[{m['yes_no']['ci_low']:.3f}, {m['yes_no']['ci_high']:.3f}] (n={m['yes_no']['n']}, majority "
+                  f"{m['yes_no']['majority']:.3f}); AUC {m['auc']['value']:.3f} [{m['auc']['ci_low']:.3f}, {m['auc']['ci_high']:.3f}]")
+    if "mcnemar" in x:
+        print(f"test: {role} after vs before, exact McNemar on {x['mcnemar']['n']} yes/no questions: "
+              f"b={x['mcnemar']['b']} c={x['mcnemar']['c']} p={x['mcnemar']['p_value']:.2e}")
+PY
+step "done"
+printf 'total\t%s\n' "$(( $(date +%s) - start ))" >> "$TIMES"
+echo "learn: wall time $(( $(date +%s) - start )) s (MLflow parent run ${PARENT}, experiment ${EXPERIMENT}); step times in ${TIMES}"

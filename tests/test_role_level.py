@@ -1,0 +1,160 @@
+"""Role-level evaluation of the PI: its exact tests against scipy, the setting guard, its data and the routing migration."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import yaml
+from scipy.stats import binomtest, permutation_test
+from sklearn.metrics import roc_auc_score
+
+from pipeline import roles
+from pipeline.agents.graph import brief
+from pipeline.config import load_params
+from pipeline.data.pubmedqa import normalise_record
+from pipeline.evaluation import role_level
+from pipeline.evaluation.gate import decide
+from pipeline.evaluation.metrics import paired_difference
+from pipeline.evaluation.significance import mcnemar_exact, sign_flip
+from pipeline.serving import routing
+from pipeline.stages import train_pi
+from tests.conftest import ROOT, section
+
+
+def _records(p_go: list[float], labels: list[str]) -> list[dict]:
+    out = []
+    for i, (p, label) in enumerate(zip(p_go, labels, strict=True)):
+        decision = "GO" if p >= 0.5 else "NO-GO"
+        credit = float({"yes": "GO", "no": "NO-GO"}.get(label) == decision) if label != "maybe" else 0.5
+        out.append({"task_id": str(i), "label": label, "decision": decision, "p_go": p, "status": "ok", "reward": credit,
+                    "components": {"decision": credit}, "scores": {}, "turns": 1, "tokens": 0, "latency_s": 0.1})
+    return out
+
+
+def _pair(n: int, seed: int, better: float) -> tuple[list[dict], list[dict]]:
+    rng = random.Random(seed)
+    labels = [rng.choice(["yes", "yes", "no", "maybe"]) for _ in range(n)]
+    champ = [rng.random() for _ in labels]
+    cand = [min(1.0, max(0.0, p + (better if lab == "yes" else -better if lab == "no" else 0) + rng.gauss(0, 0.2)))
+            for p, lab in zip(champ, labels, strict=True)]
+    return _records(cand, labels), _records(champ, labels)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_role_level_tests_agree_with_scipy(seed: int) -> None:
+    cand, champ = _pair(100, seed, 0.3)
+    diff = paired_difference(cand, champ, 200)
+    yes_no = [i for i, r in enumerate(cand) if r["label"] != "maybe"]
+    right = lambda r: r["decision"] == {"yes": "GO", "no": "NO-GO"}[r["label"]]  # noqa: E731
+    b = sum(right(cand[i]) and not right(champ[i]) for i in yes_no)
+    c = sum(right(champ[i]) and not right(cand[i]) for i in yes_no)
+    assert (diff["decision"]["b"], diff["decision"]["c"]) == (b, c)
+    assert diff["decision"]["p_value"] == pytest.approx(binomtest(b, b + c, 0.5).pvalue, rel=1e-9)
+    one_sided = mcnemar_exact([right(cand[i]) for i in yes_no], [right(champ[i]) for i in yes_no], "greater")
+    assert one_sided["p_value"] == pytest.approx(binomtest(b, b + c, 0.5, alternative="greater").pvalue, rel=1e-9)
+    # the sign-flip test of the decision reward: scipy's exact paired permutation test on the non-zero differences
+    d = np.array([x["reward"] - y["reward"] for x, y in zip(cand, champ, strict=True)])
+    nz = d[d != 0]
+    exact = permutation_test((nz,), np.mean, permutation_type="samples", alternative="greater", n_resamples=np.inf).pvalue \
+        if nz.size <= 16 else None
+    p = sign_flip(d.tolist(), "greater", draws=50000, seed=seed)
+    if exact is not None:
+        assert p == pytest.approx(exact, abs=0.02)
+    else:  # Monte Carlo above 16 tasks: within its own error of scipy's Monte Carlo
+        ref = permutation_test((d,), np.mean, permutation_type="samples", alternative="greater", n_resamples=50000,
+                               random_state=seed).pvalue
+        assert p == pytest.approx(ref, abs=0.01)
+
+
+def test_auc_agrees_with_sklearn_and_its_interval_holds_it() -> None:
+    cand, _ = _pair(200, 7, 0.3)
+    yes_no = [r for r in cand if r["label"] != "maybe"]
+    ref = roc_auc_score([r["label"] == "yes" for r in yes_no], [r["p_go"] for r in yes_no])
+    assert role_level.auc(cand) == pytest.approx(ref)
+    lo, hi = role_level.auc_ci(cand, 300)
+    assert lo < ref < hi
+    m = role_level.metrics(cand, "reasoning_free", 300)
+    assert m["yes_no"]["n"] == len(yes_no) and m["questions"] == 200 and m["setting"] == "reasoning_free"
+    assert m["yes_no"]["ci_low"] < m["yes_no"]["accuracy"] < m["yes_no"]["ci_high"]
+    # the official metric counts every question; the PI never answers maybe, so maybe questions are all wrong
+    maybe = sum(r["label"] == "maybe" for r in cand)
+    assert m["official"]["accuracy"] == pytest.approx(m["yes_no"]["accuracy"] * len(yes_no) / 200)
+    assert maybe > 0
+
+
+def test_the_gate_promotes_a_better_pi_refuses_an_identical_one_and_refuses_across_settings() -> None:
+    cand, champ = _pair(100, 3, 0.4)
+    gate = section("promote")
+    better = decide(role_level.metrics(cand, "reasoning_free", 200), role_level.metrics(champ, "reasoning_free", 200),
+                    paired_difference(cand, champ, 200), gate)
+    assert better.promote, better.detail
+    same = decide(role_level.metrics(champ, "reasoning_free", 200), role_level.metrics(champ, "reasoning_free", 200),
+                  paired_difference(champ, champ, 200), gate)
+    assert not same.promote and same.rule == "margin"
+    across = decide(role_level.metrics(cand, "reasoning_free", 200), role_level.metrics(champ, "reasoning_required", 200),
+                    paired_difference(cand, champ, 200), gate)
+    assert not across.promote and across.rule == "setting" and "reasoning_required" in across.detail
+
+
+def test_p_go_reads_the_decision_token() -> None:
+    content = [{"token": '{"', "top_logprobs": []}, {"token": "NO", "top_logprobs": [
+        {"token": "NO", "logprob": float(np.log(0.6))}, {"token": "GO", "logprob": float(np.log(0.2))},
+        {"token": "maybe", "logprob": float(np.log(0.2))}]}]
+    assert role_level.p_go(content) == pytest.approx(0.25)
+    assert role_level.p_go([{"token": "x", "top_logprobs": []}]) is None
+
+
+def test_reasoning_free_adds_the_conclusion_first() -> None:
+    task = {"question": "Does X cause Y?", "contexts": ["A" * 50], "long_answer": "X causes Y."}
+    required, free = brief(task, 20, "reasoning_required"), brief(task, 20, "reasoning_free")
+    assert "X causes Y." not in required and "Conclusion: X causes Y." in free
+    assert free.index("Conclusion") < free.index("Abstract") and free.endswith("A" * 20)
+
+
+def test_the_pi_learns_the_gold_decision_without_maybe(pubmedqa) -> None:
+    params = load_params(ROOT / "params/learn.yaml", environ={})
+    tasks = {pmid: {**normalise_record(pmid, rec), "setting": params.data.setting} for pmid, rec in list(pubmedqa.items())[:80]}
+    data = train_pi.rows(list(tasks.values()), params)
+    assert all("Conclusion: " in r["prompt"][0]["content"] for r in data)
+    assert data and {r["label"] for r in data} == {"yes", "no"}
+    for r in data:
+        target = yaml.safe_load(r["completion"][0]["content"])
+        assert target["decision"] == {"yes": "GO", "no": "NO-GO"}[tasks[r["task_id"]]["final_decision"]]
+        assert target["rationale"] == tasks[r["task_id"]]["long_answer"][:params.pi.rationale_chars]
+    assert sum(t["final_decision"] == "maybe" for t in tasks.values()) == len(tasks) - len(data)
+    assert train_pi.signal(data) is None
+    assert "yes and no" in (train_pi.signal([r for r in data if r["label"] == "yes"]) or "")
+
+
+def test_a_routing_version_from_before_the_pi_had_its_own_model_routes_it_as_the_senior(tmp_path) -> None:
+    serving = section("serving", routing_dir=str(tmp_path / "routing"), home=str(tmp_path / "home"))
+    old = {r: "base" for r in serving.roles if r != roles.PI}
+    old[roles.SENIOR] = "base/senior-adapter"
+    (tmp_path / "routing").mkdir()
+    (tmp_path / "routing" / "v1.yaml").write_text(yaml.safe_dump({"roles": old}))
+    table = routing.load_version(serving, 1)
+    assert table["roles"][roles.PI] == "base/senior-adapter"
+    assert roles.FALLBACK[roles.PI] == roles.SENIOR
+
+
+class _Template:
+    """The chat template's part the decision rows rely on: the prompt rendered, ready for the assistant's answer."""
+
+    @staticmethod
+    def apply_chat_template(messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
+        assert not tokenize and add_generation_prompt
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefix(pubmedqa) -> None:
+    params = load_params(ROOT / "params/learn.yaml", environ={})
+    tasks = [normalise_record(pmid, rec) for pmid, rec in list(pubmedqa.items())[:40]]
+    chat = train_pi.rows(tasks, params)
+    rows = train_pi.decision_rows(chat, _Template(), params.pi.decision_prefix)
+    assert len(rows) == len(chat) and params.pi.loss_on == "decision_token"
+    for row, src in zip(rows, chat, strict=True):
+        assert row["prompt"].endswith("<assistant>" + params.pi.decision_prefix)
+        assert row["completion"] == {"yes": 'GO"', "no": 'NO-GO"'}[src["label"]]
+        assert row["task_id"] == src["task_id"] and row["rollout_id"] == src["rollout_id"]
