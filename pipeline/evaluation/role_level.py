@@ -39,15 +39,23 @@ def messages(task: dict[str, Any], agents: AgentsParams, setting: str) -> list[d
     return pi_messages(task, agents.context_chars, setting)
 
 
+def _word(token: str) -> str:
+    return token.strip().lstrip('"').strip()
+
+
 def p_go(content: list[dict[str, Any]]) -> float | None:
-    """P(GO) where the model writes the decision: the first "GO"/"NO" token (``PIDecision``'s first field; SmolLM2's
-    tokenizer writes ``"GO"`` and ``"NO"`` + ``-GO`` after ``{"decision": "``), renormalised over the two. vLLM returns
-    raw logprobs (before the grammar's mask), so the renormalisation is what the grammar leaves."""
+    """P(GO) where the model writes the decision: the first token that is "GO" or "NO" once whitespace and the opening
+    quote are stripped (``PIDecision``'s first field; SmolLM2's tokenizer writes ``GO`` or ``NO`` + ``-GO`` after the
+    key's ``"``, and a trained adapter may fold the quote in), renormalised over the spellings of the two listed there.
+    vLLM returns raw logprobs (before the grammar's mask), so the renormalisation is what the grammar leaves."""
     for entry in content:
-        if entry.get("token") in ("GO", "NO"):
-            top = {t["token"]: t["logprob"] for t in entry.get("top_logprobs") or []}
-            go, no = math.exp(top.get("GO", -math.inf)), math.exp(top.get("NO", -math.inf))
-            return go / (go + no) if go + no > 0 else None
+        if _word(entry.get("token") or "") in ("GO", "NO"):
+            mass = {"GO": 0.0, "NO": 0.0}
+            for t in entry.get("top_logprobs") or []:
+                if (word := _word(t["token"])) in mass:
+                    mass[word] += math.exp(t["logprob"])
+            total = mass["GO"] + mass["NO"]
+            return mass["GO"] / total if total > 0 else None
     return None
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,33 @@ def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> li
     return out
 
 
+DECISION_KEY = re.compile(r'"decision"\s*:\s*"')
+
+
+def served_prefix(base_model: str, messages: list[dict[str, str]], compact: bool) -> str:
+    """Model plane: what the base model writes before the decision under ``PIDecision``'s schema, greedy, decoded as
+    the workers decode it (xgrammar; ``compact``: no free whitespace, so the grammar writes ``{"decision":"`` itself;
+    without it SmolLM2-135M writes an opening brace, a newline and two spaces, and an adapter drifts from them)."""
+    import torch  # noqa: PLC0415 - model plane only
+    import xgrammar as xgr  # noqa: PLC0415 - model plane only
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: PLC0415 - model plane only
+    from xgrammar.contrib.hf import LogitsProcessor  # noqa: PLC0415 - model plane only
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
+    schema = json.dumps(PIDecision.model_json_schema())
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(schema, any_whitespace=not compact,
+                                                            separators=(",", ":") if compact else None)
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), return_tensors="pt")
+    guided = LogitsProcessorList([LogitsProcessor(grammar)])
+    out = model.generate(**ids, max_new_tokens=24, do_sample=False, logits_processor=guided)
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    if (key := DECISION_KEY.search(text)) is None:
+        raise RuntimeError(f"{base_model} under PIDecision's schema did not reach the decision in 24 tokens: {text!r}")
+    return text[:key.end()]
+
+
 def training_file(params: Params) -> Path:
     """Model plane: the file the trainer reads, the chat rows or (``decision_token``) their decision-token form."""
     path = data_file(params)
@@ -75,8 +103,13 @@ def training_file(params: Params) -> Path:
         return path
     from transformers import AutoTokenizer  # noqa: PLC0415 - model plane only
 
+    chat = train_sft.load_rows(path)
+    prefix = params.pi.decision_prefix
+    if prefix == "auto":
+        prefix = served_prefix(params.pi.sft.base_model, chat[0]["prompt"], params.serving.workers[0].compact_json)
+        print(f"train_pi: the served model writes {prefix!r} before its decision")
     tokenizer = AutoTokenizer.from_pretrained(params.pi.sft.base_model)
-    rows_ = decision_rows(train_sft.load_rows(path), tokenizer, params.pi.decision_prefix)
+    rows_ = decision_rows(chat, tokenizer, prefix)
     out = path.with_name("train.decision.jsonl")  # beside the chat rows, in the stage's DVC output
     write_text(out, "".join(json.dumps(r) + "\n" for r in rows_))
     return out
