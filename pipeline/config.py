@@ -465,6 +465,8 @@ class EvaluateParams(_Strict):
                                   "validation question, paired with the champion (pipeline/evaluation/role_level.py); "
                                   "the others are evaluated as whole societies")
     role_concurrency: int = Field(ge=1, description="role-level requests in flight per model")
+    aa: bool = Field(description="register an A/A candidate (the champion again, alias aa) of every role-level role with a "
+                     "challenger, gated beside it: a gate that promotes it promotes noise")
 
 
 class PromoteParams(_Strict):
@@ -508,10 +510,9 @@ class PiParams(_Strict):
     loss_on: Literal["decision_token", "answer"] = Field(
         description="decision_token: the loss on the decision alone, after the served prefix (decision_prefix); "
                     "answer: on the whole PIDecision JSON with its rationale")
-    decision_prefix: str = Field(description="what the served model writes before the decision under PIDecision's schema; "
-                                 "auto: read from the base model itself, greedy under the schema as vLLM decodes")
-    decision_tokens: int = Field(ge=4, description="completion tokens a role-level decision call decodes: enough to "
-                                 "reach the decision token under PIDecision's schema")
+    decision_prefix: str = Field(description="what the base model writes before the decision under PIDecision's schema "
+                                 "(greedy, as the workers decode); train_pi checks it against the base model, and "
+                                 "role-level evaluation reads the decision right after it")
 
 
 class ProdStackParams(_Strict):

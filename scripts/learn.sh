@@ -27,10 +27,9 @@ step "data, model and tools index (dvc repro: reused when up to date)"
 dvc repro validate materialize_model build_index
 step "serving plane up"
 python -m pipeline services up serving
-for stage in "train-pi" "register-aa principal_investigator" evaluate promote rollouts report; do
+for stage in train-pi evaluate promote rollouts report; do  # evaluate registers the A/A candidate (evaluate.aa)
   step "$stage"
-  # shellcheck disable=SC2086 # the stage and its argument
-  python -m pipeline $stage
+  python -m pipeline "$stage"
 done
 status=FINISHED
 python - <<'PY'

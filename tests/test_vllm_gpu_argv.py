@@ -88,7 +88,7 @@ def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_par
         if w.lora_target_modules is not None:
             assert parsed["lora_target_modules"] == list(w.lora_target_modules)
         assert [m["name"] for m in parsed["lora_modules"]] == list(w.lora_modules or {})
-        # compact JSON: the grammar writes the structure, so a trained PI decides in the context it was trained in
+        # compact JSON only where params ask for it (serving.worker_defaults.compact_json)
         so = parsed["structured_outputs_config"] or {}
         assert so.get("disable_any_whitespace", False) is w.compact_json and (not w.compact_json or so["backend"] == "xgrammar")
     assert any(w.chunked_prefill and w.gpu_memory_utilization for w in gpu.serving.workers)  # the GPU profile's own
@@ -96,7 +96,7 @@ def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_par
     for (where, argv), parsed in zip(stock.items(), result["serve"], strict=True):
         assert "error" not in parsed, (where, parsed)
         assert parsed["model"] == argv[argv.index("--model") + 1] and parsed["middleware"] == [STOCK_GUARD], where
-        assert (parsed["structured_outputs_config"] or {}).get("disable_any_whitespace") is True, where  # as params' workers
+        assert (parsed["structured_outputs_config"] or {}).get("disable_any_whitespace") is False, where  # as params' workers
 
 
 def test_a_flag_the_pinned_vllm_does_not_know_is_refused() -> None:

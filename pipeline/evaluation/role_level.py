@@ -9,10 +9,13 @@ its abstract, and in the reasoning-free setting the abstract's conclusion), with
 cached champion record of the upstream society would tie the PI's score to a protocol per question (a whole society
 run each, ~3 min here), and the evidence for yes/no is in the brief; the society-level figure keeps its own n.
 
-**One prefill**: the call decodes ``pi.decision_tokens`` tokens under ``PIDecision``'s schema at temperature 0 through
-the proxy (the routed deployment answers, as in the society), and the decision is read from the probabilities of the
-decision token (``p_go``): GO when P(GO) >= 1/2. No rationale is generated, so the judge has nothing to score here
-(docs/promotion.md says what that leaves out).
+**One prefill**: the call continues the PI's answer from ``pi.decision_prefix`` (what the base model writes before the
+decision under ``PIDecision``'s schema, ``{`` + newline + two spaces + ``"decision": "`` for SmolLM2) through the proxy
+(the routed deployment answers, as in the society) and generates one token; the decision is read from its
+probabilities (``p_go``): GO when P(GO) >= 1/2. That is the context ``train_pi`` trains the decision in. Under the
+grammar a decision-trained adapter's whitespace drifts (it had no loss there) and it decides after a prefix it never
+saw: validation AUC 0.63 under the grammar vs 0.82 at the prefix, n = 89. No rationale is generated, so the judge has
+nothing to score here (docs/promotion.md says what that leaves out).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from pipeline.agents.prompts import pi_messages
 from pipeline.config import AgentsParams, RewardParams
 from pipeline.evaluation.metrics import answer, macro_f1, summarise
 from pipeline.rewards.judge import decision_credit
-from pipeline.schemas import PIDecision
 
 TOP_LOGPROBS = 20  # enough that both GO and NO are listed at the decision token
 RETRIES = 3  # transport errors only; an unreadable answer is the model's and counts as no decision
@@ -77,7 +79,7 @@ async def _ask(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[
 
 
 async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]], agents: AgentsParams, reward: RewardParams,
-                 setting: str, decision_tokens: int, concurrency: int, timeout_s: float, routing: str | None = None,
+                 setting: str, prefix: str, concurrency: int, timeout_s: float, routing: str | None = None,
                  progress: Any = None) -> list[dict[str, Any]]:
     """One record per task (``metrics.summarise``'s fields): the role's decision through the proxy, its P(GO) and its
     decision credit as the reward. ``routing``: an evaluation routing table (None = the live one)."""
@@ -85,9 +87,10 @@ async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]]
     url = f"{base_url}/chat/completions"
 
     async def one(http: httpx.AsyncClient, task: dict[str, Any]) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": role, "messages": messages(task, agents, setting), "max_tokens": decision_tokens,
-                                "temperature": 0.0, "response_format": PIDecision.response_format(), "logprobs": True,
-                                "top_logprobs": TOP_LOGPROBS}
+        # the answer continued from the decision prefix: the decision token is the one generated, in its trained context
+        chat = [*messages(task, agents, setting), {"role": "assistant", "content": prefix}]
+        body: dict[str, Any] = {"model": role, "messages": chat, "max_tokens": 1, "temperature": 0.0, "logprobs": True,
+                                "top_logprobs": TOP_LOGPROBS, "continue_final_message": True, "add_generation_prompt": False}
         if routing:
             body["metadata"] = {"routing": routing}
         async with sem:

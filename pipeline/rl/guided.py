@@ -30,9 +30,7 @@ def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[Ba
     """One compiled JSON-schema grammar per agent, compact JSON (no free whitespace: a small model pads with it)."""
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
     compiler = xgr.GrammarCompiler(info)
-    # the separators vLLM's disable_any_whitespace uses (serving.worker_defaults.compact_json): what the workers serve
-    return {agent: compiler.compile_json_schema(json.dumps(schema.model_json_schema()), any_whitespace=False,
-                                                separators=(",", ":"))
+    return {agent: compiler.compile_json_schema(json.dumps(schema.model_json_schema()), any_whitespace=False)
             for agent, schema in schemas.items()}
 
 

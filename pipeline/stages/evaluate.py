@@ -350,6 +350,11 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
     """Each candidate of ``name`` (its ``challenger`` and an A/A ``aa`` version) against the champion on the role's own
     decision, every validation question (pipeline/evaluation/role_level.py); summary entries keyed by role (``@aa``)."""
     cfg, setting = params.evaluate, params.data.setting
+    challenger = registry.by_alias(name, registry.CHALLENGER)
+    trained = challenger is not None and challenger.version != champion.version
+    if cfg.aa and trained and registry.by_alias(name, registry.AA) is None:
+        aa = registry.register_aa(params, name)
+        print(f"evaluate: {name}: A/A candidate v{aa.version} (champion v{champion.version} again)")
     cands = [(alias, c) for alias in (registry.CHALLENGER, registry.AA)
              if (c := registry.by_alias(name, alias)) is not None and c.version != champion.version]
     if not cands:
@@ -365,7 +370,7 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
         table = _table(params.serving, params.mlflow, slug, {**roles, name: where}, policies)
         t0 = time.perf_counter()
         records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward, setting,
-                                                params.pi.decision_tokens, cfg.role_concurrency, cfg.timeout_s, slug))
+                                                params.pi.decision_prefix, cfg.role_concurrency, cfg.timeout_s, slug))
         mine = role_level.metrics(records, setting, cfg.bootstrap, cfg.ci, cfg.seed)
         with mlflow.start_run(run_name=f"eval {name} {alias} v{version.version}", nested=True,
                               tags={"pipeline.kind": "evaluation", "eval.role": name, "eval.level": "role",

@@ -62,7 +62,7 @@ def role_level_report(params: Params, role: str) -> tuple[dict[str, Any], list[d
             routing.write_eval(params.serving, table, {**live["roles"], role: where}, live.get("policies"))
         t0 = time.perf_counter()
         records = asyncio.run(role_level.decide(url, key, role, tasks, params.agents, params.reward, params.data.setting,
-                                                params.pi.decision_tokens, cfg.role_concurrency, cfg.timeout_s, table))
+                                                params.pi.decision_prefix, cfg.role_concurrency, cfg.timeout_s, table))
         scored[which] = {"records": records, "seconds": time.perf_counter() - t0,
                          "metrics": role_level.metrics(records, params.data.setting, cfg.bootstrap, cfg.ci, cfg.seed)}
     champion = registry.by_alias(role, registry.CHAMPION)

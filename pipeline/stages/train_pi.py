@@ -51,7 +51,8 @@ def rows(tasks: list[dict[str, Any]], params: Params) -> list[dict[str, Any]]:
         target = PIDecision(decision=GOLD[task["final_decision"]],  # type: ignore[arg-type]
                             rationale=(task.get("long_answer") or "")[:params.pi.rationale_chars])
         out.append({"prompt": pi_messages(task, params.agents.context_chars, params.data.setting),
-                    "completion": [{"role": "assistant", "content": target.model_dump_json()}],
+                    # the served JSON layout (pi.decision_prefix's): loss_on answer trains what role-level reads
+                    "completion": [{"role": "assistant", "content": json.dumps(target.model_dump(), indent=2)}],
                     "task_id": task["id"], "rollout_id": task["id"], "run_id": "pubmedqa-gold", "label": task["final_decision"]})
     return out
 
@@ -105,9 +106,11 @@ def training_file(params: Params) -> Path:
 
     chat = train_sft.load_rows(path)
     prefix = params.pi.decision_prefix
-    if prefix == "auto":
-        prefix = served_prefix(params.pi.sft.base_model, chat[0]["prompt"], params.serving.workers[0].compact_json)
-        print(f"train_pi: the served model writes {prefix!r} before its decision")
+    served = served_prefix(params.pi.sft.base_model, chat[0]["prompt"], params.serving.workers[0].compact_json)
+    if served != prefix:  # trained after one prefix, read after another: the decision would be taken out of context
+        raise ValueError(f"pi.decision_prefix {prefix!r}: the base model {params.pi.sft.base_model} writes {served!r} "
+                         "before its decision under PIDecision's schema; set pi.decision_prefix to that")
+    print(f"train_pi: the base model writes {prefix!r} before its decision, as pi.decision_prefix says")
     tokenizer = AutoTokenizer.from_pretrained(params.pi.sft.base_model)
     rows_ = decision_rows(chat, tokenizer, prefix)
     out = path.with_name("train.decision.jsonl")  # beside the chat rows, in the stage's DVC output
