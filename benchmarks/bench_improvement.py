@@ -35,6 +35,10 @@ def _read(path: str) -> Any:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def _p(p: float) -> str:
+    return f"= {p:.2e}" if p > 0 else "< 1e-300 (the binomial tail underflows a double)"
+
+
 def _fmt(m: dict[str, Any]) -> list[str]:
     yn, auc = m["yes_no"], m["auc"]
     auc_text = "n/a" if auc["value"] is None else f"{auc['value']:.3f} [{auc['ci_low']:.3f}, {auc['ci_high']:.3f}]"
@@ -104,7 +108,7 @@ def lines(doc: dict[str, Any]) -> list[str]:
         if "mcnemar" in test:
             m = test["mcnemar"]
             out += ["", f"Exact McNemar, after better than before, on the {m['n']} yes/no questions: b = {m['b']} (only after "
-                    f"right), c = {m['c']} (only before right), **p = {m['p_value']:.2e}**."]
+                    f"right), c = {m['c']} (only before right), **p {_p(m['p_value'])}**."]
         out += ["", "`maybe` is never answered (the PI decides GO or NO-GO), so the 55 maybe questions count wrong in the "
                 "official three-class metric.", ""]
     out += ["## Against the literature (reasoning-required, accuracy on the 500 test questions)", "",

@@ -158,3 +158,11 @@ def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefi
         assert row["prompt"].endswith("<assistant>" + params.pi.decision_prefix)
         assert row["completion"] == {"yes": 'GO"', "no": 'NO-GO"'}[src["label"]]
         assert row["task_id"] == src["task_id"] and row["rollout_id"] == src["rollout_id"]
+
+
+def test_p_go_at_the_decision_position_reads_it_whatever_token_won() -> None:
+    content = [{"token": "No", "top_logprobs": [{"token": "No", "logprob": float(np.log(0.5))},
+                                                {"token": "NO", "logprob": float(np.log(0.3))},
+                                                {"token": " GO", "logprob": float(np.log(0.1))}]}]
+    assert role_level.p_go(content) is None  # decoded answers: no GO/NO token was written
+    assert role_level.p_go(content, at_first=True) == pytest.approx(0.25)

@@ -45,13 +45,14 @@ def _word(token: str) -> str:
     return token.strip().lstrip('"').strip()
 
 
-def p_go(content: list[dict[str, Any]]) -> float | None:
-    """P(GO) where the model writes the decision: the first token that is "GO" or "NO" once whitespace and the opening
-    quote are stripped (``PIDecision``'s first field; SmolLM2's tokenizer writes ``GO`` or ``NO`` + ``-GO`` after the
-    key's ``"``, and a trained adapter may fold the quote in), renormalised over the spellings of the two listed there.
-    vLLM returns raw logprobs (before the grammar's mask), so the renormalisation is what the grammar leaves."""
-    for entry in content:
-        if _word(entry.get("token") or "") in ("GO", "NO"):
+def p_go(content: list[dict[str, Any]], at_first: bool = False) -> float | None:
+    """P(GO) where the model writes the decision, renormalised over the spellings of GO and NO listed there (whitespace
+    and an opening quote stripped). ``at_first``: the first generated token is the decision position (the answer was
+    continued from the decision prefix), whatever the model picked there; otherwise the first token that is GO or NO
+    (a whole answer decoded under ``PIDecision``'s schema, benchmarks/bench_before_after.py). None when neither is
+    among the listed alternatives."""
+    for entry in content[:1] if at_first else content:
+        if at_first or _word(entry.get("token") or "") in ("GO", "NO"):
             mass = {"GO": 0.0, "NO": 0.0}
             for t in entry.get("top_logprobs") or []:
                 if (word := _word(t["token"])) in mass:
@@ -99,7 +100,7 @@ async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]]
             latency = time.perf_counter() - t0
         refused = doc if isinstance(doc, str) else None
         choice = {} if isinstance(doc, str) else doc["choices"][0]
-        prob = p_go((choice.get("logprobs") or {}).get("content") or [])
+        prob = p_go((choice.get("logprobs") or {}).get("content") or [], at_first=True)
         decision = None if prob is None else "GO" if prob >= 0.5 else "NO-GO"
         doc = {} if isinstance(doc, str) else doc
         credit = decision_credit(decision, task["final_decision"], reward)
