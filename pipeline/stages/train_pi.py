@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline import envs, metrics_files, plots, tracking
+from pipeline import envs, metrics_files, tracking
 from pipeline.agents.prompts import pi_messages
 from pipeline.config import Params
 from pipeline.data.splits import load_tasks
@@ -133,15 +133,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
     metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0, "setting": params.data.setting}
-    write_json(METRICS_FILE, metrics)
-    metrics_files.write("train_pi", metrics)
-    write_text(LOSS_CSV, "step,loss\n")
-    write_text(EVAL_CSV, "step,eval_loss\n")
-    plots.message(LOSS_PNG, f"no signal: {reason}")
-    print(f"train_pi: no_signal, nothing trained or registered: {reason}")
-    if not no_mlflow:
-        tracking.record_no_signal("train_pi", params.mlflow, reason, METRICS_FILE)
-    return 0
+    return train_sft.record_no_signal("train_pi", (METRICS_FILE, LOSS_CSV, EVAL_CSV, LOSS_PNG), metrics, params.mlflow,
+                                      no_mlflow)
 
 
 def main(args: argparse.Namespace, params: Params) -> int:

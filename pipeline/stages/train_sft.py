@@ -268,14 +268,22 @@ def no_signal(sft: SftParams, mlflow: MlflowParams, reason: str, no_mlflow: bool
     metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0}
     with atomic_dir(Path(sft.out_dir)) as tmp:
         write_json(tmp / "train_meta.json", metrics)
-    write_json(METRICS_FILE, metrics)
-    metrics_files.write("train_sft", metrics)
-    write_text(LOSS_CSV, "step,loss\n")
-    write_text(EVAL_CSV, "step,eval_loss\n")
-    plots.message(LOSS_PNG, f"no signal: {reason}")
-    print(f"train_sft: no_signal, nothing trained or registered: {reason}")
+    return record_no_signal("train_sft", (METRICS_FILE, LOSS_CSV, EVAL_CSV, LOSS_PNG), metrics, mlflow, no_mlflow)
+
+
+def record_no_signal(stage: str, files: tuple[Path, Path, Path, Path], metrics: dict[str, Any], mlflow: MlflowParams,
+                     no_mlflow: bool) -> int:
+    """An SFT stage's outputs for a cycle without signal (report, empty curves, the reason on the plot, the MLflow run)."""
+    report, loss_csv, eval_csv, loss_png = files
+    reason = metrics["no_signal_reason"]
+    write_json(report, metrics)
+    metrics_files.write(stage, metrics)
+    write_text(loss_csv, "step,loss\n")
+    write_text(eval_csv, "step,eval_loss\n")
+    plots.message(loss_png, f"no signal: {reason}")
+    print(f"{stage}: no_signal, nothing trained or registered: {reason}")
     if not no_mlflow:
-        tracking.record_no_signal("train_sft", mlflow, reason, METRICS_FILE)
+        tracking.record_no_signal(stage, mlflow, reason, report)
     return 0
 
 
