@@ -25,7 +25,7 @@ from typing import Any
 
 from pipeline import envs, metrics_files, tracking
 from pipeline.agents.prompts import pi_messages
-from pipeline.config import Params
+from pipeline.config import Params, PiParams
 from pipeline.data.splits import load_tasks
 from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.schemas import PIDecision
@@ -38,10 +38,11 @@ LOSS_PNG = Path("reports/plots/pi_loss.png")
 GOLD = {"yes": "GO", "no": "NO-GO"}
 
 
-def data_file(params: Params) -> Path:
-    return Path(params.pi.data_dir) / "train.jsonl"
+def data_file(pi: PiParams) -> Path:
+    return Path(pi.data_dir) / "train.jsonl"
 
 
+# whole Params: a row reads pi (its target), agents (the brief's length) and data (the setting)
 def rows(tasks: list[dict[str, Any]], params: Params) -> list[dict[str, Any]]:
     """The PI's gold-decision rows: one per yes/no question of ``tasks``, in ``data.setting``."""
     out = []
@@ -97,9 +98,10 @@ def served_prefix(base_model: str, messages: list[dict[str, str]], compact: bool
     return text[:key.end()]
 
 
+# whole Params: pi (data, prefix, base model) and serving (how the workers decode JSON)
 def training_file(params: Params) -> Path:
     """Model plane: the file the trainer reads, the chat rows or (``decision_token``) their decision-token form."""
-    path = data_file(params)
+    path = data_file(params.pi)
     if params.pi.loss_on == "answer":
         return path
     from transformers import AutoTokenizer  # noqa: PLC0415 - model plane only
@@ -131,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-model-plane", action="store_true", help=argparse.SUPPRESS)
 
 
+# whole Params: the setting (data) is recorded with the reason (mlflow)
 def _no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
     metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0, "setting": params.data.setting}
     return train_sft.record_no_signal("train_pi", (METRICS_FILE, LOSS_CSV, EVAL_CSV, LOSS_PNG), metrics, params.mlflow,
@@ -154,7 +157,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     with atomic_dir(Path(params.pi.data_dir)) as tmp:
         (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
     print(f"train_pi: {len(data)} gold-decision rows ({sum(r['label'] == 'yes' for r in data)} GO, "
-          f"{sum(r['label'] == 'no' for r in data)} NO-GO) in {params.data.setting} -> {data_file(params)}")
+          f"{sum(r['label'] == 'no' for r in data)} NO-GO) in {params.data.setting} -> {data_file(params.pi)}")
     if (why := signal(data)) is not None:
         return _no_signal(params, why, args.no_mlflow)
     argv = (["--params", args.params_path] if args.params_path else []) + ["train-pi", "--in-model-plane"]
