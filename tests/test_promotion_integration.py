@@ -340,7 +340,8 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
     pr = _cli(promo, "promote")  # the default gate: 100 questions >= min_tasks, Holm over the cycle's two candidates
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
     decisions = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]
-    assert decisions[pi]["status"] == "promoted" and decisions[pi]["family"] == 2, decisions[pi]
+    # Holm over every candidate the cycle evaluated (an earlier test's junior challenger, refused at deployment, too)
+    assert decisions[pi]["status"] == "promoted" and decisions[pi]["family"] == len(summary["roles"]) >= 2, decisions[pi]
     # the copy of a champion that cannot answer cannot answer either: refused on the floor before the margin
     assert decisions[f"{pi}@aa"]["status"] == "rejected" and decisions[f"{pi}@aa"]["rule"] in ("min_success_rate", "margin")
     assert _champion(pi) == better and _live(promo)["roles"][pi] == "base" and _served(promo, pi) == "base"

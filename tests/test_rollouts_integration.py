@@ -161,7 +161,7 @@ def _assert_whole_society(trace: dict) -> None:
     assert NINE_ROLES <= called
     logical = {s["data"]["agent"]: s["data"]["logical_model"] for s in trace["spans"] if s["kind"] == "llm"}
     assert logical["geneticist"] == "junior_researcher" and logical["peer_reviewer"] == "review_board" and logical["judge"] == "judge"
-    assert logical["principal_investigator"] == "senior_researcher"
+    assert logical["principal_investigator"] == "principal_investigator"  # its own logical model since #42: not the gateway's
     assert any(s["kind"] == "tool" and s["data"]["sender"] in {"geneticist", "pharmacologist", "neurologist"} for s in trace["spans"])
     judged = {s["name"] for s in trace["spans"] if s["kind"] == "reward" and s["data"]["kind"] == "judge"}
     assert judged == {f"judge.{c}" for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")}

@@ -4,7 +4,7 @@ The controller starts a subprocess with ``AGL_OPENAI_BASE_URL`` (the gateway's p
 base URL), ``AGL_EVENT_URL`` and ``AGL_KEY``, plus ``PUBMEDQA_TASK`` (the rollout's input as JSON,
 through the rollout config's ``env_map``). It runs the same LangGraph society as every other stage:
 
-- only calls for the roles being trained (``senior_researcher``: refiner, designer, PI) go through
+- only calls for the roles being trained (``senior_researcher``: refiner and designer; the PI is its own role) go through
   the gateway, which records prompt/response token ids for the trainer; every other role, and the
   judge, stays on the proxy's live champions. Nothing streams.
 - intermediate rewards (each structured output's validity, the judge's criteria) are posted as
