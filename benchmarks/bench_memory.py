@@ -14,7 +14,6 @@ alive at a sample reports its true peak.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -56,7 +55,7 @@ def _label(proc: psutil.Process) -> str:
 
 def measure(argv: list[str], interval: float) -> dict[str, Any]:
     t0 = time.perf_counter()
-    root = subprocess.Popen(argv)  # noqa: S603 - the benchmark's own command line
+    root = subprocess.Popen(argv)
     me = psutil.Process(root.pid)
     peaks: dict[int, dict[str, Any]] = {}
     total_peak = 0
@@ -98,12 +97,14 @@ def main() -> int:
         ap.error("a command to measure, after --")
     result = measure(argv, args.interval)
     worst = result["top"][0]["peak_gb"] if result["top"] else 0.0
-    result.update(limit_gb=args.limit_gb, within_limit=worst <= args.limit_gb, date=datetime.now(UTC).isoformat(timespec="seconds"))
+    result.update(limit_gb=args.limit_gb, within_limit=worst <= args.limit_gb,
+                  date=datetime.now(UTC).isoformat(timespec="seconds"))
     lines = [f"# Peak memory: `{' '.join(argv)}`", "",
              f"Measured {result['date']} on this host by `benchmarks/bench_memory.py` (RSS of every process the command "
              f"started, sampled every {args.interval:g} s, with each process's kernel high-water mark).", "",
              f"- exit status {result['returncode']}, wall time {result['wall_s'] / 60:.1f} min, {result['processes']} processes",
-             f"- largest process: **{worst:.2f} GB** (limit {args.limit_gb:g} GB: {'within' if result['within_limit'] else 'OVER'})",
+             f"- largest process: **{worst:.2f} GB** "
+             f"(limit {args.limit_gb:g} GB: {'within' if result['within_limit'] else 'OVER'})",
              f"- largest sum over all processes at one sample: {result['sum_peak_gb']:.2f} GB", "",
              "| process | pid | peak RSS (GB) |", "|---|---|---|",
              *(f"| `{e['label']}` | {e['pid']} | {e['peak_gb']:.2f} |" for e in result["top"]), ""]
