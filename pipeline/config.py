@@ -465,6 +465,10 @@ class EvaluateParams(_Strict):
                                   "validation question, paired with the champion (pipeline/evaluation/role_level.py); "
                                   "the others are evaluated as whole societies")
     role_concurrency: int = Field(ge=1, description="role-level requests in flight per model")
+    role_judge: bool = Field(description="the judge scores each role-level answer's decision and rationale; the reward is then "
+                             "the society's (judge + decision credit, weighted by reward); false: the decision credit alone")
+    role_rationale_tokens: int = Field(ge=1, description="with role_judge: tokens of the answer after its decision (the "
+                                       "rationale the judge reads)")
     aa: bool = Field(description="register an A/A candidate (the champion again, alias aa) of every role-level role with a "
                      "challenger, gated beside it: a gate that promotes it promotes noise")
 

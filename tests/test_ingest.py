@@ -204,3 +204,52 @@ def test_hugging_face_dataset_source(tmp_path: Path, pubmedqa: dict) -> None:
     assert len(tasks) == 20
     first = tasks.iloc[0]
     assert first["contexts"] == pubmedqa[first["id"]]["CONTEXTS"] and first["final_decision"] == pubmedqa[first["id"]]["final_decision"]
+
+
+def _hostile(project: Path, kind: str) -> Path:
+    data = json.loads(SOURCE.read_text())
+    test_ids = set(json.loads(TEST_IDS.read_text()))
+    victim = next(k for k in data if k not in test_ids)
+    path = project / "incoming" / f"{kind}.json"
+    path.parent.mkdir(exist_ok=True)
+    if kind == "invalid_utf8":
+        body = json.dumps(data).encode()
+        path.write_bytes(body[:5000] + b"\xff\xfe" + body[5000:])
+        return path
+    if kind == "huge_context":
+        data[victim]["CONTEXTS"] = ["x" * 7000]
+    elif kind == "perhaps":
+        data[victim]["final_decision"] = "perhaps"
+    elif kind in ("nan_year", "inf_year"):
+        data[victim]["YEAR"] = float("nan") if kind == "nan_year" else float("inf")
+    path.write_text(json.dumps(data))  # Python writes NaN / Infinity, as a careless exporter does
+    return path
+
+
+@pytest.mark.parametrize("kind, rule", [("outside", "outside data.allow.local_roots"), ("invalid_utf8", "byte 5000: not UTF-8"),
+                                        ("huge_context", "contexts: 7000 characters > validate.context_chars.max"),
+                                        ("perhaps", "final_decision 'perhaps': must be one of"),
+                                        ("nan_year", "year 'nan'"), ("inf_year", "year 'inf'")])
+def test_a_hostile_source_ends_in_one_line_and_changes_nothing_stored(project: Path, tmp_path_factory, kind: str,
+                                                                       rule: str) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    ingest.run(load_params())
+    stored = {p: p.read_bytes() for p in [*sorted((project / "data/tasks").glob("*")), project / "reports/ingest.json"]}
+    if kind == "outside":
+        source = tmp_path_factory.mktemp("elsewhere") / "pqal.json"
+        source.write_text(SOURCE.read_text())
+    else:
+        source = _hostile(project, kind)
+    set_param(project, "data.source", str(source))
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "ingest", "--no-mlflow"], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {source}") and rule in lines[0], proc.stderr
+    if kind not in ("outside", "invalid_utf8"):
+        assert "row " in lines[0] and "(id " in lines[0]
+    assert {p: p.read_bytes() for p in stored} == stored
+    assert sorted((project / "data/tasks").glob("*")) == [p for p in stored if p.parent.name == "tasks"]

@@ -122,7 +122,7 @@ def test_airflow_dag_runs_stages_and_versions_outputs(clone: Path, mlflow_server
     bad = _corrupt(clone / "data/incoming/bad.json")
     proc = _airflow(clone, home, mlflow_server, "", "dags", "test", "agent_retraining", "-c", json.dumps({"data_source": str(bad)}))
     log = proc.stdout + proc.stderr
-    assert "validation failed" in log and "'perhaps'" in log
+    assert "'perhaps'" in log  # refused by ingest's row checks, before data/tasks/ is replaced
     assert proc.returncode != 0 and "state=failed" in log  # close_run is a teardown: the failed stage fails the DAG run
     # nothing downstream ran: outputs and their DVC record are those of the good run
     assert (clone / "dvc.lock").read_text() == lock

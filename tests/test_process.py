@@ -41,3 +41,16 @@ def test_a_port_promised_to_a_later_service_is_not_taken_by_port_zero_binds() ->
     finally:
         for sock in held:
             sock.close()
+
+
+def test_what_a_service_writes_is_its_owners_only(tmp_path: Path) -> None:
+    """Logs, databases and caches (mlflow.db, a worker's compile cache) are written 0600 in a 0700 home (#44)."""
+    home = tmp_path / "svc"
+    svc = Service("writer", home)
+    start(svc, ["bash", "-c", "echo hello; touch state.db; mkdir cache; sleep 300"], lambda: (home / "state.db").exists(),
+          timeout_s=10, cwd=home)
+    try:
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (home, svc.log_file, home / "state.db", home / "cache")}
+        assert modes == {"svc": 0o700, "writer.log": 0o600, "state.db": 0o600, "cache": 0o700}
+    finally:
+        stop(svc)

@@ -337,6 +337,14 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
     assert all(r["decision"] is None and r["error"].startswith("HTTP 400") for r in records)
     assert entry["candidate"]["metrics"]["setting"] == entry["champion"]["metrics"]["setting"] == "reasoning_required"
     assert twin["candidate"]["version"] == copy.version and twin["difference"]["mean"] == 0
+    # the judge's part: each decided answer judged once, the reward the society's (judge and decision weighted by reward)
+    cand = [json.loads(line) for line in (promo["root"] / f"data/evaluation/records/{pi}-candidate.jsonl").read_text().splitlines()]
+    decided = {(r["task_id"], r["decision"], r["rationale"]) for r in cand if r["decision"]}
+    assert decided and entry["cost"]["judge_calls"] == len(decided)
+    w = params.reward
+    assert all(r["reward"] == pytest.approx((w.judge * r["components"]["judge"] + w.decision * r["components"]["decision"])
+                                           / (w.judge + w.decision)) for r in cand)
+    assert entry["candidate"]["metrics"]["reward_judge"]["n"] == 100
     pr = _cli(promo, "promote")  # the default gate: 100 questions >= min_tasks, Holm over the cycle's two candidates
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
     decisions = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]

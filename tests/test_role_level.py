@@ -166,3 +166,10 @@ def test_p_go_at_the_decision_position_reads_it_whatever_token_won() -> None:
                                                 {"token": " GO", "logprob": float(np.log(0.1))}]}]
     assert role_level.p_go(content) is None  # decoded answers: no GO/NO token was written
     assert role_level.p_go(content, at_first=True) == pytest.approx(0.25)
+
+
+def test_the_rationale_is_read_from_the_answer_after_its_decision() -> None:
+    answer = 'GO",\n  "rationale": "The abstract shows a \\"clear\\" effect."\n}'
+    assert role_level.rationale(answer) == 'The abstract shows a "clear" effect.'
+    assert role_level.rationale('NO-GO", "rationale": "cut at the token cap') == "cut at the token cap"
+    assert role_level.rationale('GO"}') == ""

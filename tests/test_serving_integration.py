@@ -80,6 +80,10 @@ def test_proxy_requires_its_key(params: Params) -> None:
     assert wrong.status_code == 401 and "invalid API key" in wrong.text and "choices" not in wrong.text, wrong.text
     no_key = httpx.post(f"{url}/chat/completions", timeout=30, json=body)
     assert no_key.status_code == 401 and "missing API key" in no_key.text, no_key.text
+    root = url.removesuffix("/v1")
+    for path in ("/", "/openapi.json", "/docs", "/redoc"):  # no schema or Swagger page for whoever lacks the key
+        resp = httpx.get(f"{root}{path}", timeout=30)
+        assert resp.status_code in (401, 404) and "openapi" not in resp.text.lower(), (path, resp.status_code, resp.text[:200])
 
 
 def test_unrouted_names_are_refused(params: Params) -> None:

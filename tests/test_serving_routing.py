@@ -360,3 +360,19 @@ def test_a_running_proxy_started_with_other_deployments_is_restarted_not_reused(
         assert service.pid() == third  # the same key: reused
     finally:
         proxy.down(serving)
+
+
+@pytest.mark.parametrize("change", ["junior_researcher=base/../../etc", "judge=base;touch x", "judge=../base", "judge",
+                                    "supervisor_policy=file:///etc/passwd", "judge=nowhere/adapter"])
+def test_route_new_refuses_a_bad_name_and_writes_nothing(params, change: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    before = sorted(p.name for p in routing.generated_dir(params.serving).glob("*")) if routing.generated_dir(
+        params.serving).exists() else []
+    args = argparse.Namespace(action="new", set=[change], description="hostile", version=None)
+    assert routing.main(args, params) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("error: ") and out.count("\n") == 1, out
+    after = sorted(p.name for p in routing.generated_dir(params.serving).glob("*")) if routing.generated_dir(
+        params.serving).exists() else []
+    assert after == before and routing.versions(params.serving) == [1]

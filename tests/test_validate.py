@@ -26,8 +26,8 @@ def _corrupt_source(tmp_path: Path, pubmedqa: dict) -> tuple[Path, dict[str, str
     return path, bad
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+def _cli(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **extra}
     return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, env=env)
 
 
@@ -44,7 +44,10 @@ def test_clean_data_passes(project: Path) -> None:
 def test_corrupt_input_fails_naming_each_problem(project: Path, pubmedqa: dict) -> None:
     source, bad = _corrupt_source(project, pubmedqa)
     set_param(project, "data.source", str(source))
-    assert _cli("ingest", "--no-mlflow").returncode == 0
+    # ingest refuses the bad label before it replaces anything; validate sees what quarantine would let through
+    refused = _cli("ingest", "--no-mlflow")
+    assert refused.returncode == 1 and "'perhaps'" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert _cli("ingest", "--no-mlflow", PIPELINE__VALIDATE__QUARANTINE="true").returncode == 0
     # a previous good validated output must survive the failed run untouched
     (project / "data/validated").mkdir(parents=True)
     (project / "data/validated/train.parquet").write_bytes(b"previous")

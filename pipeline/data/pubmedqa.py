@@ -9,6 +9,7 @@ drops or repairs a row: a missing field becomes null and a bad value is kept as 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ import pandas as pd
 from pipeline.data.sources import SourceError, check_allowed, read_bytes
 
 if TYPE_CHECKING:
-    from pipeline.config import SourceAllowParams
+    from pipeline.config import SourceAllowParams, ValidateParams
 
 COLUMNS = ["id", "question", "contexts", "labels", "meshes", "long_answer", "final_decision", "year"]
 SPLITS = ("train", "val", "test")
@@ -60,9 +61,16 @@ def normalise_record(pmid: str, rec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _text(raw: bytes, origin: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{origin}: byte {exc.start}: not UTF-8 ({exc.reason})") from None
+
+
 def _records_from_json(raw: bytes, origin: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
     try:
-        doc = json.loads(raw, object_pairs_hook=_pairs_keep_duplicates)
+        doc = json.loads(_text(raw, origin), object_pairs_hook=_pairs_keep_duplicates)
     except json.JSONDecodeError as exc:
         raise SourceError(f"{origin}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from exc
     if isinstance(doc, list) and all(isinstance(p, tuple) for p in doc):  # top-level object
@@ -114,10 +122,36 @@ def _load_hf(spec: str, split: str) -> list[dict[str, Any]]:
 
 
 def load_test_ids(uri: str, allow: SourceAllowParams | None = None) -> dict[str, str]:
-    doc = json.loads(read_bytes(uri, allow=allow))
+    try:
+        doc = json.loads(_text(read_bytes(uri, allow=allow), uri))
+    except json.JSONDecodeError as exc:
+        raise SourceError(f"{uri}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from None
     if not isinstance(doc, dict):
         raise SourceError(f"{uri}: expected an object of PMID -> label")
     return {str(k): str(v) for k, v in doc.items()}
+
+
+YEAR = re.compile(r"[12][0-9]{3}")
+
+
+def check_rows(tasks: pd.DataFrame, origin: str, validate: ValidateParams) -> None:
+    """What must hold before a table replaces the stored one: a year is four digits or absent (never NaN or inf), and,
+    unless ``validate.quarantine`` will set bad rows aside, every label is one of ``validate.labels`` and no question or
+    context is longer than ``validate``'s caps. Raises on the first bad row, naming the file, row, field and rule."""
+    caps = {"question": validate.question_chars.max, "contexts": validate.context_chars.max}
+    for n, row in enumerate(tasks.itertuples(index=False)):
+        where = f"{origin}: row {n} (id {row.id})"
+        if isinstance(row.year, str) and not YEAR.fullmatch(row.year):  # absent is None (or pandas' NaN): allowed
+            raise SourceError(f"{where}: year {str(row.year)[:20]!r}: must be a four-digit year or absent")
+        if validate.quarantine:
+            continue
+        if row.final_decision not in validate.labels:
+            raise SourceError(f"{where}: final_decision {str(row.final_decision)[:20]!r}: must be one of {validate.labels}")
+        if row.question is not None and len(row.question) > caps["question"]:
+            raise SourceError(f"{where}: question: {len(row.question)} characters > validate.question_chars.max "
+                              f"{caps['question']}")
+        if (size := sum(len(c) for c in row.contexts or [])) > caps["contexts"]:
+            raise SourceError(f"{where}: contexts: {size} characters > validate.context_chars.max {caps['contexts']}")
 
 
 def split_tasks(tasks: pd.DataFrame, test_ids: Mapping[str, str], val_fraction: float, seed: int) -> pd.DataFrame:

@@ -14,24 +14,32 @@ decision under ``PIDecision``'s schema, ``{`` + newline + two spaces + ``"decisi
 (the routed deployment answers, as in the society) and generates one token; the decision is read from its
 probabilities (``p_go``): GO when P(GO) >= 1/2. That is the context ``train_pi`` trains the decision in. Under the
 grammar a decision-trained adapter's whitespace drifts (it had no loss there) and it decides after a prefix it never
-saw: validation AUC 0.63 under the grammar vs 0.82 at the prefix, n = 89. No rationale is generated, so the judge has
-nothing to score here (docs/promotion.md says what that leaves out).
+saw: validation AUC 0.63 under the grammar vs 0.82 at the prefix, n = 89.
+
+**The judge's part** (``evaluate.role_judge``): the same call goes on for ``evaluate.role_rationale_tokens`` tokens after
+the decision (the rest of the PI's JSON, its rationale, at temperature 0), and the society's judge scores that decision and
+rationale against the abstract as it scores a rollout's (``pipeline.rewards.judge``, no protocol). The record's reward is
+then the society's final reward: the judge's score and the decision credit weighted by ``reward``, so the gate reads
+judge scores anchored by the label. Identical answers are judged once (an A/A copy costs no judge call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from typing import Any
 
 import httpx
 import numpy as np
 
-from pipeline.agents.prompts import pi_messages
-from pipeline.config import AgentsParams, RewardParams
+from pipeline.agents.llm import RoleClient
+from pipeline.agents.prompts import NO_PROTOCOL, pi_messages
+from pipeline.config import AgentsParams, JudgeParams, RewardParams
 from pipeline.evaluation.metrics import answer, macro_f1, summarise
-from pipeline.rewards.judge import decision_credit
+from pipeline.rewards.judge import decision_credit, final_reward
+from pipeline.rewards.judge import judge as run_judge
 
 TOP_LOGPROBS = 20  # enough that both GO and NO are listed at the decision token
 RETRIES = 3  # transport errors only; an unreadable answer is the model's and counts as no decision
@@ -39,6 +47,15 @@ RETRIES = 3  # transport errors only; an unreadable answer is the model's and co
 
 def messages(task: dict[str, Any], agents: AgentsParams, setting: str) -> list[dict[str, str]]:
     return pi_messages(task, agents.context_chars, setting)
+
+
+_RATIONALE = re.compile(r'"rationale"\s*:\s*"((?:[^"\\]|\\.)*)')
+
+
+def rationale(text: str) -> str:
+    """The rationale the answer went on to write after its decision ('' when it wrote none), cut where it was cut."""
+    found = _RATIONALE.search(text)
+    return found.group(1).replace('\\"', '"') if found else ""
 
 
 def _word(token: str) -> str:
@@ -81,17 +98,19 @@ async def _ask(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[
 
 async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]], agents: AgentsParams, reward: RewardParams,
                  setting: str, prefix: str, concurrency: int, timeout_s: float, routing: str | None = None,
-                 progress: Any = None) -> list[dict[str, Any]]:
+                 progress: Any = None, rationale_tokens: int = 0) -> list[dict[str, Any]]:
     """One record per task (``metrics.summarise``'s fields): the role's decision through the proxy, its P(GO) and its
-    decision credit as the reward. ``routing``: an evaluation routing table (None = the live one)."""
+    decision credit as the reward; ``rationale_tokens`` more tokens of the answer give the rationale (:func:`judged`
+    scores it). ``routing``: an evaluation routing table (None = the live one)."""
     sem = asyncio.Semaphore(concurrency)
     url = f"{base_url}/chat/completions"
 
     async def one(http: httpx.AsyncClient, task: dict[str, Any]) -> dict[str, Any]:
         # the answer continued from the decision prefix: the decision token is the one generated, in its trained context
         chat = [*messages(task, agents, setting), {"role": "assistant", "content": prefix}]
-        body: dict[str, Any] = {"model": role, "messages": chat, "max_tokens": 1, "temperature": 0.0, "logprobs": True,
-                                "top_logprobs": TOP_LOGPROBS, "continue_final_message": True, "add_generation_prompt": False}
+        body: dict[str, Any] = {"model": role, "messages": chat, "max_tokens": 1 + rationale_tokens, "temperature": 0.0,
+                                "logprobs": True, "top_logprobs": TOP_LOGPROBS, "continue_final_message": True,
+                                "add_generation_prompt": False}
         if routing:
             body["metadata"] = {"routing": routing}
         async with sem:
@@ -106,7 +125,9 @@ async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]]
         credit = decision_credit(decision, task["final_decision"], reward)
         if progress is not None:
             progress()
+        text = (choice.get("message") or {}).get("content") or ""
         return {"task_id": task["id"], "label": task["final_decision"], "decision": decision, "p_go": prob,
+                "rationale": rationale(text) if rationale_tokens else None,
                 "status": "ok" if decision else "failed", "error": None if decision else refused or "no decision token",
                 "reward": credit, "components": {"decision": credit}, "scores": {}, "turns": 1,
                 "tokens": (doc.get("usage") or {}).get("total_tokens", 0), "latency_s": latency,
@@ -114,6 +135,36 @@ async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]]
 
     async with httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {key}"}) as http:
         return list(await asyncio.gather(*(one(http, t) for t in tasks)))
+
+
+async def judged(base_url: str, key: str, tasks: list[dict[str, Any]], runs: list[list[dict[str, Any]]], agents: AgentsParams,
+                 judge: JudgeParams, reward: RewardParams, concurrency: int, timeout_s: float) -> int:
+    """The judge's part of each record's reward, in place: every decided record's decision and rationale judged as the
+    society's judge judges a rollout (the live judge, no protocol), its reward the society's final reward; an undecided
+    record scores ``judge.failure_score``. Identical answers to a task (across ``runs``) are judged once; returns the
+    number of judge calls."""
+    by_id = {t["id"]: t for t in tasks}
+    answers = {(r["task_id"], r["decision"], r.get("rationale") or "") for run in runs for r in run if r["decision"]}
+    sem = asyncio.Semaphore(concurrency)
+    client = RoleClient.for_agents(agents, base_url, key, timeout_s, max_tokens=judge.max_tokens)
+
+    async def one(task_id: str, decision: str, why: str) -> tuple[tuple[str, str, str], dict[str, Any]]:
+        async with sem:
+            state = {"decision": {"decision": decision, "rationale": why}, "protocol": NO_PROTOCOL}
+            return (task_id, decision, why), await run_judge(client, judge, reward, by_id[task_id], state, 1, [])
+
+    try:
+        scores = dict(await asyncio.gather(*(one(*a) for a in sorted(answers))))
+    finally:
+        await client.aclose()
+    for run in runs:
+        for r in run:
+            res = scores.get((r["task_id"], r["decision"], r.get("rationale") or "")) if r["decision"] else None
+            value = res["components"]["judge"] if res else judge.failure_score
+            r["reward"], r["components"] = final_reward(value, r["decision"], r["label"], reward)
+            r["scores"] = res["scores"] if res else {}
+            r["judge_ok"] = bool(res and res["judge_ok"])
+    return len(answers)
 
 
 def auc(records: list[dict[str, Any]]) -> float | None:

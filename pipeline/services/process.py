@@ -217,13 +217,15 @@ def start(
     that do not speak HTTP (Postgres, Redis, a Celery worker).
     """
     service.home.mkdir(parents=True, exist_ok=True)
+    service.home.chmod(0o700)  # logs, databases and caches of a service: its owner's only
     identity = identity or {"cmd": list(cmd)}
     ready: Callable[[], bool] = ((lambda: http_ok(health_url, headers=health_headers)) if isinstance(health_url, str)
                                  else health_url)
     if service.runs_as(identity, secrets) and ready():
         return service.pid()  # type: ignore[return-value]
     stop(service)
-    log = open(service.log_file, "ab")  # noqa: SIM115 - handed to the child
+    log = os.fdopen(os.open(service.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+    service.log_file.chmod(0o600)  # a log from before this rule
     proc = subprocess.Popen(
         list(cmd),
         stdout=log,
@@ -232,6 +234,7 @@ def start(
         env={**os.environ, **(env or {})},
         cwd=cwd,
         start_new_session=True,
+        umask=0o077,  # what the service writes (mlflow.db, its caches, artifacts) is owner-only
     )
     log.close()
     service.pid_file.write_text(str(proc.pid))

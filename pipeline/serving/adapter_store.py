@@ -14,7 +14,6 @@ renamed into place: a worker never sees half an adapter.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -22,11 +21,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from pipeline.io import UnsafePathError, inside
+from pipeline.serving.names import NAME
 
 MARKER = "_COMPLETE"
 # An adapter's name is one path segment the engine can be asked for: letters, digits, '.', '_', '-',
 # not starting with '.' (so never '.' or '..'). Keys naming anything else are never synced.
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+ADAPTER_NAME = NAME
 
 
 def check_name(name: str) -> str:

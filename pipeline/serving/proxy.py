@@ -89,7 +89,9 @@ def write_config(serving: ServingParams) -> Path:
 def _env(serving: ServingParams) -> dict[str, str]:
     return {KEY_ENV: api_key(serving), **_worker_key(serving), "PIPELINE_ROUTING_ACTIVE": str(active_file(serving)),
             "PYTHONPATH": pythonpath(),
-            "LITELLM_LOG": os.environ.get("LITELLM_LOG", "ERROR"), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+            "LITELLM_LOG": os.environ.get("LITELLM_LOG", "ERROR"), "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            # no Swagger, ReDoc or OpenAPI schema: every route the proxy serves asks for its key
+            "NO_DOCS": "True", "NO_REDOC": "True", "NO_OPENAPI": "True"}
 
 
 def _worker_key(serving: ServingParams) -> dict[str, str]:

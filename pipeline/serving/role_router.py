@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException
 
 from pipeline.roles import FALLBACK
+from pipeline.serving.names import EVAL_NAME
 
-EVAL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
 
 
 class RoleRouter(CustomLogger):
@@ -32,7 +31,7 @@ class RoleRouter(CustomLogger):
         """The live table, or the evaluation table a request names (``metadata.routing``)."""
         path = self._path
         if routing:
-            if not EVAL_NAME.match(routing):
+            if not EVAL_NAME.fullmatch(routing):
                 raise ValueError(f"routing {routing!r}: not an evaluation routing name")
             path = os.path.join(os.path.dirname(self._path), "eval", f"{routing}.json")
         try:

@@ -21,7 +21,6 @@ import argparse
 import fcntl
 import json
 import os
-import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ from pipeline.config import MlflowParams, Params, RolloutsParams, ServingParams
 from pipeline.io import write_json, write_text
 from pipeline.roles import FALLBACK
 from pipeline.serving import proxy
+from pipeline.serving.names import EVAL_NAME, NAME, BadName, check_policy, check_target
 from pipeline.serving.worker import served_name
 
 
@@ -111,22 +111,42 @@ def load_version(serving: ServingParams, version: int) -> dict[str, Any]:
     for role, was in FALLBACK.items():  # a version from before the role had its own model: where its calls went then
         if role in serving.roles and role not in roles and was in roles:
             roles = {**roles, role: roles[was]}
-    missing = sorted(set(serving.roles) - set(roles))
-    unknown = sorted(set(roles) - set(serving.roles))
-    if missing or unknown:
-        raise RoutingError(f"{path}: roles missing {missing}, unknown {unknown}")
-    for target in roles.values():
-        expected_model(serving, str(target))  # raises naming the bad deployment
     policies = doc.get("policies") or {}
     if not isinstance(policies, dict):
         raise RoutingError(f"{path}: 'policies' must map policy -> model URI or 'llm'")
+    try:
+        check_table(serving, roles, policies)
+    except RoutingError as exc:
+        raise RoutingError(f"{path}: {exc}") from None
     return {"version": version, "roles": {r: str(t) for r, t in roles.items()},
             "policies": {k: str(v) for k, v in policies.items()}, "description": doc.get("description", "")}
 
 
+def check_table(serving: ServingParams, roles: dict[str, Any], policies: dict[str, Any]) -> None:
+    """Every role of ``serving.roles`` and no other, each on a deployment a worker serves, every policy a valid routing
+    value: what a routing version must hold before it is written, or read."""
+    missing = sorted(set(serving.roles) - set(roles))
+    unknown = sorted(set(roles) - set(serving.roles))
+    if missing or unknown:
+        raise RoutingError(f"roles missing {missing}, unknown {unknown}")
+    try:
+        for target in roles.values():
+            check_target(str(target))
+        for name, value in policies.items():
+            if not NAME.fullmatch(str(name)):
+                raise BadName(f"policy name {name!r}: must match {NAME.pattern}")
+            check_policy(str(value))
+    except BadName as exc:
+        raise RoutingError(str(exc)) from None
+    for target in roles.values():
+        expected_model(serving, str(target))  # raises naming the worker no entry of serving.workers has
+
+
 def write_version(serving: ServingParams, roles: dict[str, str], description: str = "",
                   policies: dict[str, str] | None = None) -> int:
-    """Write the next version file (used by `route new` and by promotion); returns its number."""
+    """Write the next version file (used by `route new` and by promotion); returns its number. A table that
+    :func:`check_table` refuses writes nothing."""
+    check_table(serving, roles, policies or {})
     with lock(serving):
         number = (versions(serving) or [0])[-1] + 1
         doc: dict[str, Any] = {"description": description, "roles": roles}
@@ -144,11 +164,8 @@ def policy(table: dict[str, Any] | None, name: str) -> str:
     return ((table or {}).get("policies") or {}).get(name, "llm")
 
 
-EVAL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
-
-
 def eval_file(serving: ServingParams, name: str) -> Path:
-    if not EVAL_NAME.match(name):
+    if not EVAL_NAME.fullmatch(name):
         raise RoutingError(f"evaluation routing name {name!r}: letters, digits, '.', '_' and '-' only")
     return proxy.active_file(serving).with_name("eval") / f"{name}.json"
 
@@ -156,8 +173,7 @@ def eval_file(serving: ServingParams, name: str) -> Path:
 def write_eval(serving: ServingParams, name: str, roles: dict[str, str],
                policies: dict[str, str] | None = None) -> dict[str, Any]:
     """An evaluation routing table: requests that name it (``metadata.routing``) use it; the live one is untouched."""
-    for target in roles.values():
-        expected_model(serving, target)
+    check_table(serving, roles, policies or {})
     table = {"version": f"eval:{name}", "roles": roles, "policies": policies or {}}
     path = eval_file(serving, name)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -314,6 +330,9 @@ def main(args: argparse.Namespace, params: Params) -> int:
             print(f"rolled back to routing version {table['version']}: {json.dumps(table['roles'])}")
         elif args.action == "new":
             live = active(serving) or load_version(serving, (versions(serving) or [1])[-1])
+            bad = [item for item in args.set if "=" not in item]
+            if bad:
+                raise RoutingError(f"--set {bad[0]!r}: must be ROLE=DEPLOYMENT or POLICY=URI")
             changes = dict(item.split("=", 1) for item in args.set)
             roles = {**live["roles"], **{k: v for k, v in changes.items() if k in serving.roles}}
             policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in serving.roles}}

@@ -364,23 +364,34 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
     url, api_key = proxy.client_settings(params.serving)
     runs: list[tuple[str, Any, str]] = [("champion", champion, roles[name])]
     runs += [(alias, c, registry.deploy(params.serving, name, c, roles.get(name))) for alias, c in cands]
-    scored: dict[str, tuple[list[dict[str, Any]], dict[str, Any], str]] = {}
+    answered: dict[str, tuple[list[dict[str, Any]], str, float]] = {}
     for alias, version, where in runs:
         slug = _slug(f"{name}-{alias}-v{version.version}-{key[:8]}")
         table = _table(params.serving, params.mlflow, slug, {**roles, name: where}, policies)
         t0 = time.perf_counter()
         records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward, setting,
-                                                params.pi.decision_prefix, cfg.role_concurrency, cfg.timeout_s, slug))
+                                                params.pi.decision_prefix, cfg.role_concurrency, cfg.timeout_s, slug,
+                                                rationale_tokens=cfg.role_rationale_tokens if cfg.role_judge else 0))
+        answered[alias] = (records, json.dumps(table), time.perf_counter() - t0)
+    judge_calls = 0
+    if cfg.role_judge:
+        t0 = time.perf_counter()
+        judge_calls = asyncio.run(role_level.judged(url, api_key, tasks, [a[0] for a in answered.values()], params.agents,
+                                                    params.judge, params.reward, cfg.role_concurrency, cfg.timeout_s))
+        print(f"evaluate: {name}: the judge scored {judge_calls} distinct answers in {time.perf_counter() - t0:.0f} s")
+    scored: dict[str, tuple[list[dict[str, Any]], dict[str, Any], str]] = {}
+    for alias, version, where in runs:
+        records, table_json, seconds = answered[alias]
         mine = role_level.metrics(records, setting, cfg.bootstrap, cfg.ci, cfg.seed)
         with mlflow.start_run(run_name=f"eval {name} {alias} v{version.version}", nested=True,
                               tags={"pipeline.kind": "evaluation", "eval.role": name, "eval.level": "role",
                                     "eval.version": str(version.version), "eval.alias": alias, "data.setting": setting}) as run:
-            mlflow.log_dict(table, "evaluation/routing.json")
+            mlflow.log_text(table_json, "evaluation/routing.json")
             mlflow.log_metrics({k: v for k, v in flat(mine).items() if v == v})
             mlflow.log_text("".join(json.dumps(r) + "\n" for r in records), "evaluation/records.jsonl")
         scored[alias] = (records, mine, run.info.run_id)
         print(f"evaluate: {name} {alias} v{version.version} ({where}): {len(records)} validation questions in "
-              f"{time.perf_counter() - t0:.0f} s, yes/no accuracy {mine['yes_no']['accuracy']:.3f} "
+              f"{seconds:.0f} s, yes/no accuracy {mine['yes_no']['accuracy']:.3f} "
               f"(n={mine['yes_no']['n']}), AUC {mine['auc']['value']}")
     champ_records, champ, champ_run = scored["champion"]
     out: dict[str, Any] = {}
@@ -393,13 +404,13 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
                          "run_id": champ_run},
             "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
             "difference": diff, "records": {"champion": champ_records, "candidate": records},
-            "cost": {"calls_per_task": 1, "tasks": len(tasks)}}
+            "cost": {"calls_per_task": 1, "tasks": len(tasks), "judge_calls": judge_calls}}
         registry.set_tags(name, cand.version, {
             "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.level": "role", "eval.setting": setting,
             "eval.champion_reward": f"{champ['reward']['mean']:.4f}", "eval.diff": f"{diff['mean']:+.4f}",
             "eval.tasks": len(tasks), "eval.p_value": f"{diff['p_value']:.4f}",
             "eval.mcnemar_p": f"{diff['decision']['p_value']:.4f}"})
-        print(f"evaluate: {name} {alias} v{cand.version} decision reward {mine['reward']['mean']:.3f} vs champion "
+        print(f"evaluate: {name} {alias} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion "
               f"{champ['reward']['mean']:.3f}; paired diff {diff['mean']:+.3f} (n={diff['n']}, "
               f"sign-flip p={diff['p_value']:.4f}; "
               f"McNemar p={diff['decision']['p_value']:.4f}, b={diff['decision'].get('b')}, c={diff['decision'].get('c')})")

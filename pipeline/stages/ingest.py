@@ -1,7 +1,8 @@
 """Ingest PubMedQA PQA-L: read the source, normalise to the task table, split train/val/test.
 
 Writes ``<data.out_dir>/{train,val,test}.parquet`` as one directory swap (a failed run keeps the
-previous outputs) and ``reports/ingest.json`` (DVC metrics).
+previous outputs) and ``reports/ingest.json`` (DVC metrics), only after the rows' checks pass
+(``pubmedqa.check_rows``); a bad source ends in one line naming the file, row and rule.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rich.console import Console
 
 from pipeline import metrics_files, tracking
 from pipeline.config import DataParams, Params, SplitParams
-from pipeline.data.pubmedqa import SPLITS, load_tasks, load_test_ids, split_tasks
+from pipeline.data.pubmedqa import SPLITS, check_rows, load_tasks, load_test_ids, split_tasks
 from pipeline.io import atomic_dir, write_json
 
 METRICS_FILE = Path("reports/ingest.json")
@@ -31,6 +32,7 @@ def stats(table: pd.DataFrame) -> dict[str, Any]:
 
 def run(params: Params) -> dict[str, Any]:
     tasks = load_tasks(params.data.source, params.data.hf_split, allow=params.data.allow, sha256=params.data.source_sha256)
+    check_rows(tasks, params.data.source, params.validate_)  # before anything stored is replaced
     test_ids = load_test_ids(params.data.test_ids, allow=params.data.allow)
     table = split_tasks(tasks, test_ids, params.split.val_fraction, params.split.seed)
     missing_test = sorted(set(test_ids) - set(tasks["id"]))
