@@ -20,7 +20,6 @@ from pipeline.roles import FALLBACK
 from pipeline.serving.names import EVAL_NAME
 
 
-
 class RoleRouter(CustomLogger):
     def __init__(self) -> None:
         super().__init__()
