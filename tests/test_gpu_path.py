@@ -166,7 +166,7 @@ def test_preflight_passes_the_gpu_profile_and_prints_the_config() -> None:
 @pytest.mark.parametrize(("overlay", "named"), [
     ({"ppo": {"rollout_gpu_share": 0.6}}, "FAIL gpu memory: GPU 0 is oversubscribed"),
     ({"serving": {"workers": [{"name": "qwen", "model": "models/base", "port": 8100, "gpu_memory_utilization": 0.3}]}},
-     "FAIL routing: deployment 'base': no worker 'base'"),
+     "FAIL routing: serving/routing/v1.yaml: deployment 'base': no worker 'base'"),
     ({"ppo": {"max_completion_tokens": 64}}, "FAIL verl config: data.max_response_length=64 is below the agents' completion ceiling"),
     ({"evaluate": {"limit": 2}}, "FAIL evaluation: evaluate.limit=2 < promote.min_tasks=25"),
     ({"ppo": {"rollout_tensor_parallel": 2}}, "tensor_model_parallel_size=2 does not divide trainer.n_gpus_per_node=1"),

@@ -101,8 +101,10 @@ def train_trl(ppo: PpoParams, datasets: DatasetsParams, reward_for: Callable[[li
     scored: list[dict[str, Any]] = []
     out = Path(ppo.out_dir)
     with atomic_dir(out) as tmp:
-        args = GRPOConfig(output_dir=str(tmp / "checkpoints"), max_steps=ppo.max_steps,
-                          per_device_train_batch_size=ppo.prompts_per_step * ppo.group_size, num_generations=ppo.group_size,
+        # one sequence per forward/backward, gradients accumulated over the step's GRPO batch (verl's actor: micro batch
+        # 1): the activations of 4 sequences of ~1.4k tokens held 16 GB here; generation still batches the whole step
+        args = GRPOConfig(output_dir=str(tmp / "checkpoints"), max_steps=ppo.max_steps, per_device_train_batch_size=1,
+                          gradient_accumulation_steps=ppo.prompts_per_step * ppo.group_size, num_generations=ppo.group_size,
                           max_completion_length=ppo.max_completion_tokens, learning_rate=ppo.learning_rate,
                           beta=ppo.kl_coef, temperature=ppo.temperature, logging_steps=1, save_strategy="no", report_to="none",
                           seed=ppo.seed, data_seed=ppo.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0,
