@@ -13,6 +13,12 @@ the last, and :func:`reconcile` (run at the start of ``promote``, ``rollback`` a
   candidate champion with its decision recorded;
 - alias not moved: the switch did not happen; the routing that was live before it is restored.
 
+What was switched is appended to the **promotion journal** (``<serving.home>/routing/journal.jsonl``, 0600, one JSON
+line per switch, written only here): role, action (promote | rollback), the version made champion and the one it replaced,
+each with the ``sha256`` it carried at that moment, and the routing versions. ``rollback`` reads what to go back to from
+the journal, never from registry tags (which anyone who reaches the tracking server can write), and refuses a registry
+whose champion or digests disagree with it.
+
 Every step of a switch holds the routing lock (``routing.lock``), so two switches (a DAG retry and a
 user's rollback) cannot interleave. ``PIPELINE_FAILPOINT=switch.<step>`` kills the process (SIGKILL)
 right after that step: the crash tests use it, nothing else sets it.
@@ -23,6 +29,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,33 @@ def pending(serving: ServingParams) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def journal_file(serving: ServingParams) -> Path:
+    return proxy.active_file(serving).with_name("journal.jsonl")
+
+
+def journal(serving: ServingParams, role: str | None = None) -> list[dict[str, Any]]:
+    """The switches recorded so far, oldest first (of ``role`` only, when given); a torn last line is skipped."""
+    path = journal_file(serving)
+    entries = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [e for e in entries if role is None or e.get("role") == role]
+
+
+def _append(serving: ServingParams, entry: dict[str, Any]) -> None:
+    """One line, appended and synced: the journal is never rewritten."""
+    path = journal_file(serving)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _note(serving: ServingParams, intent: dict[str, Any], **update: Any) -> dict[str, Any]:
     intent.update(update)
     write_json(intent_file(serving), intent)
@@ -72,9 +107,11 @@ def switch(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams,
         if live is None:
             raise PromotionError("no routing version is live; start the serving plane first")
         previous = registry.by_alias(name, registry.CHAMPION)
-        intent = _note(serving, {}, role=name, to_version=str(to.version), description=description,
-                       previous_champion=previous.version if previous else None, previous_routing=live["version"],
-                       new_routing=None, tags=dict(tags or {}), record=record)
+        intent = _note(serving, {}, id=uuid.uuid4().hex, role=name, to_version=str(to.version), description=description,
+                       to_sha256=to.tags.get(registry.SHA256_TAG),
+                       previous_champion=previous.version if previous else None,
+                       previous_sha256=previous.tags.get(registry.SHA256_TAG) if previous else None,
+                       previous_routing=live["version"], new_routing=None, tags=dict(tags or {}), record=record)
         failpoint("intent")
         kind = promote.roles[name]
         try:
@@ -115,6 +152,13 @@ def _finish(serving: ServingParams, intent: dict[str, Any]) -> None:
                      "promotion.previous_routing_version": intent["previous_routing"]})
     if tags:
         registry.set_tags(intent["role"], intent["to_version"], tags)
+    if not any(e.get("id") == intent.get("id") for e in journal(serving, intent["role"])):  # a reconcile may finish twice
+        _append(serving, {"id": intent.get("id"), "time": datetime.now(UTC).isoformat(timespec="seconds"),
+                          "role": intent["role"], "action": "promote" if intent["record"] else "rollback",
+                          "version": intent["to_version"], "sha256": intent.get("to_sha256"),
+                          "previous_version": intent["previous_champion"], "previous_sha256": intent.get("previous_sha256"),
+                          "routing_version": intent["new_routing"], "previous_routing": intent["previous_routing"],
+                          "description": intent.get("description", "")})
     failpoint("tagged")
     intent_file(serving).unlink(missing_ok=True)
 

@@ -214,9 +214,29 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     report = json.loads((promo["root"] / "reports/promotion.json").read_text())
     assert report["promoted"] == ["junior_researcher"] and report["routing_version"] == _live(promo)["version"]
 
+    # what decides what is served is not a registry tag (#44): a forged previous champion is ignored, a forged digest refused
+    client = MlflowClient()
+    client.set_model_version_tag("junior_researcher", version, "promotion.previous_champion", "1")
+    digest = client.get_model_version("junior_researcher", "2").tags["sha256"]
+    client.set_model_version_tag("junior_researcher", "2", "sha256", "0" * 64)
+    forged = _cli(promo, "rollback", "junior_researcher")
+    assert forged.returncode == 1 and "promotion journal recorded it" in forged.stderr, forged.stdout + forged.stderr
+    assert _champion("junior_researcher") == version and _served(promo, "junior_researcher") == "base"
+    client.set_model_version_tag("junior_researcher", "2", "sha256", digest)
     rb = _cli(promo, "rollback", "junior_researcher")
     assert rb.returncode == 0, rb.stdout + rb.stderr
     assert _champion("junior_researcher") == "2" and _served(promo, "junior_researcher") == "offline"
+    from pipeline.promotion import journal, journal_file
+
+    entries = journal(promo["params"].serving)
+    assert [(e["action"], e["version"]) for e in entries if e["role"] == "junior_researcher"][-2:] == [("promote", version),
+                                                                                                       ("rollback", "2")]
+    assert journal_file(promo["params"].serving).stat().st_mode & 0o777 == 0o600
+    # an alias moved outside promote/rollback: the journal disagrees, nothing is switched
+    registry.set_alias("junior_researcher", registry.CHAMPION, version)
+    moved = _cli(promo, "rollback", "junior_researcher")
+    assert moved.returncode == 1 and "changed outside promote/rollback" in moved.stderr, moved.stdout + moved.stderr
+    registry.set_alias("junior_researcher", registry.CHAMPION, "2")
 
 
 def test_promote_killed_after_each_step_then_rerun_leaves_alias_routing_and_tags_agreeing(promo: dict) -> None:

@@ -1,8 +1,9 @@
 """``python -m pipeline rollback ROLE``: give a role back the champion it had before the last promotion.
 
-The version a promotion replaced is recorded on the promoted version (``promotion.previous_champion``);
-rollback routes the role back to it through a new routing version (applied and verified like any
-other, so later promotions of other roles are kept) and moves ``champion`` back.
+The version a promotion replaced is read from the promotion journal (``pipeline/promotion.py``), never from registry
+tags: the champion must be the one the journal's last switch of the role made, and the version to go back to must
+still carry the digest it had when it was replaced. Rollback routes the role back to it through a new routing version
+(applied and verified like any other, so later promotions of other roles are kept) and moves ``champion`` back.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 from pipeline import registry, tracking
 from pipeline.config import MlflowParams, Params, PromoteParams, ServingParams
-from pipeline.promotion import PromotionError, reconcile, switch
+from pipeline.promotion import PromotionError, journal, reconcile, switch
 from pipeline.serving import stack
 
 
@@ -22,11 +23,21 @@ def rollback(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParam
     if name not in promote.roles:
         raise PromotionError(f"unknown role {name!r}; trainable roles are {list(promote.roles)}")
     current = registry.by_alias(name, registry.CHAMPION)
-    previous = current and current.tags.get("promotion.previous_champion")
-    if current is None or not previous:
-        raise PromotionError(f"{name}: champion v{current.version if current else '?'} was not put there by a promotion; "
-                             "nothing to roll back")
-    number = switch(serving, mlflow, promote, name, registry.get_version(name, previous),
+    entries = journal(serving, name)
+    if current is not None and entries and str(entries[-1]["version"]) != str(current.version):
+        raise PromotionError(f"{name}: the registry's champion is v{current.version}, but the promotion journal's last switch "
+                             f"made v{entries[-1]['version']} champion: the registry was changed outside promote/rollback")
+    made = next((e for e in reversed(entries)
+                 if current is not None and e["action"] == "promote" and str(e["version"]) == str(current.version)), None)
+    if current is None or made is None or not made.get("previous_version"):
+        raise PromotionError(f"{name}: champion v{current.version if current else '?'} was not put there by a promotion "
+                             "(promotion journal); nothing to roll back")
+    previous = str(made["previous_version"])
+    target = registry.get_version(name, previous)
+    if target.tags.get(registry.SHA256_TAG) != made.get("previous_sha256"):
+        raise PromotionError(f"{name} v{previous}: sha256 {target.tags.get(registry.SHA256_TAG)} in the registry, but "
+                             f"{made.get('previous_sha256')} when the promotion journal recorded it as champion")
+    number = switch(serving, mlflow, promote, name, target,
                     f"rollback {name} v{current.version} -> v{previous}", record=False)
     registry.set_tags(name, current.version, {"promotion.decision": "rolled_back"})
     return current.version, previous, number
