@@ -54,3 +54,25 @@ def test_what_a_service_writes_is_its_owners_only(tmp_path: Path) -> None:
         assert modes == {"svc": 0o700, "writer.log": 0o600, "state.db": 0o600, "cache": 0o700}
     finally:
         stop(svc)
+
+
+def test_what_a_killed_service_left_running_is_stopped_by_its_group_and_mark(tmp_path: Path) -> None:
+    """A SIGKILLed vLLM worker leaves its engine process running (#44): `stop` (and so `up`, which stops first, and
+    `services down`) finds it by the recorded process group and the owner mark in its environment, not by name."""
+    import signal
+    import subprocess
+    import time
+
+    svc = Service("leader", tmp_path)
+    pid = start(svc, ["bash", "-c", "sleep 300 & wait"], lambda: True, timeout_s=5)
+    pgid = os.getpgid(pid)
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)  # another group: never touched
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    time.sleep(0.2)
+    assert _group_alive(pgid) and svc.pid() is None  # the orphan runs on without its leader
+    assert stop(svc, grace_s=10)
+    assert not _group_alive(pgid) and stranger.poll() is None
+    stranger.kill()
+    stranger.wait()
+    assert not stop(svc)  # nothing left, nothing else touched

@@ -19,9 +19,12 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+OWNER_ENV = "PIPELINE_SERVICE_OWNER"  # set on a service at start: its orphans are recognised by it, never by name
 
 
 class ServiceError(RuntimeError):
@@ -224,6 +227,7 @@ def start(
     if service.runs_as(identity, secrets) and ready():
         return service.pid()  # type: ignore[return-value]
     stop(service)
+    owner = f"{service.home.resolve()}/{service.name}:{uuid.uuid4().hex}"  # inherited by every process the service starts
     log = os.fdopen(os.open(service.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
     service.log_file.chmod(0o600)  # a log from before this rule
     proc = subprocess.Popen(
@@ -231,7 +235,7 @@ def start(
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {}), OWNER_ENV: owner},
         cwd=cwd,
         start_new_session=True,
         umask=0o077,  # what the service writes (mlflow.db, its caches, artifacts) is owner-only
@@ -240,7 +244,7 @@ def start(
     service.pid_file.write_text(str(proc.pid))
     health = health_url if isinstance(health_url, str) else getattr(health_url, "__name__", "check")
     service.meta_file.write_text(json.dumps({"cmd": list(cmd), "health_url": health, "identity": identity_key(identity),
-                                             **(meta or {})}))
+                                             "pgid": proc.pid, "owner": owner, **(meta or {})}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -255,14 +259,19 @@ def start(
 
 
 def stop(service: Service, grace_s: float = 15.0) -> bool:
-    """SIGTERM the service's process group, then SIGKILL what is left; True if something ran."""
+    """SIGTERM the service's process group, then SIGKILL what is left; True if something ran. A group whose leader died
+    (a SIGKILLed worker leaves its engine process behind) is found by the group recorded at start and stopped only
+    when a member still carries this start's owner mark in its environment: never by name, never a reused group."""
     pid = service.pid()
     service.pid_file.unlink(missing_ok=True)
-    if pid is None:
-        return False
-    try:
-        pgid = os.getpgid(pid)
-    except ProcessLookupError:
+    meta = service.meta()
+    pgid: int | None = None
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            pgid = os.getpgid(pid)
+    elif meta.get("pgid") and meta.get("owner") and _owned(int(meta["pgid"]), str(meta["owner"])):
+        pgid = int(meta["pgid"])
+    if pgid is None:
         return False
     try:
         os.killpg(pgid, signal.SIGTERM)
@@ -271,13 +280,38 @@ def stop(service: Service, grace_s: float = 15.0) -> bool:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if not _group_alive(pgid):
-            _reap(pid)  # the leader may have become a zombie only now
+            if pid is not None:
+                _reap(pid)  # the leader may have become a zombie only now
             return True
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    _reap(pid)
+    if pid is not None:
+        _reap(pid)
     return True
+
+
+def _members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of group ``pgid``, from /proc."""
+    out = []
+    for entry in (e for e in os.listdir("/proc") if e.isdigit()):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def _owned(pgid: int, owner: str) -> bool:
+    """Whether a live member of group ``pgid`` was started by this service's start (its environment holds the mark)."""
+    mark = f"{OWNER_ENV}={owner}".encode()
+    for member in _members(pgid):
+        with contextlib.suppress(OSError):
+            if mark in Path(f"/proc/{member}/environ").read_bytes().split(b"\0"):
+                return True
+    return False
 
 
 def _reap(pid: int) -> None:
