@@ -129,7 +129,7 @@ class _QuitterClient:
     def __init__(self) -> None:
         self.schemas: list[str] = []
 
-    async def structured(self, agent, model, messages, schema, spans, max_tokens=None):
+    async def structured(self, agent, model, messages, schema, spans, max_tokens=None, prompt=None):
         self.schemas.append(schema.__name__)
         fields = schema.model_fields
         if "tool" in fields:
@@ -183,7 +183,7 @@ class _ScriptedClient:
         self.agents: list[str] = []
         self.in_flight = self.most_in_flight = 0
 
-    async def structured(self, agent, model, messages, schema, spans, max_tokens=None):
+    async def structured(self, agent, model, messages, schema, spans, max_tokens=None, prompt=None):
         import asyncio
 
         from pipeline import schemas

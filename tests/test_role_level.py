@@ -173,3 +173,17 @@ def test_the_rationale_is_read_from_the_answer_after_its_decision() -> None:
     assert role_level.rationale(answer) == 'The abstract shows a "clear" effect.'
     assert role_level.rationale('NO-GO", "rationale": "cut at the token cap') == "cut at the token cap"
     assert role_level.rationale('GO"}') == ""
+
+
+def test_every_prompt_is_a_named_template_whose_version_follows_its_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.agents import prompts
+
+    task = {"question": "Does X cause Y?", "contexts": ["An abstract."], "long_answer": "It does."}
+    assert role_level.messages(task, section("agents"), "reasoning_free")[0]["content"] == prompts.render(
+        "principal_investigator", brief=brief(task, section("agents").context_chars, "reasoning_free"),
+        protocol=prompts.NO_PROTOCOL, reviews="none")
+    before = prompts.sha("principal_investigator")
+    monkeypatch.setitem(prompts.TEMPLATES, "principal_investigator", prompts.TEMPLATES["principal_investigator"] + " Be brief.")
+    assert prompts.sha("principal_investigator") != before and len(before) == 12
+    with pytest.raises(KeyError, match="needs field 'brief'"):
+        prompts.render("principal_investigator", protocol="p", reviews="none")

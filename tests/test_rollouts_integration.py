@@ -162,6 +162,13 @@ def _assert_whole_society(trace: dict) -> None:
     logical = {s["data"]["agent"]: s["data"]["logical_model"] for s in trace["spans"] if s["kind"] == "llm"}
     assert logical["geneticist"] == "junior_researcher" and logical["peer_reviewer"] == "review_board" and logical["judge"] == "judge"
     assert logical["principal_investigator"] == "principal_investigator"  # its own logical model since #42: not the gateway's
+    from pipeline.agents import prompts
+
+    # every call names the template it was rendered from and that template's version (prompts as data, #42)
+    named = {(s["data"]["agent"], s["data"].get("prompt"), s["data"].get("prompt_sha")) for s in trace["spans"] if s["kind"] == "llm"}
+    assert all(p in prompts.TEMPLATES and sha == prompts.sha(p) for _, p, sha in named), named
+    assert {(a, p) for a, p, _ in named} >= {("principal_investigator", "principal_investigator"), ("judge", "judge"),
+                                              ("hypothesis_refiner", "refiner"), ("geneticist", "junior.hypothesis")}
     assert any(s["kind"] == "tool" and s["data"]["sender"] in {"geneticist", "pharmacologist", "neurologist"} for s in trace["spans"])
     judged = {s["name"] for s in trace["spans"] if s["kind"] == "reward" and s["data"]["kind"] == "judge"}
     assert judged == {f"judge.{c}" for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")}

@@ -27,7 +27,7 @@ from langgraph.graph import END, START, StateGraph
 
 from pipeline import roles
 from pipeline.agents.llm import DESIGNER_TOKENS, LLMError, RoleClient
-from pipeline.agents.prompts import SETTINGS, brief, pi_prompt
+from pipeline.agents.prompts import SETTINGS, brief, pi_fields, render
 from pipeline.agents.tools import Toolbox, timed_call
 from pipeline.config import AgentsParams
 from pipeline.schemas import EvidenceCall, Hypothesis, PIDecision, Protocol, Review, StructuredOutput, SupervisorChoice, ToolCall
@@ -78,25 +78,22 @@ class Society:
     def junior(self, name: str):
         async def node(state: SocietyState) -> dict[str, Any]:
             spans: list[dict[str, Any]] = []
-            system = (f"You are {JUNIORS[name]}. Research question: {self._brief(state)}\n"
-                      "Tools: search_literature (PubMed abstracts), lookup_gene, lookup_protein. "
-                      "Call one tool at a time with a short query, or tool 'none' when ready.")
+            system = render("junior.system", persona=JUNIORS[name], brief=self._brief(state))
             notes: list[str] = []
             try:
                 for step in range(self.cfg.max_tool_calls):
                     messages = [{"role": "system", "content": system},
-                                {"role": "user",
-                                 "content": "Tool results so far:\n" + ("\n".join(notes) or "none") + "\nNext step as JSON."}]
+                                {"role": "user", "content": render("junior.step", notes="\n".join(notes) or "none")}]
                     schema: type[ToolCall | EvidenceCall] = EvidenceCall if step < self.cfg.min_tool_calls else ToolCall
-                    call = await self.client.structured(name, OPENING_MODEL, messages, schema, spans, max_tokens=64)
+                    call = await self.client.structured(name, OPENING_MODEL, messages, schema, spans, max_tokens=64,
+                                                        prompt="junior.step")
                     if call is None or call.tool == "none":
                         break
                     result = timed_call(self.tools, name, call.tool, call.query, spans)
                     notes.append(f"[{call.tool}({call.query})] {result.text[:600]}")
                 messages = [{"role": "system", "content": system},
-                            {"role": "user", "content": "Evidence:\n" + ("\n".join(notes) or "none")
-                             + "\nPropose one testable hypothesis with rationale and evidence PMIDs, as JSON."}]
-                hyp = await self.client.structured(name, OPENING_MODEL, messages, Hypothesis, spans)
+                            {"role": "user", "content": render("junior.hypothesis", notes="\n".join(notes) or "none")}]
+                hyp = await self.client.structured(name, OPENING_MODEL, messages, Hypothesis, spans, prompt="junior.hypothesis")
             except LLMError as exc:
                 return {"spans": spans, "errors": [str(exc)]}
             if hyp is None:
@@ -122,14 +119,11 @@ class Society:
                           explored=chosen != model_pick, propensity=pmf[chosen], reason="contextual bandit")
         else:
             listing = "\n".join(f"{i}. ({h['author']}) {h['hypothesis']}" for i, h in enumerate(candidates))
-            messages = [{"role": "system",
-                         "content": "You are the research supervisor. Pick the most promising, testable hypothesis."},
-                        {"role": "user",
-                         "content": f"Question: {self._question(state)}\nCandidates:\n{listing}\n"
-                                    "Answer with JSON: chosen index and reason."}]
+            messages = [{"role": "system", "content": render("supervisor.system")},
+                        {"role": "user", "content": render("supervisor.choice", question=self._question(state), listing=listing)}]
             try:
                 choice = await self.client.structured("supervisor", roles.SUPERVISOR, messages, SupervisorChoice, spans,
-                                                      max_tokens=128)
+                                                      max_tokens=128, prompt="supervisor.choice")
             except LLMError as exc:
                 return {"spans": spans, "errors": [str(exc)]}
             model_pick = choice.chosen if choice is not None and choice.chosen < k else 0
@@ -142,12 +136,12 @@ class Society:
         spans.append({"kind": "decision", "name": "supervisor", "data": logged})
         return {"spans": spans, "selection": {**candidates[chosen], "index": chosen, "propensity": logged["propensity"]}}
 
-    async def _senior(self, agent: str, model: str, schema: type[StructuredOutput], prompt: str, state: SocietyState, key: str,
-                      tokens: int | None = None) -> dict[str, Any]:
+    async def _senior(self, agent: str, model: str, schema: type[StructuredOutput], template: str, fields: dict[str, Any],
+                      key: str, tokens: int | None = None) -> dict[str, Any]:
         spans: list[dict[str, Any]] = []
         try:
-            obj = await self.client.structured(agent, model, [{"role": "user", "content": prompt}], schema, spans,
-                                               max_tokens=tokens)
+            obj = await self.client.structured(agent, model, [{"role": "user", "content": render(template, **fields)}], schema,
+                                               spans, max_tokens=tokens, prompt=template)
         except LLMError as exc:
             return {"spans": spans, "errors": [str(exc)]}
         if obj is None:
@@ -157,23 +151,21 @@ class Society:
     async def refiner(self, state: SocietyState) -> dict[str, Any]:
         base = state.get("refined") or state.get("selection") or {}
         critique = "\n".join(f"- {r['severity']}: {r['summary']}" for r in state.get("reviews", [])[-2:])
-        prompt = (f"You refine research hypotheses. Question: {self._question(state)}\nHypothesis: {base.get('hypothesis', '')}\n"
-                  f"Reviewer concerns:\n{critique or 'none'}\nReturn the sharpened hypothesis as JSON.")
-        return await self._senior("hypothesis_refiner", roles.SENIOR, Hypothesis, prompt, state, "refined")
+        fields = {"question": self._question(state), "hypothesis": base.get("hypothesis", ""), "critique": critique or "none"}
+        return await self._senior("hypothesis_refiner", roles.SENIOR, Hypothesis, "refiner", fields, "refined")
 
     async def designer(self, state: SocietyState) -> dict[str, Any]:
         hyp = (state.get("refined") or state.get("selection") or {}).get("hypothesis", "")
         critique = "\n".join(f"- {r['severity']}: {'; '.join(r['issues'])}" for r in state.get("reviews", [])[-2:])
-        prompt = (f"You design experimental protocols. Hypothesis: {hyp}\nReviewer concerns:\n{critique or 'none'}\n"
-                  "Return a concise protocol as JSON (title, objective, methods, controls, outcome_measures).")
-        return await self._senior("protocol_designer", roles.SENIOR, Protocol, prompt, state, "protocol",
+        return await self._senior("protocol_designer", roles.SENIOR, Protocol, "designer",
+                                  {"hypothesis": hyp, "critique": critique or "none"}, "protocol",
                                   tokens=DESIGNER_TOKENS * self.cfg.max_tokens)
 
     def reviewer(self, agent: str, focus: str):
         async def node(state: SocietyState) -> dict[str, Any]:
-            prompt = (f"You are the {focus}. Review this protocol for the question '{self._question(state)}':\n"
-                      f"{state.get('protocol')}\nRate severity CRITICAL, MAJOR, MINOR or APPROVE with issues, as JSON.")
-            out = await self._senior(agent, roles.REVIEW_BOARD, Review, prompt, state, "review", tokens=2 * self.cfg.max_tokens)
+            fields = {"focus": focus, "question": self._question(state), "protocol": state.get("protocol")}
+            out = await self._senior(agent, roles.REVIEW_BOARD, Review, "reviewer", fields, "review",
+                                     tokens=2 * self.cfg.max_tokens)
             if "review" in out:
                 out["reviews"] = [{"reviewer": agent, "round": state.get("review_round", 0), **out.pop("review")}]
             return out
@@ -192,8 +184,8 @@ class Society:
         return {3: "refiner", 2: "designer"}.get(worst, "principal_investigator")
 
     async def principal_investigator(self, state: SocietyState) -> dict[str, Any]:
-        prompt = pi_prompt(self._brief(state), state.get("protocol"), state.get("reviews", []))
-        return await self._senior("principal_investigator", roles.PI, PIDecision, prompt, state, "decision",
+        fields = pi_fields(self._brief(state), state.get("protocol"), state.get("reviews", []))
+        return await self._senior("principal_investigator", roles.PI, PIDecision, "principal_investigator", fields, "decision",
                                   tokens=max(self.cfg.max_tokens, 256))
 
     def compile(self) -> Any:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from pydantic import ValidationError
 
+from pipeline.agents import prompts
 from pipeline.agents.replay import CallBook, request_key
 from pipeline.digest import served_digest
 from pipeline.schemas import StructuredOutput
@@ -95,7 +96,7 @@ class RoleClient:
     async def chat(self, agent: str, model: str, messages: list[dict[str, str]], spans: list[dict[str, Any]],
                    response_format: dict[str, Any] | None = None, max_tokens: int | None = None,
                    frequency_penalty: float | None = None, temperature: float | None = None,
-                   top_logprobs: int | None = None) -> str:
+                   top_logprobs: int | None = None, prompt: str | None = None) -> str:
         """One call; ``frequency_penalty`` and ``temperature`` override the client's for this call (the judge
         samples with its own); ``top_logprobs`` asks for each generated token's alternatives (span ``logprobs``)."""
         penalty = self.frequency_penalty if frequency_penalty is None else frequency_penalty
@@ -118,6 +119,8 @@ class RoleClient:
                                 "data": {"agent": agent, "logical_model": model, "messages": messages,
                                          "max_tokens": body["max_tokens"], "temperature": temp,
                                          "frequency_penalty": penalty, "seed": body.get("seed")}}
+        if prompt is not None:  # the template the request was rendered from, and its version
+            span["data"].update(prompt=prompt, prompt_sha=prompts.sha(prompt))
         span["data"]["request_key"] = key = request_key(agent, body)
         # a call that asks for logprobs (the judge's) runs live: a record keeps no logprobs (they are taken off the span),
         # so a replayed answer would score as if the judge had given no probabilities at all
@@ -153,7 +156,8 @@ class RoleClient:
 
     async def structured(self, agent: str, model: str, messages: list[dict[str, str]], schema: type[T],
                          spans: list[dict[str, Any]], max_tokens: int | None = None, frequency_penalty: float | None = None,
-                         temperature: float | None = None, top_logprobs: int | None = None) -> T | None:
+                         temperature: float | None = None, top_logprobs: int | None = None,
+                         prompt: str | None = None) -> T | None:
         """Validated object, or None after ``json_retries`` repairs (each attempt is a span).
 
         The cap is raised to the schema's token budget (at most ``token_ceiling``, which keeps prompt +
@@ -162,7 +166,7 @@ class RoleClient:
         cap = max(max_tokens or self.max_tokens, min(schema.token_budget(), self.token_ceiling))
         for attempt in range(self.json_retries + 1):
             text = await self.chat(agent, model, history, spans, schema.response_format(), cap, frequency_penalty, temperature,
-                                   top_logprobs)
+                                   top_logprobs, prompt)
             call = spans[-1]["data"]  # the llm span chat() just recorded: the datasets stage reads these two fields
             call.update(attempt=attempt + 1, parsed=False, schema=schema.__name__)
             try:
