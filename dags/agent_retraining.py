@@ -13,7 +13,6 @@ task callables, because Airflow re-parses this file continuously.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -252,10 +251,12 @@ def agent_retraining() -> None:
     @task.branch
     def promotion_gate() -> str:
         """Branch on the decision: the champion is reported on the test split only when it changed."""
-        result = json.loads((PROJECT_ROOT / "reports/promotion.json").read_text())
-        for role, d in result["decisions"].items():
-            print(f"{role} v{d['candidate']}: {d['status']} ({d['rule']}): {d['detail']}")
-        print(f"champions {result['champions']}; routing version {result['routing_version']} live")
+        from pipeline.contracts import PromotionReport  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
+
+        result = PromotionReport.model_validate_json((PROJECT_ROOT / "reports/promotion.json").read_text())
+        for role, d in result.decisions.items():
+            print(f"{role} v{d.candidate}: {d.status} ({d.rule}): {d.detail}")
+        print(f"champions {result.champions}; routing version {result.routing_version} live")
         try:  # where to look: the pipeline run's parent run in MLflow (its children are the stage runs)
             from pipeline import tracking  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
             from pipeline.config import load_params  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
@@ -268,7 +269,7 @@ def agent_retraining() -> None:
             print(f"MLflow: {uri}/#/experiments/{tracking.experiment_id(params.mlflow)}/runs/{parent}")
         except Exception as exc:
             print(f"MLflow link unavailable: {exc}")
-        return "report" if result["promoted"] else "not_promoted"
+        return "report" if result.promoted else "not_promoted"
 
     @task(**GPU)
     def report() -> None:

@@ -147,15 +147,18 @@ def _null_cycle(rng: np.random.Generator, roles: int, n: int) -> dict[str, dict]
     for r in range(roles):
         cand = rng.normal(0.3, 0.2, n)
         d = cand - champion
-        entries[f"role{r}"] = {"candidate": {"reward": {"mean": float(cand.mean())}, "success_rate": {"mean": 1.0}},
-                               "champion": {"reward": {"mean": float(champion.mean())}, "success_rate": {"mean": 1.0}},
+        def summary(mean: float) -> dict:  # what summarise writes, as far as the gate reads it
+            return {"tasks": n, "reward": {"mean": mean, "ci_low": mean, "ci_high": mean, "n": n},
+                    "success_rate": {"mean": 1.0, "ci_low": 1.0, "ci_high": 1.0, "n": n}}
+
+        entries[f"role{r}"] = {"candidate": summary(float(cand.mean())), "champion": summary(float(champion.mean())),
                                "difference": {"n": n, "mean": float(d.mean()), "p_value": sign_flip(d.tolist()),
                                               "ci": 0.95, "ci_low": 0.0, "ci_high": 0.0}}
     return entries
 
 
 def _any_promoted(entries: dict[str, dict], cfg) -> bool:
-    adjusted, family = family_p_values({k: e["difference"] for k, e in entries.items()}, cfg)
+    adjusted, family = family_p_values({k: e["difference"]["p_value"] for k, e in entries.items()}, cfg)
     return any(decide(e["candidate"], e["champion"], e["difference"], cfg, adjusted[k], family).promote
                for k, e in entries.items())
 
@@ -185,7 +188,7 @@ def test_a_real_gain_next_to_null_candidates_is_judged_on_its_holm_adjusted_p() 
     cfg = section("promote")
     for p_alone, others, promoted in ((0.03, (0.4, 0.7), False), (0.001, (0.4, 0.7), True), (0.03, (), True)):
         diff = {**diff, "p_value": p_alone}
-        family = {"senior_researcher": diff, **{f"r{i}": {"p_value": q} for i, q in enumerate(others)}}
+        family = {"senior_researcher": p_alone, **{f"r{i}": q for i, q in enumerate(others)}}
         adjusted, size = family_p_values(family, cfg)
         assert size == len(family)
         d = decide(cs, bs, diff, cfg, adjusted["senior_researcher"], size)
@@ -199,7 +202,7 @@ def test_a_real_gain_next_to_null_candidates_is_judged_on_its_holm_adjusted_p() 
 def test_without_multiplicity_each_candidate_keeps_its_own_p_and_a_family_of_one() -> None:
     """promote.multiplicity: none: the p-values pass through unchanged and decide() is told each stood alone, so
     its detail names no Holm adjustment."""
-    family = {"a": {"p_value": 0.03}, "b": {"p_value": 0.4}, "c": {"p_value": 0.7}}
+    family = {"a": 0.03, "b": 0.4, "c": 0.7}
     assert family_p_values(family, section("promote", multiplicity="none")) == ({"a": 0.03, "b": 0.4, "c": 0.7}, 1)
     adjusted, size = family_p_values(family, section("promote"))
     assert size == 3 and adjusted["a"] == pytest.approx(0.09)

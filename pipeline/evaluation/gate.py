@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.config import PromoteParams
+from pipeline.contracts import Difference, Metrics, Status
 from pipeline.evaluation.significance import holm
 
-INSUFFICIENT = "insufficient_evidence"
+INSUFFICIENT = Status.INSUFFICIENT_EVIDENCE.value
 
 
 @dataclass(frozen=True)
@@ -38,21 +39,23 @@ class Decision:
         return asdict(self)
 
 
-def _mean(summary: dict[str, Any], key: str) -> float | None:
-    return (summary.get(key) or {}).get("mean")
+def _mean(summary: Metrics, key: str) -> float | None:
+    stat = getattr(summary, key)
+    return None if stat is None else float(stat.mean)
 
 
-def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, Any], cfg: PromoteParams,
-           adjusted_p: float | None = None, family: int = 1) -> Decision:
+def decide(candidate: Metrics | dict[str, Any], champion: Metrics | dict[str, Any], diff: Difference | dict[str, Any],
+           cfg: PromoteParams, adjusted_p: float | None = None, family: int = 1) -> Decision:
     """``candidate``/``champion``: metrics summaries; ``diff``: the paired candidate-champion difference;
     ``adjusted_p``: its p-value adjusted over the ``family`` of candidates tested with it (None: tested alone)."""
-    if candidate.get("setting") != champion.get("setting"):
-        return Decision(False, "setting", f"candidate evaluated in {candidate.get('setting')}, champion in "
-                                          f"{champion.get('setting')}: evaluations in different PubMedQA settings never compare")
-    if diff["n"] < cfg.min_tasks:
-        return Decision(False, INSUFFICIENT, f"{diff['n']} paired task(s) < promote.min_tasks={cfg.min_tasks}: the difference "
-                                             f"{diff['mean']:+.4f} (p={diff.get('p_value', float('nan')):.3f}) "
-                                             "cannot support a decision")
+    candidate, champion = Metrics.model_validate(candidate), Metrics.model_validate(champion)
+    diff = Difference.model_validate(diff)
+    if candidate.setting != champion.setting:
+        return Decision(False, "setting", f"candidate evaluated in {candidate.setting}, champion in "
+                                          f"{champion.setting}: evaluations in different PubMedQA settings never compare")
+    if diff.n < cfg.min_tasks:
+        return Decision(False, INSUFFICIENT, f"{diff.n} paired task(s) < promote.min_tasks={cfg.min_tasks}: the difference "
+                                             f"{diff.mean:+.4f} (p={diff.p_value:.3f}) cannot support a decision")
     success = _mean(candidate, "success_rate") or 0.0
     if success < cfg.min_success_rate:
         return Decision(False, "min_success_rate", f"success rate {success:.2f} < {cfg.min_success_rate:.2f}")
@@ -66,29 +69,29 @@ def decide(candidate: dict[str, Any], champion: dict[str, Any], diff: dict[str, 
         return Decision(False, "accuracy_drop", f"judge reward rose {judge_b:.4f} -> {judge_c:.4f} while decision accuracy fell "
                                                 f"{acc_b:.2f} -> {accuracy:.2f} "
                                                 f"(more than promote.max_accuracy_drop={cfg.max_accuracy_drop:.2f}; "
-                                                f"McNemar p={(diff.get('decision') or {}).get('p_value', float('nan')):.3f})")
-    gain = candidate["reward"]["mean"] - champion["reward"]["mean"]
+                                                f"McNemar p={diff.decision.get('p_value', float('nan')):.3f})")
+    gain = candidate.reward.mean - champion.reward.mean
     if gain <= cfg.margin:
-        return Decision(False, "margin", f"reward {candidate['reward']['mean']:.4f} "
-                                         f"vs champion {champion['reward']['mean']:.4f}: "
+        return Decision(False, "margin", f"reward {candidate.reward.mean:.4f} "
+                                         f"vs champion {champion.reward.mean:.4f}: "
                                          f"gain {gain:+.4f} is not above the margin {cfg.margin:.4f}")
-    p = diff.get("p_value", 1.0)
-    evidence = f"paired difference {diff['mean']:+.4f} over {diff['n']} tasks, sign-flip p={p:.4f}"
+    p = diff.p_value
+    evidence = f"paired difference {diff.mean:+.4f} over {diff.n} tasks, sign-flip p={p:.4f}"
     if adjusted_p is not None and family > 1:
         evidence += f", Holm-adjusted over the cycle's {family} candidates p={adjusted_p:.4f}"
         p = adjusted_p
-    evidence += f", {diff['ci']:.0%} bootstrap CI [{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]"
+    evidence += f", {diff.ci:.0%} bootstrap CI [{diff.ci_low:+.4f}, {diff.ci_high:+.4f}]"
     if cfg.require_significance and not p < cfg.alpha:
         return Decision(False, "significance", f"{evidence}: p is not below promote.alpha={cfg.alpha:g}")
     return Decision(True, "promoted", f"gain {gain:+.4f} > margin {cfg.margin:.4f}; {evidence}")
 
 
-def family_p_values(differences: dict[str, dict[str, Any]], cfg: PromoteParams) -> tuple[dict[str, float], int]:
-    """Each role's sign-flip p-value as the gate holds it against alpha, and the size of the family it was adjusted
+def family_p_values(p_values: dict[str, float], cfg: PromoteParams) -> tuple[dict[str, float], int]:
+    """Each candidate's sign-flip p-value as the gate holds it against alpha, and the size of the family it was adjusted
     over (``decide``'s ``family``): Holm-adjusted over every candidate the cycle evaluated
     (``promote.multiplicity: holm``), or its own (family 1). The family is fixed before any rule runs: a candidate
     later refused on another rule still counts, which can only make the adjustment conservative."""
-    raw = {name: float(diff.get("p_value", 1.0)) for name, diff in differences.items()}
+    raw = {name: float(p) for name, p in p_values.items()}
     if cfg.multiplicity == "holm":
         return holm(raw), len(raw)
     return raw, 1

@@ -41,6 +41,7 @@ from pipeline.agents.graph import OPENING_MODEL
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
+from pipeline.contracts import EvaluationSummary
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.envs import REPO_ROOT
 from pipeline.evaluation import role_level, society
@@ -427,6 +428,7 @@ def write_outputs(evaluate: EvaluateParams, summary: dict[str, Any]) -> None:
                 # PubMedQA's own format (PMID -> yes/no/maybe), scorable by its evaluation.py
                 answers = {r["task_id"]: answer(r["decision"]) for r in rows}
                 (tmp / "predictions" / f"{role}-{which}.json").write_text(json.dumps(answers, indent=1))
+        EvaluationSummary.model_validate(summary)  # the contract promote reads: a broken summary fails here, not there
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     metrics = {role: {"candidate_version": int(e["candidate"]["version"]),
                       "candidate_reward": e["candidate"]["metrics"]["reward"]["mean"],

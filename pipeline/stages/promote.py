@@ -16,12 +16,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from mlflow import active_run, log_artifact, log_dict, log_metric
 
 from pipeline import metrics_files, registry, tracking
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
+from pipeline.contracts import Evaluation, EvaluationSummary, PromotionDecision, PromotionReport, Status
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide, family_p_values
 from pipeline.io import write_json
 from pipeline.promotion import PromotionError, reconcile, switch
@@ -37,89 +37,92 @@ def _active_run_id() -> str:
     return run.info.run_id if run else ""
 
 
-def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, entry: dict[str, Any],
-                 current_champion: str, adjusted_p: float | None = None, family: int = 1) -> dict[str, Any]:
-    alias = entry.get("alias", registry.CHALLENGER)  # an A/A candidate's alias is registry.AA
-    cand = registry.get_version(name, entry["candidate"]["version"])
-    if str(cand.version) == str(current_champion) and cand.tags.get("promotion.decision") == "promoted":
+def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, entry: Evaluation,
+                 current_champion: str, adjusted_p: float | None = None, family: int = 1) -> PromotionDecision:
+    cand = registry.get_version(name, entry.candidate.version)
+    evidence = {"p_value": entry.difference.p_value, "p_adjusted": adjusted_p, "family": family,
+                "candidate_reward": entry.candidate.metrics.reward.mean, "champion_reward": entry.champion.metrics.reward.mean,
+                "difference": entry.difference.model_dump(mode="json")}
+    where = {"role": name, "alias": entry.alias, "level": entry.level, "setting": entry.candidate.metrics.setting}
+    if str(cand.version) == str(current_champion) and cand.tags.get("promotion.decision") == Status.PROMOTED:
         # a retried promote (the DAG retries the task) after this switch completed: recognise it, change nothing
         print(f"promote: {name} v{cand.version} was already promoted by run {cand.tags.get('promotion.run', '?')}")
-        if registry.by_alias(name, alias) is not None:
-            registry.delete_alias(name, alias)
-        return {"candidate": cand.version, "champion_before": cand.tags.get("promotion.previous_champion", ""),
-                "status": "promoted", "promote": True, "rule": cand.tags.get("promotion.rule", ""),
-                "detail": cand.tags.get("promotion.detail", "already promoted"),
-                "routing_version": int(cand.tags.get("promotion.routing_version", 0)) or None, "already": True,
-                "candidate_reward": entry["candidate"]["metrics"]["reward"]["mean"],
-                "champion_reward": entry["champion"]["metrics"]["reward"]["mean"], "difference": entry["difference"]}
-    if str(entry["champion"]["version"]) != str(current_champion):
-        decision = Decision(False, "stale", f"evaluated against champion v{entry['champion']['version']}, "
+        if registry.by_alias(name, entry.alias) is not None:
+            registry.delete_alias(name, entry.alias)
+        return PromotionDecision(candidate=cand.version, champion_before=cand.tags.get("promotion.previous_champion") or None,
+                                 status=Status.PROMOTED, promote=True, rule=cand.tags.get("promotion.rule", ""),
+                                 detail=cand.tags.get("promotion.detail", "already promoted"),
+                                 routing_version=int(cand.tags.get("promotion.routing_version", 0)) or None, already=True,
+                                 **evidence, **where)
+    if str(entry.champion.version) != str(current_champion):
+        decision = Decision(False, "stale", f"evaluated against champion v{entry.champion.version}, "
                                             f"but the champion is now v{current_champion}; evaluate again")
     else:
-        decision = decide(entry["candidate"]["metrics"], entry["champion"]["metrics"], entry["difference"], promote,
-                          adjusted_p, family)
-    out: dict[str, Any] = {"candidate": cand.version, "champion_before": current_champion, **decision.as_dict(),
-                           "p_value": entry["difference"].get("p_value"), "p_adjusted": adjusted_p, "family": family,
-                           "candidate_reward": entry["candidate"]["metrics"]["reward"]["mean"],
-                           "champion_reward": entry["champion"]["metrics"]["reward"]["mean"], "difference": entry["difference"]}
-    status = "promoted" if decision.promote else INSUFFICIENT if decision.rule == INSUFFICIENT else "rejected"
+        decision = decide(entry.candidate.metrics, entry.champion.metrics, entry.difference, promote, adjusted_p, family)
+    status = (Status.PROMOTED if decision.promote else
+              Status.INSUFFICIENT_EVIDENCE if decision.rule == INSUFFICIENT else Status.REJECTED)
     if decision.promote and promote.dry_run:
-        status = "dry_run"
-    tags = {"promotion.decision": status, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
+        status = Status.DRY_RUN
+    out = PromotionDecision(candidate=cand.version, champion_before=current_champion or None, status=status,
+                            **decision.as_dict(), **evidence, **where)
+    tags = {"promotion.decision": status.value, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
             "promotion.run": _active_run_id(),
-            "promotion.evidence": json.dumps({"candidate_run": entry["candidate"]["run_id"],
-                                              "champion_run": entry["champion"]["run_id"],
+            "promotion.evidence": json.dumps({"candidate_run": entry.candidate.run_id, "champion_run": entry.champion.run_id,
                                               "p_adjusted": adjusted_p, "family": family,
-                                              "difference": entry["difference"]})[:4000]}
-    if status == "promoted":
+                                              "difference": evidence["difference"]})[:4000]}
+    if status == Status.PROMOTED:
         try:  # the decision's tags are written by the switch itself, once the alias moved (or by a reconcile after a crash)
-            out["routing_version"] = switch(serving, mlflow, promote, name, cand,
-                                            f"promote {name} v{cand.version}: {decision.detail}", tags=tags)
+            out.routing_version = switch(serving, mlflow, promote, name, cand,
+                                         f"promote {name} v{cand.version}: {decision.detail}", tags=tags)
         except PromotionError as exc:
-            registry.set_tags(name, cand.version, {"promotion.decision": "failed", "promotion.rule": "deployment",
+            registry.set_tags(name, cand.version, {"promotion.decision": Status.FAILED.value, "promotion.rule": "deployment",
                                                    "promotion.detail": str(exc)[:4000], "promotion.run": _active_run_id()})
             raise
-        log_artifact(str(routing.version_path(serving, out["routing_version"])), artifact_path="routing")
+        log_artifact(str(routing.version_path(serving, out.routing_version)), artifact_path="routing")
     else:
         registry.set_tags(name, cand.version, tags)
-    registry.delete_alias(name, alias)  # decided: the next cycle's trainer names the next challenger
-    out["status"] = status
+    registry.delete_alias(name, entry.alias)  # decided: the next cycle's trainer names the next challenger
     return out
 
 
-def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: ServingParams, mlflow: MlflowParams) -> dict[str, Any]:
+def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: ServingParams,
+                mlflow: MlflowParams) -> PromotionReport:
     reconcile(serving, mlflow)
-    summary = json.loads(Path(evaluate.out_dir, "summary.json").read_text())
-    decisions: dict[str, Any] = {}
+    summary = EvaluationSummary.model_validate_json(Path(evaluate.out_dir, "summary.json").read_text())
+    decisions: dict[str, PromotionDecision] = {}
     failure: PromotionError | None = None
-    adjusted, family = family_p_values({name: entry["difference"] for name, entry in summary["roles"].items()}, promote)
+    adjusted, family = family_p_values({key: entry.difference.p_value for key, entry in summary.roles.items()}, promote)
     # A/A candidates first: each is decided against the champion it was evaluated with, before a challenger may move it
-    for key, entry in sorted(summary["roles"].items(), key=lambda kv: kv[1].get("alias", registry.CHALLENGER) != registry.AA):
-        name = entry.get("role", key)
+    for key, entry in sorted(summary.roles.items(), key=lambda kv: kv[1].alias != registry.AA):
+        name = entry.role
         champion = registry.by_alias(name, registry.CHAMPION)
         try:
             decisions[key] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "",
                                           adjusted[key], family)
         except PromotionError as exc:
-            decisions[key] = {"status": "failed", "rule": "deployment", "detail": str(exc),
-                              "candidate": entry["candidate"]["version"]}
+            decisions[key] = PromotionDecision(candidate=entry.candidate.version, status=Status.FAILED, rule="deployment",
+                                               detail=str(exc), role=name, alias=entry.alias, level=entry.level,
+                                               setting=entry.candidate.metrics.setting)
             failure = failure or exc
         d = decisions[key]
-        d.update(role=name, alias=entry.get("alias", registry.CHALLENGER), level=entry.get("level", "society"),
-                 setting=entry["candidate"]["metrics"].get("setting"))
-        print(f"promote: {key} v{d['candidate']}: {d['status'].upper()} ({d['rule']}): {d['detail']}")
-        log_metric(f"{key.replace('@', '.')}.promoted", float(d["status"] == "promoted"))
+        print(f"promote: {key} v{d.candidate}: {d.status.upper()} ({d.rule}): {d.detail}")
+        log_metric(f"{key.replace('@', '.')}.promoted", float(d.status == Status.PROMOTED))
     live = routing.active(serving)
     champions = {n: (v.version if (v := registry.by_alias(n, registry.CHAMPION)) else None) for n in promote.roles}
-    result = {"promoted": sorted(n for n, d in decisions.items() if d["status"] == "promoted"), "decisions": decisions,
-              "setting": summary.get("setting"),
-              "champions": champions, "routing_version": live and live["version"], "dry_run": promote.dry_run}
-    log_dict(result, "promotion.json")
+    result = PromotionReport(promoted=sorted(n for n, d in decisions.items() if d.status == Status.PROMOTED),
+                             decisions=decisions, setting=summary.setting, champions=champions,
+                             routing_version=live and live["version"], dry_run=promote.dry_run)
+    log_dict(result.model_dump(mode="json"), "promotion.json")
     if failure is not None:
-        write_json(METRICS_FILE, result)
-        metrics_files.write("promote", result)
+        _write(result)
         raise failure
     return result
+
+
+def _write(result: PromotionReport) -> None:
+    doc = result.model_dump(mode="json")
+    write_json(METRICS_FILE, doc)
+    metrics_files.write("promote", doc)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,9 +137,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
     except PromotionError as exc:
         print(f"error: promotion failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
         return 1
-    write_json(METRICS_FILE, result)
-    metrics_files.write("promote", result)
-    print(f"promote: promoted {result['promoted'] or 'nothing'}; champions {result['champions']}; "
-          f"routing v{result['routing_version']} live; evidence in MLflow run {run.info.run_id}")
+    _write(result)
+    print(f"promote: promoted {result.promoted or 'nothing'}; champions {result.champions}; "
+          f"routing v{result.routing_version} live; evidence in MLflow run {run.info.run_id}")
     return 0
 

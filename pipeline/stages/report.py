@@ -21,6 +21,7 @@ import mlflow
 
 from pipeline import metrics_files, tracking
 from pipeline.config import Params
+from pipeline.contracts import PromotionReport
 from pipeline.data.splits import load_tasks
 from pipeline.evaluation import role_level, society
 from pipeline.evaluation.metrics import answer, flat, macro_f1, summarise
@@ -36,8 +37,7 @@ def _previous_champion(role: str) -> str | None:
     """The version this cycle's promotion replaced for ``role`` (None: no promotion this cycle)."""
     if not PROMOTION_FILE.exists():
         return None
-    decision = (json.loads(PROMOTION_FILE.read_text()).get("decisions") or {}).get(role) or {}
-    return str(decision["champion_before"]) if decision.get("status") == "promoted" and decision.get("champion_before") else None
+    return PromotionReport.model_validate_json(PROMOTION_FILE.read_text()).replaced(role)
 
 
 # whole Params: the role's requests read agents, reward, data, pi, serving, evaluate and report

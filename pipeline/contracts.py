@@ -1,0 +1,129 @@
+"""The contracts between stages: what ``evaluate`` hands ``promote`` and what ``promote`` hands the report and the DAG.
+
+One module for them (as Agent Lightning keeps its process contracts in one ``schemas.py``; ``pipeline/schemas.py``
+holds the agents' outputs). A stage validates what it writes against these models, a reader parses into them and reads
+attributes, never key paths across a module line. Models are open (``extra="allow"``): a writer may add a figure a
+reader does not know yet; what the gate and the report read is typed.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+Version = Annotated[str, BeforeValidator(str)]  # MLflow hands versions as str, older summaries wrote ints
+
+
+class Status(StrEnum):
+    """What promotion decided for a candidate (also its registry tag ``promotion.decision``)."""
+
+    PROMOTED = "promoted"
+    REJECTED = "rejected"
+    INSUFFICIENT_EVIDENCE = "insufficient_evidence"
+    DRY_RUN = "dry_run"
+    FAILED = "failed"
+
+
+class Level(StrEnum):
+    """How a candidate was evaluated: as a whole society, or on its role's own output against the label."""
+
+    SOCIETY = "society"
+    ROLE = "role"
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Stat(_Open):
+    mean: float
+    ci_low: float
+    ci_high: float
+    n: int
+
+
+class Metrics(_Open):
+    """One model's summary over the evaluated tasks (``evaluation.metrics.summarise``, role level adds its figures)."""
+
+    tasks: int
+    reward: Stat
+    reward_judge: Stat | None = None
+    reward_decision: Stat | None = None
+    success_rate: Stat | None = None
+    decision_accuracy: Stat | None = None
+    setting: str | None = None
+    level: Level = Level.SOCIETY
+
+
+class Difference(_Open):
+    """Candidate minus champion over the same tasks: the gate's evidence (``evaluation.metrics.paired_difference``)."""
+
+    n: int
+    mean: float
+    ci_low: float
+    ci_high: float
+    ci: float
+    p_value: float
+    decision: dict[str, Any] = Field(default_factory=dict)  # exact McNemar on decision correctness
+
+
+class Side(_Open):
+    version: Version
+    target: str | None = None
+    metrics: Metrics
+    run_id: str | None = None
+
+
+class Evaluation(_Open):
+    """One candidate against its role's champion."""
+
+    role: str
+    alias: str
+    level: Level
+    champion: Side
+    candidate: Side
+    difference: Difference
+    cost: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvaluationSummary(_Open):
+    """``<evaluate.out_dir>/summary.json``: every candidate the cycle evaluated, keyed by role (``ROLE@aa`` for A/A)."""
+
+    tasks: list[str]
+    setting: str
+    champion_versions: dict[str, Version] = Field(default_factory=dict)
+    roles: dict[str, Evaluation] = Field(default_factory=dict)
+
+
+class PromotionDecision(_Open):
+    """What the gate decided for one candidate, and why (``rule`` is the first rule that decided)."""
+
+    candidate: Version
+    status: Status
+    rule: str
+    detail: str
+    promote: bool = False
+    champion_before: Version | None = None
+    role: str | None = None
+    alias: str | None = None
+    level: Level | None = None
+    setting: str | None = None
+    routing_version: int | None = None
+
+
+class PromotionReport(_Open):
+    """``reports/promotion.json``: the cycle's decisions, the champions after it and the live routing version."""
+
+    promoted: list[str]
+    decisions: dict[str, PromotionDecision]
+    setting: str | None = None
+    champions: dict[str, Version | None] = Field(default_factory=dict)
+    routing_version: int | None = None
+    dry_run: bool = False
+
+    def replaced(self, role: str) -> str | None:
+        """The champion this cycle's promotion of ``role`` replaced (None: not promoted this cycle)."""
+        d = self.decisions.get(role)
+        return d.champion_before if d is not None and d.status == Status.PROMOTED and d.champion_before else None
