@@ -257,6 +257,9 @@ def deploy(serving: ServingParams, name: str, version: Any, worker_of: str | Non
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     _name_base_model(folder / "adapter_config.json", workers.model_id(w))
+    for f in folder.rglob("*"):  # read-only once deployed: the worker's guard checks these bytes at every load
+        if f.is_file():
+            f.chmod(0o444)
     workers.check_adapter(w, folder)
     if adapter in workers.models(w):
         return where

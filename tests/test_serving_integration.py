@@ -269,6 +269,27 @@ def test_promoted_adapter_survives_a_worker_restart(params: Params, serving_mode
         assert routing.verify(params.serving, params.mlflow, routing.active(params.serving)) == {}
         assert _chat(params, "supervisor").headers["x-litellm-model-name"] == f"hosted_vllm/{adapter}"
         assert adapter in worker.models(base)
+        # digest at every load (#44): tampered bytes in the cache are refused on the resolver path and on a hot-load
+        cached = worker.adapter_cache(params.serving) / adapter
+        weights = next(p for p in cached.iterdir() if p.suffix == ".safetensors")
+        assert weights.stat().st_mode & 0o222 == 0  # read-only once deployed
+        original = weights.read_bytes()
+        weights.chmod(0o644)
+        weights.write_bytes(original[:-8] + bytes(8))
+        try:
+            url, key = worker.base_url(base), worker.headers(base)
+            chat = {"model": adapter, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+            resp = httpx.post(f"{url}/v1/chat/completions", json=chat, headers=key, timeout=120)
+            assert resp.status_code == 409 and "refusing to load" in resp.text and artifact_sha256(cached) in resp.text, resp.text
+            forged = f"supervisor-v9-{artifact_sha256(serving_models / 'adapter-a')[:12]}"
+            resp = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": forged, "lora_path": str(cached)}, headers=key,
+                              timeout=120)
+            assert resp.status_code == 409 and forged not in worker.models(base), resp.text
+            log = worker.service(params.serving, base).log_file.read_text()
+            assert f"vllm_guard: adapter {adapter}: the folder" in log
+        finally:
+            weights.write_bytes(original)
+        assert _chat(params, "supervisor").status_code == 200  # the registered bytes again: served
     finally:
         routing.apply(params.serving, params.mlflow, 1)
 
