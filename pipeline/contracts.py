@@ -88,6 +88,15 @@ class Evaluation(_Open):
     cost: dict[str, Any] = Field(default_factory=dict)
 
 
+class Unevaluated(_Open):
+    """A candidate the cycle did not evaluate, and why (too few tasks to decide: promote records insufficient evidence)."""
+
+    role: str
+    alias: str
+    version: Version
+    reason: str
+
+
 class EvaluationSummary(_Open):
     """``<evaluate.out_dir>/summary.json``: every candidate the cycle evaluated, keyed by role (``ROLE@aa`` for A/A)."""
 
@@ -95,6 +104,7 @@ class EvaluationSummary(_Open):
     setting: str
     champion_versions: dict[str, Version] = Field(default_factory=dict)
     roles: dict[str, Evaluation] = Field(default_factory=dict)
+    unevaluated: dict[str, Unevaluated] = Field(default_factory=dict)
 
 
 class PromotionDecision(_Open):

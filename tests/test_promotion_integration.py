@@ -153,7 +153,13 @@ def test_worse_candidate_and_an_identical_copy_are_not_promoted(promo: dict) -> 
     same = before["roles"]["senior_researcher"]
     copy = _register(promo, same, "senior_researcher")
     assert copy == "2" and _champion("senior_researcher") == "1"
+    # at the default floor (25 tasks) two validation tasks cannot decide: nothing is run, both are listed with the reason
     ev = _cli(promo, "evaluate")
+    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
+    skipped = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
+    assert skipped["roles"] == {} and set(skipped["unevaluated"]) == {"junior_researcher", "senior_researcher"}
+    assert "< promote.min_tasks=25" in skipped["unevaluated"]["junior_researcher"]["reason"]
+    ev = _cli(promo, "evaluate", PIPELINE__PROMOTE__MIN_TASKS="2")  # the floor at the 2 tasks: the societies run
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
     entry = summary["roles"]["junior_researcher"]

@@ -8,6 +8,11 @@ in their metadata; the live routing is never touched. The judge runs as a scorer
 ``mlflow.genai.evaluate`` over the society's own MLflow traces, so every question's trace and
 its scores sit together in the MLflow UI; the scores are read back from that evaluation.
 
+A society evaluation smaller than ``promote.min_tasks`` paired tasks cannot support a decision (the gate's
+``insufficient_evidence`` rule), so it is not run: such a candidate is listed under ``unevaluated`` with the reason, and
+``promote`` records it as ``insufficient_evidence`` (a CPU default cycle saved 7 min that way). Role-level candidates
+answer every validation question and are always evaluated.
+
 The champion's evaluation is cached: a finished evaluation run tagged with the same key (champion
 versions, their targets, evaluation/agent/judge/reward params, validation data and index hashes) is
 reused instead of run again.
@@ -259,7 +264,8 @@ def run(params: Params) -> dict[str, Any]:
     label = ",".join(f"{n}:v{v.version}" for n, v in champions.items())
     key = cache_key(params, champions, roles, policies, tasks)
     summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "task_rotation": rotation, "setting": params.data.setting,
-                               "champion_versions": {n: v.version for n, v in champions.items()}, "roles": {}}
+                               "champion_versions": {n: v.version for n, v in champions.items()}, "roles": {},
+                               "unevaluated": {}}
     # every society to run (name, table, tags, role, candidate version, target); the champion first unless cached
     candidates: list[tuple[str, dict[str, Any], dict[str, str], str, Any, str]] = []
     for name in (n for n in params.evaluate.role_level if n in params.promote.roles):
@@ -270,6 +276,12 @@ def run(params: Params) -> dict[str, Any]:
         cand = registry.by_alias(name, registry.CHALLENGER)
         if cand is None or cand.version == champions[name].version:
             print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
+            continue
+        if len(tasks) < params.promote.min_tasks:
+            why = (f"{len(tasks)} validation task(s) (evaluate.limit={params.evaluate.limit}) < promote.min_tasks="
+                   f"{params.promote.min_tasks}: a society evaluation this small cannot support a decision, so it was not run")
+            summary["unevaluated"][name] = {"role": name, "alias": registry.CHALLENGER, "version": cand.version, "reason": why}
+            print(f"evaluate: {name} v{cand.version}: not evaluated: {why}")
             continue
         where = registry.deploy(params.serving, name, cand, roles.get(name))
         c_roles, c_policies = dict(roles), dict(policies)

@@ -21,7 +21,7 @@ from mlflow import active_run, log_artifact, log_dict, log_metric
 
 from pipeline import metrics_files, registry, tracking
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
-from pipeline.contracts import Evaluation, EvaluationSummary, PromotionDecision, PromotionReport, Status
+from pipeline.contracts import Evaluation, EvaluationSummary, Level, PromotionDecision, PromotionReport, Status
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide, family_p_values
 from pipeline.io import write_json
 from pipeline.promotion import PromotionError, reconcile, switch
@@ -107,6 +107,17 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
         d = decisions[key]
         print(f"promote: {key} v{d.candidate}: {d.status.upper()} ({d.rule}): {d.detail}")
         log_metric(f"{key.replace('@', '.')}.promoted", float(d.status == Status.PROMOTED))
+    for key, skipped in summary.unevaluated.items():  # too few tasks to evaluate: the gate's first rule, without the run
+        decisions[key] = PromotionDecision(candidate=skipped.version, status=Status.INSUFFICIENT_EVIDENCE, rule=INSUFFICIENT,
+                                           detail=skipped.reason, role=skipped.role, alias=skipped.alias,
+                                           level=Level.SOCIETY, setting=summary.setting)
+        registry.set_tags(skipped.role, skipped.version, {"promotion.decision": Status.INSUFFICIENT_EVIDENCE.value,
+                                                          "promotion.rule": INSUFFICIENT, "promotion.detail": skipped.reason,
+                                                          "promotion.run": _active_run_id()})
+        if registry.by_alias(skipped.role, skipped.alias) is not None:
+            registry.delete_alias(skipped.role, skipped.alias)  # decided: the next cycle's trainer names the next one
+        print(f"promote: {key} v{skipped.version}: INSUFFICIENT_EVIDENCE (not evaluated): {skipped.reason}")
+        log_metric(f"{key}.promoted", 0.0)
     live = routing.active(serving)
     champions = {n: (v.version if (v := registry.by_alias(n, registry.CHAMPION)) else None) for n in promote.roles}
     result = PromotionReport(promoted=sorted(n for n, d in decisions.items() if d.status == Status.PROMOTED),
