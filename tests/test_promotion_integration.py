@@ -352,7 +352,17 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
     assert aa.returncode == 0 and f"alias {registry.AA}" in aa.stdout, aa.stdout + aa.stderr
     copy = registry.by_alias(pi, registry.AA)
     assert copy.tags["aa_of"] == broken and copy.tags["deployment"] == "offline"
-    ev = _cli(promo, "evaluate", PIPELINE__AGENTS__CONTEXT_CHARS="200")
+    # the judge's part on (evaluate.role_judge), judged by a model that cannot answer: the wiring at the cost of failures
+    from pipeline.serving import routing
+
+    live = _live(promo)
+    cheap = routing.write_version(params.serving, {**live["roles"], "judge": "offline"}, "it: the offline judge",
+                                  live.get("policies"))
+    routing.apply(params.serving, params.mlflow, cheap)
+    try:
+        ev = _cli(promo, "evaluate", PIPELINE__AGENTS__CONTEXT_CHARS="200", PIPELINE__EVALUATE__ROLE_JUDGE="true")
+    finally:
+        routing.apply(params.serving, params.mlflow, live["version"])
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
     entry, twin = summary["roles"][pi], summary["roles"][f"{pi}@aa"]
@@ -371,6 +381,8 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
     assert all(r["reward"] == pytest.approx((w.judge * r["components"]["judge"] + w.decision * r["components"]["decision"])
                                            / (w.judge + w.decision)) for r in cand)
     assert entry["candidate"]["metrics"]["reward_judge"]["n"] == 100
+    judge = params.judge
+    assert all(r["components"]["judge"] == judge.failure_score and not r["judge_ok"] for r in cand)
     pr = _cli(promo, "promote")  # the default gate: 100 questions >= min_tasks, Holm over the cycle's two candidates
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
     decisions = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]
