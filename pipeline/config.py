@@ -338,6 +338,8 @@ class SftParams(_Strict):
     merge: bool = Field(description="also write a merged HF folder (export)")
     min_fit_drop: float = Field(ge=0.0, lt=1.0, description="the loss on the training rows must fall by at least this "
                                 "fraction, or the adapter learned nothing measurable and nothing is registered")
+    fit_rows: int = Field(ge=1, description="training rows whose loss, before and after training, measures min_fit_drop (a "
+                          "pass costs as much as training on them)")
     gradient_checkpointing: bool = Field(description="TRL backend: recompute activations in the backward pass; saves "
                                          "memory, costs a quarter more a step (CPU, 135M: 7.3 vs 5.5 s)")
 

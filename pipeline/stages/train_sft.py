@@ -38,7 +38,6 @@ METRICS_FILE = Path("reports/train_sft.json")
 LOSS_CSV = Path("reports/plots/sft_loss.csv")
 EVAL_CSV = Path("reports/plots/sft_eval_loss.csv")
 LOSS_PNG = Path("reports/plots/sft_loss.png")
-FIT_ROWS = 64  # training rows whose loss, before and after, says whether the adapter learned (min_fit_drop)
 
 
 def data_file(datasets: DatasetsParams) -> Path:
@@ -165,8 +164,8 @@ def train(sft: SftParams, data: Path) -> dict[str, Any]:
         # the loss on the training rows themselves, before and after: per-step losses are on different batches (noise
         # at a few steps), the held-out loss may not move at a few rows; the same rows twice say whether it learned
         base_eval = trainer.evaluate()["eval_loss"]
-        # the same training rows twice; at most FIT_ROWS of them (a pass over every row costs as much as training)
-        fit_ds = train_ds.select(range(min(len(train_ds), FIT_ROWS)))
+        # the same training rows twice; at most sft.fit_rows of them (a pass over every row costs as much as training)
+        fit_ds = train_ds.select(range(min(len(train_ds), sft.fit_rows)))
         fit_before = trainer.evaluate(eval_dataset=fit_ds, metric_key_prefix="fit")["fit_loss"]
         t0 = time.perf_counter()
         result = trainer.train()
@@ -198,7 +197,7 @@ def train(sft: SftParams, data: Path) -> dict[str, Any]:
                    "eval_loss_before": base_eval, "eval_loss": final_eval,
                    "fit_loss_before": fit_before, "fit_loss_after": fit_after, "fit_drop": fit_drop, "no_signal": not learned,
                    "no_signal_reason": None if learned else
-                   f"the loss on {min(len(train_rows), FIT_ROWS)} of its own training rows did not fall by sft.min_fit_drop="
+                   f"the loss on {min(len(train_rows), sft.fit_rows)} of its own training rows did not fall by sft.min_fit_drop="
                    f"{sft.min_fit_drop:.0%} ({fit_before:.4f} -> {fit_after:.4f}, {fit_drop:+.2%})",
                    "tokens": tokens, "tokens_per_s": (tokens / seconds) if tokens else None,
                    "base_model": str(Path(sft.base_model).resolve())}
