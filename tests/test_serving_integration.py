@@ -264,7 +264,27 @@ def test_promoted_adapter_survives_a_worker_restart(params: Params, serving_mode
     routing.apply(params.serving, params.mlflow, routing.write_version(params.serving, roles, "promoted"))
     try:
         worker.down(params.serving, base)
-        worker.up(params.serving, base)
+        # the worker is down: the proxy says so (503, Retry-After), and a client that waits out 503s gets its answer
+        # once the worker is back (#44)
+        down = _chat(params, "judge")
+        assert down.status_code == 503 and down.headers.get("retry-after") == "5", (down.status_code, down.text[:300])
+        import asyncio
+
+        from pipeline.agents.llm import RoleClient
+
+        async def call_while_it_restarts() -> str:
+            url, key = proxy.client_settings(params.serving)
+            client = RoleClient(url, key, max_tokens=4, timeout_s=300, unavailable_wait_s=240)
+            try:
+                spans: list = []
+                restarting = asyncio.create_task(asyncio.to_thread(worker.up, params.serving, base))
+                text = await client.chat("judge", "judge", [{"role": "user", "content": "hi"}], spans)
+                await restarting
+                return text
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(call_while_it_restarts()) is not None
         assert adapter not in worker.models(base)  # the restart lost it
         assert routing.verify(params.serving, params.mlflow, routing.active(params.serving)) == {}
         assert _chat(params, "supervisor").headers["x-litellm-model-name"] == f"hosted_vllm/{adapter}"

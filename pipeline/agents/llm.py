@@ -7,6 +7,7 @@ validation error for a bounded number of repairs, then recorded as a failure (ne
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hashlib
 import json
@@ -67,7 +68,7 @@ def _float(value: str | None) -> float | None:
 class RoleClient:
     def __init__(self, base_url: str, api_key: str, max_tokens: int = 256, temperature: float = 0.7,
                  json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None, token_ceiling: int = 768,
-                 frequency_penalty: float = 0.0, replay: CallBook | None = None) -> None:
+                 frequency_penalty: float = 0.0, replay: CallBook | None = None, unavailable_wait_s: float = 0.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.replay = replay  # recorded calls of roles not under evaluation, answered from the record (agents.replay)
         self.routing = routing  # an evaluation routing table the proxy should route these calls by (None = the live one)
@@ -76,6 +77,7 @@ class RoleClient:
         self.json_retries = json_retries
         self.token_ceiling = token_ceiling
         self.frequency_penalty = frequency_penalty
+        self.unavailable_wait_s = unavailable_wait_s
         self._http = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
 
     @classmethod
@@ -83,7 +85,8 @@ class RoleClient:
                    routing: str | None = None, **kwargs: Any) -> Self:
         """A client sized by ``params.agents`` (every stage that runs the society or its judge builds one)."""
         return cls(base_url, api_key, max_tokens or agents.max_tokens, agents.temperature, agents.json_retries, timeout_s,
-                   routing=routing, token_ceiling=agents.token_ceiling, frequency_penalty=agents.frequency_penalty, **kwargs)
+                   routing=routing, token_ceiling=agents.token_ceiling, frequency_penalty=agents.frequency_penalty,
+                   unavailable_wait_s=agents.unavailable_wait_s, **kwargs)
 
     def endpoint(self, model: str) -> tuple[str, dict[str, str] | None]:
         """(base URL, extra headers) a call for ``model`` goes to: the proxy for every role here; the RL
@@ -130,7 +133,7 @@ class RoleClient:
             return recorded["output"] or ""
         base_url, headers = self.endpoint(model)
         try:
-            resp = await self._http.post(f"{base_url}/chat/completions", json=body, headers=headers)
+            resp = await self._post(f"{base_url}/chat/completions", body, headers)
         except httpx.HTTPError as exc:
             span["data"].update(ok=False, error=f"{type(exc).__name__}: {exc}", latency_s=time.perf_counter() - t0)
             spans.append(span)
@@ -153,6 +156,20 @@ class RoleClient:
             span["data"]["logprobs"] = (payload["choices"][0].get("logprobs") or {}).get("content") or []
         spans.append(span)
         return output
+
+    async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None) -> httpx.Response:
+        """The request, again after each 503 (a deployment down or restarting) for at most ``unavailable_wait_s``."""
+        deadline = time.monotonic() + self.unavailable_wait_s
+        while True:
+            resp = await self._http.post(url, json=body, headers=headers)
+            left = deadline - time.monotonic()
+            if resp.status_code != 503 or left <= 0:
+                return resp
+            try:
+                wait = float(resp.headers.get("retry-after", "5"))
+            except ValueError:
+                wait = 5.0
+            await asyncio.sleep(max(0.5, min(wait, left)))
 
     async def structured(self, agent: str, model: str, messages: list[dict[str, str]], schema: type[T],
                          spans: list[dict[str, Any]], max_tokens: int | None = None, frequency_penalty: float | None = None,

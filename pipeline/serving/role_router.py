@@ -5,6 +5,9 @@ routing table in ``metadata.routing`` (``eval/<name>.json`` beside the active fi
 ``evaluate`` stage): that request is routed by it, everything else by the live version. The active routing file is
 re-read when its mtime changes and replaced atomically by ``route apply``, so each request sees one
 whole version, and requests already in flight keep the deployment they started with.
+
+A deployment that does not answer (its worker crashed or is restarting) is reported as what it is: 503 with
+``Retry-After``, not LiteLLM's 500, so a client retries instead of failing the call (``agents.llm.RoleClient`` does).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 import os
 from typing import Any
 
+from fastapi import HTTPException
+from litellm.exceptions import APIConnectionError, ServiceUnavailableError
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException
 
@@ -61,6 +66,32 @@ class RoleRouter(CustomLogger):
         metadata = data.setdefault("metadata", {})
         metadata.update({"role": role, "routing_version": table.get("version")})
         return data
+
+
+    async def async_post_call_failure_hook(self, request_data: dict, original_exception: Exception, user_api_key_dict: Any,
+                                           traceback_str: str | None = None) -> HTTPException | None:
+        if not _unreachable(original_exception):
+            return None
+        role = (request_data.get("metadata") or {}).get("role") or request_data.get("model")
+        return HTTPException(status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)},
+                             detail={"error": f"the deployment serving {str(role)[:80]!r} is not answering (its worker is "
+                                              f"down or restarting); retry after {RETRY_AFTER_S} s"})
+
+
+RETRY_AFTER_S = 5
+_DOWN = ("Cannot connect to host", "Connection refused", "ConnectError", "Server disconnected", "RemoteProtocolError")
+
+
+def _unreachable(exc: BaseException | None) -> bool:
+    """A backend that is down, not one that answered with an error: a connection that failed, anywhere in the chain."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, ServiceUnavailableError | APIConnectionError) and any(m in str(exc) for m in _DOWN):
+            return True
+        if any(m in f"{type(exc).__name__}: {exc}" for m in _DOWN):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 role_router = RoleRouter()
