@@ -32,6 +32,7 @@ from pipeline import lineage, tracking
 from pipeline.config import Params, ServingParams
 from pipeline.digest import SHA256_TAG, artifact_sha256, served_name
 from pipeline.io import write_json
+from pipeline.kinds import Kind
 from pipeline.roles import FALLBACK
 from pipeline.serving import adapter_store, routing
 from pipeline.serving import worker as workers
@@ -104,11 +105,11 @@ def ensure_baselines(params: Params) -> dict[str, Any]:
             continue  # versions registered before any champion existed (older registries) get a baseline below
         if kind == "llm":
             target = _live_target(params.serving, name)
-            tags = {"kind": "base", "deployment": target, "lineage.base_model": params.models.base.source}
-            info: dict[str, Any] = {"kind": "base", "deployment": target, "base_model": params.models.base.source}
+            tags = {"kind": Kind.BASE.value, "deployment": target, "lineage.base_model": params.models.base.source}
+            info: dict[str, Any] = {"kind": Kind.BASE.value, "deployment": target, "base_model": params.models.base.source}
         else:
-            tags = {"kind": "llm_supervisor", "policy": "llm"}
-            info = {"kind": "llm_supervisor", "policy": "llm", "epsilon": params.agents.epsilon}
+            tags = {"kind": Kind.LLM_SUPERVISOR.value, "policy": "llm"}
+            info = {"kind": Kind.LLM_SUPERVISOR.value, "policy": "llm", "epsilon": params.agents.epsilon}
         run = client.create_run(tracking.experiment_id(params.mlflow), run_name=f"baseline-{name}",
                                 tags={"pipeline.kind": "baseline"})
         with tempfile.TemporaryDirectory() as tmp:
@@ -157,7 +158,8 @@ def register_adapter(params: Params, run: Any, role: str, adapter_dir: str | Pat
     """A trained LoRA adapter folder: logged to ``run`` as an MLflow pyfunc model (``serving/lora_pyfunc.py``, the
     folder as its artifact ``adapter``) and registered as ``role``'s challenger, tagged ``kind: lora_adapter`` with its
     lineage (run, data, traces, base model) and the folder's sha256 (what ``deploy`` checks before serving it)."""
-    tags = lineage.tags(run, dataset_dir, rows, params.rollouts.out_dir if from_traces else None, role=role, kind="lora_adapter",
+    tags = lineage.tags(run, dataset_dir, rows, params.rollouts.out_dir if from_traces else None, role=role,
+                        kind=Kind.LORA_ADAPTER.value,
                         **{"lineage.base_model": params.models.base.source, "lineage.base_model_path": base_model,
                            "lineage.base_model_md5": lineage.dvc_md5(base_model)}, **extra_tags)
     info = log_adapter_model(adapter_dir, f"{role}-{artifact_sha256(adapter_dir)[:12]}")
@@ -208,17 +210,16 @@ def expected_sha256(name: str, version: Any) -> str:
 
 def target(serving: ServingParams, name: str, version: Any, worker_of: str | None = None) -> str:
     """Where the society reaches ``version``: a routing deployment (LLM roles) or a policy URI."""
-    kind = version.tags.get("kind")
-    if kind == "base":
-        return version.tags["deployment"]
-    if kind == "lora_adapter":
-        worker = (worker_of or _live_target(serving, name)).partition("/")[0]
-        return f"{worker}/{adapter_name(name, version)}"
-    if kind == "contextual_bandit":
-        return f"models:/{name}/{version.version}"
-    if kind == "llm_supervisor":
-        return "llm"
-    raise RegistryError(f"{name} v{version.version}: unknown kind {kind!r}; cannot route it")
+    try:
+        kind = Kind(version.tags.get("kind"))
+    except ValueError:
+        raise RegistryError(f"{name} v{version.version}: unknown kind {version.tags.get('kind')!r}; cannot route it") from None
+    worker = (worker_of or _live_target(serving, name)).partition("/")[0] if kind.hot_loaded else None
+    try:
+        return kind.target(name, str(version.version), version.tags.get("deployment"), worker,
+                           adapter_name(name, version) if kind.hot_loaded else None)
+    except ValueError as exc:
+        raise RegistryError(str(exc)) from None
 
 
 def _name_base_model(config: Path, model: str) -> None:
@@ -235,7 +236,7 @@ def deploy(serving: ServingParams, name: str, version: Any, worker_of: str | Non
     import mlflow  # noqa: PLC0415 - mlflow: 1.3 s import, control plane only
 
     where = target(serving, name, version, worker_of)
-    if version.tags.get("kind") != "lora_adapter":
+    if version.tags.get("kind") != Kind.LORA_ADAPTER:
         return where
     worker_name, _, adapter = where.partition("/")
     w = next((w for w in serving.workers if w.name == worker_name), None)

@@ -29,6 +29,7 @@ from pipeline import lineage, metrics_files, plots, registry, tracking
 from pipeline.bandit import ope, vw
 from pipeline.config import BanditParams, MlflowParams, Params
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
+from pipeline.kinds import Kind
 
 # mlflow is imported at the top although a --no-mlflow run does not log: the policy module (pipeline.bandit.vw_policy,
 # which every training path imports through pipeline.bandit.vw) imports it already for the pyfunc base class.
@@ -142,7 +143,8 @@ def log_model(model_file: Path, name: str = REGISTERED_NAME) -> Any:
 # whole Params: registry.register_candidate takes it (the role's baseline reads five sections)
 def register(params: Params, model_file: Path, data_file: Path, examples: list[dict[str, Any]], run: Any) -> Any:
     info = log_model(model_file)
-    tags = lineage.tags(run, data_file.parent, examples, params.rollouts.out_dir, role="supervisor", kind="contextual_bandit",
+    tags = lineage.tags(run, data_file.parent, examples, params.rollouts.out_dir, role="supervisor",
+                        kind=Kind.CONTEXTUAL_BANDIT.value,
                         **{"lineage.base_model": "vw --cb_explore_adf"})
     return registry.register_candidate(params, REGISTERED_NAME, info.model_uri, run.info.run_id, tags,
                                        description="Contextual bandit that picks the supervisor's hypothesis (VW cb_explore_adf)",
