@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, DataType, Schema
 from mlflow.types.schema import Array, Object, Property
 
-from pipeline import lineage, metrics_files, plots, registry, tracking
+from pipeline import lineage, metrics_files, plots, registry, tracking, training
 from pipeline.bandit import ope, vw
 from pipeline.config import BanditParams, MlflowParams, Params
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
@@ -180,33 +179,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mlflow", action="store_true")
 
 
-def main(args: argparse.Namespace, params: Params) -> int:
+def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
+    """The supervisor's contextual bandit as the shared trainer sequence (pipeline/training.py); VW trains here, no
+    model plane."""
     cfg = params.bandit
     data_file = Path(params.datasets.out_dir) / "bandit" / "train.jsonl"
-    try:
-        examples = load_examples(data_file)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if (reason := no_signal_reason(examples)) is not None:
-        return no_signal(params.bandit, params.mlflow, f"{data_file}: {reason}", args.no_mlflow)
-    estimates = evaluate_offline(cfg, examples)
-    print_table(estimates, len(examples))
-    model_file = train_final(cfg, examples)
-    plot(estimates)
-    result: dict[str, Any] = {"decisions": len(examples), "ope": estimates,
-                              "dr_gain": estimates["learned"]["dr"]["value"] - estimates["logging"]["dr"]["value"]}
-    write_json(METRICS_FILE, result)
-    metrics_files.write("train_bandit", result)
-    if args.no_mlflow:
-        return 0
-    with tracking.stage_run("train_bandit", params.mlflow) as run:
+    examples: list[dict[str, Any]] = []
+
+    def inputs() -> str | None:
+        examples.extend(load_examples(data_file))  # raises naming the file and the rule
+        reason = no_signal_reason(examples)
+        return None if reason is None else f"{data_file}: {reason}"
+
+    def train() -> dict[str, Any]:
+        estimates = evaluate_offline(cfg, examples)
+        print_table(estimates, len(examples))
+        train_final(cfg, examples)
+        plot(estimates)
+        return {"decisions": len(examples), "ope": estimates,
+                "dr_gain": estimates["learned"]["dr"]["value"] - estimates["logging"]["dr"]["value"]}
+
+    def log_and_register(result: dict[str, Any], run: Any) -> Any:
         mlflow.log_params({**cfg.model_dump(), "decisions": len(examples)})
-        mlflow.log_metrics({f"ope.{p}.{e}.{k}": v for p, t in estimates.items() for e, d in t.items()
+        mlflow.log_metrics({f"ope.{p}.{e}.{k}": v for p, t in result["ope"].items() for e, d in t.items()
                             for k, v in d.items()})
         mlflow.log_metric("ope.dr_gain", float(result["dr_gain"]))
         mlflow.log_artifact(str(PLOT_PNG), artifact_path="plots")
-        mlflow.log_artifact(str(METRICS_FILE))
-        version = register(params, model_file, data_file, examples, mlflow.get_run(run.info.run_id))
-        print(f"registered {REGISTERED_NAME} version {version.version} (models:/{REGISTERED_NAME}/{version.version})")
-    return 0
+        return register(params, Path(cfg.out_dir) / "policy.vw", data_file, examples, run)
+
+    return training.Trainer(
+        stage="train_bandit", command="train-bandit", role=REGISTERED_NAME, report=METRICS_FILE, inputs=inputs,
+        no_signal=lambda reason: no_signal(cfg, params.mlflow, reason, no_mlflow), train=train, register=log_and_register,
+        summary=lambda result: f"train_bandit: doubly robust gain over the logging policy {result['dr_gain']:+.4f} "
+                               f"({result['decisions']} logged decisions)",
+        in_model_plane=False)
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    return training.main(trainer(params, args.no_mlflow), args, params)

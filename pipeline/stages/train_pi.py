@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline import envs, metrics_files, tracking
+from pipeline import tracking, training
 from pipeline.agents.prompts import pi_messages
 from pipeline.config import Params, PiParams
 from pipeline.data.splits import load_tasks
-from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.io import atomic_dir, write_text
 from pipeline.schemas import PIDecision
 from pipeline.stages import train_sft
 
@@ -140,44 +139,37 @@ def _no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
                                       no_mlflow)
 
 
-def main(args: argparse.Namespace, params: Params) -> int:
-    cfg = params.pi.sft
-    if args.in_model_plane:  # said by the control plane that spawned us
-        try:
-            metrics = train_sft.train(cfg, training_file(params))
-        except (FileNotFoundError, ValueError, RuntimeError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        metrics["setting"] = params.data.setting
-        write_json(METRICS_FILE, metrics)
-        metrics_files.write("train_pi", metrics)
-        print(train_sft._summary(metrics).replace("train_sft", "train_pi"))
-        return 0
-    data = rows(load_tasks(params.validate_, "train", setting=params.data.setting), params)
-    with atomic_dir(Path(params.pi.data_dir)) as tmp:
-        (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
-    print(f"train_pi: {len(data)} gold-decision rows ({sum(r['label'] == 'yes' for r in data)} GO, "
-          f"{sum(r['label'] == 'no' for r in data)} NO-GO) in {params.data.setting} -> {data_file(params.pi)}")
-    if (why := signal(data)) is not None:
-        return _no_signal(params, why, args.no_mlflow)
-    argv = (["--params", args.params_path] if args.params_path else []) + ["train-pi", "--in-model-plane"]
-    if args.no_mlflow:
-        return envs.run_in_model_plane(argv)
-    with tracking.stage_run("train_pi", params.mlflow, tags={"data.setting": params.data.setting}) as run:
-        import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
+def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
+    """The PI's SFT on the gold decision as the shared trainer sequence (pipeline/training.py)."""
+    data: list[dict[str, Any]] = []
 
-        rc = envs.run_in_model_plane(argv)
-        if rc != 0:
-            return rc
-        log_and_register(params, data, mlflow.get_run(run.info.run_id))
-    return 0
+    def inputs() -> str | None:
+        data.extend(rows(load_tasks(params.validate_, "train", setting=params.data.setting), params))
+        with atomic_dir(Path(params.pi.data_dir)) as tmp:
+            (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+        print(f"train_pi: {len(data)} gold-decision rows ({sum(r['label'] == 'yes' for r in data)} GO, "
+              f"{sum(r['label'] == 'no' for r in data)} NO-GO) in {params.data.setting} -> {data_file(params.pi)}")
+        return signal(data)
+
+    def train() -> dict[str, Any]:
+        return {**train_sft.train(params.pi.sft, training_file(params)), "setting": params.data.setting}
+
+    return training.Trainer(
+        stage="train_pi", command="train-pi", role=params.pi.sft.role, report=METRICS_FILE, inputs=inputs,
+        no_signal=lambda reason: _no_signal(params, reason, no_mlflow), train=train,
+        register=lambda metrics, run: log_and_register(params, data, run),
+        summary=lambda metrics: train_sft._summary(metrics).replace("train_sft", "train_pi"),
+        tags={"data.setting": params.data.setting})
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    return training.main(trainer(params, args.no_mlflow), args, params)
 
 
 # whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
 def log_and_register(params: Params, data: list[dict[str, Any]], run: Any) -> Any:
     """Control plane, in the stage's MLflow run: curves, config and metrics logged; the adapter registered as the PI's
     challenger with its lineage and setting, or nothing (tagged no_signal) when its loss did not fall."""
-    import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
     from pipeline import registry  # noqa: PLC0415 - control plane only
 
@@ -190,15 +182,11 @@ def log_and_register(params: Params, data: list[dict[str, Any]], run: Any) -> An
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()},
                            "backend_used": metrics["backend"], "data.setting": params.data.setting},
                           history, metrics, LOSS_PNG)
-    mlflow.log_artifact(str(METRICS_FILE))
     if metrics.get("no_signal"):  # an adapter that did not fit its own rows learned nothing: nothing to register
         tracking.tag_no_signal(metrics["no_signal_reason"])
-        print(f"train_pi: no_signal, nothing registered: {metrics['no_signal_reason']}")
         return None
     version = registry.register_adapter(params, run, cfg.role, Path(cfg.out_dir) / "adapter", Path(params.pi.data_dir), data,
                                         cfg.base_model, f"LoRA adapter for the {cfg.role} role (SFT on the gold decision)",
                                         from_traces=False, backend=metrics["backend"],
                                         **{"data.setting": params.data.setting})
-    print(f"registered {cfg.role} version {version.version} (models:/{cfg.role}/{version.version}), "
-          f"setting {params.data.setting}")
     return version

@@ -36,9 +36,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline import envs, metrics_files, plots, tracking
+from pipeline import envs, plots, tracking, training
 from pipeline.config import Params, PpoParams
-from pipeline.io import atomic_path, write_json, write_text
+from pipeline.io import atomic_path, write_text
 from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV, make_reward, train_trl
 from pipeline.rl.prompts import data_dir, load_prompts
 from pipeline.rl.verl_driver import train_verl
@@ -148,63 +148,61 @@ def _summary(m: dict[str, Any]) -> str:
             + (f"; NO SIGNAL: {m['no_signal_reason']}" if m.get("no_signal") else ""))
 
 
-def main(args: argparse.Namespace, params: Params) -> int:
-    """Control plane (what the DAG and dvc.yaml run, on any worker): MLflow run, backend, registration.
-    ``--in-model-plane`` (said by the control plane, never guessed from what imports) trains with TRL."""
-    if args.in_model_plane:
-        try:
-            backend, why = pick_backend(params.ppo)
-            if backend == "verl":
-                raise RuntimeError("the verl backend is driven from the control plane (`python -m pipeline train-ppo`)")
-            reward_for = functools.partial(make_reward, params.agents, params.ppo, params.judge, params.reward)
-            metrics = {**train_trl(params.ppo, params.datasets, reward_for), "fallback_reason": why}
-        except (FileNotFoundError, ValueError, RuntimeError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        write_json(METRICS_FILE, metrics)
-        metrics_files.write("train_ppo", metrics)
+def trainer(params: Params, backend: str, why: str | None) -> training.Trainer:
+    """The senior's online RL as the shared trainer sequence (pipeline/training.py): TRL GRPO in the model plane, or
+    verl through Agent Lightning driven from here (its workers are the GPU's)."""
+
+    def inputs() -> None:
+        load_prompts(params.datasets, params.ppo)  # raises naming the folder when the datasets stage left too few
+        from pipeline.serving import stack  # noqa: PLC0415 - control plane only (serving); the model plane imports this module
+
+        url, key = stack.ensure(params.serving, params.mlflow)  # the judge scores completions through the proxy
+        os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV] = url, os.environ.get("LLM_API_KEY", key)
+        return None  # GRPO's signal is measured on the sampled completions (grpo_cpu.signal)
+
+    def train_grpo() -> dict[str, Any]:
+        reward_for = functools.partial(make_reward, params.agents, params.ppo, params.judge, params.reward)
+        metrics = {**train_trl(params.ppo, params.datasets, reward_for), "fallback_reason": why}
         # the CPU path's training samples are its scored completions: into the RL trace store with them
         with atomic_path(Path(params.ppo.agl.trace_dir) / "grpo-completions.jsonl") as dest:
             shutil.copyfile(Path(params.ppo.out_dir) / "completions.jsonl", dest)
-        print(_summary(metrics))
-        return 0
-    try:  # fail fast, before paying for torch or services, on data that cannot train
-        load_prompts(params.datasets, params.ppo)
+        return metrics
+
+    def train_with_verl() -> dict[str, Any]:
+        import mlflow  # noqa: PLC0415 - control plane only
+
+        run = mlflow.active_run()
+        if run is None:
+            raise RuntimeError("the verl backend logs its steps to the stage's MLflow run: run it without --no-mlflow")
+        try:
+            return {**train_verl(params.ppo, params.serving, params.gpu, run.info.run_id), "fallback_reason": why}
+        except Exception as exc:  # a failed GPU job: one line, the stage fails
+            raise RuntimeError(str(exc)) from exc
+
+    def no_signal(reason: str) -> int:
+        raise AssertionError(f"train_ppo measures its signal on the completions, not its inputs: {reason}")
+
+    return training.Trainer(
+        stage="train_ppo", command="train-ppo", role=params.ppo.role, report=METRICS_FILE, inputs=inputs,
+        no_signal=no_signal, train=train_with_verl if backend == "verl" else train_grpo,
+        register=lambda metrics, run: log_and_register(params, metrics, run), summary=_summary,
+        in_model_plane=backend != "verl", tags={"backend": backend, "fallback_reason": why or ""})
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    """Control plane (what the DAG and dvc.yaml run, on any worker): the backend, then the shared trainer sequence.
+    ``--in-model-plane`` (said by the control plane, never guessed from what imports) trains with TRL."""
+    if args.in_model_plane:
+        backend, why = pick_backend(params.ppo)
+        if backend == "verl":
+            print("error: the verl backend is driven from the control plane (`python -m pipeline train-ppo`)", file=sys.stderr)
+            return 1
+        return training.main(trainer(params, "trl", why), args, params)
+    try:
         backend, why = resolve_backend(params.ppo, args.params_path)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if why:
         print(f"train_ppo: {why}")
-    from pipeline.serving import stack  # noqa: PLC0415 - control plane only (serving); the model plane imports this module
-
-    url, key = stack.ensure(params.serving, params.mlflow)  # the judge scores completions through the proxy
-    os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV] = url, os.environ.get("LLM_API_KEY", key)
-    argv = (["--params", args.params_path] if args.params_path else []) + ["train-ppo", "--in-model-plane"]
-    if args.no_mlflow and backend == "trl":
-        return envs.run_in_model_plane(argv)
-    with tracking.stage_run("train_ppo", params.mlflow) as run:
-        import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
-
-        mlflow.set_tags({"backend": backend, "fallback_reason": why or ""})
-        if backend == "verl":
-            try:
-                metrics = train_verl(params.ppo, params.serving, params.gpu, run.info.run_id)
-            except Exception as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 1
-            write_json(METRICS_FILE, {**metrics, "fallback_reason": why})
-            metrics_files.write("train_ppo", metrics)
-            print(_summary(metrics))
-        else:
-            rc = envs.run_in_model_plane(argv)
-            if rc != 0:
-                return rc
-        metrics = json.loads(METRICS_FILE.read_text())
-        version = log_and_register(params, metrics, mlflow.get_run(run.info.run_id))
-        mlflow.log_artifact(str(METRICS_FILE))
-        if version is None:
-            print(f"train_ppo: no_signal, nothing registered: {metrics['no_signal_reason']}")
-        else:
-            print(f"registered {params.ppo.role} version {version.version} (models:/{params.ppo.role}/{version.version})")
-    return 0
+    return training.main(trainer(params, backend, why), args, params)

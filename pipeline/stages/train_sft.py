@@ -22,12 +22,11 @@ import argparse
 import json
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from pipeline import envs, metrics_files, plots, tracking
+from pipeline import metrics_files, plots, tracking, training
 from pipeline.config import DatasetsParams, MlflowParams, Params, SftParams
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
 
@@ -286,39 +285,23 @@ def record_no_signal(stage: str, files: tuple[Path, Path, Path, Path], metrics: 
     return 0
 
 
-def main(args: argparse.Namespace, params: Params) -> int:
-    if args.in_model_plane:  # said by the control plane that spawned us, never guessed from what imports
-        try:
-            metrics = train(params.sft, data_file(params.datasets))
-        except (FileNotFoundError, ValueError, RuntimeError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        write_json(METRICS_FILE, metrics)
-        metrics_files.write("train_sft", metrics)
-        print(_summary(metrics))
-        return 0
+def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
+    """The junior's SFT as the shared trainer sequence (pipeline/training.py)."""
     path = data_file(params.datasets)
-    if not path.exists():  # fail fast, before paying for torch: the datasets stage did not run
-        print(f"error: {path}: no SFT examples; run the datasets stage first", file=sys.stderr)
-        return 1
-    rows = sum(1 for line in path.read_text().splitlines() if line.strip())
-    if rows < 2:  # no rollout passed the SFT filter: nothing to learn from, so nothing is trained or registered
-        reason = f"{path}: {rows} SFT example(s) (training needs 2: one is held out for eval loss)"
-        return no_signal(params.sft, params.mlflow, reason, args.no_mlflow)
-    argv = (["--params", args.params_path] if args.params_path else []) + ["train-sft", "--in-model-plane"]
-    if args.no_mlflow:
-        return envs.run_in_model_plane(argv)
-    with tracking.stage_run("train_sft", params.mlflow) as run:
-        import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
-        rc = envs.run_in_model_plane(argv)
-        if rc != 0:
-            return rc
-        metrics = json.loads(METRICS_FILE.read_text())
-        version = log_and_register(params, metrics, mlflow.get_run(run.info.run_id))
-        mlflow.log_artifact(str(METRICS_FILE))
-        if version is None:
-            print(f"train_sft: no_signal, nothing registered: {metrics['no_signal_reason']}")
-        else:
-            print(f"registered {params.sft.role} version {version.version} (models:/{params.sft.role}/{version.version})")
-    return 0
+    def inputs() -> str | None:
+        if not path.exists():  # the datasets stage did not run
+            raise FileNotFoundError(f"{path}: no SFT examples; run the datasets stage first")
+        rows = sum(1 for line in path.read_text().splitlines() if line.strip())
+        # no rollout passed the SFT filter: nothing to learn from, so nothing is trained or registered
+        return f"{path}: {rows} SFT example(s) (training needs 2: one is held out for eval loss)" if rows < 2 else None
+
+    return training.Trainer(
+        stage="train_sft", command="train-sft", role=params.sft.role, report=METRICS_FILE, inputs=inputs,
+        no_signal=lambda reason: no_signal(params.sft, params.mlflow, reason, no_mlflow),
+        train=lambda: train(params.sft, path), register=lambda metrics, run: log_and_register(params, metrics, run),
+        summary=_summary)
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
+    return training.main(trainer(params, args.no_mlflow), args, params)

@@ -1,0 +1,78 @@
+"""The one sequence every training stage runs, as TRL's trainers fix theirs.
+
+inputs (fail fast, before torch or services; or a reason the data cannot carry signal) -> train (in the model plane,
+or here for a trainer that needs no torch) -> metrics with their signal -> register the version with its lineage as the
+role's challenger, or nothing when the signal was not there. A stage describes its steps in a :class:`Trainer`; this
+module runs them in that order for every stage, with the same MLflow run, reports and messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline import envs, metrics_files, tracking
+from pipeline.config import Params
+from pipeline.io import write_json
+
+
+@dataclass(frozen=True)
+class Trainer:
+    stage: str  # the DVC stage and MLflow stage run: "train_sft"
+    command: str  # the CLI command the model plane runs: "train-sft"
+    role: str  # the registered model the version becomes a challenger of
+    report: Path  # reports/<stage>.json: the metrics, with no_signal and its reason
+    inputs: Callable[[], str | None]  # raises on missing or bad inputs; returns why the data has no signal, or None
+    no_signal: Callable[[str], int]  # the stage's outputs for a cycle without signal; nothing trained or registered
+    train: Callable[[], dict[str, Any]]  # the training itself: the model plane's work, metrics out
+    register: Callable[[dict[str, Any], Any], Any]  # control plane, in the stage's run: curves, lineage, the version or None
+    summary: Callable[[dict[str, Any]], str]
+    in_model_plane: bool = True  # False: ``train`` runs here (no torch: VW, or a driver of remote GPU workers)
+    tags: dict[str, str] = field(default_factory=dict)  # on the stage's MLflow run
+
+
+def main(t: Trainer, args: argparse.Namespace, params: Params) -> int:
+    """Run ``t``'s steps in order: the control plane's path, or, under ``--in-model-plane``, the training alone."""
+    if getattr(args, "in_model_plane", False):  # said by the control plane that spawned us, never guessed
+        return _train(t)
+    try:  # fail fast, before paying for torch or services
+        reason = t.inputs()
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if reason is not None:
+        return t.no_signal(reason)
+    argv = (["--params", args.params_path] if getattr(args, "params_path", None) else []) + [t.command, "--in-model-plane"]
+    if args.no_mlflow:
+        return envs.run_in_model_plane(argv) if t.in_model_plane else _train(t)
+    with tracking.stage_run(t.stage, params.mlflow, tags=t.tags) as run:
+        import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports the stages, has no mlflow)
+
+        rc = envs.run_in_model_plane(argv) if t.in_model_plane else _train(t)
+        if rc != 0:
+            return rc
+        metrics = json.loads(t.report.read_text())
+        version = t.register(metrics, mlflow.get_run(run.info.run_id))
+        mlflow.log_artifact(str(t.report))
+        if version is None:
+            print(f"{t.stage}: no_signal, nothing registered: {metrics.get('no_signal_reason')}")
+        else:
+            print(f"registered {t.role} version {version.version} (models:/{t.role}/{version.version})")
+    return 0
+
+
+def _train(t: Trainer) -> int:
+    try:
+        metrics = t.train()
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    write_json(t.report, metrics)
+    metrics_files.write(t.stage, metrics)
+    print(t.summary(metrics))
+    return 0
