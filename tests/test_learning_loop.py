@@ -118,6 +118,9 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
         assert set(final["components"]) == {"judge", "decision"} and final["value"] == pytest.approx(t["reward"] if t["reward"] is not None
                                                                                                     else final["value"])
     assert len({t["task_id"] for t in shard}) == 1
+    # every LLM call names the prompt template it rendered and that text's version in MLflow's Prompt Registry (#43)
+    calls = [s["data"] for t in shard for s in t["spans"] if s["kind"] == "llm"]
+    assert calls and all(isinstance(c.get("prompt_version"), int) and c["prompt_sha"] for c in calls), calls[:1]
     for out in ("sft/train.jsonl", "rl/verl/train.parquet", "rl/hf/dataset_info.json", "bandit/train.jsonl"):
         assert (clone / "data/datasets" / out).exists(), out
     assert (clone / "models/sft/junior_researcher/adapter/adapter_config.json").exists()

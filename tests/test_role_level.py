@@ -187,3 +187,28 @@ def test_every_prompt_is_a_named_template_whose_version_follows_its_text(monkeyp
     assert prompts.sha("principal_investigator") != before and len(before) == 12
     with pytest.raises(KeyError, match="needs field 'brief'"):
         prompts.render("principal_investigator", protocol="p", reviews="none")
+
+
+def test_prompt_versions_round_trip_the_prompt_registry(mlflow_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every template is a prompt version in MLflow's Prompt Registry (#43): registered once, a changed text is a new
+    version and the champion alias stays where it was; spans name the version (prompts.VERSIONS)."""
+    import mlflow.genai
+
+    from pipeline import prompt_registry
+    from pipeline.agents import prompts
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setattr(prompts, "VERSIONS", {})
+    cfg = section("mlflow")
+    first = prompt_registry.sync(cfg)
+    assert set(first) == set(prompts.TEMPLATES) and prompts.VERSIONS == first
+    loaded = mlflow.genai.load_prompt("prompts:/society.principal_investigator@champion", link_to_model=False)
+    assert loaded.template == prompts.TEMPLATES["principal_investigator"] and loaded.tags["sha"] == prompts.sha("principal_investigator")
+    assert prompt_registry.sync(cfg) == first  # unchanged text: no new version
+    monkeypatch.setitem(prompts.TEMPLATES, "principal_investigator", prompts.TEMPLATES["principal_investigator"] + " Be brief.")
+    second = prompt_registry.sync(cfg)
+    assert second["principal_investigator"] == first["principal_investigator"] + 1
+    assert {k: v for k, v in second.items() if k != "principal_investigator"} == {k: v for k, v in first.items()
+                                                                                  if k != "principal_investigator"}
+    champion = mlflow.genai.load_prompt("prompts:/society.principal_investigator@champion", link_to_model=False)
+    assert int(champion.version) == first["principal_investigator"] and not champion.template.endswith("Be brief.")

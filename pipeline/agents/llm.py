@@ -123,7 +123,7 @@ class RoleClient:
                                          "max_tokens": body["max_tokens"], "temperature": temp,
                                          "frequency_penalty": penalty, "seed": body.get("seed")}}
         if prompt is not None:  # the template the request was rendered from, and its version
-            span["data"].update(prompt=prompt, prompt_sha=prompts.sha(prompt))
+            span["data"].update(prompt=prompt, prompt_sha=prompts.sha(prompt), prompt_version=prompts.VERSIONS.get(prompt))
         span["data"]["request_key"] = key = request_key(agent, body)
         # a call that asks for logprobs (the judge's) runs live: a record keeps no logprobs (they are taken off the span),
         # so a replayed answer would score as if the judge had given no probabilities at all

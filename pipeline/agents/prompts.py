@@ -38,6 +38,9 @@ TEMPLATES: dict[str, str] = {
 }
 
 
+VERSIONS: dict[str, int] = {}  # template -> its version in MLflow's Prompt Registry, once pipeline.prompt_registry.sync ran
+
+
 def sha(name: str) -> str:
     """The template's version: the first 12 hex of the sha256 of its text."""
     return hashlib.sha256(TEMPLATES[name].encode()).hexdigest()[:12]

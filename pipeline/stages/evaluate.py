@@ -41,7 +41,7 @@ import mlflow
 from mlflow.entities import Feedback
 from mlflow.genai.scorers import scorer
 
-from pipeline import metrics_files, registry, tracking
+from pipeline import metrics_files, prompt_registry, registry, tracking
 from pipeline.agents.graph import OPENING_MODEL
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.replay import CallBook
@@ -460,6 +460,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)
+    prompt_registry.sync(params.mlflow)  # the prompt versions the society renders, named in every LLM span
     with tracking.stage_run("evaluate", params.mlflow):
         summary = run(params)
         plot(summary)

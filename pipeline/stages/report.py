@@ -19,7 +19,7 @@ from typing import Any
 
 import mlflow
 
-from pipeline import metrics_files, tracking
+from pipeline import metrics_files, prompt_registry, tracking
 from pipeline.config import Params
 from pipeline.contracts import PromotionReport
 from pipeline.data.splits import load_tasks
@@ -138,6 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)
+    prompt_registry.sync(params.mlflow)  # the prompt versions the society renders, named in every LLM span
     with tracking.stage_run("report", params.mlflow):
         result = run(params)
     write_json(METRICS_FILE, result)

@@ -28,7 +28,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from pipeline import metrics_files, tracking
+from pipeline import metrics_files, prompt_registry, tracking
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.rollout import run_with_retries, supervisor_policy
 from pipeline.agents.tools import Toolbox
@@ -276,6 +276,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
     else:
         with tracking.stage_run("rollouts" if args.shard is None else f"rollouts-shard-{args.shard}", params.mlflow):
             import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow, --collect)
+
+            prompt_registry.sync(params.mlflow)  # the prompt versions the society renders, named in every LLM span
 
             results = collect(params.rollouts) if args.collect else run(params, shards, run_id)
             for scope, metrics in results.items():
