@@ -179,6 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mlflow", action="store_true")
 
 
+# whole Params: its steps read several sections, and registration takes the whole (the role's baseline reads five)
 def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
     """The supervisor's contextual bandit as the shared trainer sequence (pipeline/training.py); VW trains here, no
     model plane."""

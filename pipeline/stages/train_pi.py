@@ -139,6 +139,7 @@ def _no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
                                       no_mlflow)
 
 
+# whole Params: its steps read several sections, and registration takes the whole (the role's baseline reads five)
 def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
     """The PI's SFT on the gold decision as the shared trainer sequence (pipeline/training.py)."""
     data: list[dict[str, Any]] = []

@@ -148,6 +148,7 @@ def _summary(m: dict[str, Any]) -> str:
             + (f"; NO SIGNAL: {m['no_signal_reason']}" if m.get("no_signal") else ""))
 
 
+# whole Params: its steps read several sections, and registration takes the whole (the role's baseline reads five)
 def trainer(params: Params, backend: str, why: str | None) -> training.Trainer:
     """The senior's online RL as the shared trainer sequence (pipeline/training.py): TRL GRPO in the model plane, or
     verl through Agent Lightning driven from here (its workers are the GPU's)."""

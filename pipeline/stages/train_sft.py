@@ -285,6 +285,7 @@ def record_no_signal(stage: str, files: tuple[Path, Path, Path, Path], metrics: 
     return 0
 
 
+# whole Params: its steps read several sections, and registration takes the whole (the role's baseline reads five)
 def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
     """The junior's SFT as the shared trainer sequence (pipeline/training.py)."""
     path = data_file(params.datasets)
