@@ -89,13 +89,18 @@ def lines(doc: dict[str, Any]) -> list[str]:
         out.append(f"| champion v{first['champion']['version']} | " + " | ".join(_fmt(first["champion"]["metrics"])) + " |")
         for key, e in doc["gate"].items():
             out.append(f"| {key} v{e['candidate']['version']} | " + " | ".join(_fmt(e["candidate"]["metrics"])) + " |")
-        out += ["", "| candidate | paired diff (decision reward) | sign-flip p | McNemar b / c | McNemar p | decision | rule |",
+        judged = any((e.get("cost") or {}).get("judge_calls") for e in doc["gate"].values())
+        reward = "gate's reward: judge + decision" if judged else "decision reward"
+        out += ["", f"| candidate | paired diff ({reward}) | sign-flip p | McNemar b / c | McNemar p | decision | rule |",
                 "|---|---|---|---|---|---|---|"]
         for key, e in doc["gate"].items():
             d, dec = e["difference"], doc["decisions"].get(key, {})
             out.append(f"| {key} | {d['mean']:+.3f} (n={d['n']}) | {d['p_value']:.2e} | {d['decision']['b']} / "
                        f"{d['decision']['c']} | {d['decision']['p_value']:.2e} | **{dec.get('status', '?')}** | "
                        f"{dec.get('rule', '')} |")
+        calls = max((e.get("cost") or {}).get("judge_calls") or 0 for e in doc["gate"].values())
+        if calls:
+            out += ["", f"The judge scored {calls} distinct answers (decision + rationale) for the gate's reward."]
         out.append("")
     test = doc["test"]
     if test:
