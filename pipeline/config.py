@@ -493,6 +493,8 @@ class PromoteParams(_Strict):
                                      "accuracy fell by more than this (rule accuracy_drop)")
     min_success_rate: float = Field(ge=0.0, le=1.0)
     min_decision_accuracy: float = Field(ge=0.0, le=1.0)
+    min_auc: float | None = Field(ge=0.0, lt=1.0, description="role-level candidates: the lower end of their AUC of P(GO)'s "
+                                  "interval must lie above this (their decisions separate yes from no); null = no floor")
     dry_run: bool = Field(description="decide and record, never move aliases or routing")
 
 

@@ -90,8 +90,8 @@ def test_the_gate_promotes_a_better_pi_refuses_an_identical_one_and_refuses_acro
     better = decide(role_level.metrics(cand, "reasoning_free", 200), role_level.metrics(champ, "reasoning_free", 200),
                     paired_difference(cand, champ, 200), gate)
     assert better.promote, better.detail
-    same = decide(role_level.metrics(champ, "reasoning_free", 200), role_level.metrics(champ, "reasoning_free", 200),
-                  paired_difference(champ, champ, 200), gate)
+    same = decide(role_level.metrics(cand, "reasoning_free", 200), role_level.metrics(cand, "reasoning_free", 200),
+                  paired_difference(cand, cand, 200), gate)
     assert not same.promote and same.rule == "margin"
     across = decide(role_level.metrics(cand, "reasoning_free", 200), role_level.metrics(champ, "reasoning_required", 200),
                     paired_difference(cand, champ, 200), gate)
@@ -212,3 +212,22 @@ def test_prompt_versions_round_trip_the_prompt_registry(mlflow_server: str, monk
                                                                                   if k != "principal_investigator"}
     champion = mlflow.genai.load_prompt("prompts:/society.principal_investigator@champion", link_to_model=False)
     assert int(champion.version) == first["principal_investigator"] and not champion.template.endswith("Be brief.")
+
+
+def test_a_pi_that_answers_one_decision_everywhere_is_not_promoted_however_often_it_is_right() -> None:
+    """What the default make run's 8-step PI learned (docs/benchmarks.md): GO everywhere beats NO-GO everywhere on
+    62% yes questions, significantly, and separates nothing: refused on discrimination (promote.min_auc)."""
+    rng = random.Random(0)
+    labels = ["yes"] * 55 + ["no"] * 34 + ["maybe"] * 11
+    rng.shuffle(labels)
+    always_go = _records([0.9 + rng.uniform(-0.05, 0.05) for _ in labels], labels)
+    never_go = _records([0.1 + rng.uniform(-0.05, 0.05) for _ in labels], labels)
+    gate = section("promote")
+    diff = paired_difference(always_go, never_go, 200)
+    assert diff["mean"] > 0 and diff["p_value"] < gate.alpha  # the reward alone would promote it
+    d = decide(role_level.metrics(always_go, "reasoning_required", 200), role_level.metrics(never_go, "reasoning_required", 200),
+               diff, gate)
+    assert not d.promote and d.rule == "discrimination" and "promote.min_auc=0.5" in d.detail
+    off = decide(role_level.metrics(always_go, "reasoning_required", 200), role_level.metrics(never_go, "reasoning_required", 200),
+                 diff, section("promote", min_auc=None))
+    assert off.promote

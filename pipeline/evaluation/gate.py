@@ -6,7 +6,9 @@ checked in order and the first that fails decides, so the recorded ``rule`` says
 0. ``setting``: the two evaluations were made in different PubMedQA settings (data.setting): never compared.
 1. ``insufficient_evidence``: fewer paired tasks than ``promote.min_tasks`` (docs/promotion.md
    derives the default from a power calculation). Never promotes, whatever the numbers say.
-2. ``min_success_rate`` / ``min_decision_accuracy``: floors on the candidate alone.
+2. ``min_success_rate`` / ``min_decision_accuracy``: floors on the candidate alone; ``discrimination`` (role level,
+   ``promote.min_auc``): the interval of the candidate's AUC of P(GO) must lie above the floor, so a PI that answers
+   one decision everywhere (the label prior: right more often, separating nothing) is never promoted.
 3. ``accuracy_drop``: the judge's part of the reward rose while decision accuracy against the
    PubMedQA label fell by more than ``promote.max_accuracy_drop`` (a candidate that learned to
    please the judge at the expense of being right).
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.config import PromoteParams
-from pipeline.contracts import Difference, Metrics, Status
+from pipeline.contracts import Difference, Level, Metrics, Status
 from pipeline.evaluation.significance import holm
 
 INSUFFICIENT = Status.INSUFFICIENT_EVIDENCE.value
@@ -62,6 +64,12 @@ def decide(candidate: Metrics | dict[str, Any], champion: Metrics | dict[str, An
     accuracy = _mean(candidate, "decision_accuracy")
     if cfg.min_decision_accuracy > 0 and (accuracy is None or accuracy < cfg.min_decision_accuracy):
         return Decision(False, "min_decision_accuracy", f"decision accuracy {accuracy} < {cfg.min_decision_accuracy:.2f}")
+    auc = (candidate.model_extra or {}).get("auc") if candidate.level == Level.ROLE else None
+    if cfg.min_auc is not None and candidate.level == Level.ROLE and not (auc and (auc.get("ci_low") or 0) > cfg.min_auc):
+        shown = "none" if not auc or auc.get("value") is None else (
+            f"{auc['value']:.3f} [{auc.get('ci_low', float('nan')):.3f}, {auc.get('ci_high', float('nan')):.3f}]")
+        return Decision(False, "discrimination", f"AUC of P(GO) {shown}: its interval does not lie above promote.min_auc="
+                                                 f"{cfg.min_auc:g} (the decisions do not separate yes from no)")
     judge_c, judge_b = _mean(candidate, "reward_judge"), _mean(champion, "reward_judge")
     acc_b = _mean(champion, "decision_accuracy")
     if (None not in (judge_c, judge_b, accuracy, acc_b)
