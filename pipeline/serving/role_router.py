@@ -17,7 +17,6 @@ import os
 from typing import Any
 
 from fastapi import HTTPException
-from litellm.exceptions import APIConnectionError, ServiceUnavailableError
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException
 
@@ -86,8 +85,6 @@ def _unreachable(exc: BaseException | None) -> bool:
     """A backend that is down, not one that answered with an error: a connection that failed, anywhere in the chain."""
     seen = 0
     while exc is not None and seen < 8:
-        if isinstance(exc, ServiceUnavailableError | APIConnectionError) and any(m in str(exc) for m in _DOWN):
-            return True
         if any(m in f"{type(exc).__name__}: {exc}" for m in _DOWN):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
