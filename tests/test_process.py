@@ -64,7 +64,8 @@ def test_what_a_killed_service_left_running_is_stopped_by_its_group_and_mark(tmp
     import time
 
     svc = Service("leader", tmp_path)
-    pid = start(svc, ["bash", "-c", "sleep 300 & wait"], lambda: True, timeout_s=5)
+    ready = tmp_path / "forked"  # the leader is killed only once its child exists (a fast kill raced the fork)
+    pid = start(svc, ["bash", "-c", f"sleep 300 & touch {ready}; wait"], ready.exists, timeout_s=10)
     pgid = os.getpgid(pid)
     stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)  # another group: never touched
     os.kill(pid, signal.SIGKILL)
