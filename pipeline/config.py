@@ -166,6 +166,14 @@ class ProxyParams(_Strict):
     request_timeout_s: float
 
 
+class RestartParams(_Strict):
+    """How a local worker's supervisor restarts a dead engine (pipeline/services/supervise.py)."""
+    restarts: int = Field(ge=0, description="restarts allowed within window_s; one more death and the worker stays down")
+    backoff_s: float = Field(gt=0, description="the wait before the first restart, doubled before each next one")
+    cap_s: float = Field(gt=0, description="the longest wait between restarts")
+    window_s: float = Field(gt=0, description="deaths older than this no longer count against restarts")
+
+
 class ServingParams(_Strict):
     home: str
     worker_defaults: dict[str, Any] = Field(description="WorkerParams values every worker takes unless its entry sets them")
@@ -178,6 +186,7 @@ class ServingParams(_Strict):
     roles: list[str]
     verify_max_tokens: int
     startup_timeout_s: float
+    restart: RestartParams
 
     @model_validator(mode="before")
     @classmethod

@@ -77,3 +77,69 @@ def test_what_a_killed_service_left_running_is_stopped_by_its_group_and_mark(tmp
     stranger.kill()
     stranger.wait()
     assert not stop(svc)  # nothing left, nothing else touched
+
+
+def _supervised(tmp_path: Path, restarts: int) -> tuple[Service, int, Path]:
+    """An engine that leaves a child behind when killed (as vLLM's API server leaves its EngineCore), supervised."""
+    import sys
+
+    engine = tmp_path / "engine.sh"
+    engine.write_text(f"#!/bin/bash\nsleep 300 &\necho $! > {tmp_path}/engine-child.pid\nwait\n")
+    engine.chmod(0o755)
+    child_pid = tmp_path / "engine.pid"
+    svc = Service("supervised", tmp_path / "home")
+    cmd = [sys.executable, "-m", "pipeline.services.supervise", "--restarts", str(restarts), "--backoff-s", "0.2",
+           "--cap-s", "0.4", "--window-s", "60", "--child-pid-file", str(child_pid), "--", str(engine)]
+    started = tmp_path / "engine-child.pid"
+    pid = start(svc, cmd, started.exists, timeout_s=20, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    return svc, pid, child_pid
+
+
+def _wait_for(check, timeout_s: float = 20.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_killed_engine_is_restarted_with_backoff_and_what_it_left_is_killed(tmp_path: Path) -> None:
+    """The supervisor restarts a SIGKILLed engine by itself (#44) and first kills the orphan the dead engine left in
+    the group; after ``restarts`` deaths within the window it gives up; a group stop ends everything."""
+    import signal
+
+    svc, leader, engine_file = _supervised(tmp_path, restarts=2)
+    try:
+        for death in (1, 2):
+            engine = int(engine_file.read_text())
+            orphan = int((tmp_path / "engine-child.pid").read_text())
+            os.kill(engine, signal.SIGKILL)
+            assert _wait_for(lambda e=engine: engine_file.exists() and int(engine_file.read_text()) != e)  # restarted
+            assert _wait_for(lambda o=orphan: not _alive(o)), f"death {death}: the dead engine's child still runs"
+            assert svc.pid() == leader  # the service itself never went down
+        engine = int(engine_file.read_text())
+        assert _wait_for(lambda: int((tmp_path / "engine-child.pid").read_text()) != orphan)
+        os.kill(engine, signal.SIGKILL)  # a third death within the window: the supervisor gives up
+        assert _wait_for(lambda: svc.pid() is None or not _alive(leader))
+        assert "giving up" in svc.log_file.read_text()
+        assert not _group_alive(leader)
+    finally:
+        stop(svc, grace_s=5)
+
+
+def test_a_supervised_engine_stops_with_its_group_and_is_not_restarted(tmp_path: Path) -> None:
+    svc, leader, engine_file = _supervised(tmp_path, restarts=5)
+    engine = int(engine_file.read_text())
+    assert stop(svc, grace_s=10)
+    assert not _group_alive(leader) and not _alive(engine) and "restart" not in svc.log_file.read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

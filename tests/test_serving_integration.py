@@ -418,3 +418,70 @@ def test_seeded_calls_with_long_prompts_in_flight_keep_the_engine_alive(params: 
     again = asyncio.run(burst())
     assert first == again
     assert httpx.get(f"{worker.base_url(params.serving.workers[0])}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.e2e
+def test_a_worker_killed_mid_burst_answers_200_or_503_and_comes_back_by_itself(params: Params) -> None:
+    """#44: SIGKILL of the vLLM engine while 20 requests are in flight through the proxy. Every client gets 200 or 503
+    with Retry-After (never a 500), the supervisor restarts the engine within its backoff with no manual step, and no
+    process of the killed engine remains in the worker's process group."""
+    import os
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    routing.apply(params.serving, params.mlflow, 1)
+    base = params.serving.workers[0]
+    svc = worker.service(params.serving, base)
+    leader = svc.pid()
+    assert leader is not None
+    engine = int(worker.engine_pid_file(svc).read_text())
+    pgid = os.getpgid(leader)
+
+    def descendants(root: int) -> set[int]:
+        parents = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    continue
+        found, frontier = set(), [root]
+        while frontier:
+            pid = frontier.pop()
+            children = [c for c, p in parents.items() if p == pid]
+            found.update(children)
+            frontier += children
+        return found
+
+    killed = {engine, *descendants(engine)}  # the API server and its EngineCore
+    assert len(killed) >= 2, killed
+
+    def one(i: int) -> httpx.Response:
+        return _chat(params, "judge", max_tokens=48, messages=[{"role": "user", "content": f"Request {i}: name three genes."}])
+
+    with ThreadPoolExecutor(20) as pool:
+        answers = [pool.submit(one, i) for i in range(20)]
+        time.sleep(1.0)  # the burst is in flight
+        os.kill(engine, signal.SIGKILL)
+        statuses = [a.result().status_code for a in answers]
+    unavailable = [a.result() for a in answers if a.result().status_code == 503]
+    assert set(statuses) <= {200, 503}, statuses
+    assert unavailable and all(r.headers.get("retry-after") for r in unavailable), statuses
+    r = params.serving.restart
+    deadline = time.monotonic() + r.backoff_s + params.serving.startup_timeout_s
+    while time.monotonic() < deadline and not _up(base):
+        time.sleep(1.0)
+    assert _up(base), f"the worker did not come back within {r.backoff_s} s backoff + startup"
+    assert svc.pid() == leader and int(worker.engine_pid_file(svc).read_text()) != engine
+    left = {pid for pid in killed if Path(f"/proc/{pid}").exists() and os.getpgid(pid) == pgid}
+    assert not left, f"processes of the killed engine still in the worker's group: {left}"
+    assert _chat(params, "judge").status_code == 200
+    assert "supervise: engine exited with -9" in svc.log_file.read_text()
+
+
+def _up(w) -> bool:
+    try:
+        return httpx.get(f"{worker.base_url(w)}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False

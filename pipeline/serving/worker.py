@@ -21,6 +21,7 @@ import httpx
 
 from pipeline.config import Params, ServingParams, WorkerParams
 from pipeline.envs import model_python, pythonpath
+from pipeline.services import supervise
 from pipeline.services.process import Service, ServiceError, claim, http_ok, probe_http, start, stop
 from pipeline.serving import adapter_store, keys, vllm_guard
 from pipeline.serving.vllm_guard import KEY_ENV  # the variable vLLM and the guard read: one spelling
@@ -28,6 +29,11 @@ from pipeline.serving.vllm_guard import KEY_ENV  # the variable vLLM and the gua
 
 def service(serving: ServingParams, worker: WorkerParams) -> Service:
     return Service(f"vllm-{worker.name}", Path(serving.home).resolve())
+
+
+def engine_pid_file(svc: Service) -> Path:
+    """The engine process the supervisor runs now (what a crash test kills)."""
+    return svc.home / f"{svc.name}.engine.pid"
 
 
 def base_url(worker: WorkerParams) -> str:
@@ -96,7 +102,13 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
         KEY_ENV: key,
         "PYTHONPATH": pythonpath(),  # the guard middleware is imported from this checkout
     }
-    start(service(serving, worker), argv, f"{url}/health", env=env,
+    svc = service(serving, worker)
+    r = serving.restart
+    # the supervisor leads the group and restarts a dead engine with backoff (docs/serving.md, supervised engines)
+    supervised = [model_python(), "-m", supervise.__name__, "--restarts", str(r.restarts), "--backoff-s", str(r.backoff_s),
+                  "--cap-s", str(r.cap_s), "--window-s", str(r.window_s), "--child-pid-file", str(engine_pid_file(svc)),
+                  "--", *argv]
+    start(svc, supervised, f"{url}/health", env=env,
           timeout_s=serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity,
           secrets={KEY_ENV: key})
     return url
