@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pipeline import tracking
 from pipeline.config import ParamsError, load_params
 from pipeline.data.sources import SourceError
+from pipeline.promotion import PromotionError
 from pipeline.services.process import ServiceError
 
 # command -> (module, one-line help)
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracking.CONTEXT["data.setting"] = params.data.setting
     try:
         return int(module.main(args, params) or 0)
-    except (ServiceError, SourceError) as exc:  # a service that cannot be used, an input refused: one line, no traceback
+    except (ServiceError, SourceError, PromotionError) as exc:  # a service unusable, an input or a registry refused: one line
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:

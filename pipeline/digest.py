@@ -13,24 +13,33 @@ from __future__ import annotations
 from pipeline.serving.vllm_guard import (  # the worker verifies with the same code (it receives that file alone)
     ADAPTER_CONFIG,
     DEPLOY_FIELD,
+    DIGITS,
     SERVED,
-    SHORT,
     artifact_sha256,
     file_hash,
 )
 
-__all__ = ["ADAPTER_CONFIG", "DEPLOY_FIELD", "SHA256_TAG", "SHORT", "artifact_sha256", "file_hash", "served_digest",
-           "served_name"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "DEPLOY_FIELD",
+    "DIGITS",
+    "SHA256_TAG",
+    "artifact_sha256",
+    "file_hash",
+    "served_digest",
+    "served_name",
+]
 
 SHA256_TAG = "sha256"  # the model-version tag holding its artifact's digest (set at registration)
 
 
 def served_name(role: str, version: str | int, sha256: str) -> str:
-    """The name a worker serves a LoRA version under: ``<role>-v<N>-<sha256[:12]>``."""
-    return f"{role}-v{version}-{sha256[:SHORT]}"
+    """The name a worker serves a LoRA version under: ``<role>-v<N>-<sha256>``."""
+    return f"{role}-v{version}-{sha256[:DIGITS]}"
 
 
 def served_digest(deployment: str | None) -> str | None:
-    """The digest prefix a deployment name carries (``<worker>/<role>-v<N>-<sha12>``), None for a base model."""
+    """The digest prefix a deployment name carries (``<worker>/<role>-v<N>-<sha256>``, 12 digits in older
+    names), None for a base model."""
     m = SERVED.match(deployment or "")
     return m.group("sha") if m else None

@@ -163,6 +163,30 @@ def _finish(serving: ServingParams, intent: dict[str, Any]) -> None:
     intent_file(serving).unlink(missing_ok=True)
 
 
+def audit(serving: ServingParams) -> list[str]:
+    """Where the registry disagrees with the journal: a role whose champion alias or champion digest is not what the
+    journal's last switch of that role made it (roles never switched are the registry's own baselines)."""
+    found = []
+    for role in dict.fromkeys(e["role"] for e in journal(serving)):
+        last = journal(serving, role)[-1]
+        champion = registry.by_alias(role, registry.CHAMPION)
+        if champion is None or str(champion.version) != str(last["version"]):
+            found.append(f"{role}: the registry's champion is v{champion.version if champion else '-'}, but the promotion "
+                         f"journal's last switch made v{last['version']} champion: the registry was changed outside "
+                         "promote/rollback")
+        elif champion.tags.get(registry.SHA256_TAG) != last.get("sha256"):
+            found.append(f"{role} v{champion.version}: sha256 {champion.tags.get(registry.SHA256_TAG)} in the registry, but "
+                         f"{last.get('sha256')} when the promotion journal made it champion")
+    return found
+
+
+def check(serving: ServingParams) -> None:
+    """Refuse to serve from a registry the journal disagrees with, naming each disagreement and the way out."""
+    if found := audit(serving):
+        raise PromotionError("; ".join(found) + f" (the record is {journal_file(serving)}: point the alias back with "
+                             "the writer's credentials; a registry started afresh needs that journal moved aside)")
+
+
 def reconcile(serving: ServingParams, mlflow: MlflowParams) -> str | None:
     """Finish or undo a switch a crash interrupted; what was done (None: nothing pending)."""
     intent = pending(serving)

@@ -7,7 +7,7 @@ policy the LLM supervisor itself (kind ``llm_supervisor``). Trainers register th
 new version and point ``challenger`` at it; only promotion moves ``champion``.
 
 A version's ``kind`` says how the society reaches it: ``base`` -> its recorded deployment,
-``lora_adapter`` -> ``<worker>/<name>-v<N>-<sha256[:12]>`` once hot-loaded into the worker that serves
+``lora_adapter`` -> ``<worker>/<name>-v<N>-<sha256>`` once hot-loaded into the worker that serves
 the role's champion, ``contextual_bandit`` -> ``models:/<name>/<N>`` named in the routing's ``policies``,
 ``llm_supervisor`` -> ``llm``.
 

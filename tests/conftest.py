@@ -70,13 +70,18 @@ def set_param(root: Path, dotted: str, value: object) -> None:
 
 
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real MLflow tracking server (SQLite + local artifacts) started by the project's code."""
+def mlflow_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mlflow")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(mlflow_home: Path) -> Iterator[str]:
+    """A real MLflow tracking server (SQLite + local artifacts, MLflow's basic-auth app) started by the project's code."""
     from pipeline.config import load_params
     from pipeline.services import mlflow_server as server
     from pipeline.services.process import free_port
 
-    home = tmp_path_factory.mktemp("mlflow")
+    home = mlflow_home
     env = {"PIPELINE__MLFLOW__PORT": str(free_port()), "PIPELINE__MLFLOW__HOME": str(home)}
     params = load_params(ROOT / "params.yaml", environ=env)
     saved = os.environ.pop("MLFLOW_TRACKING_URI", None)

@@ -38,8 +38,9 @@ def test_a_folder_digest_covers_every_byte_but_where_the_engine_keeps_its_base(t
 def test_a_served_name_carries_the_digest_a_span_reads_back() -> None:
     sha = "ab" * 32
     name = served_name("junior_researcher", 3, sha)
-    assert name == "junior_researcher-v3-abababababab"
-    assert served_digest(f"base/{name}") == sha[:12] and served_digest("base") is None and served_digest(None) is None
+    assert name == f"junior_researcher-v3-{sha}"  # the whole digest (#44: a 12-digit prefix is forgeable)
+    assert served_digest(f"base/{name}") == sha and served_digest("base") is None and served_digest(None) is None
+    assert served_digest("base/junior_researcher-v3-abababababab") == sha[:12]  # a name deployed before: still read
 
 
 def _trace(deployment: str, role: str = "junior_researcher") -> Trace:

@@ -245,6 +245,9 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     registry.set_alias("junior_researcher", registry.CHAMPION, version)
     moved = _cli(promo, "rollback", "junior_researcher")
     assert moved.returncode == 1 and "changed outside promote/rollback" in moved.stderr, moved.stdout + moved.stderr
+    served = _cli(promo, "services", "up", "serving")  # every stage's stack.ensure refuses it too, in one line
+    assert served.returncode == 1 and "changed outside promote/rollback" in served.stderr, served.stdout + served.stderr
+    assert "Traceback" not in served.stderr
     registry.set_alias("junior_researcher", registry.CHAMPION, "2")
 
 

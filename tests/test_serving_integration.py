@@ -301,7 +301,7 @@ def test_promoted_adapter_survives_a_worker_restart(params: Params, serving_mode
             chat = {"model": adapter, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
             resp = httpx.post(f"{url}/v1/chat/completions", json=chat, headers=key, timeout=120)
             assert resp.status_code == 409 and "refusing to load" in resp.text and artifact_sha256(cached) in resp.text, resp.text
-            forged = f"supervisor-v9-{artifact_sha256(serving_models / 'adapter-a')[:12]}"
+            forged = f"supervisor-v9-{artifact_sha256(serving_models / 'adapter-a')}"
             resp = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": forged, "lora_path": str(cached)}, headers=key,
                               timeout=120)
             assert resp.status_code == 409 and forged not in worker.models(base), resp.text

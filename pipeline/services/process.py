@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+# the caller's MLflow login stays with the caller: a service that needs one is given it by name (``env``)
+CALLER_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 OWNER_ENV = "PIPELINE_SERVICE_OWNER"  # set on a service at start: its orphans are recognised by it, never by name
 
 
@@ -235,7 +237,7 @@ def start(
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env={**os.environ, **(env or {}), OWNER_ENV: owner},
+        env={**{k: v for k, v in os.environ.items() if k not in CALLER_CREDENTIALS}, **(env or {}), OWNER_ENV: owner},
         cwd=cwd,
         start_new_session=True,
         umask=0o077,  # what the service writes (mlflow.db, its caches, artifacts) is owner-only

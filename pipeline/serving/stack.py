@@ -19,7 +19,8 @@ def ensure(serving: ServingParams, mlflow: MlflowParams) -> tuple[str, str]:
 
     Mapped Airflow tasks call this at the same time: a file lock lets one start the services
     while the others wait and then find them healthy. ``mlflow``: where a routed policy and a
-    switch a crash interrupted are resolved.
+    switch a crash interrupted are resolved. A registry whose champions disagree with the promotion journal is
+    refused (``promotion.PromotionError``).
     """
     home = Path(serving.home).resolve()
     home.mkdir(parents=True, exist_ok=True)
@@ -34,6 +35,9 @@ def ensure(serving: ServingParams, mlflow: MlflowParams) -> tuple[str, str]:
     if promotion.pending(serving):  # a switch a crash interrupted: alias and routing must agree before anything is served
         tracking.setup(mlflow)
         promotion.reconcile(serving, mlflow)
+    if promotion.journal(serving):  # what is served follows the journal, not a registry someone else wrote (#44)
+        tracking.setup(mlflow)
+        promotion.check(serving)
     return proxy.client_settings(serving)
 
 

@@ -7,7 +7,7 @@ rest generate or run the model without a key. This one requires ``Authorization:
 except the health check supervisors poll. It runs inside the vLLM server process (imported by path, so stdlib only)
 and reads the key the worker was started with; with no key it refuses to start rather than pass requests open.
 
-**Digest at every load.** A served LoRA is named ``<role>-v<N>-<sha256[:12]>`` (``pipeline.digest.served_name``). Before
+**Digest at every load.** A served LoRA is named ``<role>-v<N>-<sha256>`` (``pipeline.digest.served_name``). Before
 vLLM may load one (``/v1/load_lora_adapter``, or a completion naming it, which vLLM's filesystem resolver loads from
 ``VLLM_LORA_RESOLVER_CACHE_DIR/<name>`` after a restart), the folder's digest is computed here and compared with the
 name's; a mismatch is refused (409) and logged with both digests. Digests are cached by the files' size and mtime, so a
@@ -36,8 +36,10 @@ ADAPTER_DIR_ENV = "VLLM_LORA_RESOLVER_CACHE_DIR"
 LOADS = ("/v1/load_lora_adapter", "/v1/chat/completions", "/v1/completions")
 ADAPTER_CONFIG = "adapter_config.json"
 DEPLOY_FIELD = "base_model_name_or_path"
-SHORT = 12  # hex digits of the digest in a served adapter's name
-SERVED = re.compile(rf"^(?:[^/]+/)?(?P<role>[A-Za-z0-9_.]+)-v(?P<version>\d+)-(?P<sha>[0-9a-f]{{{SHORT}}})$")
+DIGITS = 64  # the whole sha256 in a served adapter's name: a prefix would be a second preimage away from a forgery
+LEGACY = 12  # names deployed before: still verified, on the 48 bits they carry
+SERVED = re.compile(rf"^(?:[^/]+/)?(?P<role>[A-Za-z0-9_.]+)-v(?P<version>\d+)-"
+                    rf"(?P<sha>[0-9a-f]{{{DIGITS}}}|[0-9a-f]{{{LEGACY}}})$")
 
 
 def file_hash(path: str | Path, algorithm: str = "sha256") -> str:
@@ -94,8 +96,8 @@ def refusal(path: str, body: dict[str, Any]) -> str | None:
     if served is None or not (folder / ADAPTER_CONFIG).exists():
         return None  # a base model, an unversioned name, or nothing on disk for the resolver: vLLM decides
     got = folder_digest(folder)
-    if got[:SHORT] != served.group("sha"):
-        return (f"adapter {name}: the folder {folder} has sha256 {got}, but its name says {served.group('sha')}...: "
+    if got[:len(served.group("sha"))] != served.group("sha"):
+        return (f"adapter {name}: the folder {folder} has sha256 {got}, but its name says {served.group('sha')}: "
                 "refusing to load weights that are not the registered ones")
     return None
 

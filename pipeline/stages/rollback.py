@@ -48,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    stack.ensure(params.serving, params.mlflow)
-    tracking.setup(params.mlflow)
     try:
+        stack.ensure(params.serving, params.mlflow)
+        tracking.setup(params.mlflow)
         was, now, number = rollback(params.serving, params.mlflow, params.promote, args.role)
     except PromotionError as exc:
         print(f"error: rollback failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
