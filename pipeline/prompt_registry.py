@@ -1,13 +1,17 @@
-"""The society's prompt templates as versions in MLflow's Prompt Registry (the first step of issue #43).
+"""The society's prompt templates as versions in MLflow's Prompt Registry, and the routed version of each (#43).
 
 Each template of ``pipeline.agents.prompts.TEMPLATES`` is the registered prompt ``society.<name>``. :func:`sync`
 registers the repository's text as a new version whenever it differs from the newest one (a template changed in the
 repo becomes a new version, never an edit of one already used), tags it with its ``sha``, points ``champion`` at the
 first version a prompt gets, and tells ``prompts`` which version each template's text is, so every LLM span names
-it (``prompt_version``). Stages that run the society call it once at start (rollouts, evaluate, report).
+it (``prompt_version``). Stages that run the society call it once at start (rollouts, evaluate, report) with the live
+routing table: a routing version may name, per template, a registered version (``prompts:``), whose text the society
+then renders instead of the repository's, after checking it against the digest it was registered with.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from pipeline.agents import prompts
 from pipeline.config import MlflowParams
@@ -20,8 +24,13 @@ def registered_name(template: str) -> str:
     return PREFIX + template
 
 
-def sync(mlflow_cfg: MlflowParams) -> dict[str, int]:
-    """Every template registered as it reads now; returns (and records in ``prompts``) template -> version."""
+class PromptError(RuntimeError):
+    pass
+
+
+def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> dict[str, int]:
+    """Every template registered as it reads now; then the versions the routing ``table`` names (its ``prompts``)
+    become what the society renders. Returns (and records in ``prompts``) template -> the version rendered."""
     import mlflow.genai  # noqa: PLC0415 - control plane only; 1 s import
 
     from pipeline import tracking  # noqa: PLC0415 - control plane only
@@ -33,10 +42,39 @@ def sync(mlflow_cfg: MlflowParams) -> dict[str, int]:
         latest = mlflow.genai.load_prompt(f"prompts:/{name}@latest", allow_missing=True, link_to_model=False)
         if latest is None or latest.template != text:
             latest = mlflow.genai.register_prompt(
-                name, text, commit_message=f"pipeline/agents/prompts.py at sha {prompts.sha(template)}",
-                tags={"sha": prompts.sha(template), "source": "pipeline/agents/prompts.py"})
+                name, text, commit_message=f"pipeline/agents/prompts.py at sha {prompts.digest(text)}",
+                tags={"sha": prompts.digest(text), "source": "pipeline/agents/prompts.py"})
         if mlflow.genai.load_prompt(f"prompts:/{name}@{CHAMPION}", allow_missing=True, link_to_model=False) is None:
             mlflow.genai.set_prompt_alias(name, CHAMPION, latest.version)
         versions[template] = int(latest.version)
+    prompts.ROUTED.clear()
+    for template, number in ((table or {}).get("prompts") or {}).items():
+        routed = mlflow.genai.load_prompt(f"prompts:/{registered_name(template)}/{number}", link_to_model=False)
+        # the served-digest rule for prompts: the text must be the one registered under that version's sha
+        if routed.tags.get("sha") != prompts.digest(routed.template):
+            raise PromptError(f"prompt {registered_name(template)} v{number}: its text hashes to "
+                              f"{prompts.digest(routed.template)}, but it was registered as {routed.tags.get('sha')}")
+        prompts.ROUTED[template] = routed.template
+        versions[template] = int(number)
+    prompts.VERSIONS.clear()
     prompts.VERSIONS.update(versions)
     return versions
+
+
+def register(mlflow_cfg: MlflowParams, template: str, text: str, message: str, tags: dict[str, str] | None = None) -> int:
+    """A new version of ``template`` (an optimizer's proposal): its fields must be the repository template's, so the
+    society can render it; returns the version number."""
+    import string  # noqa: PLC0415
+
+    import mlflow.genai  # noqa: PLC0415 - control plane only; 1 s import
+
+    from pipeline import tracking  # noqa: PLC0415 - control plane only
+
+    fields = {f for _, f, _, _ in string.Formatter().parse(text) if f}
+    need = {f for _, f, _, _ in string.Formatter().parse(prompts.TEMPLATES[template]) if f}
+    if fields != need:
+        raise PromptError(f"prompt {template}: fields {sorted(fields)}, but the society fills {sorted(need)}")
+    tracking.setup(mlflow_cfg)
+    version = mlflow.genai.register_prompt(registered_name(template), text, commit_message=message,
+                                           tags={**(tags or {}), "sha": prompts.digest(text)})
+    return int(version.version)

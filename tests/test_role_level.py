@@ -214,6 +214,46 @@ def test_prompt_versions_round_trip_the_prompt_registry(mlflow_server: str, monk
     assert int(champion.version) == first["principal_investigator"] and not champion.template.endswith("Be brief.")
 
 
+def test_a_routed_prompt_version_is_what_the_society_renders(mlflow_server: str, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path) -> None:
+    """A routing version names a Prompt Registry version per template (#43): the society renders that version's text,
+    spans name its version and hash; a routing version naming an unknown template or no version number writes nothing;
+    a proposed text that drops a field the society fills is never registered."""
+    from pipeline import prompt_registry
+    from pipeline.agents import prompts
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setattr(prompts, "VERSIONS", {})
+    monkeypatch.setattr(prompts, "ROUTED", {})
+    cfg = section("mlflow")
+    prompt_registry.sync(cfg)
+    repo_text = prompts.TEMPLATES["principal_investigator"]
+    candidate = repo_text + " Weigh the conclusion before the protocol."
+    version = prompt_registry.register(cfg, "principal_investigator", candidate, "test: a proposed version")
+    with pytest.raises(prompt_registry.PromptError, match="fields"):
+        prompt_registry.register(cfg, "principal_investigator", "Decide GO or NO-GO.", "drops every field")
+    serving = load_params(ROOT / "params.yaml", environ={
+        "PIPELINE__SERVING__ROUTING_DIR": str(tmp_path / "versions"), "PIPELINE__SERVING__HOME": str(tmp_path / "run"),
+        "PIPELINE__SERVING__LIVE_FILE": str(tmp_path / "live.json")}).serving
+    (tmp_path / "versions").mkdir()
+    (tmp_path / "versions" / "v1.yaml").write_text((ROOT / "serving/routing/v1.yaml").read_text())
+    roles_v1 = routing.load_version(serving, 1)["roles"]
+    for bad in ({"no_such_template": 1}, {"principal_investigator": 0}, {"principal_investigator": "2"}):
+        with pytest.raises(routing.RoutingError):
+            routing.write_version(serving, roles_v1, "bad prompt", prompt_versions=bad)
+    assert routing.versions(serving) == [1]  # nothing written
+    number = routing.write_version(serving, roles_v1, "the PI's proposed prompt", prompt_versions={"principal_investigator": version})
+    table = routing.load_version(serving, number)
+    assert table["prompts"] == {"principal_investigator": version}
+    rendered = prompt_registry.sync(cfg, table)
+    fields = {"brief": "Q?", "protocol": "P", "reviews": "none"}
+    assert rendered["principal_investigator"] == version == prompts.VERSIONS["principal_investigator"]
+    assert prompts.render("principal_investigator", **fields).endswith("Weigh the conclusion before the protocol.")
+    assert prompts.sha("principal_investigator") == prompts.digest(candidate) != prompts.digest(repo_text)
+    prompt_registry.sync(cfg, routing.load_version(serving, 1))  # a table that routes no prompt: the repository's text
+    assert prompts.render("principal_investigator", **fields) == repo_text.format(**fields)
+
+
 def test_a_pi_that_answers_one_decision_everywhere_is_not_promoted_however_often_it_is_right() -> None:
     """What the default make run's 8-step PI learned (docs/benchmarks.md): GO everywhere beats NO-GO everywhere on
     62% yes questions, significantly, and separates nothing: refused on discrimination (promote.min_auc)."""

@@ -39,17 +39,28 @@ TEMPLATES: dict[str, str] = {
 
 
 VERSIONS: dict[str, int] = {}  # template -> its version in MLflow's Prompt Registry, once pipeline.prompt_registry.sync ran
+ROUTED: dict[str, str] = {}  # template -> the text of the version the live routing names (prompt_registry.sync)
+
+
+def text(name: str) -> str:
+    """What the society renders for ``name``: the routed version's text, else the repository's."""
+    return ROUTED.get(name, TEMPLATES[name])
+
+
+def digest(template: str) -> str:
+    """A template text's version: the first 12 hex of its sha256."""
+    return hashlib.sha256(template.encode()).hexdigest()[:12]
 
 
 def sha(name: str) -> str:
-    """The template's version: the first 12 hex of the sha256 of its text."""
-    return hashlib.sha256(TEMPLATES[name].encode()).hexdigest()[:12]
+    """The version of the text the society renders for ``name`` (see :func:`text`)."""
+    return digest(text(name))
 
 
 def render(name: str, **fields: Any) -> str:
-    """The template ``name`` with its fields filled (a missing field raises, naming it)."""
+    """The template ``name`` (as routed) with its fields filled (a missing field raises, naming it)."""
     try:
-        return TEMPLATES[name].format(**fields)
+        return text(name).format(**fields)
     except KeyError as exc:
         raise KeyError(f"prompt {name!r} needs field {exc.args[0]!r}") from None
 

@@ -32,6 +32,7 @@ import httpx
 import yaml
 
 from pipeline import tracking
+from pipeline.agents import prompts
 from pipeline.config import MlflowParams, Params, RolloutsParams, ServingParams
 from pipeline.io import write_json, write_text
 from pipeline.roles import FALLBACK
@@ -114,21 +115,34 @@ def load_version(serving: ServingParams, version: int) -> dict[str, Any]:
     policies = doc.get("policies") or {}
     if not isinstance(policies, dict):
         raise RoutingError(f"{path}: 'policies' must map policy -> model URI or 'llm'")
+    prompt_versions = doc.get("prompts") or {}
+    if not isinstance(prompt_versions, dict):
+        raise RoutingError(f"{path}: 'prompts' must map prompt template -> registered version")
     try:
-        check_table(serving, roles, policies)
+        check_table(serving, roles, policies, prompt_versions)
     except RoutingError as exc:
         raise RoutingError(f"{path}: {exc}") from None
-    return {"version": version, "roles": {r: str(t) for r, t in roles.items()},
-            "policies": {k: str(v) for k, v in policies.items()}, "description": doc.get("description", "")}
+    table = {"version": version, "roles": {r: str(t) for r, t in roles.items()},
+             "policies": {k: str(v) for k, v in policies.items()}, "description": doc.get("description", "")}
+    if prompt_versions:
+        table["prompts"] = {t: int(v) for t, v in prompt_versions.items()}
+    return table
 
 
-def check_table(serving: ServingParams, roles: dict[str, Any], policies: dict[str, Any]) -> None:
+def check_table(serving: ServingParams, roles: dict[str, Any], policies: dict[str, Any],
+                prompt_versions: dict[str, Any] | None = None) -> None:
     """Every role of ``serving.roles`` and no other, each on a deployment a worker serves, every policy a valid routing
-    value: what a routing version must hold before it is written, or read."""
+    value, every routed prompt a template of the society at a registered version number: what a routing version must
+    hold before it is written, or read."""
     missing = sorted(set(serving.roles) - set(roles))
     unknown = sorted(set(roles) - set(serving.roles))
     if missing or unknown:
         raise RoutingError(f"roles missing {missing}, unknown {unknown}")
+    for template, number in (prompt_versions or {}).items():
+        if template not in prompts.TEMPLATES:
+            raise RoutingError(f"prompt {template!r}: not a template of the society (pipeline/agents/prompts.py)")
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise RoutingError(f"prompt {template}: version {number!r} must be a registered version number (1, 2, ...)")
     try:
         for target in roles.values():
             check_target(str(target))
@@ -143,15 +157,18 @@ def check_table(serving: ServingParams, roles: dict[str, Any], policies: dict[st
 
 
 def write_version(serving: ServingParams, roles: dict[str, str], description: str = "",
-                  policies: dict[str, str] | None = None) -> int:
+                  policies: dict[str, str] | None = None, prompt_versions: dict[str, int] | None = None) -> int:
     """Write the next version file (used by `route new` and by promotion); returns its number. A table that
-    :func:`check_table` refuses writes nothing."""
-    check_table(serving, roles, policies or {})
+    :func:`check_table` refuses writes nothing. ``prompt_versions``: template -> the Prompt Registry version the
+    society renders instead of the repository's text (docs/serving.md)."""
+    check_table(serving, roles, policies or {}, prompt_versions)
     with lock(serving):
         number = (versions(serving) or [0])[-1] + 1
         doc: dict[str, Any] = {"description": description, "roles": roles}
         if policies:
             doc["policies"] = policies
+        if prompt_versions:
+            doc["prompts"] = prompt_versions
         path = generated_dir(serving) / f"v{number}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, yaml.safe_dump(doc, sort_keys=False))
@@ -265,6 +282,8 @@ def _track(serving: ServingParams, table: dict[str, Any]) -> None:
     must not look new). The proxy reads the service-state copy; this one says what produced the traces."""
     live = Path(serving.live_file)
     doc = {"version": table["version"], "roles": table["roles"], "policies": table.get("policies") or {}}
+    if table.get("prompts"):
+        doc["prompts"] = table["prompts"]
     text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
     if not live.exists() or live.read_text() != text:
         write_text(live, text)
@@ -315,6 +334,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["apply", "status", "rollback", "new"])
     parser.add_argument("--version", type=int, help="version to apply (default: the newest)")
     parser.add_argument("--set", action="append", default=[], metavar="ROLE=DEPLOYMENT", help="with `new`: change a role")
+    parser.add_argument("--prompt", action="append", default=[], metavar="TEMPLATE=VERSION",
+                        help="with `new`: render this Prompt Registry version of a template (society.<TEMPLATE>)")
     parser.add_argument("--description", default="")
 
 
@@ -336,7 +357,13 @@ def main(args: argparse.Namespace, params: Params) -> int:
             changes = dict(item.split("=", 1) for item in args.set)
             roles = {**live["roles"], **{k: v for k, v in changes.items() if k in serving.roles}}
             policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in serving.roles}}
-            number = write_version(serving, roles, args.description, policies)
+            routed = dict(live.get("prompts") or {})
+            for item in args.prompt:
+                template, sep, number = item.partition("=")
+                if not sep or not number.isdigit():
+                    raise RoutingError(f"--prompt {item!r}: must be TEMPLATE=VERSION (a registered version number)")
+                routed[template] = int(number)
+            number = write_version(serving, roles, args.description, policies, routed)
             print(f"wrote {version_path(serving, number)}; apply with `python -m pipeline route apply --version {number}`")
         else:
             state = {"active": active(serving), "versions": versions(serving), "history": history(serving)[-5:]}

@@ -138,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)
-    prompt_registry.sync(params.mlflow)  # the prompt versions the society renders, named in every LLM span
+    prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions, named in spans
     with tracking.stage_run("report", params.mlflow):
         result = run(params)
     write_json(METRICS_FILE, result)

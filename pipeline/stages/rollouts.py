@@ -277,7 +277,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
         with tracking.stage_run("rollouts" if args.shard is None else f"rollouts-shard-{args.shard}", params.mlflow):
             import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow, --collect)
 
-            prompt_registry.sync(params.mlflow)  # the prompt versions the society renders, named in every LLM span
+            prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions, named in spans
 
             results = collect(params.rollouts) if args.collect else run(params, shards, run_id)
             for scope, metrics in results.items():
