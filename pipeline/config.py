@@ -92,7 +92,8 @@ class MlflowParams(_Strict):
                        "write as pipeline-writer (docs/security.md)")
     auth_cache_ttl_s: int = Field(ge=0, description="how long the server trusts a checked password (MLflow's "
                                   "auth_cache_ttl_seconds): scrypt costs ~0.1 s of CPU per check")
-    secrets_dir: str = Field(description="the local server's generated passwords (admin, writer, reader), 0600")
+    secrets_dir: str = Field(description="the local server's generated passwords (admin, writer, reader), 0600: one set "
+                             "per OS user, so every local server of every checkout takes the same login")
     presigned_urls: bool = Field(
         description="let MLflow clients move artifacts straight to and from the artifact store by presigned URL (MLflow "
                     ">= 3.17 does whenever the server proxies to S3); false: every artifact through the tracking server, "

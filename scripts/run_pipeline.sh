@@ -33,8 +33,8 @@ cat <<EOT
 pipeline run ${PIPELINE_RUN_ID}: ${status}
   data            data/tasks/ (ingested splits), data/validated/ (validated splits + quarantine.parquet)
   reports         reports/ingest.json, reports/validation.json, reports/validation/ (GX results, Data Docs: reports/validation/data_docs/index.html)
-  mlflow UI       ${URI}/#/experiments/${EXPERIMENT}/runs/${PARENT}  (local login: pipeline-reader, password in .secrets/mlflow_reader_password)
-  mlflow CLI      MLFLOW_TRACKING_URI=${URI} MLFLOW_TRACKING_USERNAME=pipeline-reader MLFLOW_TRACKING_PASSWORD="\$(cat .secrets/mlflow_reader_password)" .venv/control/bin/mlflow runs list --experiment-id ${EXPERIMENT}
+  mlflow UI       ${URI}/#/experiments/${EXPERIMENT}/runs/${PARENT}  (local login: pipeline-reader, password in ~/.config/pubmedqa-society/mlflow/mlflow_reader_password)
+  mlflow CLI      MLFLOW_TRACKING_URI=${URI} MLFLOW_TRACKING_USERNAME=pipeline-reader MLFLOW_TRACKING_PASSWORD="\$(cat ~/.config/pubmedqa-society/mlflow/mlflow_reader_password)" .venv/control/bin/mlflow runs list --experiment-id ${EXPERIMENT}
   tools index     data/index/ (BM25 + MeSH gene/protein headings)
   rollout traces  data/rollouts/shard-*.jsonl ; metrics reports/rollouts.json (dvc metrics show)
   datasets        data/datasets/{sft,rl,bandit} ; reports/datasets.json, reward histogram reports/plots/rewards.png (dvc plots show)

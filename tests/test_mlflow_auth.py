@@ -10,7 +10,7 @@ import mlflow
 from mlflow import MlflowClient
 
 from pipeline.config import load_params
-from pipeline.services import mlflow_server
+from pipeline.services import mlflow_server as local_mlflow
 from pipeline.services.mlflow_users import MLFLOW_USERS
 from tests.conftest import ROOT
 
@@ -49,10 +49,10 @@ def test_the_auth_store_and_passwords_are_owner_only(mlflow_server: str, mlflow_
     params = load_params(ROOT / "params.yaml")
     home = mlflow_home
     for path in (home / "basic_auth.ini", home / "basic_auth.db",
-                 *(Path(params.mlflow.secrets_dir) / f"mlflow_{u}_password" for u in ("admin", "writer", "reader"))):
+                 *(local_mlflow.password_file(params.mlflow, u) for u in ("admin", "writer", "reader"))):
         assert path.stat().st_mode & 0o077 == 0, path
 
 
 def mlflow_server_password(params, user: str) -> str:
-    return mlflow_server.password(params.mlflow, user)
+    return local_mlflow.password(params.mlflow, user)
 

@@ -42,9 +42,14 @@ def _identity(mlflow: MlflowParams) -> dict[str, str]:
     return identity
 
 
+def password_file(mlflow: MlflowParams, user: str) -> Path:
+    return Path(mlflow.secrets_dir).expanduser() / f"mlflow_{user}_password"
+
+
 def password(mlflow: MlflowParams, user: str) -> str:
-    """The local server's password of ``user`` (admin, writer, reader): generated once, owner-only."""
-    return keys.read_or_create(Path(mlflow.secrets_dir) / f"mlflow_{user}_password", prefix="")
+    """The local server's password of ``user`` (admin, writer, reader): generated once, owner-only. One set per OS user
+    (``mlflow.secrets_dir``), so every process of that user reaches every local server of its checkouts with one login."""
+    return keys.read_or_create(password_file(mlflow, user), prefix="")
 
 
 def auth_ini(mlflow: MlflowParams) -> str:
@@ -58,8 +63,9 @@ def auth_ini(mlflow: MlflowParams) -> str:
 
 
 def login(mlflow: MlflowParams, user: str = "writer") -> None:
-    """This process (and what it starts) talks to the local server as ``user``, unless credentials are already set."""
-    if mlflow.auth and not os.environ.get(CLIENT_ENV[0]):
+    """This process (and what it starts) talks to the local server as ``user`` with this checkout's password, unless
+    someone logged in as another user on purpose (a person exporting the reader's login)."""
+    if mlflow.auth and os.environ.get(CLIENT_ENV[0]) in (None, "", MLFLOW_USERS[user]):
         os.environ[CLIENT_ENV[0]] = MLFLOW_USERS[user]
         os.environ[CLIENT_ENV[1]] = password(mlflow, user)
 
@@ -118,7 +124,7 @@ def ensure(mlflow: MlflowParams) -> str:
         except httpx.HTTPStatusError as exc:
             if exc.response.status_code != 401:
                 raise ServiceError(f"mlflow: creating its users failed: {exc}") from exc
-            raise ServiceError(f"mlflow: the admin password in {Path(mlflow.secrets_dir) / 'mlflow_admin_password'} is not "
+            raise ServiceError(f"mlflow: the admin password in {password_file(mlflow, 'admin')} is not "
                                f"the one {home / 'basic_auth.db'} was created with; restore that file, or move the user "
                                "store aside to have it created again") from exc
     login(mlflow)
