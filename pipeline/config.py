@@ -178,6 +178,8 @@ class RestartParams(_Strict):
     backoff_s: float = Field(gt=0, description="the wait before the first restart, doubled before each next one")
     cap_s: float = Field(gt=0, description="the longest wait between restarts")
     window_s: float = Field(gt=0, description="deaths older than this no longer count against restarts")
+    min_uptime_s: float = Field(ge=0, description="an engine that dies sooner after its start failed to start: reported, "
+                                "not restarted (a CPU vLLM answers ~40 s after its start)")
 
 
 class ServingParams(_Strict):

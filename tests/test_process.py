@@ -79,17 +79,19 @@ def test_what_a_killed_service_left_running_is_stopped_by_its_group_and_mark(tmp
     assert not stop(svc)  # nothing left, nothing else touched
 
 
-def _supervised(tmp_path: Path, restarts: int) -> tuple[Service, int, Path]:
+def _supervised(tmp_path: Path, restarts: int, script: str = "sleep 300 &\necho $! > {tmp}/engine-child.pid\nwait\n",
+                min_uptime_s: float = 0.0) -> tuple[Service, int, Path]:
     """An engine that leaves a child behind when killed (as vLLM's API server leaves its EngineCore), supervised."""
     import sys
 
     engine = tmp_path / "engine.sh"
-    engine.write_text(f"#!/bin/bash\nsleep 300 &\necho $! > {tmp_path}/engine-child.pid\nwait\n")
+    engine.write_text("#!/bin/bash\n" + script.format(tmp=tmp_path))
     engine.chmod(0o755)
     child_pid = tmp_path / "engine.pid"
     svc = Service("supervised", tmp_path / "home")
     cmd = [sys.executable, "-m", "pipeline.services.supervise", "--restarts", str(restarts), "--backoff-s", "0.2",
-           "--cap-s", "0.4", "--window-s", "60", "--child-pid-file", str(child_pid), "--", str(engine)]
+           "--cap-s", "0.4", "--window-s", "60", "--min-uptime-s", str(min_uptime_s), "--child-pid-file", str(child_pid),
+           "--", str(engine)]
     started = tmp_path / "engine-child.pid"
     pid = start(svc, cmd, started.exists, timeout_s=20, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     return svc, pid, child_pid
@@ -143,3 +145,12 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_an_engine_that_fails_to_start_is_reported_not_restarted(tmp_path: Path) -> None:
+    """A death within min_uptime_s of the start is a failed start (a bad model, a taken port): the supervisor exits with
+    the engine's status and `start` reports it with the log's tail, instead of retrying a broken configuration."""
+    from pipeline.services.process import ServiceError
+
+    with pytest.raises(ServiceError, match=r"exited with 3(.|\n)*no such model(.|\n)*a failed start, not restarted"):
+        _supervised(tmp_path, restarts=5, script="echo no such model >&2\nexit 3\n", min_uptime_s=30)

@@ -5,7 +5,7 @@ OOM kill, a SIGKILL), everything else left in the group (vLLM's ``EngineCore``) 
 restart never meets the old engine's port or memory. A SIGTERM to the group (``services down``) stops it for good.
 Standard library only: it runs in whichever environment the engine does (the model plane for vLLM).
 
-    python -m pipeline.services.supervise --restarts 5 --backoff-s 2 --cap-s 30 --window-s 600 \
+    python -m pipeline.services.supervise --restarts 5 --backoff-s 2 --cap-s 30 --window-s 600 --min-uptime-s 60 \
         --child-pid-file PATH -- ENGINE ARGV...
 """
 
@@ -55,8 +55,10 @@ def delays(restarts: int, backoff_s: float, cap_s: float) -> list[float]:
 
 
 def supervise(cmd: list[str], restarts: int, backoff_s: float, cap_s: float, window_s: float,
-              child_pid_file: Path | None = None) -> int:
-    """Run ``cmd`` until told to stop; restart it after a death, at most ``restarts`` times within ``window_s``."""
+              child_pid_file: Path | None = None, min_uptime_s: float = 0.0) -> int:
+    """Run ``cmd`` until told to stop; restart it after a death, at most ``restarts`` times within ``window_s``. An engine
+    that dies within ``min_uptime_s`` of its start failed to start (a bad model, a taken port): that is reported, with
+    its exit status, to whoever started the service, not retried (supervisord's ``startsecs``)."""
     stopping = False
     child: subprocess.Popen | None = None
 
@@ -73,6 +75,7 @@ def supervise(cmd: list[str], restarts: int, backoff_s: float, cap_s: float, win
     waits = delays(restarts, backoff_s, cap_s)
     while not stopping:
         child = subprocess.Popen(cmd)  # same group: a group stop reaches the engine and its children
+        started = time.monotonic()
         if child_pid_file is not None:
             child_pid_file.write_text(str(child.pid))
         rc = child.wait()
@@ -80,6 +83,10 @@ def supervise(cmd: list[str], restarts: int, backoff_s: float, cap_s: float, win
             break
         killed = _kill_leftovers(pgid)
         now = time.monotonic()
+        if now - started < min_uptime_s:
+            print(f"supervise: engine exited with {rc} {now - started:.0f}s after its start (< {min_uptime_s:g}s): "
+                  "a failed start, not restarted", file=sys.stderr, flush=True)
+            return rc or 1
         deaths = [t for t in deaths if now - t < window_s] + [now]
         if len(deaths) > restarts:
             print(f"supervise: engine exited with {rc}, {len(deaths)} deaths in {window_s:.0f}s; giving up",
@@ -100,13 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backoff-s", type=float, required=True)
     parser.add_argument("--cap-s", type=float, required=True)
     parser.add_argument("--window-s", type=float, required=True)
+    parser.add_argument("--min-uptime-s", type=float, default=0.0)
     parser.add_argument("--child-pid-file", type=Path)
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("the engine's argv follows --")
-    return supervise(cmd, args.restarts, args.backoff_s, args.cap_s, args.window_s, args.child_pid_file)
+    return supervise(cmd, args.restarts, args.backoff_s, args.cap_s, args.window_s, args.child_pid_file, args.min_uptime_s)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,8 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
     r = serving.restart
     # the supervisor leads the group and restarts a dead engine with backoff (docs/serving.md, supervised engines)
     supervised = [model_python(), "-m", supervise.__name__, "--restarts", str(r.restarts), "--backoff-s", str(r.backoff_s),
-                  "--cap-s", str(r.cap_s), "--window-s", str(r.window_s), "--child-pid-file", str(engine_pid_file(svc)),
+                  "--cap-s", str(r.cap_s), "--window-s", str(r.window_s), "--min-uptime-s", str(r.min_uptime_s),
+                  "--child-pid-file", str(engine_pid_file(svc)),
                   "--", *argv]
     start(svc, supervised, f"{url}/health", env=env,
           timeout_s=serving.startup_timeout_s, meta={"url": url, "model": worker.model}, identity=identity,
