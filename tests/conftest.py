@@ -69,6 +69,17 @@ def set_param(root: Path, dotted: str, value: object) -> None:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def mlflow_login(user: str = "writer") -> dict[str, str]:
+    """The environment a process outside the pipeline's own setup logs in to a local server with (basic auth, #44):
+    the reader for what only looks, the writer for what logs and registers."""
+    from pipeline.config import load_params
+    from pipeline.services.mlflow_server import password
+    from pipeline.services.mlflow_users import MLFLOW_USERS
+
+    return {"MLFLOW_TRACKING_USERNAME": MLFLOW_USERS[user],
+            "MLFLOW_TRACKING_PASSWORD": password(load_params(ROOT / "params.yaml").mlflow, user)}
+
+
 @pytest.fixture(scope="session")
 def mlflow_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mlflow")

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.bandit import features, ope
 from pipeline.stages.train_bandit import evaluate_offline
-from tests.conftest import ROOT, section
+from tests.conftest import mlflow_login, ROOT, section
 
 AUTHORS = ["geneticist", "pharmacologist", "neurologist"]
 TOPICS = {"gene": "geneticist", "drug": "pharmacologist", "brain": "neurologist"}
@@ -133,7 +133,7 @@ def _register(mlflow_server: str, model_file: Path, **pyfunc_kwargs) -> tuple[st
 def _outside_env(mlflow_server: str) -> dict[str, str]:
     """A process that knows nothing of this repository: no PYTHONPATH, no pipeline settings, only the server."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith(("PIPELINE", "MLFLOW_"))}
-    return {**env, "MLFLOW_TRACKING_URI": mlflow_server}
+    return {**env, "MLFLOW_TRACKING_URI": mlflow_server, **mlflow_login("reader")}  # loading a model only reads
 
 
 @pytest.mark.slow

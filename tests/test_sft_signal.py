@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, set_param
+from tests.conftest import mlflow_login, ROOT, set_param
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_sft_that_did_not_fit_its_rows_registers_nothing(project: Path, serving_
     data.parent.mkdir(parents=True)
     data.write_text(_rows(6))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "MLFLOW_"))},
-           "PIPELINE__MLFLOW__TRACKING_URI": mlflow_server, "PYTHONPATH": str(ROOT)}
+           "PIPELINE__MLFLOW__TRACKING_URI": mlflow_server, "PYTHONPATH": str(ROOT), **mlflow_login("writer")}
     proc = subprocess.run([sys.executable, "-m", "pipeline", "train-sft"], cwd=project, env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -75,6 +75,8 @@ def _describe(uri: str) -> str:
         version = httpx.get(f"{uri}/version", timeout=2.0)
         if version.status_code == 200 and version.text.strip()[:1].isdigit():
             return f"an MLflow {version.text.strip()} server"
+        if version.status_code == 401 and 'realm="mlflow"' in version.headers.get("www-authenticate", ""):
+            return "an MLflow server (basic auth)"  # its version is behind the login
     except httpx.HTTPError:
         pass
     return probe_http(uri)

@@ -358,7 +358,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
             roles = {**live["roles"], **{k: v for k, v in changes.items() if k in serving.roles}}
             policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in serving.roles}}
             routed = dict(live.get("prompts") or {})
-            for item in args.prompt:
+            for item in getattr(args, "prompt", []):
                 template, sep, number = item.partition("=")
                 if not sep or not number.isdigit():
                     raise RoutingError(f"--prompt {item!r}: must be TEMPLATE=VERSION (a registered version number)")
