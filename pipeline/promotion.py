@@ -167,8 +167,8 @@ def audit(serving: ServingParams) -> list[str]:
     """Where the registry disagrees with the journal: a role whose champion alias or champion digest is not what the
     journal's last switch of that role made it (roles never switched are the registry's own baselines)."""
     found = []
-    for role in dict.fromkeys(e["role"] for e in journal(serving)):
-        last = journal(serving, role)[-1]
+    lasts = {e["role"]: e for e in journal(serving)}  # one read of the journal: each role's last switch
+    for role, last in lasts.items():
         champion = registry.by_alias(role, registry.CHAMPION)
         if champion is None or str(champion.version) != str(last["version"]):
             found.append(f"{role}: the registry's champion is v{champion.version if champion else '-'}, but the promotion "
