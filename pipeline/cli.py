@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "datasets": ("pipeline.stages.datasets", "traces -> SFT chat data, senior RL prompts, supervisor bandit logs"),
     "train-sft": ("pipeline.stages.train_sft", "LoRA SFT of the junior researchers (unsloth on GPU, TRL on CPU)"),
     "train-pi": ("pipeline.stages.train_pi", "LoRA SFT of the principal investigator on the gold decision (TRL on CPU)"),
+    "train-prompt": ("pipeline.stages.train_prompt",
+                     "few-shot prompt optimization of a role through mlflow.genai.optimize_prompts (the served role)"),
     "register-aa": ("pipeline.stages.register_aa", "register a role's champion again as an A/A candidate (alias aa)"),
     "train-ppo": ("pipeline.stages.train_ppo",
                   "online RL of the senior researchers (verl via Agent Lightning on GPU, TRL GRPO on CPU)"),

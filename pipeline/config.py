@@ -542,6 +542,25 @@ class PiParams(_Strict):
                                  "role-level evaluation reads the decision right after it")
 
 
+class PromptParams(_Strict):
+    """The ``prompt`` kind of learning: a role's prompt template gains few-shot demonstrations chosen on its own metric."""
+
+    role: str = Field(description="the role whose prompt learns (its output must be checked against the label: the PI)")
+    template: str = Field(description="the template of pipeline/agents/prompts.py it rewrites")
+    optimizer: Literal["few_shot"] = Field(description="few_shot: demonstrations from the train split, picked on the metric "
+                                                        "(pipeline/prompt_optimizer.py)")
+    demos: int = Field(ge=1, le=32, description="demonstrations in a candidate prompt (balanced over the two decisions)")
+    candidates: int = Field(ge=1, description="candidate prompts scored besides the current one")
+    dev_questions: int = Field(ge=2, description="train-split yes/no questions that score every candidate (never the "
+                                                 "gate's validation questions)")
+    max_calls: int = Field(ge=1, description="the optimizer's budget of metric calls (one PI call each)")
+    max_minutes: float = Field(gt=0, description="...and of wall time: no candidate is started past it")
+    min_gain: float = Field(ge=0.0, description="the best candidate's dev metric must exceed the current prompt's by more "
+                                                "than this, or nothing is registered (no_gain)")
+    concurrency: int = Field(ge=1, description="metric calls in flight (MLflow's eval threads)")
+    seed: int
+
+
 class ProdStackParams(_Strict):
     """`make prod-stack`: infra/docker-compose.yml's services from Debian packages on loopback (no Docker)."""
 
@@ -580,6 +599,7 @@ class Params(_Strict):
     pi: PiParams
     ppo: PpoParams
     bandit: BanditParams
+    prompt: PromptParams
     evaluate: EvaluateParams
     promote: PromoteParams
     report: ReportParams

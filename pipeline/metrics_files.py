@@ -43,6 +43,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "train_bandit": ("decisions", "dr_gain", "ope.learned.dr.value", "ope.learned.dr.ci_low", "ope.learned.dr.ci_high",
                      "ope.learned.ips.value", "ope.learned.snips.value", "ope.logging.dr.value", "ope.logging.ips.value",
                      "ope.logging.snips.value"),
+    "train_prompt": ("status", "no_signal", "version", "dev.n", "dev.before", "dev.after", "dev.auc_before", "dev.auc_after",
+                     "calls", "seconds"),
     "evaluate": ("tasks", "roles.*.candidate_reward", "roles.*.champion_reward", "roles.*.diff", "roles.*.diff_p_value",
                  "roles.*.decision_p_value"),
     "promote": ("routing_version", "dry_run", "decisions.*.status", "champions.*"),

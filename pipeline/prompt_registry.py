@@ -18,6 +18,9 @@ from pipeline.config import MlflowParams
 
 PREFIX = "society."
 CHAMPION = "champion"
+CHALLENGER = "challenger"  # an optimizer's proposal, evaluated with the role's champion weights (evaluate)
+FRESH: dict[str, Any] = {"link_to_model": False, "cache_ttl_seconds": 0}  # aliases move and tags are written after registration
+REPOSITORY = "repository"  # the newest version registered from pipeline/agents/prompts.py (optimizers register others)
 
 
 def registered_name(template: str) -> str:
@@ -39,17 +42,20 @@ def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> dict[
     versions: dict[str, int] = {}
     for template, text in prompts.TEMPLATES.items():
         name = registered_name(template)
-        latest = mlflow.genai.load_prompt(f"prompts:/{name}@latest", allow_missing=True, link_to_model=False)
+        latest = (mlflow.genai.load_prompt(f"prompts:/{name}@{REPOSITORY}", allow_missing=True, **FRESH)
+                  or mlflow.genai.load_prompt(f"prompts:/{name}@latest", allow_missing=True, **FRESH))
         if latest is None or latest.template != text:
             latest = mlflow.genai.register_prompt(
                 name, text, commit_message=f"pipeline/agents/prompts.py at sha {prompts.digest(text)}",
                 tags={"sha": prompts.digest(text), "source": "pipeline/agents/prompts.py"})
-        if mlflow.genai.load_prompt(f"prompts:/{name}@{CHAMPION}", allow_missing=True, link_to_model=False) is None:
+        if latest.aliases is None or REPOSITORY not in latest.aliases:
+            mlflow.genai.set_prompt_alias(name, REPOSITORY, latest.version)
+        if mlflow.genai.load_prompt(f"prompts:/{name}@{CHAMPION}", allow_missing=True, **FRESH) is None:
             mlflow.genai.set_prompt_alias(name, CHAMPION, latest.version)
         versions[template] = int(latest.version)
     prompts.ROUTED.clear()
     for template, number in ((table or {}).get("prompts") or {}).items():
-        routed = mlflow.genai.load_prompt(f"prompts:/{registered_name(template)}/{number}", link_to_model=False)
+        routed = mlflow.genai.load_prompt(f"prompts:/{registered_name(template)}/{number}", **FRESH)
         # the served-digest rule for prompts: the text must be the one registered under that version's sha
         if routed.tags.get("sha") != prompts.digest(routed.template):
             raise PromptError(f"prompt {registered_name(template)} v{number}: its text hashes to "
@@ -64,17 +70,50 @@ def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> dict[
 def register(mlflow_cfg: MlflowParams, template: str, text: str, message: str, tags: dict[str, str] | None = None) -> int:
     """A new version of ``template`` (an optimizer's proposal): its fields must be the repository template's, so the
     society can render it; returns the version number."""
-    import string  # noqa: PLC0415
-
     import mlflow.genai  # noqa: PLC0415 - control plane only; 1 s import
 
     from pipeline import tracking  # noqa: PLC0415 - control plane only
+
+    check_fields(template, text)
+    tracking.setup(mlflow_cfg)
+    version = mlflow.genai.register_prompt(registered_name(template), text, commit_message=message,
+                                           tags={**(tags or {}), "sha": prompts.digest(text)})
+    return int(version.version)
+
+
+def check_fields(template: str, text: str) -> None:
+    """A version of ``template`` must have the fields the society fills, no more, no fewer."""
+    import string  # noqa: PLC0415
 
     fields = {f for _, f, _, _ in string.Formatter().parse(text) if f}
     need = {f for _, f, _, _ in string.Formatter().parse(prompts.TEMPLATES[template]) if f}
     if fields != need:
         raise PromptError(f"prompt {template}: fields {sorted(fields)}, but the society fills {sorted(need)}")
-    tracking.setup(mlflow_cfg)
-    version = mlflow.genai.register_prompt(registered_name(template), text, commit_message=message,
-                                           tags={**(tags or {}), "sha": prompts.digest(text)})
-    return int(version.version)
+
+
+def load(template: str, ref: str | int) -> Any | None:
+    """The version ``ref`` (a number, or ``@alias``) of ``template``'s prompt; None when there is none."""
+    import mlflow.genai  # noqa: PLC0415 - control plane only
+
+    where = f"@{ref[1:]}" if isinstance(ref, str) and ref.startswith("@") else f"/{ref}"
+    return mlflow.genai.load_prompt(f"prompts:/{registered_name(template)}{where}", allow_missing=True, **FRESH)
+
+
+def set_alias(template: str, alias: str, version: int | str) -> None:
+    import mlflow.genai  # noqa: PLC0415 - control plane only
+
+    mlflow.genai.set_prompt_alias(registered_name(template), alias, int(version))
+
+
+def delete_alias(template: str, alias: str) -> None:
+    import mlflow.genai  # noqa: PLC0415 - control plane only
+
+    if load(template, f"@{alias}") is not None:
+        mlflow.genai.delete_prompt_alias(registered_name(template), alias)
+
+
+def set_tags(template: str, version: int | str, tags: dict[str, Any]) -> None:
+    import mlflow.genai  # noqa: PLC0415 - control plane only
+
+    for key, value in tags.items():
+        mlflow.genai.set_prompt_version_tag(registered_name(template), version, key, str(value))

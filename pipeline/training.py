@@ -34,6 +34,7 @@ class Trainer:
     summary: Callable[[dict[str, Any]], str]
     in_model_plane: bool = True  # False: ``train`` runs here (no torch: VW, or a driver of remote GPU workers)
     tags: dict[str, str] = field(default_factory=dict)  # on the stage's MLflow run
+    uri: Callable[[Any], str] | None = None  # how a registered version is named (default models:/<role>/<version>)
 
 
 def main(t: Trainer, args: argparse.Namespace, params: Params) -> int:
@@ -62,7 +63,8 @@ def main(t: Trainer, args: argparse.Namespace, params: Params) -> int:
         if version is None:
             print(f"{t.stage}: no_signal, nothing registered: {metrics.get('no_signal_reason')}")
         else:
-            print(f"registered {t.role} version {version.version} (models:/{t.role}/{version.version})")
+            where = t.uri(version) if t.uri else f"models:/{t.role}/{version.version}"
+            print(f"registered {t.role} version {version.version} ({where})")
     return 0
 
 

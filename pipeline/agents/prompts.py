@@ -83,14 +83,17 @@ def pi_fields(brief_text: str, protocol: Any, reviews: list[dict[str, Any]]) -> 
     return {"brief": brief_text, "protocol": protocol, "reviews": lines or "none"}
 
 
-def pi_prompt(brief_text: str, protocol: Any, reviews: list[dict[str, Any]]) -> str:
-    """The principal investigator's prompt (benchmarks/bench_before_after.py asks the trained PI the same)."""
-    return render("principal_investigator", **pi_fields(brief_text, protocol, reviews))
+def pi_prompt(brief_text: str, protocol: Any, reviews: list[dict[str, Any]], template: str | None = None) -> str:
+    """The principal investigator's prompt (benchmarks/bench_before_after.py asks the trained PI the same);
+    ``template``: a candidate text instead of the routed one (a prompt candidate's evaluation)."""
+    if template is None:
+        return render("principal_investigator", **pi_fields(brief_text, protocol, reviews))
+    return template.format(**pi_fields(brief_text, protocol, reviews))
 
 
 NO_PROTOCOL = "none yet: decide from the question and its abstract"
 
 
-def pi_messages(task: dict[str, Any], context_chars: int, setting: str) -> list[dict[str, str]]:
+def pi_messages(task: dict[str, Any], context_chars: int, setting: str, template: str | None = None) -> list[dict[str, str]]:
     """The PI's chat on the evidence brief alone (no protocol, no reviews): role-level evaluation and its training rows."""
-    return [{"role": "user", "content": pi_prompt(brief(task, context_chars, setting), NO_PROTOCOL, [])}]
+    return [{"role": "user", "content": pi_prompt(brief(task, context_chars, setting), NO_PROTOCOL, [], template)}]

@@ -45,8 +45,24 @@ TOP_LOGPROBS = 20  # enough that both GO and NO are listed at the decision token
 RETRIES = 3  # transport errors only; an unreadable answer is the model's and counts as no decision
 
 
-def messages(task: dict[str, Any], agents: AgentsParams, setting: str) -> list[dict[str, str]]:
-    return pi_messages(task, agents.context_chars, setting)
+def messages(task: dict[str, Any], agents: AgentsParams, setting: str, template: str | None = None) -> list[dict[str, str]]:
+    return pi_messages(task, agents.context_chars, setting, template)
+
+
+def request(task: dict[str, Any], agents: AgentsParams, setting: str, prefix: str, role: str, rationale_tokens: int = 0,
+            template: str | None = None) -> dict[str, Any]:
+    """The role's chat request for ``task``: its answer continued from the decision prefix, so the decision token is the
+    one generated, in its trained context (``template``: a candidate prompt text instead of the routed one)."""
+    chat = [*messages(task, agents, setting, template), {"role": "assistant", "content": prefix}]
+    return {"model": role, "messages": chat, "max_tokens": 1 + rationale_tokens, "temperature": 0.0, "logprobs": True,
+            "top_logprobs": TOP_LOGPROBS, "continue_final_message": True, "add_generation_prompt": False}
+
+
+def decision_of(doc: dict[str, Any]) -> tuple[str | None, float | None]:
+    """The decision a completion's first token makes, and its P(GO) (None, None: no decision token listed)."""
+    choice = doc["choices"][0]
+    prob = p_go((choice.get("logprobs") or {}).get("content") or [], at_first=True)
+    return (None if prob is None else "GO" if prob >= 0.5 else "NO-GO"), prob
 
 
 _RATIONALE = re.compile(r'"rationale"\s*:\s*"((?:[^"\\]|\\.)*)')
@@ -98,19 +114,15 @@ async def _ask(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[
 
 async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]], agents: AgentsParams, reward: RewardParams,
                  setting: str, prefix: str, concurrency: int, timeout_s: float, routing: str | None = None,
-                 progress: Any = None, rationale_tokens: int = 0) -> list[dict[str, Any]]:
+                 progress: Any = None, rationale_tokens: int = 0, template: str | None = None) -> list[dict[str, Any]]:
     """One record per task (``metrics.summarise``'s fields): the role's decision through the proxy, its P(GO) and its
     decision credit as the reward; ``rationale_tokens`` more tokens of the answer give the rationale (:func:`judged`
-    scores it). ``routing``: an evaluation routing table (None = the live one)."""
+    scores it). ``routing``: an evaluation routing table (None = the live one); ``template``: a candidate prompt."""
     sem = asyncio.Semaphore(concurrency)
     url = f"{base_url}/chat/completions"
 
     async def one(http: httpx.AsyncClient, task: dict[str, Any]) -> dict[str, Any]:
-        # the answer continued from the decision prefix: the decision token is the one generated, in its trained context
-        chat = [*messages(task, agents, setting), {"role": "assistant", "content": prefix}]
-        body: dict[str, Any] = {"model": role, "messages": chat, "max_tokens": 1 + rationale_tokens, "temperature": 0.0,
-                                "logprobs": True, "top_logprobs": TOP_LOGPROBS, "continue_final_message": True,
-                                "add_generation_prompt": False}
+        body = request(task, agents, setting, prefix, role, rationale_tokens, template)
         if routing:
             body["metadata"] = {"routing": routing}
         async with sem:
@@ -119,8 +131,7 @@ async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]]
             latency = time.perf_counter() - t0
         refused = doc if isinstance(doc, str) else None
         choice = {} if isinstance(doc, str) else doc["choices"][0]
-        prob = p_go((choice.get("logprobs") or {}).get("content") or [], at_first=True)
-        decision = None if prob is None else "GO" if prob >= 0.5 else "NO-GO"
+        decision, prob = (None, None) if isinstance(doc, str) else decision_of(doc)
         doc = {} if isinstance(doc, str) else doc
         credit = decision_credit(decision, task["final_decision"], reward)
         if progress is not None:
