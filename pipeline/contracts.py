@@ -33,6 +33,13 @@ class Level(StrEnum):
     ROLE = "role"
 
 
+class Artifact(StrEnum):
+    """What a candidate changes: the role's registered model version, or the prompt version it renders."""
+
+    MODEL = "model"
+    PROMPT = "prompt"
+
+
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -77,11 +84,15 @@ class Side(_Open):
 
 
 class Evaluation(_Open):
-    """One candidate against its role's champion."""
+    """One candidate against its role's champion (a prompt candidate: versions are prompt versions, both sides answered
+    by the champion model ``model_version``)."""
 
     role: str
     alias: str
     level: Level
+    artifact: Artifact = Artifact.MODEL
+    template: str | None = None
+    model_version: Version | None = None
     champion: Side
     candidate: Side
     difference: Difference
@@ -121,6 +132,8 @@ class PromotionDecision(_Open):
     level: Level | None = None
     setting: str | None = None
     routing_version: int | None = None
+    artifact: Artifact = Artifact.MODEL
+    template: str | None = None
 
 
 class PromotionReport(_Open):

@@ -34,7 +34,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline import registry
+from pipeline import prompt_registry, registry
+from pipeline.agents import prompts
 from pipeline.config import MlflowParams, PromoteParams, ServingParams
 from pipeline.io import write_json
 from pipeline.services.process import ServiceError
@@ -67,8 +68,13 @@ def journal_file(serving: ServingParams) -> Path:
     return proxy.active_file(serving).with_name("journal.jsonl")
 
 
-def journal(serving: ServingParams, role: str | None = None) -> list[dict[str, Any]]:
-    """The switches recorded so far, oldest first (of ``role`` only, when given); a torn last line is skipped."""
+MODEL, PROMPT = "model", "prompt"  # what a switch moved: a role's model version, or the prompt version it renders
+
+
+def journal(serving: ServingParams, role: str | None = None, kind: str = MODEL,
+            template: str | None = None) -> list[dict[str, Any]]:
+    """The switches of ``kind`` recorded so far, oldest first (of ``role`` / ``template`` only, when given); a torn
+    last line is skipped. Entries written before prompts could switch carry no kind: they are model switches."""
     path = journal_file(serving)
     entries = []
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -76,7 +82,8 @@ def journal(serving: ServingParams, role: str | None = None) -> list[dict[str, A
             entries.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    return [e for e in entries if role is None or e.get("role") == role]
+    return [e for e in entries if e.get("kind", MODEL) == kind and (role is None or e.get("role") == role)
+            and (template is None or e.get("template") == template)]
 
 
 def _append(serving: ServingParams, entry: dict[str, Any]) -> None:
@@ -122,7 +129,7 @@ def switch(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams,
         failpoint("deploy")
         roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
         (roles if kind == "llm" else policies)[name] = where
-        number = routing.write_version(serving, roles, description, policies)
+        number = routing.write_version(serving, roles, description, policies, live.get("prompts"))
         _note(serving, intent, new_routing=number)
         failpoint("routing_written")
         try:
@@ -143,22 +150,80 @@ def switch(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams,
         return number
 
 
+def switch_prompt(serving: ServingParams, mlflow: MlflowParams, name: str, template: str, to: Any, description: str,
+                  tags: dict[str, Any] | None = None, record: bool = True) -> int:
+    """Make role ``name`` render prompt version ``to`` of ``template``: a routing version naming it (the roles' and
+    policies' targets kept), verified and applied, then the prompt's ``champion`` alias; the same intent record and
+    journal as a model switch, so a crash is settled by :func:`reconcile` and ``rollback ROLE --prompt`` reads it.
+    Returns the routing version now live."""
+    with routing.lock(serving):
+        reconcile(serving, mlflow)
+        live = routing.active(serving)
+        if live is None:
+            raise PromotionError("no routing version is live; start the serving plane first")
+        previous = prompt_registry.rendered(live, template)  # what the society rendered before: what a rollback restores
+        before = prompt_registry.load(template, previous) if previous is not None else None
+        intent = _note(serving, {}, id=uuid.uuid4().hex, kind=PROMPT, role=name, template=template,
+                       to_version=str(to.version), to_sha256=to.tags.get("sha"), description=description,
+                       previous_champion=str(previous) if previous is not None else None,
+                       previous_sha256=before.tags.get("sha") if before else None,
+                       previous_routing=live["version"], new_routing=None, tags=dict(tags or {}), record=record)
+        failpoint("intent")
+        routed = {**(live.get("prompts") or {}), template: int(to.version)}
+        try:
+            number = routing.write_version(serving, dict(live["roles"]), description, dict(live.get("policies", {})), routed)
+        except routing.RoutingError as exc:
+            intent_file(serving).unlink(missing_ok=True)
+            raise PromotionError(f"{template} v{to.version}: {exc}") from exc
+        _note(serving, intent, new_routing=number)
+        failpoint("routing_written")
+        try:
+            routing.apply(serving, mlflow, number)
+        except routing.RoutingError as exc:
+            intent_file(serving).unlink(missing_ok=True)
+            raise PromotionError(f"{template} v{to.version}: {exc}") from exc
+        failpoint("routing_applied")
+        try:
+            prompt_registry.set_alias(template, prompt_registry.CHAMPION, to.version)
+        except Exception as exc:
+            routing.apply(serving, mlflow, live["version"])
+            intent_file(serving).unlink(missing_ok=True)
+            raise PromotionError(f"{template}: moving the champion alias failed ({exc}); "
+                                 f"routing restored to v{live['version']}") from exc
+        failpoint("alias_moved")
+        _finish(serving, intent)
+        return number
+
+
+def _champion(intent: dict[str, Any]) -> str | None:
+    """The version the switch's kind of champion alias names now."""
+    if intent.get("kind", MODEL) == PROMPT:
+        found = prompt_registry.load(intent["template"], f"@{prompt_registry.CHAMPION}")
+    else:
+        found = registry.by_alias(intent["role"], registry.CHAMPION)
+    return str(found.version) if found is not None else None
+
+
 def _finish(serving: ServingParams, intent: dict[str, Any]) -> None:
     """The switch's bookkeeping after the alias moved (idempotent: a reconcile may run it again)."""
+    kind = intent.get("kind", MODEL)
     tags = dict(intent["tags"])
     if intent["record"]:  # a rollback does not record what it replaced: rolling back twice must not undo itself
         tags.update({"promotion.previous_champion": intent["previous_champion"] or "",
                      "promotion.routing_version": intent["new_routing"],
                      "promotion.previous_routing_version": intent["previous_routing"]})
-    if tags:
+    if tags and kind == PROMPT:
+        prompt_registry.set_tags(intent["template"], intent["to_version"], tags)
+    elif tags:
         registry.set_tags(intent["role"], intent["to_version"], tags)
-    if not any(e.get("id") == intent.get("id") for e in journal(serving, intent["role"])):  # a reconcile may finish twice
+    if not any(e.get("id") == intent.get("id") for e in journal(serving, intent["role"], kind)):  # a reconcile may finish twice
         _append(serving, {"id": intent.get("id"), "time": datetime.now(UTC).isoformat(timespec="seconds"),
                           "role": intent["role"], "action": "promote" if intent["record"] else "rollback",
                           "version": intent["to_version"], "sha256": intent.get("to_sha256"),
                           "previous_version": intent["previous_champion"], "previous_sha256": intent.get("previous_sha256"),
                           "routing_version": intent["new_routing"], "previous_routing": intent["previous_routing"],
-                          "description": intent.get("description", "")})
+                          "description": intent.get("description", ""),
+                          **({"kind": PROMPT, "template": intent["template"]} if kind == PROMPT else {})})
     failpoint("tagged")
     intent_file(serving).unlink(missing_ok=True)
 
@@ -177,6 +242,15 @@ def audit(serving: ServingParams) -> list[str]:
         elif champion.tags.get(registry.SHA256_TAG) != last.get("sha256"):
             found.append(f"{role} v{champion.version}: sha256 {champion.tags.get(registry.SHA256_TAG)} in the registry, but "
                          f"{last.get('sha256')} when the promotion journal made it champion")
+    for template, last in {e["template"]: e for e in journal(serving, kind=PROMPT)}.items():
+        prompt = prompt_registry.load(template, f"@{prompt_registry.CHAMPION}")
+        if prompt is None or str(prompt.version) != str(last["version"]):
+            found.append(f"prompt {template}: the Prompt Registry's champion is v{prompt.version if prompt else '-'}, but the "
+                         f"promotion journal's last switch made v{last['version']} champion: the registry was changed "
+                         "outside promote/rollback")
+        elif prompt.tags.get("sha") != last.get("sha256") or prompts.digest(str(prompt.template)) != last.get("sha256"):
+            found.append(f"prompt {template} v{prompt.version}: its text hashes to {prompts.digest(str(prompt.template))} "
+                         f"(tag {prompt.tags.get('sha')}), but {last.get('sha256')} when the journal made it champion")
     return found
 
 
@@ -193,9 +267,9 @@ def reconcile(serving: ServingParams, mlflow: MlflowParams) -> str | None:
     if intent is None:
         return None
     with routing.lock(serving):
-        champion = registry.by_alias(intent["role"], registry.CHAMPION)
+        champion = _champion(intent)
         live = routing.active(serving)
-        if champion is not None and str(champion.version) == intent["to_version"]:
+        if champion is not None and champion == intent["to_version"]:
             if intent["new_routing"] is not None and (live is None or live["version"] != intent["new_routing"]):
                 routing.apply(serving, mlflow, intent["new_routing"])
             _finish(serving, intent)
@@ -206,6 +280,6 @@ def reconcile(serving: ServingParams, mlflow: MlflowParams) -> str | None:
                 routing.apply(serving, mlflow, intent["previous_routing"])
             intent_file(serving).unlink(missing_ok=True)
             done = (f"undid the interrupted switch of {intent['role']} to v{intent['to_version']}: "
-                    f"routing v{intent['previous_routing']} and champion v{champion.version if champion else '-'} kept")
+                    f"routing v{intent['previous_routing']} and champion v{champion or '-'} kept")
     print(f"reconcile: {done}")
     return done

@@ -50,6 +50,7 @@ def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> dict[
                 tags={"sha": prompts.digest(text), "source": "pipeline/agents/prompts.py"})
         if latest.aliases is None or REPOSITORY not in latest.aliases:
             mlflow.genai.set_prompt_alias(name, REPOSITORY, latest.version)
+        # the first version is the champion; later only promotion and rollback move it (their journal records it)
         if mlflow.genai.load_prompt(f"prompts:/{name}@{CHAMPION}", allow_missing=True, **FRESH) is None:
             mlflow.genai.set_prompt_alias(name, CHAMPION, latest.version)
         versions[template] = int(latest.version)
@@ -117,3 +118,13 @@ def set_tags(template: str, version: int | str, tags: dict[str, Any]) -> None:
 
     for key, value in tags.items():
         mlflow.genai.set_prompt_version_tag(registered_name(template), version, key, str(value))
+
+
+def rendered(table: dict[str, Any] | None, template: str) -> int | None:
+    """The version of ``template`` the society renders under routing ``table``: the one it routes, else the newest
+    repository version (what :func:`sync` makes the society render); None before any sync."""
+    number = ((table or {}).get("prompts") or {}).get(template)
+    if number is not None:
+        return int(number)
+    repo = load(template, f"@{REPOSITORY}")
+    return int(repo.version) if repo is not None else None

@@ -42,6 +42,7 @@ from mlflow.entities import Feedback
 from mlflow.genai.scorers import scorer
 
 from pipeline import metrics_files, prompt_registry, registry, tracking
+from pipeline.agents import prompts
 from pipeline.agents.graph import OPENING_MODEL
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.replay import CallBook
@@ -370,21 +371,26 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
         print(f"evaluate: {name}: A/A candidate v{aa.version} (champion v{champion.version} again)")
     cands = [(alias, c) for alias in (registry.CHALLENGER, registry.AA)
              if (c := registry.by_alias(name, alias)) is not None and c.version != champion.version]
-    if not cands:
+    prompt = prompt_candidate(params, name)
+    if not cands and prompt is None:
         print(f"evaluate: {name}: no challenger (champion v{champion.version})")
         return {}
     tasks = load_tasks(params.validate_, "val", None, setting=setting)  # every question: one prefill each
     url, api_key = proxy.client_settings(params.serving)
-    runs: list[tuple[str, Any, str]] = [("champion", champion, roles[name])]
-    runs += [(alias, c, registry.deploy(params.serving, name, c, roles.get(name))) for alias, c in cands]
+    # (alias, version, where it is served, the prompt text a prompt candidate renders instead of the routed one)
+    runs: list[tuple[str, Any, str, str | None]] = [("champion", champion, roles[name], None)]
+    runs += [(alias, c, registry.deploy(params.serving, name, c, roles.get(name)), None) for alias, c in cands]
+    if prompt is not None:  # the champion's weights under the candidate prompt: the pair differs in its prompt alone
+        runs.append((PROMPT_ALIAS, prompt, roles[name], str(prompt.template)))
     answered: dict[str, tuple[list[dict[str, Any]], str, float]] = {}
-    for alias, version, where in runs:
+    for alias, version, where, text in runs:
         slug = _slug(f"{name}-{alias}-v{version.version}-{key[:8]}")
         table = _table(params.serving, params.mlflow, slug, {**roles, name: where}, policies)
         t0 = time.perf_counter()
         records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward, setting,
                                                 params.pi.decision_prefix, cfg.role_concurrency, cfg.timeout_s, slug,
-                                                rationale_tokens=cfg.role_rationale_tokens if cfg.role_judge else 0))
+                                                rationale_tokens=cfg.role_rationale_tokens if cfg.role_judge else 0,
+                                                template=text))
         answered[alias] = (records, json.dumps(table), time.perf_counter() - t0)
     judge_calls = 0
     if cfg.role_judge:
@@ -393,7 +399,7 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
                                                     params.judge, params.reward, cfg.role_concurrency, cfg.timeout_s))
         print(f"evaluate: {name}: the judge scored {judge_calls} distinct answers in {time.perf_counter() - t0:.0f} s")
     scored: dict[str, tuple[list[dict[str, Any]], dict[str, Any], str]] = {}
-    for alias, version, where in runs:
+    for alias, version, where, _ in runs:
         records, table_json, seconds = answered[alias]
         mine = role_level.metrics(records, setting, cfg.bootstrap, cfg.ci, cfg.seed)
         with mlflow.start_run(run_name=f"eval {name} {alias} v{version.version}", nested=True,
@@ -408,16 +414,28 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
               f"(n={mine['yes_no']['n']}), AUC {mine['auc']['value']}")
     champ_records, champ, champ_run = scored["champion"]
     out: dict[str, Any] = {}
-    for alias, cand, where in runs[1:]:
+    for alias, cand, where, text in runs[1:]:
         records, mine, run_id = scored[alias]
         diff = paired_difference(records, champ_records, cfg.bootstrap, cfg.ci, cfg.seed)
-        out[name if alias == registry.CHALLENGER else f"{name}@{alias}"] = {
+        entry: dict[str, Any] = {
             "role": name, "alias": alias, "level": "role",
             "champion": {"version": champion.version, "target": roles[name], "label": label, "metrics": champ,
                          "run_id": champ_run},
             "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
             "difference": diff, "records": {"champion": champ_records, "candidate": records},
             "cost": {"calls_per_task": 1, "tasks": len(tasks), "judge_calls": judge_calls}}
+        out[name if alias == registry.CHALLENGER else f"{name}@{alias}"] = entry
+        if text is not None:  # a prompt pair: the versions compared are the prompt's, both answered by the champion model
+            template = params.prompt.template
+            entry.update(artifact="prompt", template=template, model_version=champion.version)
+            entry["champion"]["version"] = prompts.VERSIONS[template]
+            prompt_registry.set_tags(template, cand.version, {
+                "eval.run": run_id, "eval.setting": setting, "eval.model_version": champion.version,
+                "eval.diff": f"{diff['mean']:+.4f}", "eval.tasks": len(tasks), "eval.p_value": f"{diff['p_value']:.4f}"})
+            print(f"evaluate: {name} prompt {template} v{cand.version} (champion weights v{champion.version}) reward "
+                  f"{mine['reward']['mean']:.3f} vs prompt v{prompts.VERSIONS[template]} {champ['reward']['mean']:.3f}; "
+                  f"paired diff {diff['mean']:+.3f} (n={diff['n']}, sign-flip p={diff['p_value']:.4f})")
+            continue
         registry.set_tags(name, cand.version, {
             "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.level": "role", "eval.setting": setting,
             "eval.champion_reward": f"{champ['reward']['mean']:.4f}", "eval.diff": f"{diff['mean']:+.4f}",
@@ -428,6 +446,21 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
               f"sign-flip p={diff['p_value']:.4f}; "
               f"McNemar p={diff['decision']['p_value']:.4f}, b={diff['decision'].get('b')}, c={diff['decision'].get('c')})")
     return out
+
+
+PROMPT_ALIAS = "prompt"  # a prompt candidate's summary entry: ROLE@prompt
+
+
+def prompt_candidate(params: Params, name: str) -> Any | None:
+    """The role's ``challenger`` prompt version when it is not the version the society renders (prompt_registry.sync
+    ran at the stage's start); None otherwise. An identical text under a new version is a candidate: the gate refuses it."""
+    if params.prompt.role != name:
+        return None
+    cand = prompt_registry.load(params.prompt.template, f"@{prompt_registry.CHALLENGER}")
+    current = prompts.VERSIONS.get(params.prompt.template)
+    if cand is None or current is None or int(cand.version) == int(current):
+        return None
+    return cand
 
 
 def write_outputs(evaluate: EvaluateParams, summary: dict[str, Any]) -> None:

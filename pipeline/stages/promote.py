@@ -19,12 +19,12 @@ from pathlib import Path
 
 from mlflow import active_run, log_artifact, log_dict, log_metric
 
-from pipeline import metrics_files, registry, tracking
+from pipeline import metrics_files, prompt_registry, registry, tracking
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
-from pipeline.contracts import Evaluation, EvaluationSummary, Level, PromotionDecision, PromotionReport, Status
+from pipeline.contracts import Artifact, Evaluation, EvaluationSummary, Level, PromotionDecision, PromotionReport, Status
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide, family_p_values
 from pipeline.io import write_json
-from pipeline.promotion import PromotionError, reconcile, switch
+from pipeline.promotion import PromotionError, reconcile, switch, switch_prompt
 from pipeline.serving import routing, stack
 
 __all__ = ["PromotionError", "promote_all", "promote_role", "switch"]
@@ -85,6 +85,58 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
     return out
 
 
+def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, entry: Evaluation,
+                   model_champion: str, adjusted_p: float | None = None, family: int = 1) -> PromotionDecision:
+    """A prompt pair (champion weights, candidate prompt) against (champion weights, rendered prompt): the same rules;
+    a promotion routes the role's template to the version and moves the prompt's ``champion`` alias."""
+    name, template = entry.role, str(entry.template)
+    cand = prompt_registry.load(template, entry.candidate.version)
+    if cand is None:
+        raise PromotionError(f"prompt {template} v{entry.candidate.version}: not in the Prompt Registry")
+    current = prompt_registry.rendered(routing.active(serving), template)
+    evidence = {"p_value": entry.difference.p_value, "p_adjusted": adjusted_p, "family": family,
+                "candidate_reward": entry.candidate.metrics.reward.mean, "champion_reward": entry.champion.metrics.reward.mean,
+                "difference": entry.difference.model_dump(mode="json")}
+    where = {"role": name, "alias": entry.alias, "level": entry.level, "setting": entry.candidate.metrics.setting,
+             "artifact": Artifact.PROMPT, "template": template}
+    if str(cand.version) == str(current) and cand.tags.get("promotion.decision") == Status.PROMOTED:
+        print(f"promote: prompt {template} v{cand.version} was already promoted")  # a retried promote after its switch
+        prompt_registry.delete_alias(template, prompt_registry.CHALLENGER)
+        return PromotionDecision(candidate=cand.version, champion_before=cand.tags.get("promotion.previous_champion") or None,
+                                 status=Status.PROMOTED, promote=True, rule=cand.tags.get("promotion.rule", ""),
+                                 detail=cand.tags.get("promotion.detail", "already promoted"), already=True,
+                                 **evidence, **where)
+    if str(entry.champion.version) != str(current) or str(entry.model_version) != str(model_champion):
+        decision = Decision(False, "stale", f"evaluated as prompt v{entry.champion.version} -> v{cand.version} on model "
+                                            f"v{entry.model_version}, but the role renders prompt v{current} on model "
+                                            f"v{model_champion} now; evaluate again")
+    else:
+        decision = decide(entry.candidate.metrics, entry.champion.metrics, entry.difference, promote, adjusted_p, family)
+    status = (Status.PROMOTED if decision.promote else
+              Status.INSUFFICIENT_EVIDENCE if decision.rule == INSUFFICIENT else Status.REJECTED)
+    if decision.promote and promote.dry_run:
+        status = Status.DRY_RUN
+    out = PromotionDecision(candidate=cand.version, champion_before=str(current) if current is not None else None,
+                            status=status, **decision.as_dict(), **evidence, **where)
+    tags = {"promotion.decision": status.value, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
+            "promotion.run": _active_run_id(), "promotion.model_version": str(entry.model_version),
+            "promotion.evidence": json.dumps({"candidate_run": entry.candidate.run_id, "champion_run": entry.champion.run_id,
+                                              "p_adjusted": adjusted_p, "family": family})[:4000]}
+    if status == Status.PROMOTED:
+        try:
+            out.routing_version = switch_prompt(serving, mlflow, name, template, cand,
+                                                f"promote prompt {template} v{cand.version}: {decision.detail}", tags=tags)
+        except PromotionError as exc:
+            prompt_registry.set_tags(template, cand.version, {"promotion.decision": Status.FAILED.value,
+                                                              "promotion.rule": "deployment", "promotion.detail": str(exc)})
+            raise
+        log_artifact(str(routing.version_path(serving, out.routing_version)), artifact_path="routing")
+    else:
+        prompt_registry.set_tags(template, cand.version, tags)
+    prompt_registry.delete_alias(template, prompt_registry.CHALLENGER)  # decided: the next optimizer names the next one
+    return out
+
+
 def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: ServingParams,
                 mlflow: MlflowParams) -> PromotionReport:
     reconcile(serving, mlflow)
@@ -97,12 +149,17 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
         name = entry.role
         champion = registry.by_alias(name, registry.CHAMPION)
         try:
-            decisions[key] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "",
-                                          adjusted[key], family)
+            if entry.artifact == Artifact.PROMPT:
+                decisions[key] = promote_prompt(serving, mlflow, promote, entry, champion.version if champion else "",
+                                                adjusted[key], family)
+            else:
+                decisions[key] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "",
+                                              adjusted[key], family)
         except PromotionError as exc:
             decisions[key] = PromotionDecision(candidate=entry.candidate.version, status=Status.FAILED, rule="deployment",
                                                detail=str(exc), role=name, alias=entry.alias, level=entry.level,
-                                               setting=entry.candidate.metrics.setting)
+                                               setting=entry.candidate.metrics.setting, artifact=entry.artifact,
+                                               template=entry.template)
             failure = failure or exc
         d = decisions[key]
         print(f"promote: {key} v{d.candidate}: {d.status.upper()} ({d.rule}): {d.detail}")

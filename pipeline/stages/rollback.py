@@ -4,6 +4,7 @@ The version a promotion replaced is read from the promotion journal (``pipeline/
 tags: the champion must be the one the journal's last switch of the role made, and the version to go back to must
 still carry the digest it had when it was replaced. Rollback routes the role back to it through a new routing version
 (applied and verified like any other, so later promotions of other roles are kept) and moves ``champion`` back.
+``rollback ROLE --prompt`` does the same for the prompt version the role renders (its journal entries, its alias).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline import registry, tracking
+from pipeline import prompt_registry, registry, tracking
+from pipeline.agents import prompts
 from pipeline.config import MlflowParams, Params, PromoteParams, ServingParams
-from pipeline.promotion import PromotionError, journal, reconcile, switch
+from pipeline.promotion import PROMPT, PromotionError, journal, reconcile, switch, switch_prompt
 from pipeline.serving import stack
 
 
@@ -43,17 +45,53 @@ def rollback(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParam
     return current.version, previous, number
 
 
+def rollback_prompt(serving: ServingParams, mlflow: MlflowParams, name: str, template: str) -> tuple[str, str, int]:
+    """The prompt version ``name`` rendered before the last promotion of ``template``, back (from the journal, its
+    digest checked); returns (from version, to version, routing version now live)."""
+    reconcile(serving, mlflow)
+    current = prompt_registry.load(template, f"@{prompt_registry.CHAMPION}")
+    entries = journal(serving, name, PROMPT, template)
+    if current is not None and entries and str(entries[-1]["version"]) != str(current.version):
+        raise PromotionError(f"prompt {template}: the Prompt Registry's champion is v{current.version}, but the promotion "
+                             f"journal's last switch made v{entries[-1]['version']} champion")
+    made = next((e for e in reversed(entries)
+                 if current is not None and e["action"] == "promote" and str(e["version"]) == str(current.version)), None)
+    if current is None or made is None or not made.get("previous_version"):
+        raise PromotionError(f"{name}: prompt {template} v{current.version if current else '?'} was not put there by a "
+                             "promotion (promotion journal); nothing to roll back")
+    previous = str(made["previous_version"])
+    target = prompt_registry.load(template, previous)
+    sha = prompts.digest(str(target.template)) if target is not None else None
+    if target is None or sha != made.get("previous_sha256") or target.tags.get("sha") != sha:
+        raise PromotionError(f"prompt {template} v{previous}: its text hashes to {sha}, but the promotion journal recorded "
+                             f"{made.get('previous_sha256')} when it was replaced")
+    number = switch_prompt(serving, mlflow, name, template, target,
+                           f"rollback prompt {template} v{current.version} -> v{previous}", record=False)
+    prompt_registry.set_tags(template, current.version, {"promotion.decision": "rolled_back"})
+    return str(current.version), previous, number
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("role", help="registered model of the role, e.g. junior_researcher")
+    parser.add_argument("--prompt", nargs="?", const="", default=None, metavar="TEMPLATE",
+                        help="roll back the prompt version the role renders instead of its model (TEMPLATE: the one "
+                             "prompt.template names when the role is prompt.role)")
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
+    template = args.prompt or (params.prompt.template if params.prompt.role == args.role else None)
     try:
         stack.ensure(params.serving, params.mlflow)
         tracking.setup(params.mlflow)
-        was, now, number = rollback(params.serving, params.mlflow, params.promote, args.role)
+        if args.prompt is not None:
+            if template is None:
+                raise PromotionError(f"{args.role}: name the template (--prompt TEMPLATE); prompt.role is {params.prompt.role}")
+            was, now, number = rollback_prompt(params.serving, params.mlflow, args.role, template)
+        else:
+            was, now, number = rollback(params.serving, params.mlflow, params.promote, args.role)
     except PromotionError as exc:
         print(f"error: rollback failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
         return 1
-    print(f"rollback: {args.role} champion v{was} -> v{now}; routing version {number} live")
+    what = f"prompt {template}" if args.prompt is not None else "champion"
+    print(f"rollback: {args.role} {what} v{was} -> v{now}; routing version {number} live")
     return 0
