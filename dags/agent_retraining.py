@@ -35,7 +35,7 @@ GPU_POOL = "gpu"  # created by `python -m pipeline services up airflow`; size it
 GPU: dict[str, Any] = {"queue": "gpu", "executor_config": {"pod_template_file": os.environ.get(
     "PIPELINE_GPU_POD_TEMPLATE", "/opt/airflow/pod_templates/pod-template-gpu.yaml")}}
 STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_pi",
-          "train_ppo", "train_bandit", "evaluate", "promote", "report"]
+          "train_ppo", "train_bandit", "train_prompt", "evaluate", "promote", "report"]
 
 # Whoever refreshes the source data emits an event on this asset (a producer DAG with
 # ``outlets=[SOURCE_DATA]``, or ``POST /api/v2/assets/events``): the loop then runs without waiting for Monday.
@@ -50,7 +50,7 @@ RUN_PARAMS = {
     "margin": "PIPELINE__PROMOTE__MARGIN",
     "dry_run": "PIPELINE__PROMOTE__DRY_RUN",
 }
-TRAINERS = {"sft": "train-sft", "pi": "train-pi", "ppo": "train-ppo", "bandit": "train-bandit"}
+TRAINERS = {"sft": "train-sft", "pi": "train-pi", "ppo": "train-ppo", "bandit": "train-bandit", "prompt": "train-prompt"}
 
 
 def _apply_run_params(ctx: Any) -> None:
@@ -98,7 +98,8 @@ GROUP_DOCS = {
                "trace store, then the per-role training data (`datasets`).",
     "train": "**train**: `train_sft` (junior_researcher LoRA), `train_pi` (principal_investigator on the gold decision, "
              "from the validated split: it waits for no rollout), `train_ppo` (senior_researcher online RL), "
-             "`train_bandit` (supervisor policy); each registers a `challenger` in MLflow. The `trainers` Param "
+             "`train_bandit` (supervisor policy), `train_prompt` (the PI's prompt: few-shot demonstrations through "
+             "mlflow.genai.optimize_prompts, a Prompt Registry version); each registers a `challenger` in MLflow. The `trainers` Param "
              "picks which run; the others are skipped.",
     "decide": "**decide**: each challenger against its champion on the validation split (`eval_limit`), the "
               "judge-gated promotion (`margin`, `dry_run`), the decision printed by `promotion_gate`, and the test "
@@ -238,6 +239,11 @@ def agent_retraining() -> None:
         """VW contextual bandit for the supervisor + off-policy evaluation; registers supervisor_policy."""
         _train("bandit")
 
+    @task(**GPU)
+    def train_prompt() -> None:
+        """Few-shot prompt optimization of the PI, scored by the served champion; registers a challenger prompt version."""
+        _train("prompt")
+
     @task(**GPU, trigger_rule="none_failed_min_one_success")  # a trainer left out by the `trainers` Param is skipped
     def evaluate() -> None:
         """Each role's challenger vs its champion on the validation split (MLflow GenAI evaluation)."""
@@ -311,9 +317,10 @@ def agent_retraining() -> None:
         [index, model] >> shards
         data = shards >> rollout_metrics() >> datasets()
     with TaskGroup("train", prefix_group_id=False, tooltip="one trainer per role", doc_md=GROUP_DOCS["train"]):
-        pi = train_pi()
+        pi, prompt = train_pi(), train_prompt()
         [validated, model] >> pi  # learns from the gold labels: it waits for no rollout
-        trained = [*(data >> [train_sft(), train_ppo(), train_bandit()]), pi]
+        [validated, model] >> prompt  # asks the served champion PI on train questions: no rollout either
+        trained = [*(data >> [train_sft(), train_ppo(), train_bandit()]), pi, prompt]
     with TaskGroup("decide", prefix_group_id=False, tooltip="evaluate, promote, report", doc_md=GROUP_DOCS["decide"]):
         branches = trained >> evaluate() >> promote() >> promotion_gate() >> [report(), not_promoted()]
     with TaskGroup("record", prefix_group_id=False, tooltip="DVC + MLflow bookkeeping", doc_md=GROUP_DOCS["record"]):

@@ -56,7 +56,8 @@ def test_stages_in_order(dagbag) -> None:
     assert dag.get_task("train_ppo").upstream_task_ids == {"datasets"}
     assert dag.get_task("train_bandit").upstream_task_ids == {"datasets"}
     assert dag.get_task("train_pi").upstream_task_ids == {"validate", "materialize_model"}  # gold labels: no rollouts
-    assert dag.get_task("evaluate").upstream_task_ids == {"train_sft", "train_pi", "train_ppo", "train_bandit"}
+    assert dag.get_task("train_prompt").upstream_task_ids == {"validate", "materialize_model"}  # asks the served champion
+    assert dag.get_task("evaluate").upstream_task_ids == {"train_sft", "train_pi", "train_ppo", "train_bandit", "train_prompt"}
     assert dag.get_task("promotion_gate").upstream_task_ids == {"promote"}
     assert dag.get_task("promotion_gate").downstream_task_ids == {"report", "not_promoted"}
     assert dag.get_task("version_outputs").upstream_task_ids == {"report", "not_promoted"}
@@ -122,9 +123,10 @@ def test_groups_params_schedule_and_callbacks(dagbag) -> None:
     groups = dag.task_group.children
     assert {"prepare", "collect", "train", "decide", "record"} <= set(groups)
     assert all(groups[g].doc_md for g in ("prepare", "collect", "train", "decide", "record")) and dag.doc_md
-    assert {t.task_id for t in groups["train"].children.values()} == {"train_sft", "train_pi", "train_ppo", "train_bandit"}
+    assert {t.task_id for t in groups["train"].children.values()} == {"train_sft", "train_pi", "train_ppo", "train_bandit",
+                                                                     "train_prompt"}
     assert {"shards", "tasks", "samples_per_task", "trainers", "eval_limit", "margin", "dry_run"} <= set(dag.params.keys())
-    assert dag.params["trainers"] == ["sft", "pi", "ppo", "bandit"]
+    assert dag.params["trainers"] == ["sft", "pi", "ppo", "bandit", "prompt"]
     assert isinstance(dag.timetable, AssetOrTimeSchedule) and "pubmedqa_source_data" in str(dag.timetable.asset_condition)
     assert dag.get_task("evaluate").trigger_rule == "none_failed_min_one_success"  # a trainer left out is skipped, not failed
     for t in dag.tasks:

@@ -34,7 +34,8 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          "PIPELINE__DATASETS__SFT__MIN_REWARD": "0.0", "PIPELINE__SFT__MAX_STEPS": "4", "PIPELINE__BANDIT__FOLDS": "2",
          "PIPELINE__BANDIT__BOOTSTRAP": "200", "PIPELINE__EVALUATE__LIMIT": "1", "PIPELINE__EVALUATE__BOOTSTRAP": "200",
          "PIPELINE__REPORT__LIMIT": "1", "PIPELINE__PPO__PROMPTS_PER_STEP": "1", "PIPELINE__PI__SFT__MAX_STEPS": "2",
-         "PIPELINE__REPORT__ROLE_LIMIT": "4",
+         "PIPELINE__REPORT__ROLE_LIMIT": "4", "PIPELINE__PROMPT__DEV_QUESTIONS": "4", "PIPELINE__PROMPT__CANDIDATES": "1",
+         "PIPELINE__PROMPT__DEMOS": "2",
          # the gate's evaluation runs on the junior adapter and the bandit: the senior adapter takes the same
          # lora_adapter path (hot-load + evaluation routing), so a fourth society in `evaluate` would repeat it
          "PIPELINE__PROMOTE__ROLES": "{junior_researcher: llm, supervisor_policy: policy}",

@@ -409,3 +409,71 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
     calls = [s["data"] for s in trace["spans"] if s["kind"] == "llm" and s["data"]["agent"] == pi]
     assert all(c["logical_model"] == pi for c in calls)
     assert calls or trace["status"] != "ok"  # a rollout that reached the PI asked the PI's own model
+
+
+def test_a_prompt_is_optimized_gated_like_a_model_rendered_when_promoted_and_rolled_back(promo: dict) -> None:
+    """The ``prompt`` kind of learning (#43) on the PI the previous test promoted: ``train-prompt`` measures candidates
+    through the served PI on train questions and registers only a winner, with lineage; an identical text under a new
+    version (A/A) is evaluated on every validation question with the champion's weights and refused by the gate; a
+    switched prompt is what the next rollout's PI span names (version and hash); ``rollback --prompt`` restores the
+    version rendered before, in routing and alias."""
+    import mlflow.genai
+
+    from pipeline import prompt_registry
+    from pipeline.agents import prompts
+    from pipeline.promotion import journal, switch_prompt
+
+    pi, params = "principal_investigator", promo["params"]
+    short = {"PIPELINE__AGENTS__CONTEXT_CHARS": "200"}  # every PI call one short prefill: the mechanism, not the figure
+    tp = _cli(promo, "train-prompt", PIPELINE__PROMPT__DEV_QUESTIONS="8", PIPELINE__PROMPT__CANDIDATES="1",
+              PIPELINE__PROMPT__DEMOS="2", **short)
+    assert tp.returncode == 0, tp.stdout[-3000:] + tp.stderr[-3000:]
+    report = json.loads((promo["root"] / "reports/train_prompt.json").read_text())
+    assert report["dev"]["n"] == 8 and report["calls"] == 16 and report["pool"] > 0, report
+    assert report["status"] in ("trained", "no_gain", "no_signal") and report["no_signal"] == (report["status"] != "trained")
+    proposed = prompt_registry.load(pi, f"@{prompt_registry.CHALLENGER}")
+    if report["status"] == "trained":  # lineage on the registered version; its text keeps the template's fields
+        assert proposed is not None and int(proposed.version) == report["version"]
+        assert proposed.tags["sha"] == prompts.digest(proposed.template) and proposed.tags["source"] == "train_prompt"
+        assert proposed.tags["parent_version"] == str(report["base_version"]) and proposed.tags["run_id"]
+        assert proposed.template.endswith(prompts.TEMPLATES[pi]) and "GO" in proposed.template
+    else:
+        assert report["version"] is None and proposed is None, report  # nothing registered without a gain
+    # A/A: the rendered text again under a new version
+    current = prompt_registry.sync(params.mlflow, _live(promo))[pi]
+    same = prompt_registry.register(params.mlflow, pi, prompts.text(pi), "it: A/A, the rendered text again")
+    prompt_registry.set_alias(pi, prompt_registry.CHALLENGER, same)
+    ev = _cli(promo, "evaluate", **short)
+    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
+    entry = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())["roles"][f"{pi}@prompt"]
+    assert entry["artifact"] == "prompt" and entry["candidate"]["version"] == str(same)
+    assert entry["champion"]["version"] == str(current) and entry["model_version"] == _champion(pi)
+    assert entry["difference"]["n"] == 100 and entry["difference"]["mean"] == 0  # the same answers, question by question
+    pr = _cli(promo, "promote")
+    assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
+    decision = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"][f"{pi}@prompt"]
+    assert decision["status"] == "rejected" and decision["artifact"] == "prompt", decision
+    assert prompt_registry.load(pi, f"@{prompt_registry.CHALLENGER}") is None
+    assert not (_live(promo).get("prompts") or {}) and not journal(params.serving, pi, "prompt")
+    assert mlflow.genai.load_prompt(f"prompts:/society.{pi}/{same}", link_to_model=False,
+                                    cache_ttl_seconds=0).tags["promotion.decision"] == "rejected"
+    # a switched prompt is what the society renders next
+    text = prompts.TEMPLATES[pi] + " State the decisive finding first."
+    new = prompt_registry.register(params.mlflow, pi, text, "it: a prompt to switch to")
+    number = switch_prompt(params.serving, params.mlflow, pi, pi, prompt_registry.load(pi, new), "it: switch the PI's prompt")
+    assert _live(promo)["version"] == number and _live(promo)["prompts"] == {pi: new}
+    assert str(prompt_registry.load(pi, f"@{prompt_registry.CHAMPION}").version) == str(new)
+    ro = _cli(promo, "rollouts", PIPELINE__ROLLOUTS__LIMIT="1", PIPELINE__ROLLOUTS__SAMPLES_PER_TASK="1",
+              PIPELINE__ROLLOUTS__SHARDS="1", PIPELINE__ROLLOUTS__MAX_FAILURE_RATE="1.0", **short)
+    assert ro.returncode == 0, ro.stdout[-3000:] + ro.stderr[-3000:]
+    trace = json.loads((promo["root"] / "data/rollouts/shard-00000.jsonl").read_text().splitlines()[0])
+    spans = [s["data"] for s in trace["spans"] if s["kind"] == "llm" and s["data"].get("prompt") == pi]
+    assert all(s["prompt_version"] == new and s["prompt_sha"] == prompts.digest(text) for s in spans)
+    assert spans or trace["status"] != "ok"  # a rollout that reached the PI rendered the switched version
+    rb = _cli(promo, "rollback", pi, "--prompt")
+    assert rb.returncode == 0 and f"v{new} -> v{current}" in rb.stdout, rb.stdout + rb.stderr
+    assert _live(promo)["prompts"] == {pi: current}
+    assert str(prompt_registry.load(pi, f"@{prompt_registry.CHAMPION}").version) == str(current)
+    assert [e["action"] for e in journal(params.serving, pi, "prompt")] == ["promote", "rollback"]
+    again = _cli(promo, "rollback", pi, "--prompt")  # the rollback is not a promotion: nothing further to undo
+    assert again.returncode == 1 and "nothing to roll back" in again.stderr

@@ -428,7 +428,8 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
         if text is not None:  # a prompt pair: the versions compared are the prompt's, both answered by the champion model
             template = params.prompt.template
             entry.update(artifact="prompt", template=template, model_version=champion.version)
-            entry["champion"]["version"] = prompts.VERSIONS[template]
+            entry["champion"]["version"] = str(prompts.VERSIONS[template])
+            entry["candidate"]["version"] = str(cand.version)
             prompt_registry.set_tags(template, cand.version, {
                 "eval.run": run_id, "eval.setting": setting, "eval.model_version": champion.version,
                 "eval.diff": f"{diff['mean']:+.4f}", "eval.tasks": len(tasks), "eval.p_value": f"{diff['p_value']:.4f}"})
