@@ -71,7 +71,8 @@ def main() -> int:
     ap.add_argument("--out", default="docs/benchmarks-prompts.md")
     args = ap.parse_args()
     times = run() if args.run else {}
-    opt, summary, promo = _read("reports/train_prompt.json"), _read("data/evaluation/summary.json"), _read("reports/promotion.json")
+    opt, summary = _read("reports/train_prompt.json"), _read("data/evaluation/summary.json")
+    promo = _read("reports/promotion.json")
     weights = _read("docs/benchmarks-improvement.json")
     if not opt:
         print("error: reports/train_prompt.json missing: run with --run", file=sys.stderr)
@@ -105,14 +106,16 @@ def main() -> int:
     if entry:
         champ, cand, diff = entry["champion"]["metrics"], entry["candidate"]["metrics"], entry["difference"]
         mc = diff.get("decision") or {}
-        lines += ["| | prompt v" + str(entry["champion"]["version"]) + " (rendered) | prompt v" + str(entry["candidate"]["version"])
-                  + " (candidate) |", "|---|---|---|",
+        lines += [f"| | prompt v{entry['champion']['version']} (rendered) | prompt v{entry['candidate']['version']} "
+                  "(candidate) |", "|---|---|---|",
                   f"| yes/no accuracy (exact CI) | {_acc(champ)} | {_acc(cand)} |",
                   f"| AUC of P(GO) (bootstrap CI) | {_auc(champ)} | {_auc(cand)} |",
                   f"| GO share on yes/no | {champ['yes_no']['go_share']:.3f} | {cand['yes_no']['go_share']:.3f} |",
                   f"| official accuracy / macro-F1 (n={champ['questions']}) | {champ['official']['accuracy']:.3f} / "
-                  f"{champ['official']['macro_f1']:.3f} | {cand['official']['accuracy']:.3f} / {cand['official']['macro_f1']:.3f} |",
-                  "", f"Paired reward difference {diff['mean']:+.3f} [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}), "
+                  f"{champ['official']['macro_f1']:.3f} | {cand['official']['accuracy']:.3f} / "
+                  f"{cand['official']['macro_f1']:.3f} |",
+                  "", f"Paired reward difference {diff['mean']:+.3f} [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] "
+                  f"(n={diff['n']}), "
                   f"sign-flip p = {diff['p_value']:.4f}; decisions, exact McNemar: b={mc.get('b')} c={mc.get('c')} "
                   f"p = {mc.get('p_value', float('nan')):.4f} (n={mc.get('n')})."]
     else:
