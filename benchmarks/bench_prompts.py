@@ -34,7 +34,7 @@ KEY = f"{PI}@prompt"
 RUN_ENV = {"PIPELINE__PROMOTE__ROLES": "{principal_investigator: llm}", "PIPELINE__EVALUATE__AA": "false",
            "PIPELINE__EVALUATE__ROLE_JUDGE": "false", "PIPELINE__PROMPT__CANDIDATES": "6", "PIPELINE__PROMPT__DEMOS": "6",
            "PIPELINE__PROMPT__DEV_QUESTIONS": "48", "PIPELINE__PROMPT__MAX_CALLS": "400"}
-STEPS = [["dvc", "repro", "validate", "materialize_model"], [sys.executable, "-m", "pipeline", "services", "up", "serving"],
+STEPS = [["dvc", "repro", "validate", "materialize_model", "build_index"], [sys.executable, "-m", "pipeline", "services", "up", "serving"],
          [sys.executable, "-m", "pipeline", "train-prompt"], [sys.executable, "-m", "pipeline", "evaluate"],
          [sys.executable, "-m", "pipeline", "promote"]]
 

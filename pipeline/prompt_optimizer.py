@@ -32,7 +32,7 @@ from pipeline.config import PromptParams
 from pipeline.evaluation import role_level
 
 RETRIES = 3
-HEADER = "Earlier questions this team decided, with the decisions their published answers support:\n"
+HEADER = "Earlier questions this team decided, each with the decision its published answer supports:\n"
 
 
 def fields(text: str) -> set[str]:
@@ -43,12 +43,16 @@ def _escaped(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
-def with_demos(template: str, demos: list[dict[str, Any]], setting: str) -> str:
+def with_demos(template: str, demos: list[dict[str, Any]], setting: str, prefix: str) -> str:
     """``template`` with ``demos`` before it: each demonstration's question (and, reasoning-free, its conclusion) and
-    the decision its label supports. Braces in the questions are escaped, so the candidate has the template's fields."""
-    lines = [f"{i}. {_escaped(brief(t, 0, setting))} -> {'GO' if t['final_decision'] == 'yes' else 'NO-GO'}"
-             for i, t in enumerate(demos, 1)]
-    return HEADER + "\n".join(lines) + "\n\n" + template
+    the decision its label supports, written as the role writes it (``prefix``, the decision, the JSON closed): a
+    135M model copies the form it sees, and an arrow (``-> GO``) moved no decision of the base PI where this form
+    moved P(GO) (docs/benchmarks-prompts.md). Braces are escaped, so the candidate has the template's fields."""
+    def answer(t: dict[str, Any]) -> str:
+        return f"{prefix}{'GO' if t['final_decision'] == 'yes' else 'NO-GO'}\"\n}}"
+
+    lines = [f"Question: {brief(t, 0, setting)}\n{answer(t)}" for t in demos]
+    return HEADER + _escaped("\n".join(lines)) + "\n\n" + template
 
 
 def split(tasks: list[dict[str, Any]], dev: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -117,6 +121,7 @@ class FewShotOptimizer(BasePromptOptimizer):
     cfg: PromptParams
     pool: list[dict[str, Any]]
     setting: str
+    prefix: str  # what the role writes before its decision (pi.decision_prefix)
     scored: list[Scored] = field(default_factory=list)
     calls: int = 0
     seconds: float = 0.0
@@ -159,7 +164,7 @@ class FewShotOptimizer(BasePromptOptimizer):
                       f"{time.perf_counter() - t0:.0f} s)")
                 break
             demos = self._demos(i)
-            text = with_demos(template, demos, self.setting)
+            text = with_demos(template, demos, self.setting, self.prefix)
             if fields(text) != fields(template):  # the society fills the template's fields: nothing else may reach the registry
                 raise ValueError(f"candidate {i}: fields {sorted(fields(text))}, the template's {sorted(fields(template))}")
             mine = self._score(eval_fn, f"demos-{i}", text, target, train_data, [t["id"] for t in demos])

@@ -26,13 +26,15 @@ def test_a_candidate_keeps_the_templates_fields_and_shows_balanced_gold_decision
     assert len(dev) == 8 and not {t["id"] for t in pool} & {t["id"] for t in dev}  # a demonstration never scores itself
     assert all(t["final_decision"] in ("yes", "no") for t in pool + dev)  # maybe has no right decision
     assert split(_tasks(60), 8, seed=0) == (pool, dev) != split(_tasks(60), 8, seed=1)
-    opt = FewShotOptimizer(section("prompt").model_copy(update={"demos": 4}), pool, "reasoning_free")
+    prefix = section("pi").decision_prefix
+    opt = FewShotOptimizer(section("prompt").model_copy(update={"demos": 4}), pool, "reasoning_free", prefix)
     demos = opt._demos(0)
     assert sorted(t["final_decision"] for t in demos) == ["no", "no", "yes", "yes"]
-    text = with_demos(prompts.TEMPLATES[PI], demos, "reasoning_free")
+    text = with_demos(prompts.TEMPLATES[PI], demos, "reasoning_free", prefix)
     assert fields(text) == fields(prompts.TEMPLATES[PI])  # the question's braces are escaped
     rendered = text.format(brief="B", protocol="P", reviews="none")
-    assert "Does {x}" in rendered and "-> GO" in rendered and "-> NO-GO" in rendered and "Conclusion: It" in rendered
+    assert "Does {x}" in rendered and "Conclusion: It" in rendered
+    assert rendered.count(prefix + 'GO"') == 2 and rendered.count(prefix + 'NO-GO"') == 2  # written as the PI writes it
 
 
 def _eval_fn(answers: dict[str, dict[str, str]]) -> Any:
@@ -67,7 +69,7 @@ def test_only_a_candidate_that_beat_the_current_prompt_is_handed_to_mlflow(flip:
     elif flip == -1:
         changed[first_right] = wrong[gold[first_right]]
     cfg = section("prompt").model_copy(update={"candidates": 2, "demos": 2, "max_calls": 1000})
-    opt = FewShotOptimizer(cfg, pool, "reasoning_required")
+    opt = FewShotOptimizer(cfg, pool, "reasoning_required", "{")
     out = opt.optimize(_eval_fn({"current": current, "demos": changed}), data, {"society." + PI: prompts.TEMPLATES[PI]})
     assert opt.status == status and opt.calls == 3 * len(data)
     assert bool(out.optimized_prompts) == (status == "trained")
@@ -82,6 +84,6 @@ def test_the_budget_stops_candidates_before_they_start() -> None:
     data = [record(t) for t in dev]
     same = {d["inputs"]["task_id"]: "GO" for d in data}
     cfg = section("prompt").model_copy(update={"candidates": 5, "max_calls": 3 * len(data)})
-    opt = FewShotOptimizer(cfg, pool, "reasoning_required")
+    opt = FewShotOptimizer(cfg, pool, "reasoning_required", "{")
     opt.optimize(_eval_fn({"current": same, "demos": same}), data, {"society." + PI: prompts.TEMPLATES[PI]})
     assert opt.calls == 3 * len(data) and len(opt.scored) == 3  # the current prompt and two candidates, no more

@@ -49,7 +49,7 @@ def optimize(params: Params) -> dict[str, Any]:
     url, key = proxy.client_settings(params.serving)
     predict = predictor(url, key, current, cfg.role, params.agents, params.data.setting, params.pi.decision_prefix,
                         params.evaluate.timeout_s)
-    opt = FewShotOptimizer(cfg, pool, params.data.setting)
+    opt = FewShotOptimizer(cfg, pool, params.data.setting, params.pi.decision_prefix)
     os.environ["MLFLOW_GENAI_EVAL_MAX_WORKERS"] = str(cfg.concurrency)  # MLflow's eval threads: metric calls in flight
     # its own check calls the function once; it is traced by the eval harness already
     os.environ["MLFLOW_GENAI_EVAL_SKIP_TRACE_VALIDATION"] = "true"
