@@ -549,7 +549,7 @@ class PromptParams(_Strict):
     template: str = Field(description="the template of pipeline/agents/prompts.py it rewrites")
     optimizer: Literal["few_shot"] = Field(description="few_shot: demonstrations from the train split, picked on the metric "
                                                         "(pipeline/prompt_optimizer.py)")
-    demos: int = Field(ge=1, le=32, description="demonstrations in a candidate prompt (balanced over the two decisions)")
+    demos: int = Field(ge=1, le=32, description="demonstrations in a candidate prompt (their GO share varies across candidates)")
     candidates: int = Field(ge=1, description="candidate prompts scored besides the current one")
     dev_questions: int = Field(ge=2, description="train-split yes/no questions that score every candidate (never the "
                                                  "gate's validation questions)")

@@ -130,7 +130,7 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
 
     children = _children(cycle)
     assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_pi", "train_ppo", "train_bandit",
-                             "evaluate", "promote", "report"}
+                             "train_prompt", "evaluate", "promote", "report"}
     assert children["rollouts"].data.metrics["total.rollouts"] == 2
     assert children["datasets"].data.metrics["sft.rows"] > 0
     assert children["ingest"].data.metrics["val.rows"] == 100
