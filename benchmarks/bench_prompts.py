@@ -55,6 +55,10 @@ def run() -> dict[str, float]:
     return times
 
 
+def _r(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def _acc(m: dict[str, Any]) -> str:
     y = m["yes_no"]
     return f"{y['accuracy']:.3f} [{y['ci_low']:.3f}, {y['ci_high']:.3f}] (n={y['n']})"
@@ -96,11 +100,11 @@ def main() -> int:
                   f"(n={dev['n']}, exact) |",
                   f"| dev accuracy, best candidate (selected on these questions: biased upward) | {dev['after']:.3f} "
                   f"[{lo_a:.3f}, {hi_a:.3f}] |",
-                  f"| dev AUC of P(GO), before / after | {dev.get('auc_before')} / {dev.get('auc_after')} |"]
+                  f"| dev AUC of P(GO), before / after | {_r(dev.get('auc_before'))} / {_r(dev.get('auc_after'))} |"]
     lines += [f"| cost | {opt.get('calls')} metric calls (one PI call each), {opt.get('seconds', 0) / 60:.1f} min |",
               f"| registered | {'prompts:/society.' + PI + '/' + str(opt['version']) if opt.get('version') else 'nothing'} |",
               "", "Each candidate on the dev questions:", "", "| candidate | dev accuracy | dev AUC |", "|---|---|---|"]
-    lines += [f"| {c['name']} | {c['score']:.3f} | {c['auc'] if c['auc'] is None else round(c['auc'], 3)} |"
+    lines += [f"| {c['name']} | {c['score']:.3f} | {_r(c['auc'])} |"
               for c in opt.get("candidates", [])]
     lines += ["", "## The gate (validation split, every question; champion weights under both prompts)", ""]
     if entry:
@@ -131,6 +135,7 @@ def main() -> int:
                   f"| validation AUC of P(GO) | {_auc(wc)} | {_auc(wk)} |",
                   f"| cost | - | train_pi {weights['times_s'].get('train-pi', 0) / 60:.1f} min "
                   f"({weights['train_pi'].get('steps')} steps) |"]
+    times = times or (_read(str(Path(args.out).with_suffix(".json"))) or {}).get("times_s") or {}
     if times:
         lines += ["", "Step wall times (s): " + ", ".join(f"{k} {v}" for k, v in times.items())]
     write_report(args.out, lines + [""])

@@ -174,6 +174,27 @@ def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
     assert cycle["run_id"] in v.tags["lineage.trace_runs"]
 
 
+def test_the_pis_prompt_is_optimized_against_the_served_pi_and_registered_only_with_a_gain(cycle: dict) -> None:
+    """``train_prompt`` in make run (#43): MLflow's optimize_prompts measured the current prompt and a candidate through
+    the served PI on train questions; its report and stage run say what it measured and spent, and a version exists
+    (with lineage, as the challenger) exactly when a candidate beat the current prompt."""
+    import mlflow
+
+    report = json.loads((cycle["clone"] / "reports/train_prompt.json").read_text())
+    assert report["template"] == "principal_investigator" and report["dev"]["n"] == 4 and report["calls"] == 8, report
+    assert [c["name"] for c in report["candidates"]] == ["current", "demos-0"] and report["seconds"] > 0
+    run = _children(cycle)["train_prompt"]
+    assert run.data.metrics["prompt.calls"] == 8 and "prompt.dev_before" in run.data.metrics
+    challenger = mlflow.MlflowClient(cycle["mlflow"]).load_prompt("prompts:/society.principal_investigator@challenger",
+                                                                 allow_missing=True, cache_ttl_seconds=0)
+    if report["status"] == "trained":
+        assert report["dev"]["after"] > report["dev"]["before"] and challenger is not None
+        assert int(challenger.version) == report["version"] and challenger.tags["run_id"] == run.info.run_id
+        assert challenger.tags["parent_version"] == str(report["base_version"]) and challenger.tags["source"] == "train_prompt"
+    else:
+        assert report["no_signal"] and report["version"] is None and challenger is None, report
+
+
 def test_ppo_logs_reward_and_kl_curves_and_registers_a_senior_version(cycle: dict) -> None:
     clone = cycle["clone"]
     metrics = json.loads((clone / "reports/train_ppo.json").read_text())
