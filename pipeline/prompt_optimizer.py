@@ -4,13 +4,13 @@
 evaluation function (the role's predict function under a candidate template, MLflow's scorer over its answer, threads
 and traces) and logs the optimization to the active run; the optimizer proposes candidates, the role's template with
 ``demos`` demonstrations (an earlier question and its gold decision, in a mix of GO and NO-GO that varies across
-candidates) drawn from a pool of train-split questions, scores each on a dev set disjoint from the pool, and returns the best one only when it beat
-the current template by more than ``min_gain``. It returns nothing otherwise, so ``optimize_prompts`` registers
-nothing: the signal is decided before anything reaches the registry.
+candidates) drawn from a pool of train-split questions, scores each on a dev set disjoint from the pool, and returns
+the best one only when it beat the current template by more than ``min_gain``. It returns nothing otherwise, so
+``optimize_prompts`` registers nothing: the signal is decided before anything reaches the registry.
 
 Why demonstrations rather than rewrites: a rewrite needs a reflection model that writes better instructions than the
 role's own, and the only model here is the 135M one being improved; demonstrations need none, and they are what the
-label can check (docs/training.md, prompts). GEPA and MetaPromptOptimizer take the same ``optimize_prompts`` call with
+label can check (docs/training.md; what they reach: docs/benchmarks-prompts.md). GEPA and MetaPromptOptimizer take the same ``optimize_prompts`` call with
 a GPU worker's model as reflection model.
 """
 

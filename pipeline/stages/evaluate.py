@@ -46,7 +46,7 @@ from pipeline.agents import prompts
 from pipeline.agents.graph import OPENING_MODEL
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.replay import CallBook
-from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
+from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, PromptParams, ServingParams
 from pipeline.contracts import EvaluationSummary
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.envs import REPO_ROOT
@@ -371,7 +371,7 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
         print(f"evaluate: {name}: A/A candidate v{aa.version} (champion v{champion.version} again)")
     cands = [(alias, c) for alias in (registry.CHALLENGER, registry.AA)
              if (c := registry.by_alias(name, alias)) is not None and c.version != champion.version]
-    prompt = prompt_candidate(params, name)
+    prompt = prompt_candidate(params.prompt, name)
     if not cands and prompt is None:
         print(f"evaluate: {name}: no challenger (champion v{champion.version})")
         return {}
@@ -452,13 +452,13 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
 PROMPT_ALIAS = "prompt"  # a prompt candidate's summary entry: ROLE@prompt
 
 
-def prompt_candidate(params: Params, name: str) -> Any | None:
+def prompt_candidate(prompt: PromptParams, name: str) -> Any | None:
     """The role's ``challenger`` prompt version when it is not the version the society renders (prompt_registry.sync
     ran at the stage's start); None otherwise. An identical text under a new version is a candidate: the gate refuses it."""
-    if params.prompt.role != name:
+    if prompt.role != name:
         return None
-    cand = prompt_registry.load(params.prompt.template, f"@{prompt_registry.CHALLENGER}")
-    current = prompts.VERSIONS.get(params.prompt.template)
+    cand = prompt_registry.load(prompt.template, f"@{prompt_registry.CHALLENGER}")
+    current = prompts.VERSIONS.get(prompt.template)
     if cand is None or current is None or int(cand.version) == int(current):
         return None
     return cand

@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline import metrics_files, prompt_registry, training
 from pipeline.agents import prompts
-from pipeline.config import Params
+from pipeline.config import Params, ValidateParams
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.io import write_json
 from pipeline.serving import proxy, routing, stack
@@ -27,11 +27,11 @@ from pipeline.serving import proxy, routing, stack
 METRICS_FILE = Path("reports/train_prompt.json")
 
 
-def _tasks(params: Params) -> list[dict[str, Any]]:
-    return load_tasks(params.validate_, "train", None, setting=params.data.setting)
+def _tasks(validate: ValidateParams, setting: str) -> list[dict[str, Any]]:
+    return load_tasks(validate, "train", None, setting=setting)
 
 
-def optimize(params: Params) -> dict[str, Any]:
+def run(params: Params) -> dict[str, Any]:
     """Run the optimizer on the routed version of the template; the report (``version`` when one was registered)."""
     import mlflow  # noqa: PLC0415 - control plane only
     import mlflow.genai  # noqa: PLC0415
@@ -45,7 +45,7 @@ def optimize(params: Params) -> dict[str, Any]:
     current = prompt_registry.load(cfg.template, base)
     if current is None:
         raise RuntimeError(f"prompt {cfg.template} v{base}: not in the Prompt Registry")
-    pool, dev = split(_tasks(params), cfg.dev_questions, cfg.seed)
+    pool, dev = split(_tasks(params.validate_, params.data.setting), cfg.dev_questions, cfg.seed)
     url, key = proxy.client_settings(params.serving)
     predict = predictor(url, key, current, cfg.role, params.agents, params.data.setting, params.pi.decision_prefix,
                         params.evaluate.timeout_s)
@@ -83,6 +83,7 @@ def optimize(params: Params) -> dict[str, Any]:
     return report
 
 
+# whole Params: its steps read the prompt, data, validate, serving, mlflow, agents, pi and evaluate sections
 def trainer(params: Params) -> training.Trainer:
     """The prompt optimizer as the shared trainer sequence (pipeline/training.py): no model plane, the served role."""
     cfg = params.prompt
@@ -92,7 +93,7 @@ def trainer(params: Params) -> training.Trainer:
             raise ValueError(f"params.yaml prompt.template: {cfg.template!r} is not a template of pipeline/agents/prompts.py")
         if not split_file(params.validate_, "train").exists():
             raise FileNotFoundError(f"{split_file(params.validate_, 'train')}: run the validate stage first")
-        yes_no = sum(t["final_decision"] in ("yes", "no") for t in _tasks(params))
+        yes_no = sum(t["final_decision"] in ("yes", "no") for t in _tasks(params.validate_, params.data.setting))
         if yes_no < cfg.dev_questions + cfg.demos:
             return f"{yes_no} yes/no train questions < prompt.dev_questions + prompt.demos"
         return None
@@ -119,7 +120,7 @@ def trainer(params: Params) -> training.Trainer:
                 f"{r['calls']} metric calls in {r['seconds']:.0f} s")
 
     return training.Trainer(stage="train_prompt", command="train-prompt", role=prompt_registry.registered_name(cfg.template),
-                            report=METRICS_FILE, inputs=inputs, no_signal=no_signal, train=lambda: optimize(params),
+                            report=METRICS_FILE, inputs=inputs, no_signal=no_signal, train=lambda: run(params),
                             register=register, summary=summary, in_model_plane=False,
                             uri=lambda v: f"prompts:/{v.name}/{v.version}")
 
