@@ -99,8 +99,8 @@ GROUP_DOCS = {
     "train": "**train**: `train_sft` (junior_researcher LoRA), `train_pi` (principal_investigator on the gold decision, "
              "from the validated split: it waits for no rollout), `train_ppo` (senior_researcher online RL), "
              "`train_bandit` (supervisor policy), `train_prompt` (the PI's prompt: few-shot demonstrations through "
-             "mlflow.genai.optimize_prompts, a Prompt Registry version); each registers a `challenger` in MLflow. The `trainers` Param "
-             "picks which run; the others are skipped.",
+             "mlflow.genai.optimize_prompts, a Prompt Registry version); each registers a `challenger` in MLflow. "
+             "The `trainers` Param picks which run; the others are skipped.",
     "decide": "**decide**: each challenger against its champion on the validation split (`eval_limit`), the "
               "judge-gated promotion (`margin`, `dry_run`), the decision printed by `promotion_gate`, and the test "
               "split report when a champion changed.",

@@ -10,8 +10,8 @@ the best one only when it beat the current template by more than ``min_gain``. I
 
 Why demonstrations rather than rewrites: a rewrite needs a reflection model that writes better instructions than the
 role's own, and the only model here is the 135M one being improved; demonstrations need none, and they are what the
-label can check (docs/training.md; what they reach: docs/benchmarks-prompts.md). GEPA and MetaPromptOptimizer take the same ``optimize_prompts`` call with
-a GPU worker's model as reflection model.
+label can check (docs/training.md; what they reach: docs/benchmarks-prompts.md). GEPA and MetaPromptOptimizer take
+the same ``optimize_prompts`` call with a GPU worker's model as reflection model.
 """
 
 from __future__ import annotations
