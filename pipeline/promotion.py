@@ -130,24 +130,33 @@ def switch(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams,
         roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
         (roles if kind == "llm" else policies)[name] = where
         number = routing.write_version(serving, roles, description, policies, live.get("prompts"))
-        _note(serving, intent, new_routing=number)
-        failpoint("routing_written")
-        try:
-            routing.apply(serving, mlflow, number)  # verified before it goes live; the previous version stays live on failure
-        except routing.RoutingError as exc:
-            intent_file(serving).unlink(missing_ok=True)
-            raise PromotionError(f"{name} v{to.version}: {exc}") from exc
-        failpoint("routing_applied")
-        try:
-            registry.set_alias(name, registry.CHAMPION, to.version)
-        except Exception as exc:
-            routing.apply(serving, mlflow, live["version"])
-            intent_file(serving).unlink(missing_ok=True)
-            raise PromotionError(f"{name}: moving the champion alias failed ({exc}); "
-                                 f"routing restored to v{live['version']}") from exc
-        failpoint("alias_moved")
-        _finish(serving, intent)
-        return number
+        return _apply_then_alias(serving, mlflow, intent, live, number, f"{name} v{to.version}",
+                                 lambda: registry.set_alias(name, registry.CHAMPION, to.version))
+
+
+def _apply_then_alias(serving: ServingParams, mlflow: MlflowParams, intent: dict[str, Any], live: dict[str, Any],
+                      number: int, what: str, move_alias: Any) -> int:
+    """A switch's last steps, the same for every kind: apply routing version ``number`` (verified before it goes live;
+    the previous version stays live on failure), move the champion alias (routing restored if that fails), bookkeeping.
+    Returns ``number``."""
+    _note(serving, intent, new_routing=number)
+    failpoint("routing_written")
+    try:
+        routing.apply(serving, mlflow, number)
+    except routing.RoutingError as exc:
+        intent_file(serving).unlink(missing_ok=True)
+        raise PromotionError(f"{what}: {exc}") from exc
+    failpoint("routing_applied")
+    try:
+        move_alias()
+    except Exception as exc:
+        routing.apply(serving, mlflow, live["version"])
+        intent_file(serving).unlink(missing_ok=True)
+        raise PromotionError(f"{what}: moving the champion alias failed ({exc}); "
+                             f"routing restored to v{live['version']}") from exc
+    failpoint("alias_moved")
+    _finish(serving, intent)
+    return number
 
 
 def switch_prompt(serving: ServingParams, mlflow: MlflowParams, name: str, template: str, to: Any, description: str,
@@ -175,24 +184,8 @@ def switch_prompt(serving: ServingParams, mlflow: MlflowParams, name: str, templ
         except routing.RoutingError as exc:
             intent_file(serving).unlink(missing_ok=True)
             raise PromotionError(f"{template} v{to.version}: {exc}") from exc
-        _note(serving, intent, new_routing=number)
-        failpoint("routing_written")
-        try:
-            routing.apply(serving, mlflow, number)
-        except routing.RoutingError as exc:
-            intent_file(serving).unlink(missing_ok=True)
-            raise PromotionError(f"{template} v{to.version}: {exc}") from exc
-        failpoint("routing_applied")
-        try:
-            prompt_registry.set_alias(template, prompt_registry.CHAMPION, to.version)
-        except Exception as exc:
-            routing.apply(serving, mlflow, live["version"])
-            intent_file(serving).unlink(missing_ok=True)
-            raise PromotionError(f"{template}: moving the champion alias failed ({exc}); "
-                                 f"routing restored to v{live['version']}") from exc
-        failpoint("alias_moved")
-        _finish(serving, intent)
-        return number
+        return _apply_then_alias(serving, mlflow, intent, live, number, f"prompt {template} v{to.version}",
+                                 lambda: prompt_registry.set_alias(template, prompt_registry.CHAMPION, to.version))
 
 
 def _champion(intent: dict[str, Any]) -> str | None:

@@ -37,6 +37,12 @@ def _active_run_id() -> str:
     return run.info.run_id if run else ""
 
 
+def _status(decision: Decision, promote: PromoteParams) -> Status:
+    if decision.promote:
+        return Status.DRY_RUN if promote.dry_run else Status.PROMOTED
+    return Status.INSUFFICIENT_EVIDENCE if decision.rule == INSUFFICIENT else Status.REJECTED
+
+
 def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, entry: Evaluation,
                  current_champion: str, adjusted_p: float | None = None, family: int = 1) -> PromotionDecision:
     cand = registry.get_version(name, entry.candidate.version)
@@ -59,10 +65,7 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
                                             f"but the champion is now v{current_champion}; evaluate again")
     else:
         decision = decide(entry.candidate.metrics, entry.champion.metrics, entry.difference, promote, adjusted_p, family)
-    status = (Status.PROMOTED if decision.promote else
-              Status.INSUFFICIENT_EVIDENCE if decision.rule == INSUFFICIENT else Status.REJECTED)
-    if decision.promote and promote.dry_run:
-        status = Status.DRY_RUN
+    status = _status(decision, promote)
     out = PromotionDecision(candidate=cand.version, champion_before=current_champion or None, status=status,
                             **decision.as_dict(), **evidence, **where)
     tags = {"promotion.decision": status.value, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
@@ -112,10 +115,7 @@ def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: Promot
                                             f"v{model_champion} now; evaluate again")
     else:
         decision = decide(entry.candidate.metrics, entry.champion.metrics, entry.difference, promote, adjusted_p, family)
-    status = (Status.PROMOTED if decision.promote else
-              Status.INSUFFICIENT_EVIDENCE if decision.rule == INSUFFICIENT else Status.REJECTED)
-    if decision.promote and promote.dry_run:
-        status = Status.DRY_RUN
+    status = _status(decision, promote)
     out = PromotionDecision(candidate=cand.version, champion_before=str(current) if current is not None else None,
                             status=status, **decision.as_dict(), **evidence, **where)
     tags = {"promotion.decision": status.value, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from pipeline import prompt_registry, registry, tracking
 from pipeline.agents import prompts
@@ -19,30 +20,35 @@ from pipeline.promotion import PROMPT, PromotionError, journal, reconcile, switc
 from pipeline.serving import stack
 
 
+def _promotion_of(entries: list[dict[str, Any]], current: str | None, what: str, store: str) -> dict[str, Any]:
+    """The journal entry of the promotion that made ``current`` champion; refused when the store's champion is not the
+    one the journal's last switch made, or no promotion made it."""
+    if current is not None and entries and str(entries[-1]["version"]) != current:
+        raise PromotionError(f"{what}: the {store}'s champion is v{current}, but the promotion journal's last switch made "
+                             f"v{entries[-1]['version']} champion: the {store} was changed outside promote/rollback")
+    made = next((e for e in reversed(entries) if e["action"] == "promote" and str(e["version"]) == current), None)
+    if current is None or made is None or not made.get("previous_version"):
+        raise PromotionError(f"{what} v{current or '?'} was not put there by a promotion (promotion journal); "
+                             "nothing to roll back")
+    return made
+
+
 def rollback(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str) -> tuple[str, str, int]:
     """Returns (from version, to version, routing version now live)."""
     reconcile(serving, mlflow)  # a promotion a crash interrupted is settled first: "the previous champion" must be the real one
     if name not in promote.roles:
         raise PromotionError(f"unknown role {name!r}; trainable roles are {list(promote.roles)}")
     current = registry.by_alias(name, registry.CHAMPION)
-    entries = journal(serving, name)
-    if current is not None and entries and str(entries[-1]["version"]) != str(current.version):
-        raise PromotionError(f"{name}: the registry's champion is v{current.version}, but the promotion journal's last switch "
-                             f"made v{entries[-1]['version']} champion: the registry was changed outside promote/rollback")
-    made = next((e for e in reversed(entries)
-                 if current is not None and e["action"] == "promote" and str(e["version"]) == str(current.version)), None)
-    if current is None or made is None or not made.get("previous_version"):
-        raise PromotionError(f"{name}: champion v{current.version if current else '?'} was not put there by a promotion "
-                             "(promotion journal); nothing to roll back")
-    previous = str(made["previous_version"])
+    made = _promotion_of(journal(serving, name), current and str(current.version), f"{name}: champion", "registry")
+    was, previous = str(made["version"]), str(made["previous_version"])
     target = registry.get_version(name, previous)
     if target.tags.get(registry.SHA256_TAG) != made.get("previous_sha256"):
         raise PromotionError(f"{name} v{previous}: sha256 {target.tags.get(registry.SHA256_TAG)} in the registry, but "
                              f"{made.get('previous_sha256')} when the promotion journal recorded it as champion")
     number = switch(serving, mlflow, promote, name, target,
-                    f"rollback {name} v{current.version} -> v{previous}", record=False)
-    registry.set_tags(name, current.version, {"promotion.decision": "rolled_back"})
-    return current.version, previous, number
+                    f"rollback {name} v{was} -> v{previous}", record=False)
+    registry.set_tags(name, was, {"promotion.decision": "rolled_back"})
+    return was, previous, number
 
 
 def rollback_prompt(serving: ServingParams, mlflow: MlflowParams, name: str, template: str) -> tuple[str, str, int]:
@@ -50,25 +56,18 @@ def rollback_prompt(serving: ServingParams, mlflow: MlflowParams, name: str, tem
     digest checked); returns (from version, to version, routing version now live)."""
     reconcile(serving, mlflow)
     current = prompt_registry.load(template, f"@{prompt_registry.CHAMPION}")
-    entries = journal(serving, name, PROMPT, template)
-    if current is not None and entries and str(entries[-1]["version"]) != str(current.version):
-        raise PromotionError(f"prompt {template}: the Prompt Registry's champion is v{current.version}, but the promotion "
-                             f"journal's last switch made v{entries[-1]['version']} champion")
-    made = next((e for e in reversed(entries)
-                 if current is not None and e["action"] == "promote" and str(e["version"]) == str(current.version)), None)
-    if current is None or made is None or not made.get("previous_version"):
-        raise PromotionError(f"{name}: prompt {template} v{current.version if current else '?'} was not put there by a "
-                             "promotion (promotion journal); nothing to roll back")
-    previous = str(made["previous_version"])
+    made = _promotion_of(journal(serving, name, PROMPT, template), current and str(current.version),
+                         f"{name}: prompt {template}", "Prompt Registry")
+    was, previous = str(made["version"]), str(made["previous_version"])
     target = prompt_registry.load(template, previous)
     sha = prompts.digest(str(target.template)) if target is not None else None
     if target is None or sha != made.get("previous_sha256") or target.tags.get("sha") != sha:
         raise PromotionError(f"prompt {template} v{previous}: its text hashes to {sha}, but the promotion journal recorded "
                              f"{made.get('previous_sha256')} when it was replaced")
     number = switch_prompt(serving, mlflow, name, template, target,
-                           f"rollback prompt {template} v{current.version} -> v{previous}", record=False)
-    prompt_registry.set_tags(template, current.version, {"promotion.decision": "rolled_back"})
-    return str(current.version), previous, number
+                           f"rollback prompt {template} v{was} -> v{previous}", record=False)
+    prompt_registry.set_tags(template, was, {"promotion.decision": "rolled_back"})
+    return was, previous, number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
