@@ -207,7 +207,10 @@ def test_prompt_versions_round_trip_the_prompt_registry(mlflow_server: str, monk
     assert prompt_registry.sync(cfg) == first  # unchanged text: no new version
     monkeypatch.setitem(prompts.TEMPLATES, "principal_investigator", prompts.TEMPLATES["principal_investigator"] + " Be brief.")
     second = prompt_registry.sync(cfg)
-    assert second["principal_investigator"] == first["principal_investigator"] + 1
+    # a new version (an optimizer's versions in between may have taken numbers: the repository alias tracks the text)
+    assert second["principal_investigator"] > first["principal_investigator"]
+    assert prompt_registry.load("principal_investigator", "@repository").template.endswith("Be brief.")
+    assert prompt_registry.sync(cfg) == second  # the repository's text again: no new version
     assert {k: v for k, v in second.items() if k != "principal_investigator"} == {k: v for k, v in first.items()
                                                                                   if k != "principal_investigator"}
     champion = mlflow.genai.load_prompt("prompts:/society.principal_investigator@champion", link_to_model=False)
