@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/control/bin/python benchmarks/bench_improvement.py [--run] [--out docs/benchmarks-improvement.md]
 
 With ``--run`` it runs ``make learn`` first (PARAMS picks the profile, as there); without, it reads what the last one
-left: ``reports/learn-times.tsv`` (its step times), ``reports/train_pi.json`` (the trainer and its signal),
+left: ``reports/learn-times.tsv`` (its step times), ``reports/train_pi/principal_investigator.json`` (the trainer and its signal),
 ``data/evaluation/summary.json`` (the role-level gate's evidence, challenger and A/A), ``reports/promotion.json`` (the
 decisions) and ``reports/test.json`` (the champion PI before and after on the official test split). It writes the
 tables to ``--out`` and every figure to the JSON beside it. Each figure carries its n and an exact interval or test.
@@ -58,7 +58,7 @@ def gather() -> dict[str, Any]:
     for entry in gate.values():
         entry.pop("records", None)
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "params": os.environ.get("PARAMS", "params/learn.yaml"),
-            "times_s": times, "train_pi": _read("reports/train_pi.json"), "gate": gate,
+            "times_s": times, "train_pi": _read("reports/train_pi/principal_investigator.json"), "gate": gate,
             "decisions": {k: v for k, v in ((promotion or {}).get("decisions") or {}).items() if v.get("role", k) == PI},
             "test": ((test or {}).get("role_level") or {}).get(PI), "setting": (test or {}).get("setting")}
 

@@ -59,7 +59,6 @@ from intervals import clopper_pearson
 from report import write_report  # benchmarks/report.py (the script's folder is on sys.path)
 from rich.progress import Progress
 
-from pipeline import roles
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.replay import CallBook
 from pipeline.agents.rollout import run_with_retries
@@ -205,11 +204,11 @@ def main() -> None:
     args = ap.parse_args()
     started = time.perf_counter()
 
-    if args.role not in roles.ALL or args.role == roles.JUDGE:
-        # a name no call is made under would leave every call replayed: an A/A of nothing, tying exactly
-        ap.error(f"--role {args.role!r}: a candidate's logical model, one of {[r for r in roles.ALL if r != roles.JUDGE]} "
-                 "(the PI's calls are the senior researcher's)")
     params = load_params()
+    candidates = [r for r, spec in params.roles.items() if spec.evaluation.value != "none"]
+    if args.role not in candidates:
+        # a name no call is made under would leave every call replayed: an A/A of nothing, tying exactly
+        ap.error(f"--role {args.role!r}: a candidate's logical model, one of {candidates} (params.yaml roles)")
     if args.concurrency:
         params = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"concurrency": args.concurrency})})
     if args.min_tasks:

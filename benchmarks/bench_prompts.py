@@ -4,7 +4,7 @@
 
 With ``--run`` it runs, in this checkout and under ``PIPELINE_PARAMS`` (default params/learn.yaml, reasoning-free):
 the data and model stages (dvc repro), the serving plane, ``train-prompt``, ``evaluate`` (the PI alone at role level)
-and ``promote``, timing each; without, it reads what the last run left: ``reports/train_prompt.json`` (the optimizer:
+and ``promote``, timing each; without, it reads what the last run left: ``reports/train_prompt/principal_investigator.json`` (the optimizer:
 dev metric before/after, calls, wall time), ``data/evaluation/summary.json`` (the gate's evidence for
 ``principal_investigator@prompt`` on every validation question) and ``reports/promotion.json`` (the decision). The
 weight-training figures beside them come from docs/benchmarks-improvement.json (``make learn``, same setting). Tables
@@ -31,7 +31,7 @@ from pipeline.io import write_json
 PI = "principal_investigator"
 KEY = f"{PI}@prompt"
 # the role alone, decided on its decision (the weight benchmark's gate kept the judge's part: compared on decisions)
-RUN_ENV = {"PIPELINE__PROMOTE__ROLES": "{principal_investigator: llm}", "PIPELINE__EVALUATE__AA": "false",
+RUN_ENV = {"PIPELINE__EVALUATE__ONLY": "[principal_investigator]", "PIPELINE__EVALUATE__AA": "false",
            "PIPELINE__EVALUATE__ROLE_JUDGE": "false", "PIPELINE__PROMPT__CANDIDATES": "6", "PIPELINE__PROMPT__DEMOS": "6",
            "PIPELINE__PROMPT__DEV_QUESTIONS": "48", "PIPELINE__PROMPT__MAX_CALLS": "400"}
 STEPS = [["dvc", "repro", "validate", "materialize_model", "build_index"], [sys.executable, "-m", "pipeline", "services", "up", "serving"],
@@ -75,11 +75,11 @@ def main() -> int:
     ap.add_argument("--out", default="docs/benchmarks-prompts.md")
     args = ap.parse_args()
     times = run() if args.run else {}
-    opt, summary = _read("reports/train_prompt.json"), _read("data/evaluation/summary.json")
+    opt, summary = _read("reports/train_prompt/principal_investigator.json"), _read("data/evaluation/summary.json")
     promo = _read("reports/promotion.json")
     weights = _read("docs/benchmarks-improvement.json")
     if not opt:
-        print("error: reports/train_prompt.json missing: run with --run", file=sys.stderr)
+        print("error: reports/train_prompt/principal_investigator.json missing: run with --run", file=sys.stderr)
         return 1
     entry = (summary or {}).get("roles", {}).get(KEY)
     decision = (promo or {}).get("decisions", {}).get(KEY)

@@ -22,10 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pendulum
+import yaml
 from airflow.sdk import Asset, Param, TaskGroup, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
+
+from pipeline.learning import WAYS, Learning, learners  # standard library only: cheap to parse
 
 PROJECT_ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent))
 
@@ -34,8 +37,11 @@ GPU_POOL = "gpu"  # created by `python -m pipeline services up airflow`; size it
 # pod from this template (infra/k8s/pod-template-gpu.yaml: nvidia.com/gpu, the GPU image); other executors ignore it.
 GPU: dict[str, Any] = {"queue": "gpu", "executor_config": {"pod_template_file": os.environ.get(
     "PIPELINE_GPU_POD_TEMPLATE", "/opt/airflow/pod_templates/pod-template-gpu.yaml")}}
-STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_pi",
-          "train_ppo", "train_bandit", "train_prompt", "evaluate", "promote", "report"]
+# Who learns how, read from params.yaml when Airflow parses this file: one task per kind of learning, mapped over the
+# roles of its `<kind>.roles` (a role added there is a mapped instance here on the next parse, as `dvc.yaml`'s foreach).
+LEARNERS = learners(yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text()) or {})
+STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets",
+          *(f"{kind.stage}@{role}" for kind, names in LEARNERS.items() for role in names), "evaluate", "promote", "report"]
 
 # Whoever refreshes the source data emits an event on this asset (a producer DAG with
 # ``outlets=[SOURCE_DATA]``, or ``POST /api/v2/assets/events``): the loop then runs without waiting for Monday.
@@ -50,7 +56,7 @@ RUN_PARAMS = {
     "margin": "PIPELINE__PROMOTE__MARGIN",
     "dry_run": "PIPELINE__PROMOTE__DRY_RUN",
 }
-TRAINERS = {"sft": "train-sft", "pi": "train-pi", "ppo": "train-ppo", "bandit": "train-bandit", "prompt": "train-prompt"}
+TRAINERS = [kind.value for kind in Learning]  # the `trainers` Param: which kinds of learning a run runs
 
 
 def _apply_run_params(ctx: Any) -> None:
@@ -96,11 +102,10 @@ GROUP_DOCS = {
                "the run, no retry), materialise the base model for the vLLM workers, build the tools' BM25 index.",
     "collect": "**collect**: the society on the train split in mapped shards (`shards` Param), traces into the DVC "
                "trace store, then the per-role training data (`datasets`).",
-    "train": "**train**: `train_sft` (junior_researcher LoRA), `train_pi` (principal_investigator on the gold decision, "
-             "from the validated split: it waits for no rollout), `train_ppo` (senior_researcher online RL), "
-             "`train_bandit` (supervisor policy), `train_prompt` (the PI's prompt: few-shot demonstrations through "
-             "mlflow.genai.optimize_prompts, a Prompt Registry version); each registers a `challenger` in MLflow. "
-             "The `trainers` Param picks which run; the others are skipped.",
+    "train": "**train**: one task per kind of learning, mapped over the roles that learn by it (`<kind>.roles` in "
+             "params.yaml): " + "; ".join(f"`{k.stage}` ({w.doc})" for k, w in WAYS.items())
+             + ". Each instance registers its role's `challenger` in MLflow. The `trainers` Param picks which kinds "
+             "run; the others are skipped.",
     "decide": "**decide**: each challenger against its champion on the validation split (`eval_limit`), the "
               "judge-gated promotion (`margin`, `dry_run`), the decision printed by `promotion_gate`, and the test "
               "split report when a champion changed.",
@@ -108,10 +113,10 @@ GROUP_DOCS = {
 }
 
 
-def _train(name: str) -> None:
-    if name not in get_current_context()["params"]["trainers"]:
-        raise AirflowSkipException(f"trainer {name!r} is not in this run's `trainers` Param")
-    _run_stage(TRAINERS[name])
+def _train(kind: Learning, role: str) -> None:
+    if kind.value not in get_current_context()["params"]["trainers"]:
+        raise AirflowSkipException(f"trainer {kind.value!r} is not in this run's `trainers` Param")
+    _run_stage(kind.command, "--role", role)
 
 
 DEFAULT_ARGS = {
@@ -159,9 +164,9 @@ def _run_stage(stage: str, *extra: str) -> None:
                        description="train questions rolled out; empty = rollouts.limit"),
         "samples_per_task": Param(None, type=["null", "integer"], minimum=1,
                                   description="rollouts per question (the GRPO/SFT group)"),
-        "trainers": Param(list(TRAINERS), type="array", items={"type": "string", "enum": list(TRAINERS)},
-                          description="which trainers run: sft (juniors), pi (the PI on the gold decision), "
-                                      "ppo (seniors), bandit (supervisor)"),
+        "trainers": Param(TRAINERS, type="array", items={"type": "string", "enum": TRAINERS},
+                          description="which kinds of learning run: " + "; ".join(f"{k.value}: {w.doc}"
+                                                                                   for k, w in WAYS.items())),
         "eval_limit": Param(None, type=["null", "integer"], minimum=1, description="validation questions per model compared"),
         "margin": Param(None, type=["null", "number"], minimum=0,
                         description="reward margin a challenger must beat its champion by"),
@@ -219,30 +224,17 @@ def agent_retraining() -> None:
         """Traces -> SFT chat data (juniors), RL prompts (seniors), logged decisions (supervisor)."""
         _run_stage("datasets")
 
-    @task(**GPU, pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=6))
-    def train_sft() -> None:
-        """LoRA SFT of junior_researcher: unsloth on a GPU worker, TRL on CPU; registers a model version."""
-        _train("sft")
+    def trainer(kind: Learning) -> Any:
+        """The kind's task, mapped over its roles (one instance per `train_<kind>@<role>` DVC stage)."""
+        way = WAYS[kind]
+        queue = {**GPU, **({"pool": GPU_POOL, "pool_slots": 1} if way.pool else {})} if way.gpu else {}
 
-    @task(**GPU, pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=6))
-    def train_pi() -> None:
-        """LoRA SFT of principal_investigator on the gold decision of the train split (no rollouts needed)."""
-        _train("pi")
+        @task(task_id=kind.stage, execution_timeout=timedelta(hours=way.timeout_h),
+              map_index_template="{{ task.op_kwargs['role'] }}", doc_md=f"{kind.stage}: {way.doc}", **queue)
+        def train(role: str) -> None:
+            _train(kind, role)
 
-    @task(**GPU, pool=GPU_POOL, pool_slots=1, execution_timeout=timedelta(hours=12))
-    def train_ppo() -> None:
-        """Online RL of senior_researcher: verl via Agent Lightning on a GPU worker, TRL GRPO on CPU; registers a version."""
-        _train("ppo")
-
-    @task
-    def train_bandit() -> None:
-        """VW contextual bandit for the supervisor + off-policy evaluation; registers supervisor_policy."""
-        _train("bandit")
-
-    @task(**GPU)
-    def train_prompt() -> None:
-        """Few-shot prompt optimization of the PI, scored by the served champion; registers a challenger prompt version."""
-        _train("prompt")
+        return train.expand(role=LEARNERS[kind])
 
     @task(**GPU, trigger_rule="none_failed_min_one_success")  # a trainer left out by the `trainers` Param is skipped
     def evaluate() -> None:
@@ -293,8 +285,8 @@ def agent_retraining() -> None:
         # whether `report` ran, from its task state (the branch's XCom shape differs across Airflow versions)
         reported = ctx["ti"].get_ti_count(dag_id=ctx["dag"].dag_id, task_ids=["report"], run_ids=[ctx["run_id"]],
                                           states=["success"]) > 0
-        skipped = {f"train_{t}" for t in TRAINERS if t not in ctx["params"]["trainers"]} | (set() if reported else {"report"})
-        stages = [s for s in STAGES if s not in skipped]
+        kinds = {Learning(t).stage for t in TRAINERS if t not in ctx["params"]["trainers"]}
+        stages = [s for s in STAGES if s.partition("@")[0] not in kinds and (reported or s != "report")]
         _run_stage("run", "commit-lock", "--stages", *stages)  # dvc.lock records the values this run used
         subprocess.run([sys.executable, "-m", "dvc", "push"], cwd=PROJECT_ROOT, check=True)
 
@@ -317,10 +309,14 @@ def agent_retraining() -> None:
         [index, model] >> shards
         data = shards >> rollout_metrics() >> datasets()
     with TaskGroup("train", prefix_group_id=False, tooltip="one trainer per role", doc_md=GROUP_DOCS["train"]):
-        pi, prompt = train_pi(), train_prompt()
-        [validated, model] >> pi  # learns from the gold labels: it waits for no rollout
-        [validated, model] >> prompt  # asks the served champion PI on train questions: no rollout either
-        trained = [*(data >> [train_sft(), train_ppo(), train_bandit()]), pi, prompt]
+        trained = []
+        for kind, way in WAYS.items():
+            t = trainer(kind)
+            if way.after == "datasets":
+                data >> t
+            else:  # gold labels, or the served champion on train questions: it waits for no rollout
+                [validated, model] >> t
+            trained.append(t)
     with TaskGroup("decide", prefix_group_id=False, tooltip="evaluate, promote, report", doc_md=GROUP_DOCS["decide"]):
         branches = trained >> evaluate() >> promote() >> promotion_gate() >> [report(), not_promoted()]
     with TaskGroup("record", prefix_group_id=False, tooltip="DVC + MLflow bookkeeping", doc_md=GROUP_DOCS["record"]):

@@ -13,12 +13,15 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.learning import WAYS, Learning, learners, registered_name
 
 ENV_PREFIX = "PIPELINE__"
 DEFAULT_PARAMS = Path("params.yaml")
@@ -191,7 +194,8 @@ class ServingParams(_Strict):
     live_file: str = Field(description="the live routing table as a tracked file (a DVC dep of rollouts "
                            "and evaluate): a promotion or rollback changes it, so the next `dvc repro` rolls out "
                            "with the new champions")
-    roles: list[str]
+    roles: list[str] = Field(description="derived: every role of the spec, served and routed")
+    inherits: dict[str, str] = Field(description="derived: role -> where its calls went before it had its own model")
     verify_max_tokens: int
     startup_timeout_s: float
     restart: RestartParams
@@ -245,6 +249,7 @@ class KnowledgeParams(_Strict):
 
 class AgentsParams(_Strict):
     max_turns: int = Field(ge=1, description="LLM-call budget of one rollout before PI is forced")
+    models: dict[str, str] = Field(description="derived: graph agent -> the logical model its calls go to (roles.<r>.agents)")
     max_review_rounds: int = Field(ge=0)
     max_tool_calls: int = Field(ge=0, description="ReAct tool calls per junior")
     min_tool_calls: int = Field(ge=0, description="ReAct steps that must call a tool before a junior may stop "
@@ -280,6 +285,7 @@ class AgentsParams(_Strict):
 
 
 class JudgeParams(_Strict):
+    model: str = Field(description="derived: the logical model the judge's calls go to (the role whose agents name it)")
     weights: JudgeWeights
     max_tokens: int
     failure_score: float
@@ -341,11 +347,15 @@ class LoraParams(_Strict):
     target_modules: list[str]
 
 
-class SftParams(_Strict):
-    backend: Literal["auto", "trl", "unsloth"] = Field(description="auto: unsloth when a CUDA device is there, else TRL")
-    role: str
-    base_model: str = Field(description="HF folder the adapter is trained on (the served base model)")
+class Learner(_Strict):
+    """One role learning by one kind: where its artifact is written (a DVC output of its ``train_<kind>@<role>`` stage)."""
+
     out_dir: str
+
+
+class SftSettings(_Strict):
+    backend: Literal["auto", "trl", "unsloth"] = Field(description="auto: unsloth when a CUDA device is there, else TRL")
+    base_model: str = Field(description="HF folder the adapter is trained on (the served base model)")
     max_steps: int = Field(ge=1)
     batch_size: int = Field(ge=1)
     grad_accum: int = Field(ge=1)
@@ -361,6 +371,22 @@ class SftParams(_Strict):
                           "pass costs as much as training on them)")
     gradient_checkpointing: bool = Field(description="TRL backend: recompute activations in the backward pass; saves "
                                          "memory, costs a quarter more a step (CPU, 135M: 7.3 vs 5.5 s)")
+
+
+class SftRole(SftSettings):
+    """The SFT settings resolved for one role: what a trainer runs with."""
+
+    role: str
+    out_dir: str
+
+
+class SftParams(SftSettings):
+    """LoRA SFT on the society's best traces: each role in ``roles`` learns from its own agents' calls."""
+
+    roles: dict[str, Learner] = Field(description="role -> where its adapter goes; one train_sft@<role> stage each")
+
+    def at(self, role: str) -> SftRole:
+        return SftRole(**self.model_dump(exclude={"roles"}), role=role, **self.roles[role].model_dump())
 
 
 
@@ -423,14 +449,12 @@ class AglParams(_Strict):
         return self
 
 
-class PpoParams(_Strict):
+class PpoSettings(_Strict):
     """Online RL of the senior roles (``senior_researcher``): verl through Agent Lightning on GPU, TRL GRPO on CPU."""
 
     backend: Literal["auto", "trl", "verl"] = Field(description="auto: verl when CUDA and verl are there, else TRL GRPO")
-    role: str
     algorithm: Literal["grpo", "gae"] = Field(description="verl advantage estimator (gae trains a critic: PPO)")
     base_model: str
-    out_dir: str
     max_steps: int = Field(ge=1)
     prompts_per_step: int = Field(ge=1, description="senior prompts (CPU) or tasks (GPU) per step")
     group_size: int = Field(ge=2, description="completions (CPU) or rollouts (GPU) sampled per prompt/task: GRPO's group n")
@@ -461,14 +485,37 @@ class PpoParams(_Strict):
     verl_overrides: list[str] = Field(description="extra Hydra overrides passed to verl as-is")
 
 
-class BanditParams(_Strict):
+class PpoRole(PpoSettings):
+    role: str
+    out_dir: str
+
+
+class PpoParams(PpoSettings):
+    roles: dict[str, Learner] = Field(description="role -> where its adapter goes; one train_ppo@<role> stage each")
+
+    def at(self, role: str) -> PpoRole:
+        return PpoRole(**self.model_dump(exclude={"roles"}), role=role, **self.roles[role].model_dump())
+
+
+class BanditSettings(_Strict):
     epsilon: float = Field(ge=0.0, le=1.0, description="exploration of the learned policy (--epsilon)")
     passes: int = Field(ge=1)
     learning_rate: float = Field(gt=0)
     folds: int = Field(ge=2, description="cross-fitting folds for off-policy evaluation")
     bootstrap: int = Field(ge=100)
     seed: int
+
+
+class BanditRole(BanditSettings):
+    role: str
     out_dir: str
+
+
+class BanditParams(BanditSettings):
+    roles: dict[str, Learner] = Field(description="role -> where its policy goes (registered as <role>_policy)")
+
+    def at(self, role: str) -> BanditRole:
+        return BanditRole(**self.model_dump(exclude={"roles"}), role=role, **self.roles[role].model_dump())
 
 
 class EvaluateParams(_Strict):
@@ -482,9 +529,10 @@ class EvaluateParams(_Strict):
     bootstrap: int = Field(ge=100)
     ci: float = Field(gt=0.5, lt=1.0)
     out_dir: str
-    role_level: list[str] = Field(description="roles whose candidate is scored on its own output against the label, on every "
-                                  "validation question, paired with the champion (pipeline/evaluation/role_level.py); "
-                                  "the others are evaluated as whole societies")
+    role_level: list[str] = Field(description="derived: the registered roles whose candidate is scored on its own output "
+                                  "against the label (evaluation: decision), paired with the champion on every question")
+    only: list[str] | None = Field(description="registered roles this cycle evaluates (a test's or a benchmark's narrowing); "
+                                   "null = every one with a challenger")
     role_concurrency: int = Field(ge=1, description="role-level requests in flight per model")
     role_judge: bool = Field(description="the judge scores each role-level answer's decision and rationale; the reward is then "
                              "the society's (judge + decision credit, weighted by reward); false: the decision credit alone")
@@ -495,8 +543,8 @@ class EvaluateParams(_Strict):
 
 
 class PromoteParams(_Strict):
-    roles: dict[str, Literal["llm", "policy"]] = Field(
-        description="registered model per trainable role; an llm role's name is also its routing role")
+    roles: dict[str, Literal["llm", "policy"]] = Field(description="derived: the registered models, one per role that "
+                                                       "learns (a policy kind's is <role>_policy); an llm one is routed")
     margin: float = Field(ge=0.0, description="candidate mean reward must beat the champion's by more than this")
     require_significance: bool = Field(description="the exact one-sided sign-flip test of the paired reward differences "
                                        "must give p < alpha")
@@ -518,7 +566,7 @@ class PromoteParams(_Strict):
 class ReportParams(_Strict):
     limit: int | None = Field(ge=1, description="cap on test questions (CPU runs); null = all 500")
     out_dir: str
-    role_level: bool = Field(description="also score each evaluate.role_level role's champion on its own decision over the "
+    role_level: bool = Field(description="also score each role-level role's champion on its own decision over the "
                              "test split (role_limit questions), before vs after this cycle's promotion")
     role_limit: int | None = Field(ge=1, description="cap on test questions of the role-level report; null = all 500")
     predictions: Literal["society", "role_level"] = Field(
@@ -526,12 +574,24 @@ class ReportParams(_Strict):
                     "questions) or the role-level PI's (role_limit questions)")
 
 
+class PiLearner(Learner):
+    data_dir: str = Field(description="where the role's gold-decision chat data is written (a DVC output)")
+
+
+class PiRole(_Strict):
+    sft: SftRole
+    data_dir: str
+    rationale_chars: int
+    loss_on: Literal["decision_token", "answer"]
+    decision_prefix: str
+
+
 class PiParams(_Strict):
     """The principal investigator learns its GO/NO-GO from the gold label (SFT: the decision, the paper's long answer as
     its rationale) on the train split's yes/no questions (pipeline/stages/train_pi.py)."""
 
-    sft: SftParams
-    data_dir: str = Field(description="where the PI's gold-decision chat data is written (a DVC output)")
+    sft: SftSettings
+    roles: dict[str, PiLearner] = Field(description="role -> its adapter and gold-decision data; one train_pi@<role> each")
     rationale_chars: int = Field(ge=0, le=300, description="loss_on answer: characters of the paper's long answer kept as "
                                  "the target's rationale (in reasoning_free the long answer is in the prompt)")
     loss_on: Literal["decision_token", "answer"] = Field(
@@ -541,12 +601,22 @@ class PiParams(_Strict):
                                  "(greedy, as the workers decode); train_pi checks it against the base model, and "
                                  "role-level evaluation reads the decision right after it")
 
+    def at(self, role: str) -> PiRole:
+        entry = self.roles[role]
+        sft = SftRole(**self.sft.model_dump(), role=role, out_dir=entry.out_dir)
+        return PiRole(sft=sft, data_dir=entry.data_dir, **self.model_dump(include={"rationale_chars", "loss_on",
+                                                                                    "decision_prefix"}))
+
+
+class PromptLearner(_Strict):
+    template: str = Field(description="the template of pipeline/agents/prompts.py it rewrites")
+
 
 class PromptParams(_Strict):
     """The ``prompt`` kind of learning: a role's prompt template gains few-shot demonstrations chosen on its own metric."""
 
-    role: str = Field(description="the role whose prompt learns (its output must be checked against the label: the PI)")
-    template: str = Field(description="the template of pipeline/agents/prompts.py it rewrites")
+    roles: dict[str, PromptLearner] = Field(description="role -> the template it rewrites; one train_prompt@<role> each "
+                                            "(its output must be checked against the label: evaluation decision)")
     optimizer: Literal["few_shot"] = Field(description="few_shot: demonstrations from the train split, picked on the metric "
                                                         "(pipeline/prompt_optimizer.py)")
     demos: int = Field(ge=1, le=32, description="demonstrations in a candidate prompt (their GO share varies across candidates)")
@@ -559,6 +629,51 @@ class PromptParams(_Strict):
                                                 "than this, or nothing is registered (no_gain)")
     concurrency: int = Field(ge=1, description="metric calls in flight (MLflow's eval threads)")
     seed: int
+
+    def at(self, role: str) -> PromptRole:
+        return PromptRole(**self.model_dump(exclude={"roles"}), role=role, template=self.roles[role].template)
+
+
+class PromptRole(_Strict):
+    role: str
+    template: str
+    optimizer: Literal["few_shot"]
+    demos: int
+    candidates: int
+    dev_questions: int
+    max_calls: int
+    max_minutes: float
+    min_gain: float
+    concurrency: int
+    seed: int
+
+
+class Evaluation(StrEnum):
+    SOCIETY = "society"    # a candidate's whole society on validation tasks, from the role's first call
+    DECISION = "decision"  # the role's own output against the label on every validation question (the PI)
+    NONE = "none"          # the instrument (the judge): never a candidate
+
+
+class GateOverrides(_Strict):
+    """A role's own gate values; each one left null is ``promote``'s."""
+
+    margin: float | None = Field(default=None, ge=0.0)
+    alpha: float | None = Field(default=None, gt=0.0, lt=1.0)
+    min_tasks: int | None = Field(default=None, ge=1)
+    max_accuracy_drop: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_success_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_decision_accuracy: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_auc: float | None = Field(default=None, ge=0.0, lt=1.0)
+
+
+class RoleSpec(_Strict):
+    """One member of the society as the loop sees it: its key is its logical model (what routing maps to a deployment)."""
+
+    agents: list[str] = Field(min_length=1, description="the graph's agents whose calls this logical model answers")
+    evaluation: Evaluation = Field(description="how a candidate of the role is evaluated")
+    inherits: str | None = Field(default=None, description="where this role's calls went before it had its own logical "
+                                 "model: a routing version that does not name it routes it there (docs/serving.md)")
+    gate: GateOverrides = Field(default_factory=GateOverrides)
 
 
 class ProdStackParams(_Strict):
@@ -584,6 +699,7 @@ class GpuParams(_Strict):
 
 
 class Params(_Strict):
+    roles: dict[str, RoleSpec]
     data: DataParams
     split: SplitParams
     validate_: ValidateParams = Field(alias="validate")
@@ -607,6 +723,77 @@ class Params(_Strict):
     gpu: GpuParams
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_from_the_spec(cls, data: Any) -> Any:
+        """The lists other sections used to keep by hand, derived here from ``roles`` and the kinds' ``roles`` maps:
+        ``serving.roles`` (every role served and routed), ``serving.inherits``, ``promote.roles`` (the registered
+        models: a policy kind registers ``<role>_policy``) and ``evaluate.role_level``. Written by hand they are refused."""
+        if not isinstance(data, dict) or not isinstance(data.get("roles"), dict):
+            return data
+        spec: dict[str, dict[str, Any]] = {r: s for r, s in data["roles"].items() if isinstance(s, dict)}
+        derived: dict[tuple[str, str], Any] = {("serving", "roles"): list(data["roles"]),
+                   ("serving", "inherits"): {r: s["inherits"] for r, s in spec.items() if s.get("inherits")}}
+        registered: dict[str, str] = {}
+        for kind, names in learners(data).items():
+            for role in names:
+                registered[registered_name(kind, role)] = WAYS[kind].registers
+        order = {name: i for i, name in enumerate(data["roles"])}  # the spec's order; a policy beside its role
+        derived[("promote", "roles")] = dict(sorted(registered.items(),
+                                                    key=lambda kv: (order.get(kv[0].removesuffix("_policy"), -1), kv[0])))
+        derived[("agents", "models")] = {a: r for r, s in spec.items() for a in s.get("agents") or []}
+        derived[("judge", "model")] = derived[("agents", "models")].get("judge", "judge")
+        derived[("evaluate", "role_level")] = [r for r in derived[("promote", "roles")]
+                                               if spec.get(r, {}).get("evaluation") == Evaluation.DECISION.value]
+        data = dict(data)
+        for (section, key), value in derived.items():
+            if not isinstance(data.get(section), dict):
+                continue
+            if key in data[section]:
+                raise ValueError(f"{section}.{key}: derived from roles: and the kinds' roles maps; not written by hand")
+            data[section] = {**data[section], key: value}
+        return data
+
+    @property
+    def model_of(self) -> dict[str, str]:
+        """Graph agent -> the logical model its calls go to."""
+        return {agent: role for role, spec in self.roles.items() for agent in spec.agents}
+
+    def learners(self) -> dict[Learning, list[str]]:
+        """Kind of learning -> the roles that learn by it (each one a ``train_<kind>@<role>`` stage)."""
+        return {kind: list(getattr(self, kind.value).roles) for kind in Learning}
+
+    def gate(self, name: str) -> PromoteParams:
+        """``promote`` with the role's own gate values (a policy takes its role's)."""
+        spec = self.roles.get(name) or self.roles.get(name.removesuffix("_policy"))
+        return self.promote.model_copy(update=spec.gate.model_dump(exclude_none=True) if spec else {})
+
+    @model_validator(mode="after")
+    def _one_spec_per_role(self) -> Params:
+        """Every agent answered by one role, every learner and inherited role a role of the spec, the instrument apart."""
+        seen: dict[str, str] = {}
+        for role, spec in self.roles.items():
+            for agent in spec.agents:
+                if agent in seen:
+                    raise ValueError(f"roles.{role}.agents: {agent} is already answered by roles.{seen[agent]}")
+                seen[agent] = role
+            if spec.inherits is not None and spec.inherits not in self.roles:
+                raise ValueError(f"roles.{role}.inherits: {spec.inherits!r} is not a role of the spec")
+        for kind, names in self.learners().items():
+            for role in names:
+                if role not in self.roles:
+                    raise ValueError(f"{kind.value}.roles.{role}: not a role of the spec (roles: {list(self.roles)})")
+                if self.roles[role].evaluation is Evaluation.NONE:
+                    raise ValueError(f"{kind.value}.roles.{role}: roles.{role} is the instrument (evaluation: none); it "
+                                     "does not learn")
+                if kind in (Learning.PI, Learning.PROMPT) and self.roles[role].evaluation is not Evaluation.DECISION:
+                    raise ValueError(f"{kind.value}.roles.{role}: learns against the label, so roles.{role}.evaluation "
+                                     "must be decision")
+        for name in self.evaluate.only or []:
+            if name not in self.promote.roles:
+                raise ValueError(f"evaluate.only: {name!r} is not a registered role ({list(self.promote.roles)})")
+        return self
 
     @model_validator(mode="after")
     def _trained_adapters_fit_the_workers(self) -> Params:
@@ -667,7 +854,8 @@ def _format_errors(path: Path, exc: ValidationError) -> str:
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]).replace("validate_", "validate")
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r})"
+        # a whole-file rule (empty loc) names its keys in its message: the input is the whole file
+        got = "" if err["type"] in ("missing", "extra_forbidden") or not err["loc"] else f" (got {err.get('input')!r})"
         lines.append(f"  - {key}: {msg}{got}")
     return "\n".join(lines)
 

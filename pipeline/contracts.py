@@ -108,12 +108,23 @@ class Unevaluated(_Open):
     reason: str
 
 
+class RoutingTable(_Open):
+    """A routing table: logical model -> deployment (``worker`` or ``worker/adapter``), policy -> value, prompt template ->
+    its Prompt Registry version (serving/routing/v<N>.yaml, the live file, the evaluation tables)."""
+
+    version: int | None = None
+    roles: dict[str, str]
+    policies: dict[str, str] = Field(default_factory=dict)
+    prompts: dict[str, int] = Field(default_factory=dict)
+
+
 class EvaluationSummary(_Open):
     """``<evaluate.out_dir>/summary.json``: every candidate the cycle evaluated, keyed by role (``ROLE@aa`` for A/A)."""
 
     tasks: list[str]
     setting: str
     champion_versions: dict[str, Version] = Field(default_factory=dict)
+    champion_routing: RoutingTable | None = None  # every registered role on its champion: what each candidate is paired with
     roles: dict[str, Evaluation] = Field(default_factory=dict)
     unevaluated: dict[str, Unevaluated] = Field(default_factory=dict)
 

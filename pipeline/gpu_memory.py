@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import GpuParams, PpoParams, ServingParams
+from pipeline.config import GpuParams, PpoSettings, ServingParams
 from pipeline.serving.worker import is_local
 
 
@@ -26,7 +26,7 @@ class DevicePlan:
         return sum(self.shares.values())
 
 
-def plan(serving: ServingParams, ppo: PpoParams, gpu: GpuParams, training: bool = True) -> dict[int, DevicePlan]:
+def plan(serving: ServingParams, ppo: PpoSettings, gpu: GpuParams, training: bool = True) -> dict[int, DevicePlan]:
     """Share of each local device every consumer takes (``training``: verl's engines included).
 
     Remote workers (any host but loopback) run on other machines and take nothing here; a local worker

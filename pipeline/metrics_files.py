@@ -56,7 +56,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
 
 
 def path(stage: str) -> Path:
-    return DIR / f"{stage}.json"
+    """``reports/metrics/<stage>.json``; a foreach stage's ``<kind stage>@<role>`` -> ``<kind stage>/<role>.json``."""
+    return DIR / (stage.replace("@", "/") + ".json")
 
 
 def _resolve(node: Any, parts: list[str], prefix: str) -> list[tuple[str, Any]]:
@@ -84,7 +85,7 @@ def lookup(report: dict[str, Any], headline: str) -> dict[str, Any]:
 def select(stage: str, report: dict[str, Any]) -> dict[str, Any]:
     """The headline numbers of one stage's detailed report, flat: a pure function of ``report``."""
     out: dict[str, Any] = {}
-    for headline in HEADLINES[stage]:
+    for headline in HEADLINES[stage.partition("@")[0]]:  # one role's stage of a kind: the kind's headlines
         for key, value in lookup(report, headline).items():
             if isinstance(value, (dict, list)):
                 raise ValueError(f"metrics_files.HEADLINES[{stage!r}]: {headline!r} names {key!r}, "
@@ -95,7 +96,7 @@ def select(stage: str, report: dict[str, Any]) -> dict[str, Any]:
 
 
 def write(stage: str, report: dict[str, Any]) -> dict[str, Any]:
-    """Write ``reports/metrics/<stage>.json`` (the DVC metrics file) from the stage's detailed report."""
+    """Write the stage's DVC metrics file (:func:`path`) from its detailed report."""
     headline = select(stage, report)
     write_json(path(stage), headline)
     return headline

@@ -36,12 +36,14 @@ from pipeline.config import (
     JudgeParams,
     MlflowParams,
     Params,
-    PpoParams,
+    PpoRole,
+    PpoSettings,
     PromoteParams,
     ServingParams,
     SftParams,
 )
 from pipeline.envs import REPO_ROOT, model_python
+from pipeline.learning import Learning
 from pipeline.rl import verl_config
 from pipeline.serving import routing
 
@@ -63,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pass with nothing to check when the profile says no GPU stage (the DAG's CPU runs)")
 
 
-def gpu_stages(ppo: PpoParams, sft: SftParams, serving: ServingParams) -> list[str]:
+def gpu_stages(ppo: PpoSettings, sft: SftParams, serving: ServingParams) -> list[str]:
     """The GPU stages a profile *says* it runs (a backend named, a worker given a GPU share); ``auto`` says nothing."""
     said = [f"ppo.backend={ppo.backend}"] if ppo.backend == "verl" else []
     said += [f"sft.backend={sft.backend}"] if sft.backend == "unsloth" else []
@@ -71,13 +73,13 @@ def gpu_stages(ppo: PpoParams, sft: SftParams, serving: ServingParams) -> list[s
                    if w.gpu_memory_utilization is not None]
 
 
-def compose(ppo: PpoParams, mlflow: MlflowParams, judge: JudgeParams) -> Any:
-    """The trainer config the profile composes (placeholders for the per-run gateway URL and key)."""
-    return verl_config.compose(ppo, mlflow, judge, Path(ppo.out_dir + ".checkpoints"), "train_ppo",
+def compose(ppo: PpoRole, mlflow: MlflowParams, judge: JudgeParams) -> Any:
+    """The trainer config the profile composes for one role (placeholders for the per-run gateway URL and key)."""
+    return verl_config.compose(ppo, mlflow, judge, Path(ppo.out_dir + ".checkpoints"), f"train_ppo@{ppo.role}",
                                "http://<gateway>", "<per-run key>")
 
 
-def check_verl(ppo: PpoParams, mlflow: MlflowParams, agents: AgentsParams, config: Any, print_config: bool) -> str:
+def check_verl(ppo: PpoSettings, mlflow: MlflowParams, agents: AgentsParams, config: Any, print_config: bool) -> str:
     if print_config:
         print(verl_config.printable(config))
     broken = verl_config.contract(ppo, agents, config)
@@ -92,7 +94,7 @@ def check_verl_validation(config: Any) -> str:
     return verl_config.validate(config, model_python())
 
 
-def check_memory(serving: ServingParams, ppo: PpoParams, gpu: GpuParams) -> str:
+def check_memory(serving: ServingParams, ppo: PpoSettings, gpu: GpuParams) -> str:
     devices = gpu_memory.plan(serving, ppo, gpu)
     crowded = gpu_memory.oversubscribed(devices)
     if crowded:
@@ -108,7 +110,7 @@ def check_routing(serving: ServingParams) -> str:
     return f"{len(numbers)} routing version(s) resolve to served models {names}"
 
 
-def check_serving(ppo: PpoParams, agents: AgentsParams, serving: ServingParams) -> str:
+def check_serving(ppo: PpoSettings, agents: AgentsParams, serving: ServingParams) -> str:
     need = ppo.max_prompt_tokens + senior_completion_ceiling(agents)
     short = [f"{w.name} max_model_len {w.max_model_len}" for w in serving.workers if w.max_model_len < need]
     if short:
@@ -134,7 +136,7 @@ def locked() -> dict[str, str]:
     return pins
 
 
-def check_packages(ppo: PpoParams, imports: bool) -> str:
+def check_packages(ppo: PpoSettings, imports: bool) -> str:
     pins = locked()
     flash = {"flash_attn"} if ppo.attention == "flash_attention_2" else set()
     wanted = sorted({p for pkgs in STAGE_PACKAGES.values() for p in pkgs} | flash)
@@ -154,17 +156,22 @@ def check_packages(ppo: PpoParams, imports: bool) -> str:
             + (" (imported)" if imports else " (pinned; --imports on the worker imports them)"))
 
 
+def _verl_checks(params: Params, role: str, print_config: bool) -> list[tuple[str, Callable[[], str]]]:
+    config = functools.cache(lambda: compose(params.ppo.at(role), params.mlflow, params.judge))  # one for both checks
+    return [(f"verl config ({role})", lambda: check_verl(params.ppo, params.mlflow, params.agents, config(), print_config)),
+            (f"verl validation ({role})", lambda: check_verl_validation(config()))]
+
+
 def main(args: argparse.Namespace, params: Params) -> int:
     profile = args.params_path or "params.yaml"
     if args.if_gpu and not gpu_stages(params.ppo, params.sft, params.serving):
         print(f"preflight gpu ({profile}): the profile names no GPU stage (backends auto/trl, no GPU worker share): "
               "nothing to check")
         return 0
-    # composed once for both verl checks (a failure fails both)
-    config = functools.cache(lambda: compose(params.ppo, params.mlflow, params.judge))
-    checks: list[tuple[str, Callable[[], str]]] = [
-        ("verl config", lambda: check_verl(params.ppo, params.mlflow, params.agents, config(), args.print_config)),
-        ("verl validation", lambda: check_verl_validation(config())),
+    checks: list[tuple[str, Callable[[], str]]] = []
+    for role in params.learners()[Learning.PPO]:  # every role that learns by RL: its own trainer config
+        checks += _verl_checks(params, role, args.print_config)
+    checks += [
         ("gpu memory", lambda: check_memory(params.serving, params.ppo, params.gpu)),
         ("routing", lambda: check_routing(params.serving)),
         ("serving", lambda: check_serving(params.ppo, params.agents, params.serving)),

@@ -28,7 +28,7 @@ from mlflow.genai.optimize.optimizers import BasePromptOptimizer
 from mlflow.genai.optimize.types import EvaluationResultRecord, PromptOptimizerOutput
 
 from pipeline.agents.prompts import brief
-from pipeline.config import PromptParams
+from pipeline.config import PromptRole
 from pipeline.evaluation import role_level
 
 RETRIES = 3
@@ -122,7 +122,7 @@ class Scored:
 class FewShotOptimizer(BasePromptOptimizer):
     """Candidates = the template with demonstrations from ``pool``; the metric = MLflow's eval over the dev set."""
 
-    cfg: PromptParams
+    cfg: PromptRole
     pool: list[dict[str, Any]]
     setting: str
     prefix: str  # what the role writes before its decision (pi.decision_prefix)

@@ -33,7 +33,6 @@ from pipeline.config import Params, ServingParams
 from pipeline.digest import SHA256_TAG, artifact_sha256, served_name
 from pipeline.io import write_json
 from pipeline.kinds import Kind
-from pipeline.roles import FALLBACK
 from pipeline.serving import adapter_store, routing
 from pipeline.serving import worker as workers
 
@@ -84,7 +83,8 @@ def delete_alias(name: str, alias: str) -> None:
 
 def _live_target(serving: ServingParams, role: str) -> str:
     table = routing.active(serving) or routing.load_version(serving, routing.versions(serving)[0])
-    return table["roles"].get(role) or table["roles"][FALLBACK.get(role, role)]  # a table from before the role's own model
+    # a table from before the role had its own model: where its calls went then
+    return table["roles"].get(role) or table["roles"][serving.inherits.get(role, role)]
 
 
 # whole Params: a role's baseline reads five sections (promote, serving, models, agents, mlflow)

@@ -19,14 +19,45 @@ from typing import Any
 from pipeline import envs, metrics_files, tracking
 from pipeline.config import Params
 from pipeline.io import write_json
+from pipeline.learning import Learning
+
+
+@dataclass(frozen=True)
+class Files:
+    """What one role's training stage writes beside its artifact: its report and its curves (DVC outputs)."""
+
+    stage: str  # the DVC stage: train_<kind>@<role>
+    report: Path  # reports/train_<kind>/<role>.json
+    plots: Path  # reports/plots/train_<kind>/: <role>-<curve>.csv|png
+
+    def curve(self, name: str, ext: str) -> Path:
+        return self.plots / f"{self.stage.partition('@')[2]}-{name}.{ext}"
+
+
+def files(kind: Learning, role: str) -> Files:
+    return Files(f"{kind.stage}@{role}", Path("reports", kind.stage, f"{role}.json"), Path("reports/plots", kind.stage))
+
+
+def role_argument(parser: argparse.ArgumentParser, kind: Learning) -> None:
+    """``--role``: which of the kind's roles (``<kind>.roles``) this run trains; optional while it has just one."""
+    parser.add_argument("--role", help=f"a role of {kind.value}.roles (required when it lists more than one)")
+
+
+def pick_role(params: Params, kind: Learning, role: str | None) -> str:
+    names = params.learners()[kind]
+    if role is None and len(names) == 1:
+        return names[0]
+    if role not in names:
+        raise SystemExit(f"error: --role {role!r}: {kind.value}.roles in params.yaml lists {names}")
+    return role
 
 
 @dataclass(frozen=True)
 class Trainer:
-    stage: str  # the DVC stage and MLflow stage run: "train_sft"
+    stage: str  # the DVC stage and MLflow stage run: "train_sft@junior_researcher"
     command: str  # the CLI command the model plane runs: "train-sft"
     role: str  # the registered model the version becomes a challenger of
-    report: Path  # reports/<stage>.json: the metrics, with no_signal and its reason
+    report: Path  # reports/<kind stage>/<role>.json: the metrics, with no_signal and its reason
     inputs: Callable[[], str | None]  # raises on missing or bad inputs; returns why the data has no signal, or None
     no_signal: Callable[[str], int]  # the stage's outputs for a cycle without signal; nothing trained or registered
     train: Callable[[], dict[str, Any]]  # the training itself: the model plane's work, metrics out
@@ -48,7 +79,8 @@ def main(t: Trainer, args: argparse.Namespace, params: Params) -> int:
         return 1
     if reason is not None:
         return t.no_signal(reason)
-    argv = (["--params", args.params_path] if getattr(args, "params_path", None) else []) + [t.command, "--in-model-plane"]
+    argv = ((["--params", args.params_path] if getattr(args, "params_path", None) else [])
+            + [t.command, "--in-model-plane", "--role", args.role])
     if args.no_mlflow:
         return envs.run_in_model_plane(argv) if t.in_model_plane else _train(t)
     with tracking.stage_run(t.stage, params.mlflow, tags=t.tags) as run:

@@ -38,9 +38,9 @@ pipeline run ${PIPELINE_RUN_ID}: ${status}
   tools index     data/index/ (BM25 + MeSH gene/protein headings)
   rollout traces  data/rollouts/shard-*.jsonl ; metrics reports/rollouts.json (dvc metrics show)
   datasets        data/datasets/{sft,rl,bandit} ; reports/datasets.json, reward histogram reports/plots/rewards.png (dvc plots show)
-  sft adapter     models/sft/junior_researcher/{adapter,merged} ; reports/train_sft.json, loss curve reports/plots/sft_loss.png
-  rl adapter      models/ppo/senior_researcher/adapter ; reports/train_ppo.json, reward/KL curve reports/plots/ppo_reward.png ; RL trace store data/rl_traces/
-  bandit policy   models/bandit/policy.vw ; off-policy estimates reports/bandit.json, reports/plots/bandit_ope.png
+  sft adapter     models/sft/junior_researcher/{adapter,merged} ; reports/train_sft/junior_researcher.json, loss curve reports/plots/train_sft/
+  rl adapter      models/ppo/senior_researcher/adapter ; reports/train_ppo/senior_researcher.json, reward/KL curve reports/plots/train_ppo/ ; RL trace store data/rl_traces/
+  bandit policy   models/bandit/policy.vw ; off-policy estimates reports/train_bandit/supervisor.json, reports/plots/train_bandit/
   evaluation      data/evaluation/summary.json ; reports/evaluate.json, reports/plots/evaluate.png ; notebooks/compare_checkpoints.ipynb
   test split      reports/test.json ; PubMedQA-format predictions reports/test/predictions.json
   registry        ${URI}/#/models  (junior_researcher, senior_researcher, supervisor_policy: aliases champion/challenger)

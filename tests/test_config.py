@@ -22,9 +22,10 @@ def test_repo_params_load() -> None:
     params = load_params(ROOT / "params.yaml", environ={})
     assert params.split.val_fraction == pytest.approx(0.2)
     assert params.validate_.labels == ["yes", "no", "maybe"]
-    from pipeline import roles
+    from pipeline.agents.graph import AGENTS
 
-    assert set(params.serving.roles) >= set(roles.ALL)  # every logical model the society's code calls is served
+    assert set(params.agents.models) == {*AGENTS, "judge"}  # every agent of the graph (and the judge) answered by a role
+    assert params.serving.roles == list(params.roles)  # every role served and routed
 
 
 def test_unknown_key_is_named(tmp_path: Path) -> None:

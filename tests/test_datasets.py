@@ -57,7 +57,7 @@ def traced(project: Path) -> Path:
 
 def test_adapters_pick_first_attempt_junior_calls_of_top_rollouts(traced: Path) -> None:
     params = load_params()
-    built = datasets.build(params.rollouts, params.datasets, params.validate_)
+    built = datasets.build(params.rollouts, params.datasets, params.validate_, ["junior_researcher"])
     sft = built["sets"]["sft"]
     assert {r["rollout_id"] for r in sft} == {"1-0"}
     # the repaired hypothesis (attempt 2) and the unparsed attempt are out; tool step + first-try hypothesis are in
@@ -80,7 +80,7 @@ def test_stage_writes_three_outputs_metrics_and_plots(traced: Path) -> None:
 
     assert datasets.main(argparse.Namespace(no_mlflow=True), load_params()) == 0
     out = traced / "data/datasets"
-    assert len((out / "sft/train.jsonl").read_text().splitlines()) == 2
+    assert len((out / "sft/junior_researcher/train.jsonl").read_text().splitlines()) == 2  # its own calls, one folder per role
     verl = pd.read_parquet(out / "rl/verl/train.parquet")
     assert {"data_source", "prompt", "ability", "reward_model", "extra_info"} <= set(verl.columns)
     assert verl.iloc[0]["reward_model"]["ground_truth"] == "yes" and verl.iloc[0]["prompt"][0]["role"] == "system"

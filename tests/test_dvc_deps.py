@@ -20,6 +20,8 @@ PLUMBING = {
     "pipeline/__init__.py": "package marker",
     "pipeline/cli.py": "argument parsing and dispatch to the stage module",
     "pipeline/config.py": "the params schema: the values themselves are DVC params deps",
+    "pipeline/learning.py": "the kinds of learning the schema derives its role views from (the training, evaluate and "
+                            "promote stages, whose outputs they change, list it)",
     "pipeline/io.py": "atomic writes and JSONL reading: how bytes land, not which",
     "pipeline/tracking.py": "MLflow run bookkeeping (what is logged, not what the stage writes)",
     "pipeline/runs.py": "pipeline run ids for MLflow grouping",
@@ -85,14 +87,18 @@ def closure(module: str) -> set[str]:
     return files
 
 
+def _lookup(params: dict, dotted: str):
+    node = params
+    for key in dotted.split("."):
+        node = node[key]
+    return node
+
+
 def _render(text: str, params: dict) -> str:
     import re
 
     def value(match: re.Match) -> str:
-        node = params
-        for key in match.group(1).split("."):
-            node = node[key]
-        return str(node)
+        return str(_lookup(params, match.group(1)))
 
     return re.sub(r"\$\{([^}]+)\}", value, text)
 
@@ -109,9 +115,16 @@ def uncovered() -> dict[str, list[str]]:
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     out: dict[str, list[str]] = {}
+    expanded = []
     for name, stage in stages.items():
+        if "foreach" not in stage:
+            expanded.append((name, stage, params))
+            continue
+        items = _lookup(params, stage["foreach"].strip("${}"))  # a kind's `roles` map: one stage per role
+        expanded += [(f"{name}@{k}", stage["do"], {**params, "key": k, "item": v}) for k, v in items.items()]
+    for name, stage, values in expanded:
         command = stage["cmd"].split()[3]
-        deps = [_render(d, params).rstrip("/") for d in stage.get("deps", [])]
+        deps = [_render(d, values).rstrip("/") for d in stage.get("deps", [])]
         missing = [f for f in sorted(closure(COMMANDS[command][0]))
                    if f not in PLUMBING and not _marker(f) and not any(f == d or f.startswith(d + "/") for d in deps)]
         if missing:

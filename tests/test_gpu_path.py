@@ -59,7 +59,7 @@ def test_a_stage_is_the_control_plane_even_where_torch_imports(stage: str, proje
     if stage == "train_sft":
         rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}], "rollout_id": f"{i}-0"}
                 for i in range(2)]
-        path = project / "data/datasets/sft/train.jsonl"
+        path = project / "data/datasets/sft/junior_researcher/train.jsonl"
         path.parent.mkdir(parents=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     module = materialize_model if stage == "materialize_model" else train_sft

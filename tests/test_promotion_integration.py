@@ -462,3 +462,36 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
     assert [e["action"] for e in journal(params.serving, pi, "prompt")] == ["promote", "rollback"]
     again = _cli(promo, "rollback", pi, "--prompt")  # the rollback is not a promotion: nothing further to undo
     assert again.returncode == 1 and "nothing to roll back" in again.stderr
+
+
+def test_a_role_added_to_the_params_is_registered_and_routed_after_one_evaluate_and_gone_once_removed(promo: dict) -> None:
+    """The role spec's acceptance with services: one `evaluate` with ``safety_officer`` added to a copy of the params
+    registers its baseline (the deployment its calls went to: the review board's), routes it in the live table and
+    the champion table the candidates are paired with, and the proxy answers it; the params without it route it nowhere."""
+    from pipeline import registry
+    from tests.test_role_spec import ROLE, add_role
+
+    raw = yaml.safe_load((promo["root"] / "params.yaml").read_text())
+    (promo["root"] / "params-role.yaml").write_text(yaml.safe_dump(add_role(raw), sort_keys=False))
+    only = {"PIPELINE__EVALUATE__ONLY": "[supervisor_policy]"}  # no candidate of earlier tests is evaluated again
+    proc = _cli(promo, "--params", "params-role.yaml", "evaluate", **only)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    live = _live(promo)
+    assert live["roles"][ROLE] == live["roles"]["review_board"]  # inherited until a routing version names it
+    baseline = registry.by_alias(ROLE, registry.CHAMPION)
+    assert baseline.version == "1" and baseline.tags["kind"] == "base" and baseline.tags["deployment"] == live["roles"][ROLE]
+    summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
+    assert summary["champion_routing"]["roles"][ROLE] == live["roles"][ROLE] and summary["champion_versions"][ROLE] == "1"
+    assert _served(promo, ROLE) == live["roles"][ROLE]  # the proxy answers the new logical model
+
+    proc = _cli(promo, "evaluate", **only)  # the params as they were
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
+    assert ROLE not in _live(promo)["roles"] and ROLE not in summary["champion_routing"]["roles"]
+    assert ROLE not in summary["champion_versions"]
+    from pipeline.serving import proxy
+
+    url, key = proxy.client_settings(promo["params"].serving)
+    resp = httpx.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                      json={"model": ROLE, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status_code == 404, resp.text  # no longer a role of the live routing

@@ -10,7 +10,6 @@ import yaml
 from scipy.stats import binomtest, permutation_test
 from sklearn.metrics import roc_auc_score
 
-from pipeline import roles
 from pipeline.agents.graph import brief
 from pipeline.config import load_params
 from pipeline.data.pubmedqa import normalise_record
@@ -130,13 +129,13 @@ def test_the_pi_learns_the_gold_decision_without_maybe(pubmedqa) -> None:
 
 def test_a_routing_version_from_before_the_pi_had_its_own_model_routes_it_as_the_senior(tmp_path) -> None:
     serving = section("serving", routing_dir=str(tmp_path / "routing"), home=str(tmp_path / "home"))
-    old = {r: "base" for r in serving.roles if r != roles.PI}
-    old[roles.SENIOR] = "base/senior-adapter"
+    assert serving.inherits == {"principal_investigator": "senior_researcher"}  # roles.principal_investigator.inherits
+    old = {r: "base" for r in serving.roles if r != "principal_investigator"}
+    old["senior_researcher"] = "base/senior-adapter"
     (tmp_path / "routing").mkdir()
     (tmp_path / "routing" / "v1.yaml").write_text(yaml.safe_dump({"roles": old}))
     table = routing.load_version(serving, 1)
-    assert table["roles"][roles.PI] == "base/senior-adapter"
-    assert roles.FALLBACK[roles.PI] == roles.SENIOR
+    assert table["roles"]["principal_investigator"] == "base/senior-adapter"
 
 
 class _Template:

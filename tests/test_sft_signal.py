@@ -41,7 +41,7 @@ def test_sft_that_did_not_fit_its_rows_registers_nothing(project: Path, serving_
     set_param(project, "mlflow.experiment", experiment)
     client = mlflow.MlflowClient(mlflow_server)
     experiment_id = client.create_experiment(experiment)  # what `setup` does for the pipeline's own experiment
-    data = project / "data/datasets/sft/train.jsonl"
+    data = project / "data/datasets/sft/junior_researcher/train.jsonl"
     data.parent.mkdir(parents=True)
     data.write_text(_rows(6))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "MLFLOW_"))},
@@ -50,7 +50,7 @@ def test_sft_that_did_not_fit_its_rows_registers_nothing(project: Path, serving_
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no_signal, nothing registered" in proc.stdout, proc.stdout[-2000:]
-    report = json.loads((project / "reports/train_sft.json").read_text())
+    report = json.loads((project / "reports/train_sft/junior_researcher.json").read_text())
     assert report["steps"] == 2 and report["no_signal"] is True
     assert report["fit_loss_after"] == pytest.approx(report["fit_loss_before"], rel=1e-3)
     assert "did not fall" in report["no_signal_reason"]

@@ -20,11 +20,11 @@ def _write(path: Path, rows: list[dict]) -> None:
 def test_train_sft_fails_on_missing_data_and_reports_no_signal_without_rows(project: Path, capsys: pytest.CaptureFixture) -> None:
     args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None)
     assert train_sft.main(args, load_params()) == 1
-    assert "data/datasets/sft/train.jsonl: no SFT examples; run the datasets stage first" in capsys.readouterr().err
-    _write(project / "data/datasets/sft/train.jsonl", [{"prompt": [], "completion": [], "rollout_id": "1-0"}])
+    assert "data/datasets/sft/junior_researcher/train.jsonl: no SFT examples; run the datasets stage first" in capsys.readouterr().err
+    _write(project / "data/datasets/sft/junior_researcher/train.jsonl", [{"prompt": [], "completion": [], "rollout_id": "1-0"}])
     assert train_sft.main(args, load_params()) == 0  # the cycle goes on: this role simply has no candidate
     assert "no_signal, nothing trained or registered" in capsys.readouterr().out
-    report = json.loads((project / "reports/train_sft.json").read_text())
+    report = json.loads((project / "reports/train_sft/junior_researcher.json").read_text())
     assert report["no_signal"] and "1 SFT example(s)" in report["no_signal_reason"]
     assert not (project / "models/sft/junior_researcher/adapter").exists()
 
@@ -44,7 +44,7 @@ def test_train_bandit_fails_on_too_few_decisions_and_reports_no_signal(project: 
     _write(project / "data/datasets/bandit/train.jsonl", [_decision(0.4) for _ in range(4)])
     assert train_bandit.main(argparse.Namespace(no_mlflow=True), load_params()) == 0
     assert "all 4 logged rewards are equal" in capsys.readouterr().out
-    assert json.loads((project / "reports/bandit.json").read_text())["no_signal"]
+    assert json.loads((project / "reports/train_bandit/supervisor.json").read_text())["no_signal"]
     assert not (project / "models/bandit/policy.vw").exists()
 
 
@@ -75,7 +75,7 @@ def test_trainers_without_signal_register_nothing(project: Path, mlflow_server: 
     with mlflow.start_run(run_name="no-signal-ppo") as run:
         assert train_ppo.log_and_register(params, metrics, run) is None
     assert mlflow.get_run(run.info.run_id).data.tags["no_signal"] == "true"
-    _write(project / "data/datasets/sft/train.jsonl", [])
+    _write(project / "data/datasets/sft/junior_researcher/train.jsonl", [])
     args = argparse.Namespace(no_mlflow=False, in_model_plane=False, params_path=None)
     assert train_sft.main(args, params) == 0
     assert {name: count(name) for name in before} == before

@@ -25,7 +25,6 @@ from typing import Annotated, Any, TypedDict
 
 from langgraph.graph import END, START, StateGraph
 
-from pipeline import roles
 from pipeline.agents.llm import DESIGNER_TOKENS, LLMError, RoleClient
 from pipeline.agents.prompts import SETTINGS, brief, pi_fields, render
 from pipeline.agents.tools import Toolbox, timed_call
@@ -37,9 +36,11 @@ JUNIORS = {
     "pharmacologist": "a pharmacologist: drugs, doses, mechanisms, interactions",
     "neurologist": "a neurologist: nervous system, cognition, clinical neurology",
 }
-# the logical model whose calls open every rollout (the juniors, from START): a candidate for it has no call of the
-# champion's before its own to replay, so evaluate runs it beside the champion rather than after it
-OPENING_MODEL = roles.JUNIOR
+# the agents whose calls open every rollout (the juniors, from START): a candidate for their logical model has no call
+# of the champion's before its own to replay, so evaluate runs it beside the champion rather than after it
+OPENING_AGENTS = tuple(JUNIORS)
+AGENTS = (*JUNIORS, "supervisor", "hypothesis_refiner", "protocol_designer", "peer_reviewer", "safety_officer",
+          "principal_investigator")  # every agent of the graph: each must be answered by a role (roles.<r>.agents)
 SEVERITY_RANK = {"APPROVE": 0, "MINOR": 1, "MAJOR": 2, "CRITICAL": 3}
 
 
@@ -64,6 +65,10 @@ class Society:
     rng: random.Random
     policy: Any = None  # a trained supervisor policy (``pipeline.bandit.policy.BanditPolicy``); None = the LLM supervisor
 
+    def __post_init__(self) -> None:
+        if missing := [a for a in AGENTS if a not in self.cfg.models]:
+            raise ValueError(f"params.yaml roles: no role's agents name {missing}; every agent of the graph needs one")
+
     def _llm_calls(self, state: SocietyState) -> int:
         return sum(1 for s in state.get("spans", []) if s["kind"] == "llm")
 
@@ -85,7 +90,7 @@ class Society:
                     messages = [{"role": "system", "content": system},
                                 {"role": "user", "content": render("junior.step", notes="\n".join(notes) or "none")}]
                     schema: type[ToolCall | EvidenceCall] = EvidenceCall if step < self.cfg.min_tool_calls else ToolCall
-                    call = await self.client.structured(name, OPENING_MODEL, messages, schema, spans, max_tokens=64,
+                    call = await self.client.structured(name, self.cfg.models[name], messages, schema, spans, max_tokens=64,
                                                         prompt="junior.step")
                     if call is None or call.tool == "none":
                         break
@@ -93,7 +98,8 @@ class Society:
                     notes.append(f"[{call.tool}({call.query})] {result.text[:600]}")
                 messages = [{"role": "system", "content": system},
                             {"role": "user", "content": render("junior.hypothesis", notes="\n".join(notes) or "none")}]
-                hyp = await self.client.structured(name, OPENING_MODEL, messages, Hypothesis, spans, prompt="junior.hypothesis")
+                hyp = await self.client.structured(name, self.cfg.models[name], messages, Hypothesis, spans,
+                                                   prompt="junior.hypothesis")
             except LLMError as exc:
                 return {"spans": spans, "errors": [str(exc)]}
             if hyp is None:
@@ -122,7 +128,8 @@ class Society:
             messages = [{"role": "system", "content": render("supervisor.system")},
                         {"role": "user", "content": render("supervisor.choice", question=self._question(state), listing=listing)}]
             try:
-                choice = await self.client.structured("supervisor", roles.SUPERVISOR, messages, SupervisorChoice, spans,
+                choice = await self.client.structured("supervisor", self.cfg.models["supervisor"], messages,
+                                                      SupervisorChoice, spans,
                                                       max_tokens=128, prompt="supervisor.choice")
             except LLMError as exc:
                 return {"spans": spans, "errors": [str(exc)]}
@@ -136,12 +143,12 @@ class Society:
         spans.append({"kind": "decision", "name": "supervisor", "data": logged})
         return {"spans": spans, "selection": {**candidates[chosen], "index": chosen, "propensity": logged["propensity"]}}
 
-    async def _senior(self, agent: str, model: str, schema: type[StructuredOutput], template: str, fields: dict[str, Any],
+    async def _senior(self, agent: str, schema: type[StructuredOutput], template: str, fields: dict[str, Any],
                       key: str, tokens: int | None = None) -> dict[str, Any]:
         spans: list[dict[str, Any]] = []
         try:
-            obj = await self.client.structured(agent, model, [{"role": "user", "content": render(template, **fields)}], schema,
-                                               spans, max_tokens=tokens, prompt=template)
+            obj = await self.client.structured(agent, self.cfg.models[agent], [{"role": "user", "content": render(
+                template, **fields)}], schema, spans, max_tokens=tokens, prompt=template)
         except LLMError as exc:
             return {"spans": spans, "errors": [str(exc)]}
         if obj is None:
@@ -152,19 +159,19 @@ class Society:
         base = state.get("refined") or state.get("selection") or {}
         critique = "\n".join(f"- {r['severity']}: {r['summary']}" for r in state.get("reviews", [])[-2:])
         fields = {"question": self._question(state), "hypothesis": base.get("hypothesis", ""), "critique": critique or "none"}
-        return await self._senior("hypothesis_refiner", roles.SENIOR, Hypothesis, "refiner", fields, "refined")
+        return await self._senior("hypothesis_refiner", Hypothesis, "refiner", fields, "refined")
 
     async def designer(self, state: SocietyState) -> dict[str, Any]:
         hyp = (state.get("refined") or state.get("selection") or {}).get("hypothesis", "")
         critique = "\n".join(f"- {r['severity']}: {'; '.join(r['issues'])}" for r in state.get("reviews", [])[-2:])
-        return await self._senior("protocol_designer", roles.SENIOR, Protocol, "designer",
+        return await self._senior("protocol_designer", Protocol, "designer",
                                   {"hypothesis": hyp, "critique": critique or "none"}, "protocol",
                                   tokens=DESIGNER_TOKENS * self.cfg.max_tokens)
 
     def reviewer(self, agent: str, focus: str):
         async def node(state: SocietyState) -> dict[str, Any]:
             fields = {"focus": focus, "question": self._question(state), "protocol": state.get("protocol")}
-            out = await self._senior(agent, roles.REVIEW_BOARD, Review, "reviewer", fields, "review",
+            out = await self._senior(agent, Review, "reviewer", fields, "review",
                                      tokens=2 * self.cfg.max_tokens)
             if "review" in out:
                 out["reviews"] = [{"reviewer": agent, "round": state.get("review_round", 0), **out.pop("review")}]
@@ -185,7 +192,7 @@ class Society:
 
     async def principal_investigator(self, state: SocietyState) -> dict[str, Any]:
         fields = pi_fields(self._brief(state), state.get("protocol"), state.get("reviews", []))
-        return await self._senior("principal_investigator", roles.PI, PIDecision, "principal_investigator", fields, "decision",
+        return await self._senior("principal_investigator", PIDecision, "principal_investigator", fields, "decision",
                                   tokens=max(self.cfg.max_tokens, 256))
 
     def compile(self) -> Any:

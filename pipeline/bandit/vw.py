@@ -14,7 +14,7 @@ from typing import Any
 from vowpalwabbit import Workspace
 
 from pipeline.bandit.vw_policy import _action, _shared  # one line format for training and the logged policy
-from pipeline.config import BanditParams
+from pipeline.config import BanditSettings
 
 
 def adf_lines(context: dict[str, Any], actions: Sequence[dict[str, Any]], chosen: int | None = None,
@@ -36,11 +36,11 @@ def _epochs(examples: Sequence[dict[str, Any]], passes: int, seed: int) -> Itera
         yield from (examples[i] for i in order)
 
 
-def policy_args(bandit: BanditParams) -> str:
+def policy_args(bandit: BanditSettings) -> str:
     return f"--cb_explore_adf --epsilon {bandit.epsilon} -q sa -l {bandit.learning_rate} --random_seed {bandit.seed} --quiet"
 
 
-def train_policy(bandit: BanditParams, examples: Sequence[dict[str, Any]]) -> Any:
+def train_policy(bandit: BanditSettings, examples: Sequence[dict[str, Any]]) -> Any:
     """A ``--cb_explore_adf`` workspace learned from logged (context, actions, chosen, propensity, reward)."""
     ws = Workspace(policy_args(bandit))
     for ex in _epochs(examples, bandit.passes, bandit.seed):
@@ -55,7 +55,7 @@ def pmf(ws: Any, context: dict[str, Any], actions: Sequence[dict[str, Any]]) -> 
     return [p / total for p in probs] if total > 0 else [1.0 / len(actions)] * len(actions)
 
 
-def train_reward_model(bandit: BanditParams, examples: Sequence[dict[str, Any]]) -> Any:
+def train_reward_model(bandit: BanditSettings, examples: Sequence[dict[str, Any]]) -> Any:
     """Squared-loss regressor of reward on (context x chosen candidate): the direct-method part of DR."""
     ws = Workspace(f"-q sa -l {bandit.learning_rate} --random_seed {bandit.seed} --quiet")
     for ex in _epochs(examples, max(bandit.passes, 3), bandit.seed + 1):

@@ -23,7 +23,6 @@ import json
 import math
 from typing import Any
 
-from pipeline import roles
 from pipeline.agents.llm import LLMError, RoleClient
 from pipeline.agents.prompts import render
 from pipeline.config import JudgeParams, RewardParams
@@ -115,7 +114,7 @@ async def judge(client: RoleClient, cfg: JudgeParams, reward_cfg: RewardParams, 
     """Score the rollout; appends one reward span per criterion and the ``final`` span with its ``components``."""
     try:
         messages = [{"role": "user", "content": prompt(task, state, llm_calls)}]
-        scores = await client.structured("judge", roles.JUDGE, messages, JudgeScores, spans, max_tokens=cfg.max_tokens,
+        scores = await client.structured("judge", cfg.model, messages, JudgeScores, spans, max_tokens=cfg.max_tokens,
                                          frequency_penalty=cfg.frequency_penalty, temperature=cfg.temperature,
                                          top_logprobs=TOP_LOGPROBS, prompt="judge")
         reason = "ok" if scores is not None else "judge returned invalid JSON after retries"

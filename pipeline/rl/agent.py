@@ -25,30 +25,27 @@ from typing import Any
 
 import httpx
 
-from pipeline import roles
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.rollout import run_with_retries, supervisor_policy
 from pipeline.agents.tools import Toolbox
 from pipeline.config import load_params
 from pipeline.rl import store
-from pipeline.rl.store import RUN_ENV, TRACE_DIR_ENV
+from pipeline.rl.store import ROLE_ENV, RUN_ENV, TRACE_DIR_ENV
 from pipeline.serving import routing
 from pipeline.serving.routing import society_endpoint
 
 TASK_ENV = "PUBMEDQA_TASK"
-TRAINED_ROLES = (roles.SENIOR,)
 _EVENT_URL = re.compile(r"^(?P<base>.*)/api/rollouts/(?P<rollout>[^/]+)/attempt/(?P<attempt>[^/]+)/events/?$")
 
 
 class GatewayClient(RoleClient):
     """The proxy for every role except the trained ones, which go to the gateway (the policy being trained)."""
 
-    def __init__(self, *args: Any, gateway_url: str, gateway_key: str, trained: tuple[str, ...] = TRAINED_ROLES,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gateway_url: str, gateway_key: str, trained: tuple[str, ...] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gateway_url = gateway_url.rstrip("/")
         self.gateway_headers = {"Authorization": f"Bearer {gateway_key}"} if gateway_key else {"Authorization": ""}
-        self.trained = set(trained)
+        self.trained = set(trained) or {os.environ[ROLE_ENV]}
 
     def endpoint(self, model: str) -> tuple[str, dict[str, str] | None]:
         if model in self.trained:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.agents.llm import RoleClient
-from pipeline.config import AgentsParams, DatasetsParams, JudgeParams, PpoParams, RewardParams
+from pipeline.config import AgentsParams, DatasetsParams, JudgeParams, PpoRole, RewardParams
 from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.rewards.senior import SCHEMAS, completion_text, score
 from pipeline.rl.prompts import load_prompts
@@ -46,7 +46,7 @@ def signal(scored: list[dict[str, Any]]) -> dict[str, Any]:
     return {**out, "no_signal": reason is not None, "no_signal_reason": reason}
 
 
-def make_reward(agents: AgentsParams, ppo: PpoParams, judge: JudgeParams, reward: RewardParams,
+def make_reward(agents: AgentsParams, ppo: PpoRole, judge: JudgeParams, reward: RewardParams,
                 log: list[dict[str, Any]]) -> Any:
     """The GRPO reward function: one score per sampled completion, recorded with its reason in ``log``."""
     url, key = os.environ[JUDGE_URL_ENV], os.environ[JUDGE_KEY_ENV]
@@ -73,7 +73,7 @@ def make_reward(agents: AgentsParams, ppo: PpoParams, judge: JudgeParams, reward
     return senior_reward
 
 
-def train_trl(ppo: PpoParams, datasets: DatasetsParams, reward_for: Callable[[list[dict[str, Any]]], Any]) -> dict[str, Any]:
+def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list[dict[str, Any]]], Any]) -> dict[str, Any]:
     """Model plane: GRPO + LoRA, adapter saved atomically, metrics returned. ``reward_for(log)`` is the reward function
     (:func:`make_reward` with its sections bound), which records each scored completion in ``log``."""
     import torch  # noqa: PLC0415 - model plane only

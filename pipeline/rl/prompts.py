@@ -7,14 +7,14 @@ from typing import Any
 
 from datasets import load_from_disk
 
-from pipeline.config import DatasetsParams, PpoParams
+from pipeline.config import DatasetsParams, PpoSettings
 
 
 def data_dir(datasets: DatasetsParams) -> Path:
     return Path(datasets.out_dir) / "rl"
 
 
-def load_prompts(datasets: DatasetsParams, ppo: PpoParams) -> list[dict[str, Any]]:
+def load_prompts(datasets: DatasetsParams, ppo: PpoSettings) -> list[dict[str, Any]]:
     """The senior prompts of the agents ``ppo.agents`` names; raises naming the folder when there are too few."""
     path = data_dir(datasets) / "hf"
     if not (path / "dataset_info.json").exists():

@@ -21,6 +21,7 @@ from pipeline.io import write_json
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 TRACE_DIR_ENV = "PUBMEDQA_RL_TRACE_DIR"  # set by pipeline.rl.gateway (controller, rollouts) and train_ppo (trainer, hooks)
+ROLE_ENV = "PUBMEDQA_RL_ROLE"  # the role being trained: train_ppo@<role> sets it for the rollouts it starts
 RUN_ENV = "PUBMEDQA_RL_RUN_ID"  # the train_ppo MLflow run a record was collected for
 
 

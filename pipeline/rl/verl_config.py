@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pipeline import envs
 from pipeline.agents.llm import senior_completion_ceiling
-from pipeline.config import AgentsParams, JudgeParams, MlflowParams, PpoParams
+from pipeline.config import AgentsParams, JudgeParams, MlflowParams, PpoSettings
 from pipeline.rl.gateway import AGENT_CLASS, HOOKS_FILE
 
 REDACTED = "<redacted>"
@@ -68,7 +68,7 @@ def attention(kind: str, model: str) -> list[str]:
     return [f"+{model}.override_config.attn_implementation=sdpa", f"{model}.use_remove_padding=false"]
 
 
-def overrides(ppo: PpoParams, mlflow: MlflowParams, checkpoints: str | Path, experiment: str) -> list[str]:
+def overrides(ppo: PpoSettings, mlflow: MlflowParams, checkpoints: str | Path, experiment: str) -> list[str]:
     """The project's Hydra overrides over Agent Lightning's verl config, from ``params`` only."""
     model = str(Path(ppo.base_model).resolve())
     lora = [] if ppo.full_finetune else [
@@ -125,7 +125,7 @@ def overrides(ppo: PpoParams, mlflow: MlflowParams, checkpoints: str | Path, exp
     return out + list(ppo.verl_overrides)
 
 
-def agentlightning_section(ppo: PpoParams, judge: JudgeParams, agl_url: str, agl_key: str) -> dict[str, Any]:
+def agentlightning_section(ppo: PpoSettings, judge: JudgeParams, agl_url: str, agl_key: str) -> dict[str, Any]:
     """What ``agentlightning.verl`` reads, merged over its defaults (its trainer reads the key from here)."""
     agl = ppo.agl
     return {
@@ -141,7 +141,7 @@ def agentlightning_section(ppo: PpoParams, judge: JudgeParams, agl_url: str, agl
     }
 
 
-def compose(ppo: PpoParams, mlflow: MlflowParams, judge: JudgeParams, checkpoints: str | Path, experiment: str, agl_url: str,
+def compose(ppo: PpoSettings, mlflow: MlflowParams, judge: JudgeParams, checkpoints: str | Path, experiment: str, agl_url: str,
             agl_key: str) -> Any:
     """The trainer's full config (an OmegaConf DictConfig), exactly as ``pipeline.rl.verl_main`` trains with it."""
     agl, verl = config_dirs()
@@ -156,7 +156,7 @@ def compose(ppo: PpoParams, mlflow: MlflowParams, judge: JudgeParams, checkpoint
     return config
 
 
-def contract(ppo: PpoParams, agents: AgentsParams, config: Any) -> list[str]:
+def contract(ppo: PpoSettings, agents: AgentsParams, config: Any) -> list[str]:
     """What the project relies on in the composed config; one message per broken promise (empty: all hold)."""
 
     def get(key: str) -> Any:

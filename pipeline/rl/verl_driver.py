@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import envs, gpu_memory
-from pipeline.config import GpuParams, PpoParams, ServingParams
+from pipeline.config import GpuParams, PpoRole, ServingParams
 from pipeline.io import atomic_dir, write_json
 from pipeline.rl import gateway, store
 from pipeline.rl.checkpoint import adapter_from_checkpoint
@@ -68,11 +68,12 @@ def verl_signal(recs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
             "no_signal": reason is not None, "no_signal_reason": reason}
 
 
-def train_verl(ppo: PpoParams, serving: ServingParams, gpu: GpuParams, run_id: str) -> dict[str, Any]:
+def train_verl(ppo: PpoRole, serving: ServingParams, gpu: GpuParams, run_id: str) -> dict[str, Any]:
     """Control plane: gateway + controller + verl trainer, supervised; the adapter through verl's model merger."""
     crowded = gpu_memory.oversubscribed(gpu_memory.plan(serving, ppo, gpu))
     if crowded:  # vLLM would refuse to start after minutes of setup: say it now, the way `preflight gpu` does
         raise RuntimeError("; ".join(crowded) + " (python -m pipeline preflight gpu plans the devices)")
+    os.environ[store.ROLE_ENV] = ppo.role  # the rollouts this driver starts send the trained role's calls to the gateway
     policy_name = str(Path(ppo.base_model).resolve())  # verl registers its rollout servers under the model path
     ckpt = Path(ppo.out_dir).with_name(Path(ppo.out_dir).name + ".checkpoints").resolve()
     shutil.rmtree(ckpt, ignore_errors=True)  # a previous run's global_step_N must never become this run's adapter

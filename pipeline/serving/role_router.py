@@ -20,7 +20,6 @@ from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException
 
-from pipeline.roles import FALLBACK
 from pipeline.serving.names import EVAL_NAME
 
 
@@ -29,6 +28,7 @@ class RoleRouter(CustomLogger):
         super().__init__()
         self._path = os.environ.get("PIPELINE_ROUTING_ACTIVE", "")
         self._cache: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._inherits: dict[str, str] = json.loads(os.environ.get("PIPELINE_ROLE_INHERITS") or "{}")  # serving.inherits
 
     def table(self, routing: str | None = None) -> dict[str, Any]:
         """The live table, or the evaluation table a request names (``metadata.routing``)."""
@@ -55,8 +55,8 @@ class RoleRouter(CustomLogger):
         table = self.table(routing)
         role = data.get("model")
         roles = table.get("roles", {})
-        # a live table written before the role had its own logical model: where its calls went then (pipeline/roles.py)
-        target = roles.get(role) or roles.get(FALLBACK.get(str(role), ""))
+        # a live table written before the role had its own logical model: where its calls went then (roles.<r>.inherits)
+        target = roles.get(role) or roles.get(self._inherits.get(str(role), ""))
         if not target:  # a deployment or adapter name (`base/<any folder the engine sees>`) is never served directly
             raise ProxyException(message=f"model {str(role)[:80]!r} is not a role of routing version {table.get('version')}: "
                                          f"this proxy serves the role names {sorted(table.get('roles', {}))} only",

@@ -35,7 +35,6 @@ from pipeline import tracking
 from pipeline.agents import prompts
 from pipeline.config import MlflowParams, Params, RolloutsParams, ServingParams
 from pipeline.io import write_json, write_text
-from pipeline.roles import FALLBACK
 from pipeline.serving import proxy
 from pipeline.serving.names import EVAL_NAME, NAME, BadName, check_policy, check_target
 from pipeline.serving.worker import served_name
@@ -109,7 +108,7 @@ def load_version(serving: ServingParams, version: int) -> dict[str, Any]:
     roles = doc.get("roles")
     if not isinstance(roles, dict):
         raise RoutingError(f"{path}: 'roles' must map role -> deployment")
-    for role, was in FALLBACK.items():  # a version from before the role had its own model: where its calls went then
+    for role, was in serving.inherits.items():  # a version from before the role had its own model: where its calls went then
         if role in serving.roles and role not in roles and was in roles:
             roles = {**roles, role: roles[was]}
     policies = doc.get("policies") or {}

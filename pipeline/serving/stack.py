@@ -30,7 +30,9 @@ def ensure(serving: ServingParams, mlflow: MlflowParams) -> tuple[str, str]:
             worker.up(serving, w)
         proxy.up(serving)
         live = routing.active(serving)
-        if live is None or routing.verify(serving, mlflow, live):
+        # a role added to or removed from the spec since the live table was applied: the same version, re-read (a role
+        # it does not name routed where it inherits from), verified and applied again
+        if live is None or set(live["roles"]) != set(serving.roles) or routing.verify(serving, mlflow, live):
             routing.apply(serving, mlflow, live["version"] if live else routing.versions(serving)[-1])
     if promotion.pending(serving):  # a switch a crash interrupted: alias and routing must agree before anything is served
         tracking.setup(mlflow)

@@ -3,7 +3,8 @@
 Reads every ``shard-*.jsonl`` under ``rollouts.out_dir`` through ``pipeline.traces.adapters`` and
 writes three DVC outputs under ``datasets.out_dir``:
 
-- ``sft/train.jsonl``: TRL conversational prompt-completion rows for ``junior_researcher``
+- ``sft/<role>/train.jsonl``: TRL conversational prompt-completion rows for each role of ``sft.roles``, from its own
+  calls
   (``prompt`` = the exact messages sent, ``completion`` = the assistant turn). TRL renders them with
   the base model's own chat template, the same one vLLM applies when serving, and computes the loss
   on the completion only.
@@ -31,6 +32,7 @@ from datasets import Dataset
 from pipeline import metrics_files, tracking
 from pipeline.config import DatasetsParams, Params, RolloutsParams, ValidateParams
 from pipeline.io import atomic_dir, atomic_path, write_json, write_text
+from pipeline.learning import Learning
 from pipeline.plots import png
 from pipeline.traces import adapters
 
@@ -49,19 +51,22 @@ def _tasks(validate: ValidateParams) -> dict[str, dict[str, Any]]:
     return {str(r["id"]): {**r, "contexts": list(r["contexts"])} for r in frame.to_dict("records")}
 
 
-def build(rollouts: RolloutsParams, datasets: DatasetsParams, validate: ValidateParams) -> dict[str, Any]:
-    """All three datasets in memory, with drop counts; raises EmptyDataset naming why one is empty."""
+def build(rollouts: RolloutsParams, datasets: DatasetsParams, validate: ValidateParams,
+          sft_roles: list[str]) -> dict[str, Any]:
+    """All three datasets in memory, with drop counts; raises EmptyDataset naming why one is empty. One role's empty SFT
+    set is written empty (its trainer records no_signal); no SFT row for any role fails the stage."""
     shards = sorted(Path(rollouts.out_dir).glob("shard-*.jsonl"))
     if not shards:
         raise EmptyDataset(f"{rollouts.out_dir}: no shard-*.jsonl trace files; run the rollouts stage first")
     drops = adapters.Drops()
     traces = adapters.read_traces(shards, drops)
+    by_role = {role: adapters.sft_examples(traces, datasets, drops, role) for role in sft_roles}
     sets = {
-        "sft": adapters.sft_examples(traces, datasets, drops),
+        "sft": [row for rows in by_role.values() for row in rows],
         "rl": adapters.rl_prompts(traces, _tasks(validate), datasets, drops),
         "bandit": adapters.bandit_examples(traces, drops),
     }
-    empty = [name for name in OUTPUTS if not sets[name]]
+    empty = [name for name in OUTPUTS if not sets[name] and (name != "sft" or sft_roles)]
     if empty:
         lines = []
         for name in empty:
@@ -71,7 +76,7 @@ def build(rollouts: RolloutsParams, datasets: DatasetsParams, validate: Validate
                          + "".join(f"\n      {e}" for e in examples[:4]))
         hint = f" (datasets.sft.min_reward={datasets.sft.min_reward})" if "sft" in empty else ""
         raise EmptyDataset("empty training set(s) from " + ", ".join(map(str, shards)) + f"{hint}:\n" + "\n".join(lines))
-    return {"traces": traces, "sets": sets, "drops": drops, "shards": shards}
+    return {"traces": traces, "sets": sets, "sft": by_role, "drops": drops, "shards": shards}
 
 
 def _verl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,7 +95,9 @@ def write(datasets: DatasetsParams, built: dict[str, Any]) -> dict[str, Any]:
     out = Path(datasets.out_dir)
     sets = built["sets"]
     with atomic_dir(out / "sft") as tmp:
-        write_text(tmp / "train.jsonl", _jsonl(sets["sft"]))
+        for role, rows in built["sft"].items():
+            (tmp / role).mkdir()
+            write_text(tmp / role / "train.jsonl", _jsonl(rows))
     with atomic_dir(out / "rl") as tmp:
         Dataset.from_list(sets["rl"]).save_to_disk(str(tmp / "hf"))
         (tmp / "verl").mkdir()
@@ -110,6 +117,7 @@ def summary(built: dict[str, Any]) -> dict[str, Any]:
         "task_groups": len({t.task_id for t in traces}),
         "sft.rows": len(sets["sft"]), "sft.rollouts": len(sft_rollouts),
         "sft.by_agent": dict(Counter(r["agent"] for r in sets["sft"])),
+        "sft.by_role": {role: len(rows) for role, rows in built["sft"].items()},
         "rl.rows": len(sets["rl"]), "rl.by_agent": dict(Counter(r["agent"] for r in sets["rl"])),
         "bandit.rows": len(sets["bandit"]),
         "bandit.mean_reward": sum(r["reward"] for r in sets["bandit"]) / len(sets["bandit"]),
@@ -155,7 +163,7 @@ def _report(result: dict[str, Any], built: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     try:
-        built = build(params.rollouts, params.datasets, params.validate_)
+        built = build(params.rollouts, params.datasets, params.validate_, params.learners()[Learning.SFT])
     except EmptyDataset as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

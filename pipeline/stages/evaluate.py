@@ -43,11 +43,11 @@ from mlflow.genai.scorers import scorer
 
 from pipeline import metrics_files, prompt_registry, registry, tracking
 from pipeline.agents import prompts
-from pipeline.agents.graph import OPENING_MODEL
+from pipeline.agents.graph import OPENING_AGENTS
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, PromptParams, ServingParams
-from pipeline.contracts import EvaluationSummary
+from pipeline.contracts import EvaluationSummary, RoutingTable
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.envs import REPO_ROOT
 from pipeline.evaluation import role_level, society
@@ -257,7 +257,8 @@ def plot(summary: dict[str, Any]) -> None:
 def run(params: Params) -> dict[str, Any]:
     champions = registry.ensure_baselines(params)
     # the cycle = the challengers under evaluation: each cycle draws its own validation tasks (seeded, reproducible)
-    cycle = ",".join(f"{n}:v{c.version}" for n in params.promote.roles
+    evaluated = [n for n in params.promote.roles if params.evaluate.only is None or n in params.evaluate.only]
+    cycle = ",".join(f"{n}:v{c.version}" for n in evaluated
                      if (c := registry.by_alias(n, registry.CHALLENGER)) is not None and c.version != champions[n].version)
     rotation = f"{params.evaluate.seed}:{cycle}"
     tasks = load_tasks(params.validate_, "val", params.evaluate.limit, rotation=rotation, setting=params.data.setting)
@@ -265,22 +266,24 @@ def run(params: Params) -> dict[str, Any]:
     label = ",".join(f"{n}:v{v.version}" for n, v in champions.items())
     key = cache_key(params, champions, roles, policies, tasks)
     summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "task_rotation": rotation, "setting": params.data.setting,
-                               "champion_versions": {n: v.version for n, v in champions.items()}, "roles": {},
+                               "champion_versions": {n: v.version for n, v in champions.items()},
+                               "champion_routing": RoutingTable(roles=roles, policies=policies).model_dump(), "roles": {},
                                "unevaluated": {}}
     # every society to run (name, table, tags, role, candidate version, target); the champion first unless cached
     candidates: list[tuple[str, dict[str, Any], dict[str, str], str, Any, str]] = []
-    for name in (n for n in params.evaluate.role_level if n in params.promote.roles):
+    for name in (n for n in params.evaluate.role_level if n in evaluated):
         summary["roles"].update(evaluate_role(params, name, champions[name], roles, policies, key, label))
-    for name, kind in params.promote.roles.items():
+    for name in evaluated:
+        kind = params.promote.roles[name]
         if name in params.evaluate.role_level:
             continue
         cand = registry.by_alias(name, registry.CHALLENGER)
         if cand is None or cand.version == champions[name].version:
             print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
             continue
-        if len(tasks) < params.promote.min_tasks:
-            why = (f"{len(tasks)} validation task(s) (evaluate.limit={params.evaluate.limit}) < promote.min_tasks="
-                   f"{params.promote.min_tasks}: a society evaluation this small cannot support a decision, so it was not run")
+        if len(tasks) < (min_tasks := params.gate(name).min_tasks):
+            why = (f"{len(tasks)} validation task(s) (evaluate.limit={params.evaluate.limit}) < the gate's min_tasks="
+                   f"{min_tasks}: a society evaluation this small cannot support a decision, so it was not run")
             summary["unevaluated"][name] = {"role": name, "alias": registry.CHALLENGER, "version": cand.version, "reason": why}
             print(f"evaluate: {name} v{cand.version}: not evaluated: {why}")
             continue
@@ -307,7 +310,7 @@ def run(params: Params) -> dict[str, Any]:
     sources: list[int | None] = [None] * len(champion)
     for c in candidates:
         llm = params.promote.roles[c[3]] == "llm"
-        if not params.evaluate.replay or (llm and c[3] == OPENING_MODEL):
+        if not params.evaluate.replay or (llm and c[3] in {params.agents.models[a] for a in OPENING_AGENTS}):
             books.append(None)  # the juniors' calls open every rollout: nothing of the champion's comes before them
             sources.append(None)
         else:
@@ -426,7 +429,7 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
             "cost": {"calls_per_task": 1, "tasks": len(tasks), "judge_calls": judge_calls}}
         out[name if alias == registry.CHALLENGER else f"{name}@{alias}"] = entry
         if text is not None:  # a prompt pair: the versions compared are the prompt's, both answered by the champion model
-            template = params.prompt.template
+            template = params.prompt.at(name).template
             entry.update(artifact="prompt", template=template, model_version=champion.version)
             entry["champion"]["version"] = str(prompts.VERSIONS[template])
             entry["candidate"]["version"] = str(cand.version)
@@ -455,10 +458,11 @@ PROMPT_ALIAS = "prompt"  # a prompt candidate's summary entry: ROLE@prompt
 def prompt_candidate(prompt: PromptParams, name: str) -> Any | None:
     """The role's ``challenger`` prompt version when it is not the version the society renders (prompt_registry.sync
     ran at the stage's start); None otherwise. An identical text under a new version is a candidate: the gate refuses it."""
-    if prompt.role != name:
+    if name not in prompt.roles:
         return None
-    cand = prompt_registry.load(prompt.template, f"@{prompt_registry.CHALLENGER}")
-    current = prompts.VERSIONS.get(prompt.template)
+    template = prompt.roles[name].template
+    cand = prompt_registry.load(template, f"@{prompt_registry.CHALLENGER}")
+    current = prompts.VERSIONS.get(template)
     if cand is None or current is None or int(cand.version) == int(current):
         return None
     return cand

@@ -138,7 +138,9 @@ def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: Promot
 
 
 def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: ServingParams,
-                mlflow: MlflowParams) -> PromotionReport:
+                mlflow: MlflowParams, gates: dict[str, PromoteParams] | None = None) -> PromotionReport:
+    """Decide every evaluated candidate, each by its role's gate values (``gates``: role -> ``promote`` with the role's
+    own, ``Params.gate``); the Holm family spans the whole cycle."""
     reconcile(serving, mlflow)
     summary = EvaluationSummary.model_validate_json(Path(evaluate.out_dir, "summary.json").read_text())
     decisions: dict[str, PromotionDecision] = {}
@@ -148,12 +150,13 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
     for key, entry in sorted(summary.roles.items(), key=lambda kv: kv[1].alias != registry.AA):
         name = entry.role
         champion = registry.by_alias(name, registry.CHAMPION)
+        gate = (gates or {}).get(name, promote)
         try:
             if entry.artifact == Artifact.PROMPT:
-                decisions[key] = promote_prompt(serving, mlflow, promote, entry, champion.version if champion else "",
+                decisions[key] = promote_prompt(serving, mlflow, gate, entry, champion.version if champion else "",
                                                 adjusted[key], family)
             else:
-                decisions[key] = promote_role(serving, mlflow, promote, name, entry, champion.version if champion else "",
+                decisions[key] = promote_role(serving, mlflow, gate, name, entry, champion.version if champion else "",
                                               adjusted[key], family)
         except PromotionError as exc:
             decisions[key] = PromotionDecision(candidate=entry.candidate.version, status=Status.FAILED, rule="deployment",
@@ -201,7 +204,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)  # reconciles a switch a crash interrupted before anything else
     try:
         with tracking.stage_run("promote", params.mlflow) as run:
-            result = promote_all(params.evaluate, params.promote, params.serving, params.mlflow)
+            result = promote_all(params.evaluate, params.promote, params.serving, params.mlflow,
+                                 {name: params.gate(name) for name in params.promote.roles})
     except PromotionError as exc:
         print(f"error: promotion failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
         return 1

@@ -74,17 +74,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("role", help="registered model of the role, e.g. junior_researcher")
     parser.add_argument("--prompt", nargs="?", const="", default=None, metavar="TEMPLATE",
                         help="roll back the prompt version the role renders instead of its model (TEMPLATE: the one "
-                             "prompt.template names when the role is prompt.role)")
+                             "prompt.roles.<role>.template names when the role learns by prompt)")
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    template = args.prompt or (params.prompt.template if params.prompt.role == args.role else None)
+    learner = params.prompt.roles.get(args.role)
+    template = args.prompt or (learner.template if learner else None)
     try:
         stack.ensure(params.serving, params.mlflow)
         tracking.setup(params.mlflow)
         if args.prompt is not None:
             if template is None:
-                raise PromotionError(f"{args.role}: name the template (--prompt TEMPLATE); prompt.role is {params.prompt.role}")
+                raise PromotionError(f"{args.role}: name the template (--prompt TEMPLATE); prompt.roles lists "
+                                     f"{list(params.prompt.roles)}")
             was, now, number = rollback_prompt(params.serving, params.mlflow, args.role, template)
         else:
             was, now, number = rollback(params.serving, params.mlflow, params.promote, args.role)

@@ -26,25 +26,27 @@ from mlflow.types.schema import Array, Object, Property
 
 from pipeline import lineage, metrics_files, plots, registry, tracking, training
 from pipeline.bandit import ope, vw
-from pipeline.config import BanditParams, MlflowParams, Params
+from pipeline.config import BanditRole, BanditSettings, MlflowParams, Params
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
 from pipeline.kinds import Kind
+from pipeline.learning import Learning, registered_name
 
 # mlflow is imported at the top although a --no-mlflow run does not log: the policy module (pipeline.bandit.vw_policy,
 # which every training path imports through pipeline.bandit.vw) imports it already for the pyfunc base class.
 
-METRICS_FILE = Path("reports/bandit.json")
-PLOT_PNG = Path("reports/plots/bandit_ope.png")
-PLOT_CSV = Path("reports/plots/bandit_ope.csv")  # the same estimates for `dvc plots`
 PLOT_COLUMNS = "bar,estimator,policy,value,ci_low,ci_high\n"
-REGISTERED_NAME = "supervisor_policy"
+
+
+def ope_plot(f: training.Files) -> tuple[Path, Path]:
+    """The off-policy estimates: csv for `dvc plots`, the same bars as a PNG."""
+    return f.curve("ope", "csv"), f.curve("ope", "png")
 
 
 def load_examples(path: Path) -> list[dict[str, Any]]:
     return read_rows(path, 2, "logged decision", "the bandit needs at least 2 (one per cross-fitting fold)")
 
 
-def evaluate_offline(bandit: BanditParams, examples: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+def evaluate_offline(bandit: BanditSettings, examples: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     """Cross-fitted OPE of the learned policy and of the logging policy on the same decisions."""
     n = len(examples)
     folds = min(bandit.folds, n)
@@ -73,11 +75,12 @@ def print_table(estimates: dict[str, dict[str, dict[str, float]]], n: int) -> No
             print(f"  {policy:<9}{name.upper():<10}{e['value']:>8.3f}   [{e['ci_low']:.3f}, {e['ci_high']:.3f}]")
 
 
-def plot(estimates: dict[str, dict[str, dict[str, float]]]) -> None:
+def plot(estimates: dict[str, dict[str, dict[str, float]]], f: training.Files) -> None:
     names = list(next(iter(estimates.values())))
-    write_text(PLOT_CSV, PLOT_COLUMNS + "".join(f"{n}: {p},{n},{p},{t[n]['value']},{t[n]['ci_low']},{t[n]['ci_high']}\n"
+    csv, png = ope_plot(f)
+    write_text(csv, PLOT_COLUMNS + "".join(f"{n}: {p},{n},{p},{t[n]['value']},{t[n]['ci_low']},{t[n]['ci_high']}\n"
                                                 for n in names for p, t in estimates.items()))
-    with plots.png(PLOT_PNG) as ax:
+    with plots.png(png) as ax:
         for j, (policy, table) in enumerate(estimates.items()):
             xs = [i + (j - 0.5) * 0.3 for i in range(len(names))]
             vals = [table[n]["value"] for n in names]
@@ -86,11 +89,11 @@ def plot(estimates: dict[str, dict[str, dict[str, float]]]) -> None:
             ax.bar(xs, vals, width=0.3, yerr=err, capsize=4, label=policy)
         ax.set_xticks(range(len(names)), [n.upper() for n in names])
         ax.set_ylabel("estimated reward")
-        ax.set_title("supervisor policy, off-policy estimates (95% CI)")
+        ax.set_title(f"{f.stage.partition('@')[2]} policy, off-policy estimates (95% CI)")
         ax.legend()
 
 
-def train_final(bandit: BanditParams, examples: list[dict[str, Any]]) -> Path:
+def train_final(bandit: BanditRole, examples: list[dict[str, Any]]) -> Path:
     out = Path(bandit.out_dir)
     with atomic_dir(out) as tmp:
         ws = vw.train_policy(bandit, examples)
@@ -119,7 +122,7 @@ def signature() -> Any:
                           outputs=Schema([ColSpec(Array(DataType.double))]))
 
 
-def log_model(model_file: Path, name: str = REGISTERED_NAME) -> Any:
+def log_model(model_file: Path, name: str) -> Any:
     """Log the policy as a self-contained MLflow pyfunc in the active run: ``mlflow_model.py`` as the model's
     code, ``CODE_FILES`` as the package ``CODE_PACKAGE`` in its ``code/`` folder, the ``.vw`` file as the
     artifact ``vw_model``, a signature and an input example. Nothing of the ``pipeline`` package is needed
@@ -140,13 +143,14 @@ def log_model(model_file: Path, name: str = REGISTERED_NAME) -> Any:
 
 
 # whole Params: registry.register_candidate takes it (the role's baseline reads five sections)
-def register(params: Params, model_file: Path, data_file: Path, examples: list[dict[str, Any]], run: Any) -> Any:
-    info = log_model(model_file)
-    tags = lineage.tags(run, data_file.parent, examples, params.rollouts.out_dir, role="supervisor",
+def register(params: Params, role: str, model_file: Path, data_file: Path, examples: list[dict[str, Any]], run: Any) -> Any:
+    name = registered_name(Learning.BANDIT, role)
+    info = log_model(model_file, name)
+    tags = lineage.tags(run, data_file.parent, examples, params.rollouts.out_dir, role=role,
                         kind=Kind.CONTEXTUAL_BANDIT.value,
                         **{"lineage.base_model": "vw --cb_explore_adf"})
-    return registry.register_candidate(params, REGISTERED_NAME, info.model_uri, run.info.run_id, tags,
-                                       description="Contextual bandit that picks the supervisor's hypothesis (VW cb_explore_adf)",
+    return registry.register_candidate(params, name, info.model_uri, run.info.run_id, tags,
+                                       description=f"Contextual bandit that picks the {role}'s hypothesis (VW cb_explore_adf)",
                                        artifact=model_file)  # sha256 of policy.vw: load_policy checks it before VW reads the file
 
 
@@ -160,30 +164,32 @@ def no_signal_reason(examples: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def no_signal(bandit: BanditParams, mlflow: MlflowParams, reason: str, no_mlflow: bool) -> int:
+def no_signal(bandit: BanditRole, mlflow: MlflowParams, reason: str, no_mlflow: bool) -> int:
     """The outputs and MLflow say the data carried no signal; no policy is trained or registered."""
     with atomic_dir(Path(bandit.out_dir)) as tmp:
         write_json(tmp / "no_signal.json", {"no_signal": True, "no_signal_reason": reason})
-    report = {"no_signal": True, "no_signal_reason": reason}
-    write_json(METRICS_FILE, report)
-    metrics_files.write("train_bandit", report)
-    write_text(PLOT_CSV, PLOT_COLUMNS)
-    plots.message(PLOT_PNG, f"no signal: {reason}")
-    print(f"train_bandit: no_signal, nothing trained or registered: {reason}")
+    report, f = {"no_signal": True, "no_signal_reason": reason}, training.files(Learning.BANDIT, bandit.role)
+    csv, png = ope_plot(f)
+    write_json(f.report, report)
+    metrics_files.write(f.stage, report)
+    write_text(csv, PLOT_COLUMNS)
+    plots.message(png, f"no signal: {reason}")
+    print(f"{f.stage}: no_signal, nothing trained or registered: {reason}")
     if not no_mlflow:
-        tracking.record_no_signal("train_bandit", mlflow, reason, METRICS_FILE)
+        tracking.record_no_signal(f.stage, mlflow, reason, f.report)
     return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    training.role_argument(parser, Learning.BANDIT)
     parser.add_argument("--no-mlflow", action="store_true")
 
 
 # whole Params: its steps read several sections, and registration takes the whole (the role's baseline reads five)
-def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
-    """The supervisor's contextual bandit as the shared trainer sequence (pipeline/training.py); VW trains here, no
-    model plane."""
-    cfg = params.bandit
+def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
+    """A role's contextual bandit (the supervisor's pick) as the shared trainer sequence (pipeline/training.py); VW
+    trains here, no model plane."""
+    cfg, f = params.bandit.at(role), training.files(Learning.BANDIT, role)
     data_file = Path(params.datasets.out_dir) / "bandit" / "train.jsonl"
     examples: list[dict[str, Any]] = []
 
@@ -196,7 +202,7 @@ def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
         estimates = evaluate_offline(cfg, examples)
         print_table(estimates, len(examples))
         train_final(cfg, examples)
-        plot(estimates)
+        plot(estimates, f)
         return {"decisions": len(examples), "ope": estimates,
                 "dr_gain": estimates["learned"]["dr"]["value"] - estimates["logging"]["dr"]["value"]}
 
@@ -205,16 +211,18 @@ def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
         mlflow.log_metrics({f"ope.{p}.{e}.{k}": v for p, t in result["ope"].items() for e, d in t.items()
                             for k, v in d.items()})
         mlflow.log_metric("ope.dr_gain", float(result["dr_gain"]))
-        mlflow.log_artifact(str(PLOT_PNG), artifact_path="plots")
-        return register(params, Path(cfg.out_dir) / "policy.vw", data_file, examples, run)
+        mlflow.log_artifact(str(ope_plot(f)[1]), artifact_path="plots")
+        return register(params, role, Path(cfg.out_dir) / "policy.vw", data_file, examples, run)
 
     return training.Trainer(
-        stage="train_bandit", command="train-bandit", role=REGISTERED_NAME, report=METRICS_FILE, inputs=inputs,
+        stage=f.stage, command=Learning.BANDIT.command, role=registered_name(Learning.BANDIT, role), report=f.report,
+        inputs=inputs,
         no_signal=lambda reason: no_signal(cfg, params.mlflow, reason, no_mlflow), train=train, register=log_and_register,
-        summary=lambda result: f"train_bandit: doubly robust gain over the logging policy {result['dr_gain']:+.4f} "
+        summary=lambda result: f"{f.stage}: doubly robust gain over the logging policy {result['dr_gain']:+.4f} "
                                f"({result['decisions']} logged decisions)",
         in_model_plane=False)
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    return training.main(trainer(params, args.no_mlflow), args, params)
+    args.role = training.pick_role(params, Learning.BANDIT, args.role)
+    return training.main(trainer(params, args.role, args.no_mlflow), args, params)

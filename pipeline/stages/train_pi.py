@@ -24,20 +24,17 @@ from typing import Any
 
 from pipeline import tracking, training
 from pipeline.agents.prompts import pi_messages
-from pipeline.config import Params, PiParams
+from pipeline.config import Params, PiRole
 from pipeline.data.splits import load_tasks
 from pipeline.io import atomic_dir, write_text
+from pipeline.learning import Learning
 from pipeline.schemas import PIDecision
 from pipeline.stages import train_sft
 
-METRICS_FILE = Path("reports/train_pi.json")
-LOSS_CSV = Path("reports/plots/pi_loss.csv")
-EVAL_CSV = Path("reports/plots/pi_eval_loss.csv")
-LOSS_PNG = Path("reports/plots/pi_loss.png")
 GOLD = {"yes": "GO", "no": "NO-GO"}
 
 
-def data_file(pi: PiParams) -> Path:
+def data_file(pi: PiRole) -> Path:
     return Path(pi.data_dir) / "train.jsonl"
 
 
@@ -97,22 +94,21 @@ def served_prefix(base_model: str, messages: list[dict[str, str]], compact: bool
     return text[:key.end()]
 
 
-# whole Params: pi (data, prefix, base model) and serving (how the workers decode JSON)
-def training_file(params: Params) -> Path:
+def training_file(pi: PiRole, compact_json: bool) -> Path:
     """Model plane: the file the trainer reads, the chat rows or (``decision_token``) their decision-token form."""
-    path = data_file(params.pi)
-    if params.pi.loss_on == "answer":
+    path = data_file(pi)
+    if pi.loss_on == "answer":
         return path
     from transformers import AutoTokenizer  # noqa: PLC0415 - model plane only
 
     chat = train_sft.load_rows(path)
-    prefix = params.pi.decision_prefix
-    served = served_prefix(params.pi.sft.base_model, chat[0]["prompt"], params.serving.workers[0].compact_json)
+    prefix = pi.decision_prefix
+    served = served_prefix(pi.sft.base_model, chat[0]["prompt"], compact_json)
     if served != prefix:  # trained after one prefix, read after another: the decision would be taken out of context
-        raise ValueError(f"pi.decision_prefix {prefix!r}: the base model {params.pi.sft.base_model} writes {served!r} "
+        raise ValueError(f"pi.decision_prefix {prefix!r}: the base model {pi.sft.base_model} writes {served!r} "
                          "before its decision under PIDecision's schema; set pi.decision_prefix to that")
     print(f"train_pi: the base model writes {prefix!r} before its decision, as pi.decision_prefix says")
-    tokenizer = AutoTokenizer.from_pretrained(params.pi.sft.base_model)
+    tokenizer = AutoTokenizer.from_pretrained(pi.sft.base_model)
     rows_ = decision_rows(chat, tokenizer, prefix)
     out = path.with_name("train.decision.jsonl")  # beside the chat rows, in the stage's DVC output
     write_text(out, "".join(json.dumps(r) + "\n" for r in rows_))
@@ -128,65 +124,71 @@ def signal(data: list[dict[str, Any]]) -> str | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    training.role_argument(parser, Learning.PI)
     parser.add_argument("--no-mlflow", action="store_true")
     parser.add_argument("--in-model-plane", action="store_true", help=argparse.SUPPRESS)
 
 
 # whole Params: the setting (data) is recorded with the reason (mlflow)
-def _no_signal(params: Params, reason: str, no_mlflow: bool) -> int:
-    metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0, "setting": params.data.setting}
-    return train_sft.record_no_signal("train_pi", (METRICS_FILE, LOSS_CSV, EVAL_CSV, LOSS_PNG), metrics, params.mlflow,
-                                      no_mlflow)
+def _no_signal(params: Params, role: str, reason: str, no_mlflow: bool) -> int:
+    metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0, "setting": params.data.setting,
+               "role": role}
+    f = training.files(Learning.PI, role)
+    return train_sft.record_no_signal(f.stage, (f.report, *train_sft.curves(f)), metrics, params.mlflow, no_mlflow)
 
 
 # whole Params: its steps read several sections, and registration takes the whole (the role's baseline reads five)
-def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
-    """The PI's SFT on the gold decision as the shared trainer sequence (pipeline/training.py)."""
+def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
+    """A role's SFT on the gold decision as the shared trainer sequence (pipeline/training.py)."""
     data: list[dict[str, Any]] = []
+    pi, f = params.pi.at(role), training.files(Learning.PI, role)
 
     def inputs() -> str | None:
         data.extend(rows(load_tasks(params.validate_, "train", setting=params.data.setting), params))
-        with atomic_dir(Path(params.pi.data_dir)) as tmp:
+        with atomic_dir(Path(pi.data_dir)) as tmp:
             (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
-        print(f"train_pi: {len(data)} gold-decision rows ({sum(r['label'] == 'yes' for r in data)} GO, "
-              f"{sum(r['label'] == 'no' for r in data)} NO-GO) in {params.data.setting} -> {data_file(params.pi)}")
+        print(f"{f.stage}: {len(data)} gold-decision rows ({sum(r['label'] == 'yes' for r in data)} GO, "
+              f"{sum(r['label'] == 'no' for r in data)} NO-GO) in {params.data.setting} -> {data_file(pi)}")
         return signal(data)
 
     def train() -> dict[str, Any]:
-        return {**train_sft.train(params.pi.sft, training_file(params)), "setting": params.data.setting}
+        return {**train_sft.train(pi.sft, training_file(pi, params.serving.workers[0].compact_json)),
+                "setting": params.data.setting}
 
     return training.Trainer(
-        stage="train_pi", command="train-pi", role=params.pi.sft.role, report=METRICS_FILE, inputs=inputs,
-        no_signal=lambda reason: _no_signal(params, reason, no_mlflow), train=train,
-        register=lambda metrics, run: log_and_register(params, data, run),
+        stage=f.stage, command=Learning.PI.command, role=role, report=f.report, inputs=inputs,
+        no_signal=lambda reason: _no_signal(params, role, reason, no_mlflow), train=train,
+        register=lambda metrics, run: log_and_register(params, role, data, run),
         summary=lambda metrics: train_sft._summary(metrics).replace("train_sft", "train_pi"),
         tags={"data.setting": params.data.setting})
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    return training.main(trainer(params, args.no_mlflow), args, params)
+    args.role = training.pick_role(params, Learning.PI, args.role)
+    return training.main(trainer(params, args.role, args.no_mlflow), args, params)
 
 
 # whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
-def log_and_register(params: Params, data: list[dict[str, Any]], run: Any) -> Any:
+def log_and_register(params: Params, role: str, data: list[dict[str, Any]], run: Any) -> Any:
     """Control plane, in the stage's MLflow run: curves, config and metrics logged; the adapter registered as the PI's
     challenger with its lineage and setting, or nothing (tagged no_signal) when its loss did not fall."""
 
     from pipeline import registry  # noqa: PLC0415 - control plane only
 
-    cfg = params.pi.sft
-    metrics = json.loads(METRICS_FILE.read_text())
+    pi, f = params.pi.at(role), training.files(Learning.PI, role)
+    cfg, (loss_csv, eval_csv, loss_png) = pi.sft, train_sft.curves(f)
+    metrics = json.loads(f.report.read_text())
     history = json.loads((Path(cfg.out_dir) / "log_history.json").read_text())
-    train_sft._log_curves(history, metrics.get("eval_loss_before"), (LOSS_CSV, EVAL_CSV, LOSS_PNG),
+    train_sft._log_curves(history, metrics.get("eval_loss_before"), (loss_csv, eval_csv, loss_png),
                           f"{cfg.role} SFT on the gold decision ({params.data.setting})")
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()},
                            "backend_used": metrics["backend"], "data.setting": params.data.setting},
-                          history, metrics, LOSS_PNG)
+                          history, metrics, loss_png)
     if metrics.get("no_signal"):  # an adapter that did not fit its own rows learned nothing: nothing to register
         tracking.tag_no_signal(metrics["no_signal_reason"])
         return None
-    version = registry.register_adapter(params, run, cfg.role, Path(cfg.out_dir) / "adapter", Path(params.pi.data_dir), data,
+    version = registry.register_adapter(params, run, cfg.role, Path(cfg.out_dir) / "adapter", Path(pi.data_dir), data,
                                         cfg.base_model, f"LoRA adapter for the {cfg.role} role (SFT on the gold decision)",
                                         from_traces=False, backend=metrics["backend"],
                                         **{"data.setting": params.data.setting})

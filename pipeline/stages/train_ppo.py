@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import envs, plots, tracking, training
-from pipeline.config import Params, PpoParams
+from pipeline.config import Params, PpoRole, PpoSettings
 from pipeline.io import atomic_path, write_text
+from pipeline.learning import Learning
 from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV, make_reward, train_trl
 from pipeline.rl.prompts import data_dir, load_prompts
 from pipeline.rl.verl_driver import train_verl
@@ -47,12 +48,9 @@ from pipeline.rl.verl_driver import train_verl
 # there): torch is imported where the model plane needs it; mlflow, the registry and the serving stack where the
 # control plane uses them.
 
-METRICS_FILE = Path("reports/train_ppo.json")
-CURVE_CSV = Path("reports/plots/ppo_reward.csv")
-CURVE_PNG = Path("reports/plots/ppo_reward.png")
 
 
-def pick_backend(ppo: PpoParams) -> tuple[str, str | None]:
+def pick_backend(ppo: PpoSettings) -> tuple[str, str | None]:
     """(backend, why ``auto`` fell back to TRL or None), decided in the model plane where torch is."""
     import torch  # noqa: PLC0415 - model plane only
 
@@ -68,7 +66,7 @@ def pick_backend(ppo: PpoParams) -> tuple[str, str | None]:
     return "trl", f"ppo.backend=auto fell back to TRL GRPO: {why}"
 
 
-def resolve_backend(ppo: PpoParams, params_path: str | None) -> tuple[str, str | None]:
+def resolve_backend(ppo: PpoRole, params_path: str | None) -> tuple[str, str | None]:
     """:func:`pick_backend` asked of the model plane's interpreter (the control plane has no torch)."""
     if ppo.backend == "trl":
         return "trl", None
@@ -91,34 +89,40 @@ def resolve_backend(ppo: PpoParams, params_path: str | None) -> tuple[str, str |
 
 # --- control plane: MLflow + registry -------------------------------------------------------------------
 
-def _log_curves(history: list[dict[str, Any]]) -> None:
+def curve(f: training.Files) -> tuple[Path, Path]:
+    """The GRPO curve: mean reward and KL per step (csv for `dvc plots`, PNG for MLflow)."""
+    return f.curve("reward", "csv"), f.curve("reward", "png")
+
+
+def _log_curves(history: list[dict[str, Any]], f: training.Files) -> None:
     rows = [h for h in history if "reward" in h]
-    write_text(CURVE_CSV, "step,reward,kl\n"
+    csv, png = curve(f)
+    write_text(csv, "step,reward,kl\n"
                + "".join(f"{h['step']},{h['reward']},{'' if h.get('kl') is None else h['kl']}\n" for h in rows))
-    with plots.png(CURVE_PNG) as ax:
+    with plots.png(png) as ax:
         steps = [h["step"] for h in rows]
         ax.plot(steps, [h["reward"] for h in rows], "o-", label="mean reward of sampled completions")
         if any("kl" in h for h in rows):
             ax.plot(steps, [h.get("kl", float("nan")) for h in rows], "s--", label="KL to the base policy")
         ax.set_xlabel("step")
-        ax.set_title("senior_researcher GRPO")
+        ax.set_title(f"{f.stage.partition('@')[2]} GRPO")
         ax.legend()
 
 
 # whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
-def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
+def log_and_register(params: Params, role: str, metrics: dict[str, Any], run: Any) -> Any:
     import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
     from pipeline import registry  # noqa: PLC0415 - control plane only (MLflow registry, serving), as above
 
-    cfg = params.ppo
+    cfg, f = params.ppo.at(role), training.files(Learning.PPO, role)
     out = Path(cfg.out_dir)
     history = json.loads((out / "log_history.json").read_text())
-    _log_curves(history)
+    _log_curves(history, f)
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k not in ("lora", "reward", "agl", "verl_overrides")},
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()},
                            **{f"reward.{k}": v for k, v in cfg.reward.model_dump().items()}, "backend_used": metrics["backend"]},
-                          history, metrics, CURVE_PNG)
+                          history, metrics, curve(f)[1])
     if (out / "completions.jsonl").exists():
         scored = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
         if scored:
@@ -134,6 +138,7 @@ def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    training.role_argument(parser, Learning.PPO)
     parser.add_argument("--no-mlflow", action="store_true")
     parser.add_argument("--in-model-plane", action="store_true", help=argparse.SUPPRESS)
 
@@ -149,12 +154,13 @@ def _summary(m: dict[str, Any]) -> str:
 
 
 # whole Params: its steps read several sections, and registration takes the whole (the role's baseline reads five)
-def trainer(params: Params, backend: str, why: str | None) -> training.Trainer:
-    """The senior's online RL as the shared trainer sequence (pipeline/training.py): TRL GRPO in the model plane, or
+def trainer(params: Params, role: str, backend: str, why: str | None) -> training.Trainer:
+    """A role's online RL as the shared trainer sequence (pipeline/training.py): TRL GRPO in the model plane, or
     verl through Agent Lightning driven from here (its workers are the GPU's)."""
+    ppo, f = params.ppo.at(role), training.files(Learning.PPO, role)
 
     def inputs() -> None:
-        load_prompts(params.datasets, params.ppo)  # raises naming the folder when the datasets stage left too few
+        load_prompts(params.datasets, ppo)  # raises naming the folder when the datasets stage left too few
         from pipeline.serving import stack  # noqa: PLC0415 - control plane only (serving); the model plane imports this module
 
         url, key = stack.ensure(params.serving, params.mlflow)  # the judge scores completions through the proxy
@@ -162,11 +168,11 @@ def trainer(params: Params, backend: str, why: str | None) -> training.Trainer:
         return None  # GRPO's signal is measured on the sampled completions (grpo_cpu.signal)
 
     def train_grpo() -> dict[str, Any]:
-        reward_for = functools.partial(make_reward, params.agents, params.ppo, params.judge, params.reward)
-        metrics = {**train_trl(params.ppo, params.datasets, reward_for), "fallback_reason": why}
+        reward_for = functools.partial(make_reward, params.agents, ppo, params.judge, params.reward)
+        metrics = {**train_trl(ppo, params.datasets, reward_for), "fallback_reason": why, "role": role}
         # the CPU path's training samples are its scored completions: into the RL trace store with them
         with atomic_path(Path(params.ppo.agl.trace_dir) / "grpo-completions.jsonl") as dest:
-            shutil.copyfile(Path(params.ppo.out_dir) / "completions.jsonl", dest)
+            shutil.copyfile(Path(ppo.out_dir) / "completions.jsonl", dest)
         return metrics
 
     def train_with_verl() -> dict[str, Any]:
@@ -176,7 +182,7 @@ def trainer(params: Params, backend: str, why: str | None) -> training.Trainer:
         if run is None:
             raise RuntimeError("the verl backend logs its steps to the stage's MLflow run: run it without --no-mlflow")
         try:
-            return {**train_verl(params.ppo, params.serving, params.gpu, run.info.run_id), "fallback_reason": why}
+            return {**train_verl(ppo, params.serving, params.gpu, run.info.run_id), "fallback_reason": why, "role": role}
         except Exception as exc:  # a failed GPU job: one line, the stage fails
             raise RuntimeError(str(exc)) from exc
 
@@ -184,26 +190,27 @@ def trainer(params: Params, backend: str, why: str | None) -> training.Trainer:
         raise AssertionError(f"train_ppo measures its signal on the completions, not its inputs: {reason}")
 
     return training.Trainer(
-        stage="train_ppo", command="train-ppo", role=params.ppo.role, report=METRICS_FILE, inputs=inputs,
+        stage=f.stage, command=Learning.PPO.command, role=role, report=f.report, inputs=inputs,
         no_signal=no_signal, train=train_with_verl if backend == "verl" else train_grpo,
-        register=lambda metrics, run: log_and_register(params, metrics, run), summary=_summary,
+        register=lambda metrics, run: log_and_register(params, role, metrics, run), summary=_summary,
         in_model_plane=backend != "verl", tags={"backend": backend, "fallback_reason": why or ""})
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
     """Control plane (what the DAG and dvc.yaml run, on any worker): the backend, then the shared trainer sequence.
     ``--in-model-plane`` (said by the control plane, never guessed from what imports) trains with TRL."""
+    args.role = training.pick_role(params, Learning.PPO, args.role)
     if args.in_model_plane:
-        backend, why = pick_backend(params.ppo)
+        backend, why = pick_backend(params.ppo.at(args.role))
         if backend == "verl":
             print("error: the verl backend is driven from the control plane (`python -m pipeline train-ppo`)", file=sys.stderr)
             return 1
-        return training.main(trainer(params, "trl", why), args, params)
+        return training.main(trainer(params, args.role, "trl", why), args, params)
     try:
-        backend, why = resolve_backend(params.ppo, args.params_path)
+        backend, why = resolve_backend(params.ppo.at(args.role), args.params_path)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if why:
         print(f"train_ppo: {why}")
-    return training.main(trainer(params, backend, why), args, params)
+    return training.main(trainer(params, args.role, backend, why), args, params)

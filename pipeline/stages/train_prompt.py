@@ -13,8 +13,9 @@ registered. ``reports/train_prompt.json`` has what the optimizer measured: metri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from pipeline import metrics_files, prompt_registry, training
@@ -22,23 +23,22 @@ from pipeline.agents import prompts
 from pipeline.config import Params, ValidateParams
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.io import write_json
+from pipeline.learning import Learning
 from pipeline.serving import proxy, routing, stack
-
-METRICS_FILE = Path("reports/train_prompt.json")
 
 
 def _tasks(validate: ValidateParams, setting: str) -> list[dict[str, Any]]:
     return load_tasks(validate, "train", None, setting=setting)
 
 
-def run(params: Params) -> dict[str, Any]:
+def run(params: Params, role: str) -> dict[str, Any]:
     """Run the optimizer on the routed version of the template; the report (``version`` when one was registered)."""
     import mlflow  # noqa: PLC0415 - control plane only
     import mlflow.genai  # noqa: PLC0415
 
     from pipeline.prompt_optimizer import FewShotOptimizer, decision_scorer, predictor, record, split  # noqa: PLC0415
 
-    cfg = params.prompt
+    cfg = params.prompt.at(role)
     stack.ensure(params.serving, params.mlflow)
     versions = prompt_registry.sync(params.mlflow, routing.active(params.serving))
     base = versions[cfg.template]
@@ -50,11 +50,10 @@ def run(params: Params) -> dict[str, Any]:
     predict = predictor(url, key, current, cfg.role, params.agents, params.data.setting, params.pi.decision_prefix,
                         params.evaluate.timeout_s)
     opt = FewShotOptimizer(cfg, pool, params.data.setting, params.pi.decision_prefix)
-    os.environ["MLFLOW_GENAI_EVAL_MAX_WORKERS"] = str(cfg.concurrency)  # MLflow's eval threads: metric calls in flight
-    # its own check calls the function once; it is traced by the eval harness already
-    os.environ["MLFLOW_GENAI_EVAL_SKIP_TRACE_VALIDATION"] = "true"
-    result = mlflow.genai.optimize_prompts(predict_fn=predict, train_data=[record(t) for t in dev],
-                                           prompt_uris=[current.uri], optimizer=opt, scorers=[decision_scorer()])
+    # MLflow's eval threads (metric calls in flight); its own trace check calls the function once, traced already
+    with _environ(MLFLOW_GENAI_EVAL_MAX_WORKERS=str(cfg.concurrency), MLFLOW_GENAI_EVAL_SKIP_TRACE_VALIDATION="true"):
+        result = mlflow.genai.optimize_prompts(predict_fn=predict, train_data=[record(t) for t in dev],
+                                               prompt_uris=[current.uri], optimizer=opt, scorers=[decision_scorer()])
     before, best = opt.scored[0], max(opt.scored, key=lambda s: (s.score, s.auc or 0.0))
     report: dict[str, Any] = {
         "role": cfg.role, "template": cfg.template, "optimizer": cfg.optimizer, "status": opt.status,
@@ -84,13 +83,14 @@ def run(params: Params) -> dict[str, Any]:
 
 
 # whole Params: its steps read the prompt, data, validate, serving, mlflow, agents, pi and evaluate sections
-def trainer(params: Params) -> training.Trainer:
+def trainer(params: Params, role: str) -> training.Trainer:
     """The prompt optimizer as the shared trainer sequence (pipeline/training.py): no model plane, the served role."""
-    cfg = params.prompt
+    cfg, f = params.prompt.at(role), training.files(Learning.PROMPT, role)
 
     def inputs() -> str | None:
         if cfg.template not in prompts.TEMPLATES:
-            raise ValueError(f"params.yaml prompt.template: {cfg.template!r} is not a template of pipeline/agents/prompts.py")
+            raise ValueError(f"params.yaml prompt.roles.{role}.template: {cfg.template!r} is not a template of "
+                             "pipeline/agents/prompts.py")
         if not split_file(params.validate_, "train").exists():
             raise FileNotFoundError(f"{split_file(params.validate_, 'train')}: run the validate stage first")
         yes_no = sum(t["final_decision"] in ("yes", "no") for t in _tasks(params.validate_, params.data.setting))
@@ -101,9 +101,9 @@ def trainer(params: Params) -> training.Trainer:
     def no_signal(reason: str) -> int:
         report = {"role": cfg.role, "template": cfg.template, "status": "no_signal", "no_signal": True,
                   "no_signal_reason": reason, "version": None}
-        write_json(METRICS_FILE, report)
-        metrics_files.write("train_prompt", report)
-        print(f"train_prompt: no_signal, nothing registered: {reason}")
+        write_json(f.report, report)
+        metrics_files.write(f.stage, report)
+        print(f"{f.stage}: no_signal, nothing registered: {reason}")
         return 0
 
     def register(report: dict[str, Any], run: Any) -> Any:
@@ -115,19 +115,36 @@ def trainer(params: Params) -> training.Trainer:
 
     def summary(r: dict[str, Any]) -> str:
         dev = r["dev"]
-        return (f"train_prompt: {r['role']} ({r['template']} v{r['base_version']}): dev accuracy {dev['before']:.3f} -> "
+        return (f"{f.stage}: {r['role']} ({r['template']} v{r['base_version']}): dev accuracy {dev['before']:.3f} -> "
                 f"{dev['after']:.3f} (n={dev['n']}, AUC {dev['auc_before']} -> {dev['auc_after']}); {r['status']}; "
                 f"{r['calls']} metric calls in {r['seconds']:.0f} s")
 
-    return training.Trainer(stage="train_prompt", command="train-prompt", role=prompt_registry.registered_name(cfg.template),
-                            report=METRICS_FILE, inputs=inputs, no_signal=no_signal, train=lambda: run(params),
+    return training.Trainer(stage=f.stage, command=Learning.PROMPT.command, role=prompt_registry.registered_name(cfg.template),
+                            report=f.report, inputs=inputs, no_signal=no_signal, train=lambda: run(params, role),
                             register=register, summary=summary, in_model_plane=False,
                             uri=lambda v: f"prompts:/{v.name}/{v.version}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    training.role_argument(parser, Learning.PROMPT)
     parser.set_defaults(no_mlflow=False)  # a prompt version lives in MLflow's Prompt Registry: there is no run without it
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    return training.main(trainer(params), args, params)
+    args.role = training.pick_role(params, Learning.PROMPT, args.role)
+    return training.main(trainer(params, args.role), args, params)
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Set environment variables for a block (MLflow reads its eval settings from the environment), then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -27,27 +27,30 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import metrics_files, plots, tracking, training
-from pipeline.config import DatasetsParams, MlflowParams, Params, SftParams
+from pipeline.config import DatasetsParams, MlflowParams, Params, SftRole
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
+from pipeline.learning import Learning
 
 # This module runs in both planes (its main re-runs itself with --in-model-plane): torch, unsloth, peft, transformers
 # and trl are imported where the model plane trains, mlflow and the registry where the control plane logs.
 
-METRICS_FILE = Path("reports/train_sft.json")
-LOSS_CSV = Path("reports/plots/sft_loss.csv")
-EVAL_CSV = Path("reports/plots/sft_eval_loss.csv")
-LOSS_PNG = Path("reports/plots/sft_loss.png")
 
 
-def data_file(datasets: DatasetsParams) -> Path:
-    return Path(datasets.out_dir) / "sft" / "train.jsonl"
+def curves(f: training.Files) -> tuple[Path, Path, Path]:
+    """An SFT stage's loss curves: train loss, held-out eval loss (csv for `dvc plots`), both as a PNG."""
+    return f.curve("loss", "csv"), f.curve("eval_loss", "csv"), f.curve("loss", "png")
+
+
+def data_file(datasets: DatasetsParams, role: str) -> Path:
+    """The role's SFT rows: its own agents' calls in the best traces (the datasets stage writes one folder per role)."""
+    return Path(datasets.out_dir) / "sft" / role / "train.jsonl"
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
     return read_rows(path, 2, "SFT example", "training needs at least 2 (one is held out for eval loss)")
 
 
-def split(rows: list[dict[str, Any]], sft: SftParams) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def split(rows: list[dict[str, Any]], sft: SftRole) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Held-out eval slice, whole rollouts at a time when possible so eval calls are unseen contexts."""
     order = sorted({r["rollout_id"] for r in rows})
     random.Random(sft.seed).shuffle(order)
@@ -67,7 +70,7 @@ def split(rows: list[dict[str, Any]], sft: SftParams) -> tuple[list[dict[str, An
     return [r for r in rows if r["rollout_id"] not in held], evals
 
 
-def pick_backend(sft: SftParams) -> tuple[str, str | None]:
+def pick_backend(sft: SftRole) -> tuple[str, str | None]:
     """(backend, why ``auto`` fell back to TRL or None). A broken unsloth raises more than ImportError
     (NotImplementedError without a GPU, RuntimeError/AttributeError against the wrong trl or transformers):
     ``auto`` falls back on any of them and says which; ``unsloth`` fails with it."""
@@ -90,13 +93,13 @@ def pick_backend(sft: SftParams) -> tuple[str, str | None]:
     return "trl", f"sft.backend=auto fell back to TRL: {why}"
 
 
-def unsloth_load_kwargs(sft: SftParams) -> dict[str, Any]:
+def unsloth_load_kwargs(sft: SftRole) -> dict[str, Any]:
     """``FastLanguageModel.from_pretrained``'s keywords (after the model path). A function of its own so that the
     contract test checks these very names against the pinned unsloth release (tests/test_sft_gpu_contract.py)."""
     return {"max_seq_length": sft.max_length, "load_in_4bit": False, "dtype": None}
 
 
-def unsloth_peft_kwargs(sft: SftParams) -> dict[str, Any]:
+def unsloth_peft_kwargs(sft: SftRole) -> dict[str, Any]:
     """``FastLanguageModel.get_peft_model``'s keywords (after the model); checked like ``unsloth_load_kwargs``."""
     lora = sft.lora
     return {"r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": lora.target_modules,
@@ -106,7 +109,7 @@ def unsloth_peft_kwargs(sft: SftParams) -> dict[str, Any]:
 UNSLOTH_MERGED = "merged_16bit"  # save_pretrained_merged's save_method: the merged weights in 16 bit, as vLLM loads them
 
 
-def trainer_args(sft: SftParams, output_dir: Path, cuda: bool) -> dict[str, Any]:
+def trainer_args(sft: SftRole, output_dir: Path, cuda: bool) -> dict[str, Any]:
     """TRL ``SFTConfig``'s keywords, for both backends. ``cuda``: bf16 on the device, else fp32 on the CPU. Checked against
     the GPU image's trl and transformers releases (tests/test_sft_gpu_contract.py), the CPU plane's run them here."""
     return {"output_dir": str(output_dir), "max_steps": sft.max_steps,
@@ -119,7 +122,7 @@ def trainer_args(sft: SftParams, output_dir: Path, cuda: bool) -> dict[str, Any]
             "disable_tqdm": False, "gradient_checkpointing": sft.gradient_checkpointing}
 
 
-def _model_and_peft(sft: SftParams, backend: str) -> tuple[Any, Any, Any]:
+def _model_and_peft(sft: SftRole, backend: str) -> tuple[Any, Any, Any]:
     """(model, tokenizer, peft_config or None when the model is already wrapped)."""
     lora = sft.lora
     if backend == "unsloth":
@@ -140,7 +143,7 @@ def _model_and_peft(sft: SftParams, backend: str) -> tuple[Any, Any, Any]:
     return model, tokenizer, peft
 
 
-def train(sft: SftParams, data: Path) -> dict[str, Any]:
+def train(sft: SftRole, data: Path) -> dict[str, Any]:
     """Model plane: train on ``data``'s prompt-completion rows, save adapter (+ merged folder) atomically, return the
     metrics (train_pi trains the PI with it on its gold-decision rows)."""
     import torch  # noqa: PLC0415 - model plane only
@@ -188,7 +191,7 @@ def train(sft: SftParams, data: Path) -> dict[str, Any]:
         third = max(1, len(losses) // 3)
         fit_drop = (fit_before - fit_after) / fit_before if fit_before > 0 else 0.0
         learned = fit_drop >= sft.min_fit_drop
-        metrics = {"backend": backend, "fallback_reason": fallback_reason,
+        metrics = {"backend": backend, "fallback_reason": fallback_reason, "role": sft.role,
                    "device": "cuda" if torch.cuda.is_available() else "cpu", "steps": result.global_step,
                    "train_rows": len(train_rows), "eval_rows": len(eval_rows), "train_seconds": round(seconds, 2),
                    "train_loss": result.training_loss, "first_loss": losses[0], "last_loss": losses[-1],
@@ -204,9 +207,9 @@ def train(sft: SftParams, data: Path) -> dict[str, Any]:
     return metrics
 
 
-def _log_curves(history: list[dict[str, Any]], eval_before: float | None = None, files: tuple[Path, Path, Path] | None = None,
-                title: str = "junior_researcher LoRA SFT") -> None:
-    loss_csv, eval_csv, loss_png = files or (LOSS_CSV, EVAL_CSV, LOSS_PNG)
+def _log_curves(history: list[dict[str, Any]], eval_before: float | None, files: tuple[Path, Path, Path],
+                title: str) -> None:
+    loss_csv, eval_csv, loss_png = files
     train = [(h["step"], h["loss"]) for h in history if "loss" in h]
     # the base model's eval loss at step 0, then each evaluation (the final one repeats the last step's: kept once)
     evals = sorted({h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}.items())
@@ -224,49 +227,52 @@ def _log_curves(history: list[dict[str, Any]], eval_before: float | None = None,
 
 
 # whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
-def log_and_register(params: Params, metrics: dict[str, Any], run: Any) -> Any:
+def log_and_register(params: Params, role: str, metrics: dict[str, Any], run: Any) -> Any:
     """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage; None (tagged
     no_signal) when training did not lower the loss on its own rows."""
     import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
     from pipeline import registry  # noqa: PLC0415 - control plane only (MLflow registry, serving), as above
 
-    cfg = params.sft
-    out = Path(cfg.out_dir)
+    cfg = params.sft.at(role)
+    out, (loss_csv, eval_csv, loss_png) = Path(cfg.out_dir), curves(training.files(Learning.SFT, role))
     history = json.loads((out / "log_history.json").read_text())
-    _log_curves(history, metrics.get("eval_loss_before"))
+    _log_curves(history, metrics.get("eval_loss_before"), (loss_csv, eval_csv, loss_png), f"{role} LoRA SFT")
     mlflow.set_tags({"backend": metrics["backend"], "fallback_reason": metrics.get("fallback_reason") or ""})
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"]},
-                          history, metrics, LOSS_PNG)
+                          history, metrics, loss_png)
     if metrics.get("no_signal"):  # an adapter that did not fit its own rows learned nothing: nothing to register
         tracking.tag_no_signal(metrics["no_signal_reason"])
         return None
-    data = data_file(params.datasets)
+    data = data_file(params.datasets, role)
     return registry.register_adapter(params, run, cfg.role, out / "adapter", data.parent, load_rows(data), cfg.base_model,
                                      f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)",
                                      backend=metrics["backend"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    training.role_argument(parser, Learning.SFT)
     parser.add_argument("--no-mlflow", action="store_true")
     parser.add_argument("--in-model-plane", action="store_true", help=argparse.SUPPRESS)
 
 
 def _summary(metrics: dict[str, Any]) -> str:
     tps = f"{metrics['tokens_per_s']:.0f} tok/s" if metrics.get("tokens_per_s") else "tok/s n/a"
-    return (f"train_sft [{metrics['backend']}/{metrics['device']}]: {metrics['steps']} steps on {metrics['train_rows']} rows, "
+    return (f"train_sft@{metrics.get('role')} [{metrics['backend']}/{metrics['device']}]: {metrics['steps']} steps on "
+            f"{metrics['train_rows']} rows, "
             f"loss {metrics['first_loss']:.3f} -> {metrics['last_loss']:.3f}, eval loss {metrics['eval_loss_before']:.3f} -> "
             f"{metrics['eval_loss']:.3f}, loss on its training rows {metrics['fit_loss_before']:.3f} -> "
             f"{metrics['fit_loss_after']:.3f}, {tps}")
 
 
-def no_signal(sft: SftParams, mlflow: MlflowParams, reason: str, no_mlflow: bool) -> int:
+def no_signal(sft: SftRole, mlflow: MlflowParams, reason: str, no_mlflow: bool) -> int:
     """Record that this cycle's data carried no signal: the stage's outputs say so, MLflow says so, nothing is registered."""
-    metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0}
+    metrics = {"backend": None, "no_signal": True, "no_signal_reason": reason, "steps": 0, "role": sft.role}
     with atomic_dir(Path(sft.out_dir)) as tmp:
         write_json(tmp / "train_meta.json", metrics)
-    return record_no_signal("train_sft", (METRICS_FILE, LOSS_CSV, EVAL_CSV, LOSS_PNG), metrics, mlflow, no_mlflow)
+    f = training.files(Learning.SFT, sft.role)
+    return record_no_signal(f.stage, (f.report, *curves(f)), metrics, mlflow, no_mlflow)
 
 
 def record_no_signal(stage: str, files: tuple[Path, Path, Path, Path], metrics: dict[str, Any], mlflow: MlflowParams,
@@ -286,9 +292,9 @@ def record_no_signal(stage: str, files: tuple[Path, Path, Path, Path], metrics: 
 
 
 # whole Params: its steps read several sections, and registration takes the whole (the role's baseline reads five)
-def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
-    """The junior's SFT as the shared trainer sequence (pipeline/training.py)."""
-    path = data_file(params.datasets)
+def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
+    """One role's SFT as the shared trainer sequence (pipeline/training.py)."""
+    path, cfg, f = data_file(params.datasets, role), params.sft.at(role), training.files(Learning.SFT, role)
 
     def inputs() -> str | None:
         if not path.exists():  # the datasets stage did not run
@@ -298,11 +304,12 @@ def trainer(params: Params, no_mlflow: bool) -> training.Trainer:
         return f"{path}: {rows} SFT example(s) (training needs 2: one is held out for eval loss)" if rows < 2 else None
 
     return training.Trainer(
-        stage="train_sft", command="train-sft", role=params.sft.role, report=METRICS_FILE, inputs=inputs,
-        no_signal=lambda reason: no_signal(params.sft, params.mlflow, reason, no_mlflow),
-        train=lambda: train(params.sft, path), register=lambda metrics, run: log_and_register(params, metrics, run),
+        stage=f.stage, command=Learning.SFT.command, role=role, report=f.report, inputs=inputs,
+        no_signal=lambda reason: no_signal(cfg, params.mlflow, reason, no_mlflow),
+        train=lambda: train(cfg, path), register=lambda metrics, run: log_and_register(params, role, metrics, run),
         summary=_summary)
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    return training.main(trainer(params, args.no_mlflow), args, params)
+    args.role = training.pick_role(params, Learning.SFT, args.role)
+    return training.main(trainer(params, args.role, args.no_mlflow), args, params)

@@ -26,7 +26,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline import roles
 from pipeline.bandit.features import decision_features
 from pipeline.config import DatasetsParams
 from pipeline.traces.schema import Trace
@@ -87,7 +86,8 @@ def _llm_calls(trace: Trace, agents: set[str] | None = None, model: str | None =
         yield d
 
 
-def sft_examples(traces: list[Trace], datasets: DatasetsParams, drops: Drops) -> list[dict[str, Any]]:
+def sft_examples(traces: list[Trace], datasets: DatasetsParams, drops: Drops, role: str) -> list[dict[str, Any]]:
+    """``role``'s SFT rows: its own calls (logical model ``role``) in the best rollout of each task group."""
     ranks = group_ranks(traces)
     out: list[dict[str, Any]] = []
     for t in traces:
@@ -101,7 +101,7 @@ def sft_examples(traces: list[Trace], datasets: DatasetsParams, drops: Drops) ->
         if ranks[t.rollout_id] >= datasets.sft.top_k:
             drops.add("sft.not_top_of_group", f"{where}: rank {ranks[t.rollout_id] + 1} in task {t.task_id}")
             continue
-        for d in _llm_calls(t, model=roles.JUNIOR):
+        for d in _llm_calls(t, model=role):
             if d.get("attempt") != 1 or not d.get("parsed"):
                 drops.add("sft.call_not_parsed_first_attempt", f"{where}: {d.get('agent')} attempt {d.get('attempt')}")
                 continue
