@@ -654,16 +654,8 @@ class Evaluation(StrEnum):
     NONE = "none"          # the instrument (the judge): never a candidate
 
 
-class GateOverrides(_Strict):
-    """A role's own gate values; each one left null is ``promote``'s."""
-
-    margin: float | None = Field(default=None, ge=0.0)
-    alpha: float | None = Field(default=None, gt=0.0, lt=1.0)
-    min_tasks: int | None = Field(default=None, ge=1)
-    max_accuracy_drop: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_success_rate: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_decision_accuracy: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_auc: float | None = Field(default=None, ge=0.0, lt=1.0)
+GateValue = Literal["margin", "alpha", "min_tasks", "max_accuracy_drop", "min_success_rate", "min_decision_accuracy",
+                    "min_auc"]
 
 
 class RoleSpec(_Strict):
@@ -671,9 +663,9 @@ class RoleSpec(_Strict):
 
     agents: list[str] = Field(min_length=1, description="the graph's agents whose calls this logical model answers")
     evaluation: Evaluation = Field(description="how a candidate of the role is evaluated")
-    inherits: str | None = Field(default=None, description="where this role's calls went before it had its own logical "
-                                 "model: a routing version that does not name it routes it there (docs/serving.md)")
-    gate: GateOverrides = Field(default_factory=GateOverrides)
+    inherits: str | None = Field(description="where this role's calls went before it had its own logical model: a routing "
+                                 "version that does not name it routes it there (docs/serving.md); null = nowhere else")
+    gate: dict[GateValue, float] = Field(description="the role's own gate values; each one left out is promote's")
 
 
 class ProdStackParams(_Strict):
@@ -767,7 +759,7 @@ class Params(_Strict):
     def gate(self, name: str) -> PromoteParams:
         """``promote`` with the role's own gate values (a policy takes its role's)."""
         spec = self.roles.get(name) or self.roles.get(name.removesuffix("_policy"))
-        return self.promote.model_copy(update=spec.gate.model_dump(exclude_none=True) if spec else {})
+        return PromoteParams.model_validate({**self.promote.model_dump(), **(spec.gate if spec else {})})  # bounds checked
 
     @model_validator(mode="after")
     def _one_spec_per_role(self) -> Params:

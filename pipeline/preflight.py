@@ -156,6 +156,7 @@ def check_packages(ppo: PpoSettings, imports: bool) -> str:
             + (" (imported)" if imports else " (pinned; --imports on the worker imports them)"))
 
 
+# whole Params: the role's PPO settings and the mlflow, judge and agents sections the verl config composes from
 def _verl_checks(params: Params, role: str, print_config: bool) -> list[tuple[str, Callable[[], str]]]:
     config = functools.cache(lambda: compose(params.ppo.at(role), params.mlflow, params.judge))  # one for both checks
     return [(f"verl config ({role})", lambda: check_verl(params.ppo, params.mlflow, params.agents, config(), print_config)),

@@ -43,6 +43,7 @@ def role_argument(parser: argparse.ArgumentParser, kind: Learning) -> None:
     parser.add_argument("--role", help=f"a role of {kind.value}.roles (required when it lists more than one)")
 
 
+# whole Params: the kinds' sections are looked up by name (Params.learners)
 def pick_role(params: Params, kind: Learning, role: str | None) -> str:
     names = params.learners()[kind]
     if role is None and len(names) == 1:

@@ -105,6 +105,19 @@ def mlflow_server(mlflow_home: Path) -> Iterator[str]:
             os.environ["MLFLOW_TRACKING_URI"] = saved
 
 
+def dvc_stages(root: Path = ROOT) -> dict[str, dict[str, Any]]:
+    """dvc.yaml's stages as DVC resolves them: params interpolated, each ``foreach`` expanded (``train_sft@<role>``)."""
+    import yaml
+    from dvc.parsing import DataResolver
+    from dvc.repo import Repo
+
+    repo = Repo(str(root))
+    try:
+        return DataResolver(repo, repo.root_dir, yaml.safe_load((root / "dvc.yaml").read_text())).resolve()["stages"]
+    finally:
+        repo.close()
+
+
 def copy_project(dest: Path) -> Path:
     """Copy the tracked project files (what a fresh clone has) into ``dest`` and make it a git repo."""
     import subprocess

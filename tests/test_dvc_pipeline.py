@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import re
-
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, dvc_stages
 
 DATA_STAGES = {"ingest", "validate"}  # they produce and check every split, test included
 
 
 def _resolved_stages() -> dict[str, dict]:
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-
-    def lookup(match: re.Match) -> str:
-        node = params
-        for key in match.group(1).split("."):
-            node = node[key]
-        return str(node)
-
-    text = re.sub(r"\$\{([^}]+)\}", lookup, (ROOT / "dvc.yaml").read_text())
-    return yaml.safe_load(text)["stages"]
+    return dvc_stages()
 
 
 def _test_split_paths() -> set[str]:

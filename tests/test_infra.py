@@ -572,7 +572,7 @@ def test_checkpoints_and_traces_land_on_shared_claims(monkeypatch: pytest.Monkey
     from pipeline.config import load_params
 
     params = load_params(ROOT / "params.yaml", environ={})
-    out = PurePosixPath(params.ppo.out_dir)
+    out = PurePosixPath(params.ppo.at("senior_researcher").out_dir)
     assert out.parts[0] == "models"
     paths = [PurePosixPath(params.ppo.base_model), out.with_name(out.name + ".checkpoints"), out / "adapter"]
     pods = _pods()

@@ -97,7 +97,8 @@ def test_agent_reads_its_task_and_routes_only_the_trained_role_to_the_gateway() 
     assert parse_task(json.dumps({"data_id": "1", "task_json": json.dumps(TASK)}))["question"] == "Does X help?"
     with pytest.raises(ValueError, match="PUBMEDQA_TASK"):
         parse_task(json.dumps({"prompt": "hi"}))
-    client = GatewayClient("http://proxy/v1", "pk", gateway_url="http://gw/proxy/rollout/r/attempt/0/mode/train/openai/v1/", gateway_key="gk")
+    client = GatewayClient("http://proxy/v1", "pk", gateway_url="http://gw/proxy/rollout/r/attempt/0/mode/train/openai/v1/", gateway_key="gk",
+                           trained=("senior_researcher",))
     assert client.endpoint("senior_researcher") == ("http://gw/proxy/rollout/r/attempt/0/mode/train/openai/v1", {"Authorization": "Bearer gk"})
     assert client.endpoint("junior_researcher") == ("http://proxy/v1", None)
     asyncio.run(client.aclose())

@@ -24,7 +24,7 @@ ROLE = "safety_officer"
 def add_role(raw: dict) -> dict:
     """The one edit: the role's spec (its agent taken from the review board) and its entry under the SFT kind."""
     raw["roles"]["review_board"]["agents"] = ["peer_reviewer"]
-    raw["roles"][ROLE] = {"agents": ["safety_officer"], "evaluation": "society", "inherits": "review_board"}
+    raw["roles"][ROLE] = {"agents": ["safety_officer"], "evaluation": "society", "inherits": "review_board", "gate": {}}
     raw["sft"]["roles"][ROLE] = {"out_dir": f"models/sft/{ROLE}"}
     return raw
 
