@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pipeline import tracking
 from pipeline.config import ParamsError, load_params
 from pipeline.data.sources import SourceError
+from pipeline.learning import WAYS
 from pipeline.promotion import PromotionError
 from pipeline.services.process import ServiceError
 
@@ -29,15 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "build-index": ("pipeline.stages.build_index", "BM25 literature index over the PubMedQA corpus"),
     "rollouts": ("pipeline.stages.rollouts", "run the research society over train shards, write traces"),
     "datasets": ("pipeline.stages.datasets", "traces -> SFT chat data, senior RL prompts, supervisor bandit logs"),
-    "train-sft": ("pipeline.stages.train_sft", "LoRA SFT of the junior researchers (unsloth on GPU, TRL on CPU)"),
-    "train-pi": ("pipeline.stages.train_pi", "LoRA SFT of the principal investigator on the gold decision (TRL on CPU)"),
-    "train-prompt": ("pipeline.stages.train_prompt",
-                     "few-shot prompt optimization of a role through mlflow.genai.optimize_prompts (the served role)"),
+    # one per kind of learning (pipeline/learning.py), each with --role ROLE of its <kind>.roles
+    **{k.command: (f"pipeline.stages.{k.stage}", f"{w.doc} (--role: a role of {k.value}.roles)") for k, w in WAYS.items()},
     "register-aa": ("pipeline.stages.register_aa", "register a role's champion again as an A/A candidate (alias aa)"),
-    "train-ppo": ("pipeline.stages.train_ppo",
-                  "online RL of the senior researchers (verl via Agent Lightning on GPU, TRL GRPO on CPU)"),
     "agl-collect": ("pipeline.rl.collect", "a few rollouts through the Agent Lightning gateway; fails on 0 triplets"),
-    "train-bandit": ("pipeline.stages.train_bandit", "VW contextual bandit for the supervisor + off-policy evaluation"),
     "evaluate": ("pipeline.stages.evaluate",
                  "each role's challenger vs its champion on the validation split (MLflow GenAI evaluation)"),
     "promote": ("pipeline.stages.promote", "judge-gated promotion: move champion + routing when a candidate wins"),

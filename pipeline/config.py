@@ -612,11 +612,9 @@ class PromptLearner(_Strict):
     template: str = Field(description="the template of pipeline/agents/prompts.py it rewrites")
 
 
-class PromptParams(_Strict):
+class PromptSettings(_Strict):
     """The ``prompt`` kind of learning: a role's prompt template gains few-shot demonstrations chosen on its own metric."""
 
-    roles: dict[str, PromptLearner] = Field(description="role -> the template it rewrites; one train_prompt@<role> each "
-                                            "(its output must be checked against the label: evaluation decision)")
     optimizer: Literal["few_shot"] = Field(description="few_shot: demonstrations from the train split, picked on the metric "
                                                         "(pipeline/prompt_optimizer.py)")
     demos: int = Field(ge=1, le=32, description="demonstrations in a candidate prompt (their GO share varies across candidates)")
@@ -630,22 +628,19 @@ class PromptParams(_Strict):
     concurrency: int = Field(ge=1, description="metric calls in flight (MLflow's eval threads)")
     seed: int
 
+
+class PromptRole(PromptSettings):
+    role: str
+    template: str
+
+
+class PromptParams(PromptSettings):
+    roles: dict[str, PromptLearner] = Field(description="role -> the template it rewrites; one train_prompt@<role> each "
+                                            "(its output must be checked against the label: evaluation decision)")
+
     def at(self, role: str) -> PromptRole:
         return PromptRole(**self.model_dump(exclude={"roles"}), role=role, template=self.roles[role].template)
 
-
-class PromptRole(_Strict):
-    role: str
-    template: str
-    optimizer: Literal["few_shot"]
-    demos: int
-    candidates: int
-    dev_questions: int
-    max_calls: int
-    max_minutes: float
-    min_gain: float
-    concurrency: int
-    seed: int
 
 
 class Evaluation(StrEnum):

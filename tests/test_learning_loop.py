@@ -134,8 +134,9 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     assert (clone / "models/bandit/policy.vw").exists()
 
     children = _children(cycle)
-    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets", "train_sft", "train_pi", "train_ppo", "train_bandit",
-                             "train_prompt", "evaluate", "promote", "report"}
+    assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets",
+                             "train_sft@junior_researcher", "train_pi@principal_investigator", "train_ppo@senior_researcher",
+                             "train_bandit@supervisor", "train_prompt@principal_investigator", "evaluate", "promote", "report"}
     assert children["rollouts"].data.metrics["total.rollouts"] == 2
     assert children["datasets"].data.metrics["sft.rows"] > 0
     assert children["ingest"].data.metrics["val.rows"] == 100
@@ -345,8 +346,8 @@ def test_dvc_experiment_reruns_what_a_param_touches_and_exp_show_compares(cycle:
                          cwd=clone, env=cycle["env"], capture_output=True, text=True)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
-    assert "Running stage 'train_bandit'" in out
-    assert not any(f"Running stage '{s}'" in out for s in ("ingest", "rollouts", "datasets", "train_sft", "train_ppo"))
+    assert "Running stage 'train_bandit@supervisor'" in out
+    assert not any(f"Running stage '{s}" in out for s in ("ingest", "rollouts", "datasets", "train_sft", "train_ppo"))
     show = subprocess.run(["dvc", "exp", "show", "--json"], cwd=clone, env=cycle["env"], capture_output=True, text=True)
     assert show.returncode == 0, show.stderr
     exp = _find(json.loads(show.stdout), "eps-02")

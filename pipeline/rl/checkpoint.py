@@ -79,8 +79,9 @@ def _check_actor(actor: Path) -> None:
         raise FileNotFoundError(f"{actor}: the checkpoint has no actor folder")
     shards = sorted(actor.glob("model_world_size_*_rank_0.pt"))
     if not (actor / "fsdp_config.json").is_file() or not shards:
-        legacy = " It holds only lora_adapter/, the layout of verl < 0.8 (fsdp_workers.py), which verl 0.8.0 never writes." \
-            if (actor / "lora_adapter").is_dir() else ""
+        peft = sorted(p.parent.name for p in actor.glob("*/adapter_config.json"))  # a PEFT folder saved beside nothing else
+        legacy = (f" It holds only {peft[0]}/, the layout of verl < 0.8 (fsdp_workers.py), which verl 0.8.0 never writes."
+                  if peft else "")
         raise FileNotFoundError(f"{actor}: not a verl FSDP checkpoint (no fsdp_config.json and model_world_size_*_rank_0.pt for "
                                 f"verl.model_merger --backend fsdp).{legacy}")
     if not (actor / "lora_train_meta.json").is_file():
@@ -126,11 +127,14 @@ def adapter_from_checkpoint(checkpoints: Path, dest: Path, python: str, *, timeo
     with tempfile.TemporaryDirectory(prefix=f".{dest.name}.merge-", dir=dest.parent) as work:
         target = Path(work) / "merged"
         _merge(python, actor, target, timeout_s)
-        adapter = target / "lora_adapter"
+        found = [p.parent for p in target.glob("*/adapter_config.json")]  # the merger's PEFT folder (verl 0.8.0: lora_adapter/)
+        if len(found) != 1:
+            raise RuntimeError(f"verl model merger wrote {len(found)} PEFT folders in {target} for {actor}, expected one "
+                               "(no lora_ weights in the checkpoint?)")
+        adapter = found[0]
         missing = [name for name in ADAPTER_FILES if not (adapter / name).is_file()]
         if missing:
-            raise RuntimeError(f"verl model merger wrote no {', '.join(missing)} in {adapter} for {actor} "
-                               "(no lora_ weights in the checkpoint?)")
+            raise RuntimeError(f"verl model merger wrote no {', '.join(missing)} in {adapter} for {actor}")
         peft_type = json.loads((adapter / "adapter_config.json").read_text()).get("peft_type")
         if peft_type != "LORA":
             raise RuntimeError(f"{adapter}/adapter_config.json from {actor}: peft_type {peft_type!r}, expected 'LORA'")
