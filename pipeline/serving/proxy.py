@@ -15,7 +15,6 @@ into ``serving.proxy.key_file`` (mode 0600). The proxy listens on ``serving.prox
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -89,7 +88,6 @@ def write_config(serving: ServingParams) -> Path:
 
 def _env(serving: ServingParams) -> dict[str, str]:
     return {KEY_ENV: api_key(serving), **_worker_key(serving), "PIPELINE_ROUTING_ACTIVE": str(active_file(serving)),
-            "PIPELINE_ROLE_INHERITS": json.dumps(serving.inherits),
             "PYTHONPATH": pythonpath(),
             "LITELLM_LOG": os.environ.get("LITELLM_LOG", "ERROR"), "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             # no Swagger, ReDoc or OpenAPI schema: every route the proxy serves asks for its key

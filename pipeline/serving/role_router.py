@@ -28,7 +28,6 @@ class RoleRouter(CustomLogger):
         super().__init__()
         self._path = os.environ.get("PIPELINE_ROUTING_ACTIVE", "")
         self._cache: dict[str, tuple[int, dict[str, Any]]] = {}
-        self._inherits: dict[str, str] = json.loads(os.environ.get("PIPELINE_ROLE_INHERITS") or "{}")  # serving.inherits
 
     def table(self, routing: str | None = None) -> dict[str, Any]:
         """The live table, or the evaluation table a request names (``metadata.routing``)."""
@@ -55,8 +54,9 @@ class RoleRouter(CustomLogger):
         table = self.table(routing)
         role = data.get("model")
         roles = table.get("roles", {})
-        # a live table written before the role had its own logical model: where its calls went then (roles.<r>.inherits)
-        target = roles.get(role) or roles.get(self._inherits.get(str(role), ""))
+        # every role of the spec is in the table: `route apply` fills a role a version does not name from where it
+        # inherits (roles.<r>.inherits), and stack.ensure re-applies when the spec's roles change
+        target = roles.get(role)
         if not target:  # a deployment or adapter name (`base/<any folder the engine sees>`) is never served directly
             raise ProxyException(message=f"model {str(role)[:80]!r} is not a role of routing version {table.get('version')}: "
                                          f"this proxy serves the role names {sorted(table.get('roles', {}))} only",
