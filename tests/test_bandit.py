@@ -120,14 +120,16 @@ def _register(mlflow_server: str, model_file: Path, **pyfunc_kwargs) -> tuple[st
     import mlflow
 
     from pipeline import lineage
-    from pipeline.stages.train_bandit import REGISTERED_NAME, log_model
+    from pipeline.learning import Learning, registered_name
+    from pipeline.stages.train_bandit import log_model
 
+    name = registered_name(Learning.BANDIT, "supervisor")  # supervisor_policy
     mlflow.set_tracking_uri(mlflow_server)
     mlflow.set_experiment("bandit-test")
     with mlflow.start_run() as run:
-        info = mlflow.pyfunc.log_model(**pyfunc_kwargs) if pyfunc_kwargs else log_model(model_file)
-    version = lineage.register_version(REGISTERED_NAME, info.model_uri, run.info.run_id, {"kind": "contextual_bandit"})
-    return REGISTERED_NAME, str(version.version)
+        info = mlflow.pyfunc.log_model(**pyfunc_kwargs) if pyfunc_kwargs else log_model(model_file, name)
+    version = lineage.register_version(name, info.model_uri, run.info.run_id, {"kind": "contextual_bandit"})
+    return name, str(version.version)
 
 
 def _outside_env(mlflow_server: str) -> dict[str, str]:

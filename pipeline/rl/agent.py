@@ -29,6 +29,7 @@ from pipeline.agents.llm import RoleClient
 from pipeline.agents.rollout import run_with_retries, supervisor_policy
 from pipeline.agents.tools import Toolbox
 from pipeline.config import load_params
+from pipeline.learning import Learning
 from pipeline.rl import store
 from pipeline.rl.store import ROLE_ENV, RUN_ENV, TRACE_DIR_ENV
 from pipeline.serving import routing
@@ -41,11 +42,11 @@ _EVENT_URL = re.compile(r"^(?P<base>.*)/api/rollouts/(?P<rollout>[^/]+)/attempt/
 class GatewayClient(RoleClient):
     """The proxy for every role except the trained ones, which go to the gateway (the policy being trained)."""
 
-    def __init__(self, *args: Any, gateway_url: str, gateway_key: str, trained: tuple[str, ...] = (), **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gateway_url: str, gateway_key: str, trained: tuple[str, ...], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gateway_url = gateway_url.rstrip("/")
         self.gateway_headers = {"Authorization": f"Bearer {gateway_key}"} if gateway_key else {"Authorization": ""}
-        self.trained = set(trained) or {os.environ[ROLE_ENV]}
+        self.trained = set(trained)
 
     def endpoint(self, model: str) -> tuple[str, dict[str, str] | None]:
         if model in self.trained:
@@ -87,8 +88,10 @@ class SocietyAgent:
         rollout_id = m["rollout"]
         base_url, proxy_key, version = society_endpoint(params.rollouts, params.serving)
         cfg = params.rollouts
+        # the role train_ppo@<role> trains (its driver says so), else every role that learns by RL (ppo.roles)
+        trained = (os.environ[ROLE_ENV],) if os.environ.get(ROLE_ENV) else tuple(params.learners()[Learning.PPO])
         client = GatewayClient.for_agents(params.agents, base_url, proxy_key, cfg.timeout_s,
-                                          gateway_url=os.environ["AGL_OPENAI_BASE_URL"], gateway_key=key)
+                                          gateway_url=os.environ["AGL_OPENAI_BASE_URL"], gateway_key=key, trained=trained)
         tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
         table = routing.active(params.serving) if not params.rollouts.llm_base_url else None
         policy = supervisor_policy(params.agents, params.mlflow, table)

@@ -282,7 +282,9 @@ def run(params: Params) -> dict[str, Any]:
             print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
             continue
         if len(tasks) < (min_tasks := params.gate(name).min_tasks):
-            why = (f"{len(tasks)} validation task(s) (evaluate.limit={params.evaluate.limit}) < the gate's min_tasks="
+            source = ("promote" if min_tasks == params.promote.min_tasks
+                      else f"roles.{name if name in params.roles else name.removesuffix('_policy')}.gate")
+            why = (f"{len(tasks)} validation task(s) (evaluate.limit={params.evaluate.limit}) < {source}.min_tasks="
                    f"{min_tasks}: a society evaluation this small cannot support a decision, so it was not run")
             summary["unevaluated"][name] = {"role": name, "alias": registry.CHALLENGER, "version": cand.version, "reason": why}
             print(f"evaluate: {name} v{cand.version}: not evaluated: {why}")
