@@ -39,6 +39,7 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          # the signal checks measure a few of the training rows (their mechanism: tests/test_sft_signal.py); the PI's
          # held-out slice shrinks to a few rows: nothing here reads the PI's figures, only that its stage ran
          "PIPELINE__SFT__FIT_ROWS": "4", "PIPELINE__PI__SFT__FIT_ROWS": "2", "PIPELINE__PI__SFT__EVAL_FRACTION": "0.01",
+         "PIPELINE__REPORT__ROLE_LEVEL": "false",  # the role-level report: tests/test_role_level.py, make learn
          # the gate's evaluation runs on the junior adapter and the bandit: the senior adapter takes the same
          # lora_adapter path (hot-load + evaluation routing), so a fourth society in `evaluate` would repeat it
          "PIPELINE__EVALUATE__ONLY": "[junior_researcher, supervisor_policy]",
