@@ -15,13 +15,13 @@ import os
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.learning import WAYS, Learning, learners, registered_name
+from pipeline.learning import WAYS, Learning, learners, registered_name, role_of
 
 ENV_PREFIX = "PIPELINE__"
 DEFAULT_PARAMS = Path("params.yaml")
@@ -347,10 +347,18 @@ class LoraParams(_Strict):
     target_modules: list[str]
 
 
+_R = TypeVar("_R", bound=BaseModel)
+
+
 class Learner(_Strict):
     """One role learning by one kind: where its artifact is written (a DVC output of its ``train_<kind>@<role>`` stage)."""
 
     out_dir: str
+
+
+def _at(section: Any, resolved: type[_R], role: str) -> _R:
+    """A kind's settings for one role: the section's shared values, the role's own entry of its ``roles`` map, the role."""
+    return resolved(**section.model_dump(exclude={"roles"}), role=role, **section.roles[role].model_dump())
 
 
 class SftSettings(_Strict):
@@ -386,7 +394,7 @@ class SftParams(SftSettings):
     roles: dict[str, Learner] = Field(description="role -> where its adapter goes; one train_sft@<role> stage each")
 
     def at(self, role: str) -> SftRole:
-        return SftRole(**self.model_dump(exclude={"roles"}), role=role, **self.roles[role].model_dump())
+        return _at(self, SftRole, role)
 
 
 
@@ -494,7 +502,7 @@ class PpoParams(PpoSettings):
     roles: dict[str, Learner] = Field(description="role -> where its adapter goes; one train_ppo@<role> stage each")
 
     def at(self, role: str) -> PpoRole:
-        return PpoRole(**self.model_dump(exclude={"roles"}), role=role, **self.roles[role].model_dump())
+        return _at(self, PpoRole, role)
 
 
 class BanditSettings(_Strict):
@@ -515,7 +523,7 @@ class BanditParams(BanditSettings):
     roles: dict[str, Learner] = Field(description="role -> where its policy goes (registered as <role>_policy)")
 
     def at(self, role: str) -> BanditRole:
-        return BanditRole(**self.model_dump(exclude={"roles"}), role=role, **self.roles[role].model_dump())
+        return _at(self, BanditRole, role)
 
 
 class EvaluateParams(_Strict):
@@ -639,8 +647,7 @@ class PromptParams(PromptSettings):
                                             "(its output must be checked against the label: evaluation decision)")
 
     def at(self, role: str) -> PromptRole:
-        return PromptRole(**self.model_dump(exclude={"roles"}), role=role, template=self.roles[role].template)
-
+        return _at(self, PromptRole, role)
 
 
 class Evaluation(StrEnum):
@@ -727,8 +734,7 @@ class Params(_Strict):
             for role in names:
                 registered[registered_name(kind, role)] = WAYS[kind].registers
         order = {name: i for i, name in enumerate(data["roles"])}  # the spec's order; a policy beside its role
-        derived[("promote", "roles")] = dict(sorted(registered.items(),
-                                                    key=lambda kv: (order.get(kv[0].removesuffix("_policy"), -1), kv[0])))
+        derived[("promote", "roles")] = dict(sorted(registered.items(), key=lambda kv: (order.get(role_of(kv[0]), -1), kv[0])))
         derived[("agents", "models")] = {a: r for r, s in spec.items() for a in s.get("agents") or []}
         derived[("judge", "model")] = derived[("agents", "models")].get("judge", "judge")
         derived[("evaluate", "role_level")] = [r for r in derived[("promote", "roles")]
@@ -742,18 +748,13 @@ class Params(_Strict):
             data[section] = {**data[section], key: value}
         return data
 
-    @property
-    def model_of(self) -> dict[str, str]:
-        """Graph agent -> the logical model its calls go to."""
-        return {agent: role for role, spec in self.roles.items() for agent in spec.agents}
-
     def learners(self) -> dict[Learning, list[str]]:
         """Kind of learning -> the roles that learn by it (each one a ``train_<kind>@<role>`` stage)."""
         return {kind: list(getattr(self, kind.value).roles) for kind in Learning}
 
     def gate(self, name: str) -> PromoteParams:
         """``promote`` with the role's own gate values (a policy takes its role's)."""
-        spec = self.roles.get(name) or self.roles.get(name.removesuffix("_policy"))
+        spec = self.roles.get(name) or self.roles.get(role_of(name))
         return PromoteParams.model_validate({**self.promote.model_dump(), **(spec.gate if spec else {})})  # bounds checked
 
     @model_validator(mode="after")

@@ -55,6 +55,11 @@ def registered_name(kind: Learning, role: str) -> str:
     return f"{role}_policy" if WAYS[kind].registers == "policy" else role
 
 
+def role_of(name: str) -> str:
+    """The role a registered model belongs to (the inverse of :func:`registered_name`)."""
+    return name.removesuffix("_policy")
+
+
 def learners(raw: dict[str, Any]) -> dict[Learning, list[str]]:
     """Kind -> the roles that learn by it, from params as written (the DAG's parse-time view of the spec)."""
     return {kind: list(((raw.get(kind.value) or {}).get("roles")) or {}) for kind in Learning}

@@ -10,10 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import yaml
-
 from pipeline.cli import COMMANDS
-from tests.conftest import ROOT
+from tests.conftest import ROOT, dvc_stages
 
 # Files that run in every stage but cannot change what a stage writes (each with why). Kept short on purpose.
 PLUMBING = {
@@ -87,22 +85,6 @@ def closure(module: str) -> set[str]:
     return files
 
 
-def _lookup(params: dict, dotted: str):
-    node = params
-    for key in dotted.split("."):
-        node = node[key]
-    return node
-
-
-def _render(text: str, params: dict) -> str:
-    import re
-
-    def value(match: re.Match) -> str:
-        return str(_lookup(params, match.group(1)))
-
-    return re.sub(r"\$\{([^}]+)\}", value, text)
-
-
 def _marker(rel: str) -> bool:
     """A package ``__init__.py`` holding nothing but a docstring: no code to change any output."""
     if not rel.endswith("__init__.py"):
@@ -112,19 +94,10 @@ def _marker(rel: str) -> bool:
 
 
 def uncovered() -> dict[str, list[str]]:
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
     out: dict[str, list[str]] = {}
-    expanded = []
-    for name, stage in stages.items():
-        if "foreach" not in stage:
-            expanded.append((name, stage, params))
-            continue
-        items = _lookup(params, stage["foreach"].strip("${}"))  # a kind's `roles` map: one stage per role
-        expanded += [(f"{name}@{k}", stage["do"], {**params, "key": k, "item": v}) for k, v in items.items()]
-    for name, stage, values in expanded:
+    for name, stage in dvc_stages().items():  # DVC's own resolution: params interpolated, each foreach expanded
         command = stage["cmd"].split()[3]
-        deps = [_render(d, values).rstrip("/") for d in stage.get("deps", [])]
+        deps = [str(d).rstrip("/") for d in stage.get("deps", [])]
         missing = [f for f in sorted(closure(COMMANDS[command][0]))
                    if f not in PLUMBING and not _marker(f) and not any(f == d or f.startswith(d + "/") for d in deps)]
         if missing:

@@ -87,10 +87,12 @@ def controller_overrides(agl: AglParams, url: str) -> list[str]:
 
 @contextmanager
 def running(agl: AglParams, serving: ServingParams, model_name: str, run_id: str = "agl", python: str | None = None,
-            trace_dir: str | Path | None = None, upstream_key: str | None = None) -> Iterator[Gateway]:
+            trace_dir: str | Path | None = None, upstream_key: str | None = None,
+            trained: str | None = None) -> Iterator[Gateway]:
     """agl-server + agl-controller (``ppo.agl.runner``) up for the block; both stopped after, whatever happened.
     ``upstream_key``: what the policy server registered with the gateway requires (a local vLLM worker's key); the
-    gateway sends it on every forwarded call (``pipeline.rl.agl_server``), agents never see it."""
+    gateway sends it on every forwarded call (``pipeline.rl.agl_server``), agents never see it. ``trained``: the role
+    whose calls the rollouts send to the gateway (None: every role of ``ppo.roles``, pipeline/rl/agent.py)."""
     home = Path(serving.home).resolve() / "agl"
     if agl.runner == "k8s":  # the Service behind advertise_url forwards to this port: no fallback
         if not port_is_free(agl.host, agl.port):
@@ -104,7 +106,8 @@ def running(agl: AglParams, serving: ServingParams, model_name: str, run_id: str
     python = python or sys.executable
     env = {**os.environ, "AGL_KEY": key,
            "PYTHONPATH": pythonpath(),
-           store.TRACE_DIR_ENV: str(Path(trace_dir or agl.trace_dir).resolve()), store.RUN_ENV: run_id}
+           store.TRACE_DIR_ENV: str(Path(trace_dir or agl.trace_dir).resolve()), store.RUN_ENV: run_id,
+           **({store.ROLE_ENV: trained} if trained else {})}
     env.pop(UPSTREAM_KEY_ENV, None)  # the controller and the agents it spawns never hold the upstream's key
     server_env = {**env, UPSTREAM_KEY_ENV: upstream_key} if upstream_key else env
     hydra = [f"hydra.run.dir={home}/hydra", "hydra.output_subdir=null"]

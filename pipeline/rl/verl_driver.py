@@ -73,13 +73,12 @@ def train_verl(ppo: PpoRole, serving: ServingParams, gpu: GpuParams, run_id: str
     crowded = gpu_memory.oversubscribed(gpu_memory.plan(serving, ppo, gpu))
     if crowded:  # vLLM would refuse to start after minutes of setup: say it now, the way `preflight gpu` does
         raise RuntimeError("; ".join(crowded) + " (python -m pipeline preflight gpu plans the devices)")
-    os.environ[store.ROLE_ENV] = ppo.role  # the rollouts this driver starts send the trained role's calls to the gateway
     policy_name = str(Path(ppo.base_model).resolve())  # verl registers its rollout servers under the model path
     ckpt = Path(ppo.out_dir).with_name(Path(ppo.out_dir).name + ".checkpoints").resolve()
     shutil.rmtree(ckpt, ignore_errors=True)  # a previous run's global_step_N must never become this run's adapter
     ckpt.mkdir(parents=True)
     trace_dir = Path(ppo.agl.trace_dir).resolve()
-    with gateway.running(ppo.agl, serving, policy_name, run_id=run_id, trace_dir=trace_dir) as gw:
+    with gateway.running(ppo.agl, serving, policy_name, run_id=run_id, trace_dir=trace_dir, trained=ppo.role) as gw:
         env = {**os.environ, "AGL_BASE_URL": gw.url, "AGL_KEY": gw.key, "PUBMEDQA_RL_CHECKPOINTS": str(ckpt),
                store.TRACE_DIR_ENV: str(trace_dir), store.RUN_ENV: run_id, "VERL_FILE_LOGGER_PATH": str(ckpt / "metrics.jsonl"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(envs.REPO_ROOT), os.environ.get("PYTHONPATH")]))}

@@ -54,6 +54,7 @@ from pipeline.evaluation import role_level, society
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, paired_difference, summarise
 from pipeline.evaluation.served import check_served
 from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.learning import role_of
 from pipeline.lineage import dvc_md5
 from pipeline.plots import png
 from pipeline.rewards.judge import final_reward, judge
@@ -282,8 +283,8 @@ def run(params: Params) -> dict[str, Any]:
             print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
             continue
         if len(tasks) < (min_tasks := params.gate(name).min_tasks):
-            source = ("promote" if min_tasks == params.promote.min_tasks
-                      else f"roles.{name if name in params.roles else name.removesuffix('_policy')}.gate")
+            own = name if name in params.roles else role_of(name)
+            source = "promote" if min_tasks == params.promote.min_tasks else f"roles.{own}.gate"
             why = (f"{len(tasks)} validation task(s) (evaluate.limit={params.evaluate.limit}) < {source}.min_tasks="
                    f"{min_tasks}: a society evaluation this small cannot support a decision, so it was not run")
             summary["unevaluated"][name] = {"role": name, "alias": registry.CHALLENGER, "version": cand.version, "reason": why}
