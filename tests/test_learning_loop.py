@@ -66,7 +66,7 @@ def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
     (root / "shared").symlink_to(ROOT.parent / "shared")
     clone = copy_project(root / "proj")
     run_id = f"loop-{uuid.uuid4().hex[:6]}"
-    serving = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}, dtype: float32}}]",
+    serving = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}, dtype: cpu_fastest}}]",
                "PIPELINE__SERVING__PROXY__PORT": str(free_port())}
     env = cycle_env(mlflow_server, run_id, **serving)
     proc = subprocess.run(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, capture_output=True, text=True)
@@ -131,6 +131,13 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     # every LLM call names the prompt template it rendered and that text's version in MLflow's Prompt Registry (#43)
     calls = [s["data"] for t in shard for s in t["spans"] if s["kind"] == "llm"]
     assert calls and all(isinstance(c.get("prompt_version"), int) and c["prompt_sha"] for c in calls), calls[:1]
+    # each call asks the logical model of its agent's role (the role spec), the PI's its own (#42)
+    from pipeline.config import load_params
+
+    models = load_params(clone / "params.yaml", environ=cycle["env"]).agents.models
+    assert all(c["logical_model"] == models[c["agent"]] for c in calls), {(c["agent"], c["logical_model"]) for c in calls}
+    for t in shard:  # a finished rollout reached the PI
+        assert t["status"] != "ok" or "principal_investigator" in {s["data"]["logical_model"] for s in t["spans"] if s["kind"] == "llm"}
     for out in ("sft/junior_researcher/train.jsonl", "rl/verl/train.parquet", "rl/hf/dataset_info.json", "bandit/train.jsonl"):
         assert (clone / "data/datasets" / out).exists(), out
     assert (clone / "models/sft/junior_researcher/adapter/adapter_config.json").exists()

@@ -30,8 +30,11 @@ from tests.conftest import PUBMEDQA, ROOT
 
 pytestmark = pytest.mark.slow
 
+# 40 of the 500 non-test questions for validation (the default: 100): a role-level evaluation asks each of them, and
+# 40 clear promote.min_tasks (25) as 100 do
+VAL_QUESTIONS = 40
 SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1}, "rollouts": {"retries": 0},
-         "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}}
+         "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}, "split": {"val_fraction": VAL_QUESTIONS / 500}}
 BROKEN_CONTEXT = 96  # tokens: > the routing check's prompt + 4, < any junior call's max_tokens alone
 
 
@@ -340,7 +343,7 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
     whose context is shorter than any PI prompt), a candidate served by SmolLM2 and an A/A copy of the champion.
     `evaluate` scores each on its own decision over every validation question (one call per question, nothing else
     of the society), `promote` promotes the candidate on the exact test and refuses the copy, the routing moves, and
-    the next rollout's PI calls go to the PI's logical model under the new routing version."""
+    the proxy answers the PI's logical model from the promoted deployment."""
     from mlflow import MlflowClient
 
     from pipeline import registry
@@ -373,7 +376,7 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
     summary = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())
     entry, twin = summary["roles"][pi], summary["roles"][f"{pi}@aa"]
     assert entry["level"] == "role" and entry["cost"]["calls_per_task"] == 1
-    assert entry["difference"]["n"] == 100 == entry["candidate"]["metrics"]["questions"]  # every validation question
+    assert entry["difference"]["n"] == VAL_QUESTIONS == entry["candidate"]["metrics"]["questions"]  # every validation question
     assert entry["candidate"]["target"] == "base" and entry["champion"]["target"] == "offline"
     records = [json.loads(line) for line in (promo["root"] / f"data/evaluation/records/{pi}-champion.jsonl").read_text().splitlines()]
     assert all(r["decision"] is None and r["error"].startswith("HTTP 400") for r in records)
@@ -386,10 +389,10 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
     w = params.reward
     assert all(r["reward"] == pytest.approx((w.judge * r["components"]["judge"] + w.decision * r["components"]["decision"])
                                            / (w.judge + w.decision)) for r in cand)
-    assert entry["candidate"]["metrics"]["reward_judge"]["n"] == 100
+    assert entry["candidate"]["metrics"]["reward_judge"]["n"] == VAL_QUESTIONS
     judge = params.judge
     assert all(r["components"]["judge"] == judge.failure_score and not r["judge_ok"] for r in cand)
-    # the default gate (100 questions >= min_tasks, Holm over the cycle's two candidates), without the discrimination
+    # the default gate (40 questions >= min_tasks, Holm over the cycle's two candidates), without the discrimination
     # floor: the untrained base PI answers but barely separates yes from no (AUC ~0.5); this is the mechanism's test
     pr = _cli(promo, "promote", PIPELINE__PROMOTE__MIN_AUC="null")
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
@@ -401,14 +404,7 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
     assert _champion(pi) == better and _live(promo)["roles"][pi] == "base" and _served(promo, pi) == "base"
     assert MlflowClient().get_model_version(pi, copy.version).tags["promotion.decision"] == "rejected"
     assert registry.by_alias(pi, registry.AA) is None and registry.by_alias(pi, registry.CHALLENGER) is None
-    ro = _cli(promo, "rollouts", PIPELINE__ROLLOUTS__LIMIT="1", PIPELINE__ROLLOUTS__SAMPLES_PER_TASK="1",
-              PIPELINE__ROLLOUTS__SHARDS="1", PIPELINE__ROLLOUTS__MAX_FAILURE_RATE="1.0")
-    assert ro.returncode == 0, ro.stdout[-3000:] + ro.stderr[-3000:]
-    trace = json.loads((promo["root"] / "data/rollouts/shard-00000.jsonl").read_text().splitlines()[0])
-    assert trace["routing_version"] == _live(promo)["version"]
-    calls = [s["data"] for s in trace["spans"] if s["kind"] == "llm" and s["data"]["agent"] == pi]
-    assert all(c["logical_model"] == pi for c in calls)
-    assert calls or trace["status"] != "ok"  # a rollout that reached the PI asked the PI's own model
+    # the next rollout's PI calls: the next test's rollout (the promoted PI and a switched prompt, one society run)
 
 
 def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_back(promo: dict) -> None:
@@ -433,7 +429,7 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
     entry = json.loads((promo["root"] / "data/evaluation/summary.json").read_text())["roles"][f"{pi}@prompt"]
     assert entry["artifact"] == "prompt" and entry["candidate"]["version"] == str(same)
     assert entry["champion"]["version"] == str(current) and entry["model_version"] == _champion(pi)
-    assert entry["difference"]["n"] == 100 and entry["difference"]["mean"] == 0  # the same answers, question by question
+    assert entry["difference"]["n"] == VAL_QUESTIONS and entry["difference"]["mean"] == 0  # the same answers, question by question
     pr = _cli(promo, "promote")
     assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
     decision = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"][f"{pi}@prompt"]
@@ -452,8 +448,12 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
               PIPELINE__ROLLOUTS__SHARDS="1", PIPELINE__ROLLOUTS__MAX_FAILURE_RATE="1.0", **short)
     assert ro.returncode == 0, ro.stdout[-3000:] + ro.stderr[-3000:]
     trace = json.loads((promo["root"] / "data/rollouts/shard-00000.jsonl").read_text().splitlines()[0])
+    assert trace["routing_version"] == number
     spans = [s["data"] for s in trace["spans"] if s["kind"] == "llm" and s["data"].get("prompt") == pi]
     assert all(s["prompt_version"] == new and s["prompt_sha"] == prompts.digest(text) for s in spans)
+    # the PI promoted by the previous test: its calls ask the PI's own logical model, served by its deployment
+    assert all(s["agent"] == pi and s["logical_model"] == pi for s in spans)
+    assert all(s["deployment"] == "base" for s in spans if s.get("ok"))
     assert spans or trace["status"] != "ok"  # a rollout that reached the PI rendered the switched version
     rb = _cli(promo, "rollback", pi, "--prompt")
     assert rb.returncode == 0 and f"v{new} -> v{current}" in rb.stdout, rb.stdout + rb.stderr
