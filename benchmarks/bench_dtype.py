@@ -1,6 +1,6 @@
 """What a CPU worker's dtype buys and costs on this host: float32 vs bfloat16, the same folder, the same requests.
 
-    PYTHONPATH=. .venv/control/bin/python benchmarks/bench_dtype.py [--requests 16] [--max-tokens 64] [--out docs/benchmarks-dtype.md]
+    PYTHONPATH=. .venv/control/bin/python benchmarks/bench_dtype.py [--requests 16] [--out docs/benchmarks-dtype.md]
 
 Starts the first worker of params.yaml once per dtype (LoRA enabled, as the workers run) and measures, directly
 against it: generated tokens/s at concurrency 1, 4 and 8 (fixed output length, ignore_eos), and whether a burst of 8
