@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.services.process import free_port, http_ok
-from tests.conftest import ROOT, copy_project
+from tests.conftest import ROOT, copy_project, mlflow_login
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def _pipeline(clone: Path, env: dict[str, str], *args: str) -> subprocess.Comple
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=clone, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_second_clone_refuses_first_clones_services(tmp_path: Path) -> None:
+def test_second_clone_refuses_first_clones_services(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "shared").symlink_to(ROOT.parent / "shared")
     a, b = copy_project(tmp_path / "a"), copy_project(tmp_path / "b")
     port, worker_port = free_port(), free_port()
@@ -57,6 +57,8 @@ def test_second_clone_refuses_first_clones_services(tmp_path: Path) -> None:
 
         import mlflow
 
+        for name, value in mlflow_login("reader").items():  # this process's own login, whatever ran before it
+            monkeypatch.setenv(name, value)
         client = mlflow.MlflowClient(f"http://127.0.0.1:{port}")
         experiments = [e.experiment_id for e in client.search_experiments()]
         assert client.search_runs(experiments, filter_string="tags.`pipeline.run_id` = 'clone-b'") == []
@@ -65,10 +67,15 @@ def test_second_clone_refuses_first_clones_services(tmp_path: Path) -> None:
         while not http_ok(f"http://127.0.0.1:{worker_port}/health") and time.monotonic() < deadline:
             time.sleep(0.1)
         workers = f"[{{name: base, model: models/base, port: {worker_port}}}]"
-        serve = _pipeline(b, {**env, "PIPELINE__SERVING__WORKERS": workers}, "serve", "up")
+        # clone b has no model plane of its own (no .venv/model): who holds the port is still what it is told first
+        bare = {k: v for k, v in env.items() if k != "PIPELINE_MODEL_PYTHON"} | {"PIPELINE__SERVING__WORKERS": workers}
+        serve = _pipeline(b, bare, "serve", "up")
         assert serve.returncode != 0
         assert f"port {worker_port} on 127.0.0.1 is held by an OpenAI-compatible server serving other-model (/elsewhere/model)" in serve.stderr
-        assert "serving.workers[base].port" in serve.stderr
+        assert "serving.workers[base].port" in serve.stderr and "Traceback" not in serve.stderr
+        free = f"[{{name: base, model: models/base, port: {free_port()}}}]"  # a free port: then the missing interpreter, in one line
+        serve = _pipeline(b, {**bare, "PIPELINE__SERVING__WORKERS": free}, "serve", "up")
+        assert serve.returncode == 1 and "model-plane interpreter not found" in serve.stderr and "Traceback" not in serve.stderr
 
         down = _pipeline(b, env, "services", "down", "all")  # `make services-down` in clone b
         assert down.returncode == 0 and "mlflow: not running" in down.stdout

@@ -82,7 +82,12 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
         if http_ok(f"{url}/health"):
             return url  # a remote GPU worker configured on purpose: only health-checked
         raise ServiceError(f"worker {worker.name} at {url} is remote and not healthy; it is not started from here")
-    argv = argv or command(worker, model_python())
+    missing: ServiceError | None = None
+    try:
+        python = model_python()
+    except RuntimeError as exc:  # said only once this checkout must start the worker: a port held elsewhere comes first
+        python, missing = "<no model-plane interpreter>", ServiceError(str(exc))
+    argv = argv or command(worker, python)
     adapters = adapter_cache(serving)
     settings = environment(serving, worker)
     # everything the worker is started with but its key: a running worker started with other settings (a params change:
@@ -93,6 +98,8 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
     if claim(service(serving, worker), identity, worker.host, worker.port, f"{url}/health",
              f"serving.workers[{worker.name}].port", lambda: describe(url), secrets={KEY_ENV: key}):
         return url
+    if missing is not None:
+        raise missing
     if not Path(worker.model, "config.json").exists():
         raise ServiceError(f"worker {worker.name}: {worker.model} is not an HF model folder; "
                            "run `python -m pipeline materialize-model`")
@@ -105,7 +112,7 @@ def up(serving: ServingParams, worker: WorkerParams, argv: list[str] | None = No
     svc = service(serving, worker)
     r = serving.restart
     # the supervisor leads the group and restarts a dead engine with backoff (docs/serving.md, supervised engines)
-    supervised = [model_python(), "-m", supervise.__name__, "--restarts", str(r.restarts), "--backoff-s", str(r.backoff_s),
+    supervised = [python, "-m", supervise.__name__, "--restarts", str(r.restarts), "--backoff-s", str(r.backoff_s),
                   "--cap-s", str(r.cap_s), "--window-s", str(r.window_s), "--min-uptime-s", str(r.min_uptime_s),
                   "--child-pid-file", str(engine_pid_file(svc)),
                   "--", *argv]
