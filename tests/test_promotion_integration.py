@@ -339,7 +339,7 @@ def test_compare_checkpoints_notebook_renders(promo: dict, monkeypatch: pytest.M
     nbformat.write(nb, promo["root"] / "compare_checkpoints.executed.ipynb")
 
 
-def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_next_rollout_is_answered_by_it(promo: dict) -> None:
+def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_proxy_answers_it(promo: dict) -> None:
     """The PI's own policy through the loop (issues #42/#45): a champion PI that cannot answer (the "offline" model,
     whose context is shorter than any PI prompt), a candidate served by SmolLM2 and an A/A copy of the champion.
     `evaluate` scores each on its own decision over every validation question (one call per question, nothing else
