@@ -50,12 +50,12 @@ from intervals import clopper_pearson  # benchmarks/ (the script's folder is on 
 from pydantic import ValidationError
 from report import write_report
 
+from pipeline.agents.decision import TOP_LOGPROBS, read
 from pipeline.agents.prompts import NO_PROTOCOL, brief, pi_prompt
 from pipeline.config import Params, load_params
 from pipeline.data.splits import load_tasks
 from pipeline.envs import model_python, pythonpath
 from pipeline.evaluation.metrics import answer, bootstrap_ci
-from pipeline.evaluation.role_level import TOP_LOGPROBS, p_go
 from pipeline.evaluation.significance import mcnemar_exact, sign_flip
 from pipeline.io import write_json
 from pipeline.rl.grpo_cpu import JUDGE_KEY_ENV, JUDGE_URL_ENV
@@ -63,6 +63,14 @@ from pipeline.schemas import PIDecision
 from pipeline.serving import stack, worker
 
 ADAPTER = "bench-pi-grpo"
+
+
+def p_go(content: list[dict[str, Any]]) -> float | None:
+    """P(GO) at the first token of a decoded answer that spells GO or NO (the whole answer under the grammar)."""
+    for entry in content:
+        if (entry.get("token") or "").strip().lstrip('"').strip() in ("GO", "NO"):
+            return read(entry.get("top_logprobs") or [])[1]
+    return None
 
 
 def prompt(params: Params, task: dict[str, Any]) -> list[dict[str, str]]:

@@ -234,6 +234,22 @@ class JudgeWeights(_Strict):
         return self
 
 
+class DecisionInput(StrEnum):
+    BRIEF = "brief"  # the evidence brief alone: what train_pi trains on and role-level evaluation gates
+    SOCIETY = "society"  # the brief with the society's protocol and reviews
+
+
+class DecisionParams(_Strict):
+    """The PI's one decision path (pipeline/agents/decision.py): the society, role-level evaluation, report, train_pi."""
+
+    prefix: str = Field(description="what the base model writes before the decision under PIDecision's schema (greedy, as "
+                        "the workers decode); train_pi checks it against the base model and trains the decision after it")
+    rationale_tokens: int = Field(ge=1, description="the rationale written after the decision is fixed: at most this many "
+                                  "tokens (the schema's 300 characters)")
+    input: DecisionInput = Field(description="what the decision reads: brief (what it is trained and gated on) or society "
+                                 "(the brief with the protocol and reviews); the rationale reads the society's either way")
+
+
 class KnowledgeParams(_Strict):
     org_db: str | None = Field(description="org.Hs.eg.db SQLite: deb:<pkg>[=<ver>]/<file>, a path, http(s):// or s3://; "
                                "null = MeSH-only lookups")
@@ -275,6 +291,7 @@ class AgentsParams(_Strict):
     concurrent_reviews: bool = Field(description="the peer reviewer and the safety officer review each protocol at the same time "
                                      "(neither reads the other's review); false runs them one after the other")
     knowledge: KnowledgeParams
+    decision: DecisionParams
     context_chars: int = Field(ge=0, description="chars of the task's own abstract handed to the juniors and the PI "
                                "(0 = question only)")
     supervisor_policy: Literal["routed", "llm", "bandit"] = Field(
@@ -544,8 +561,6 @@ class EvaluateParams(_Strict):
     role_concurrency: int = Field(ge=1, description="role-level requests in flight per model")
     role_judge: bool = Field(description="the judge scores each role-level answer's decision and rationale; the reward is then "
                              "the society's (judge + decision credit, weighted by reward); false: the decision credit alone")
-    role_rationale_tokens: int = Field(ge=1, description="with role_judge: tokens of the answer after its decision (the "
-                                       "rationale the judge reads)")
     aa: bool = Field(description="register an A/A candidate (the champion again, alias aa) of every role-level role with a "
                      "challenger, gated beside it: a gate that promotes it promotes noise")
 
@@ -565,6 +580,8 @@ class PromoteParams(_Strict):
     max_accuracy_drop: float = Field(ge=0.0, le=1.0, description="reject a candidate whose judge reward rose while its decision "
                                      "accuracy fell by more than this (rule accuracy_drop)")
     min_success_rate: float = Field(ge=0.0, le=1.0)
+    max_extra_failures: int = Field(ge=0, description="a candidate whose served answers fail on more tasks than its "
+                                    "champion's, by more than this, is refused (rule served_failures)")
     min_decision_accuracy: float = Field(ge=0.0, le=1.0)
     min_auc: float | None = Field(ge=0.0, lt=1.0, description="role-level candidates: the lower end of their AUC of P(GO)'s "
                                   "interval must lie above this (their decisions separate yes from no); null = no floor")
@@ -591,7 +608,6 @@ class PiRole(_Strict):
     data_dir: str
     rationale_chars: int
     loss_on: Literal["decision_token", "answer"]
-    decision_prefix: str
 
 
 class PiParams(_Strict):
@@ -605,15 +621,11 @@ class PiParams(_Strict):
     loss_on: Literal["decision_token", "answer"] = Field(
         description="decision_token: the loss on the decision alone, after the served prefix (decision_prefix); "
                     "answer: on the whole PIDecision JSON with its rationale")
-    decision_prefix: str = Field(description="what the base model writes before the decision under PIDecision's schema "
-                                 "(greedy, as the workers decode); train_pi checks it against the base model, and "
-                                 "role-level evaluation reads the decision right after it")
 
     def at(self, role: str) -> PiRole:
         entry = self.roles[role]
         sft = SftRole(**self.sft.model_dump(), role=role, out_dir=entry.out_dir)
-        return PiRole(sft=sft, data_dir=entry.data_dir, **self.model_dump(include={"rationale_chars", "loss_on",
-                                                                                    "decision_prefix"}))
+        return PiRole(sft=sft, data_dir=entry.data_dir, **self.model_dump(include={"rationale_chars", "loss_on"}))
 
 
 class PromptLearner(_Strict):

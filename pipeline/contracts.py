@@ -63,6 +63,11 @@ class Metrics(_Open):
     setting: str | None = None
     level: Level = Level.SOCIETY
 
+    def failures(self) -> int | None:
+        """Tasks whose answer failed (no decision: a failed rollout, or a served PI answer without one)."""
+        s = self.success_rate
+        return None if s is None else round((1.0 - s.mean) * s.n)
+
 
 class Difference(_Open):
     """Candidate minus champion over the same tasks: the gate's evidence (``evaluation.metrics.paired_difference``)."""

@@ -27,6 +27,7 @@ import httpx
 from mlflow.genai.optimize.optimizers import BasePromptOptimizer
 from mlflow.genai.optimize.types import EvaluationResultRecord, PromptOptimizerOutput
 
+from pipeline.agents import decision
 from pipeline.agents.prompts import brief
 from pipeline.config import PromptRole
 from pipeline.evaluation import role_level
@@ -75,13 +76,14 @@ def predictor(url: str, key: str, prompt: Any, role: str, agents: Any, setting: 
 
     def predict(task_id: str, question: str, contexts: list[str], long_answer: str) -> dict[str, Any]:
         task = {"id": task_id, "question": question, "contexts": contexts, "long_answer": long_answer}
-        body = role_level.request(task, agents, setting, prefix, role, template=prompt.template)
+        chat = decision.decision_messages(task, agents, setting, template=prompt.template)
+        body = decision.request(chat, role, prefix)
         for attempt in range(RETRIES):
             try:
                 resp = client.post(f"{url}/chat/completions", json=body)
                 resp.raise_for_status()
-                decision, p = role_level.decision_of(resp.json())
-                return {"decision": decision, "p_go": p}
+                made, p, _ = decision.read_completion(resp.json())
+                return {"decision": made.value if made else None, "p_go": p}
             except httpx.HTTPError:
                 if attempt == RETRIES - 1:
                     raise
@@ -125,7 +127,7 @@ class FewShotOptimizer(BasePromptOptimizer):
     cfg: PromptRole
     pool: list[dict[str, Any]]
     setting: str
-    prefix: str  # what the role writes before its decision (pi.decision_prefix)
+    prefix: str  # what the role writes before its decision (agents.decision.prefix)
     scored: list[Scored] = field(default_factory=list)
     calls: int = 0
     seconds: float = 0.0

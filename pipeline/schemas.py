@@ -7,6 +7,7 @@ able to fill them within the token budget.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -75,8 +76,28 @@ class Review(StructuredOutput):
     summary: str = Field(max_length=300)
 
 
+class Decision(StrEnum):
+    """The PI's decisions and the PubMedQA answer each stands for: the one home of that mapping."""
+
+    GO = "GO"  # the evidence supports it: yes
+    NO_GO = "NO-GO"  # the evidence refutes it: no
+    DEFER = "DEFER"  # the evidence is inconclusive: maybe
+
+    @property
+    def answer(self) -> str:
+        return {Decision.GO: "yes", Decision.NO_GO: "no", Decision.DEFER: "maybe"}[self]
+
+    @classmethod
+    def for_label(cls, label: str) -> Decision:
+        """The decision a PubMedQA label asks for."""
+        return next(d for d in cls if d.answer == label)
+
+
+ANSWER = {d.value: d.answer for d in Decision}  # decision -> PubMedQA answer
+
+
 class PIDecision(StructuredOutput):
-    decision: Literal["GO", "NO-GO"]
+    decision: Literal["GO", "NO-GO", "DEFER"]
     # 300 characters: a GO/NO-GO's reasons (the protocol carries the detail); at 600 the CPU GRPO trainer's sampled
     # rationales ran past its completion cap (a cut completion is malformed JSON) and took minutes a step
     rationale: str = Field(max_length=300)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make learn`: one learning cycle of the PI in the reasoning-free setting (params/learn.yaml), timed end to end:
 # data + model (dvc repro) -> train the PI on the gold decision -> an A/A copy of its champion -> role-level evaluation
-# on every validation question -> the gate promotes on evidence and moves the routing -> one rollout pass with the new
-# champion -> the official test split, all 500 questions, before vs after. PARAMS=<file> picks another profile.
+# on every validation question -> the gate promotes on evidence and moves the routing -> the official test split: the
+# PI's decision on all 500 questions and the society as served on report.limit of them, each before vs after.
+# PARAMS=<file> picks another profile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +28,7 @@ step "data, model and tools index (dvc repro: reused when up to date)"
 dvc repro validate materialize_model build_index
 step "serving plane up"
 python -m pipeline services up serving
-for stage in train-pi evaluate promote rollouts report; do  # evaluate registers the A/A candidate (evaluate.aa)
+for stage in train-pi evaluate promote report; do  # evaluate registers the A/A candidate (evaluate.aa)
   step "$stage"
   python -m pipeline "$stage"
 done
@@ -38,6 +39,26 @@ r = json.load(open("reports/promotion.json"))
 for key, d in r["decisions"].items():
     print(f"promotion: {key} v{d['candidate']}: {d['status']} ({d['rule']}): {d['detail']}")
 t = json.load(open("reports/test.json"))
+s = t["society"]
+for which in ("before", "after"):
+    if which in s:
+        m = s[which]
+        print(f"test ({t['setting']}): the society as served {which}: yes/no accuracy {m['yes_no']['accuracy']:.3f} "
+              f"[{m['yes_no']['ci_low']:.3f}, {m['yes_no']['ci_high']:.3f}] (n={m['yes_no']['n']}); failed "
+              f"{m['failures']['n']}/{m['questions']}; official accuracy {m['official']['accuracy']:.3f} macro-F1 "
+              f"{m['official']['macro_f1']:.3f}")
+if s.get("after_vs_before"):
+    c = s["after_vs_before"]["correct"]
+    print(f"test: the society after vs before, exact McNemar on {c['n']} yes/no questions: b={c['b']} c={c['c']} "
+          f"p={c['p_value']:.3g}")
+if s.get("agreement_with_role_level"):
+    a = s["agreement_with_role_level"]
+    print(f"test: the society's decision is the role-level decision on {a['same']}/{a['n']} questions")
+if s.get("input_effect"):
+    e = s["input_effect"]
+    print(f"test: the decision on the brief vs with the protocol and reviews (n={e['yes_no_n']} yes/no): "
+          f"{e['brief_accuracy']:.3f} vs {e['society_accuracy']:.3f}, agree {e['agree']}/{e['n']}")
+print(f"test: the society cost {s['cost']['seconds']:.0f} s for {s['questions']} questions x {s['cost']['societies']}")
 for role, x in t["role_level"].items():
     for which in ("before", "after"):
         if which in x:

@@ -181,6 +181,7 @@ class _ScriptedClient:
 
     def __init__(self) -> None:
         self.agents: list[str] = []
+        self.pi_calls: list[dict] = []
         self.in_flight = self.most_in_flight = 0
 
     async def structured(self, agent, model, messages, schema, spans, max_tokens=None, prompt=None):
@@ -203,8 +204,19 @@ class _ScriptedClient:
             schemas.Hypothesis: lambda: schemas.Hypothesis(hypothesis="h", rationale="r"),
             schemas.SupervisorChoice: lambda: schemas.SupervisorChoice(chosen=0, reason="r"),
             schemas.Protocol: lambda: schemas.Protocol(title="t", objective="o", methods=["m"], outcome_measures=["y"]),
-            schemas.PIDecision: lambda: schemas.PIDecision(decision="GO", rationale="r"),
         }[schema]()
+
+    async def chat(self, agent, model, messages, spans, max_tokens=None, temperature=None, top_logprobs=None, prompt=None,
+                   continue_from=None, stop=None, **_):
+        """The PI's two calls (pipeline/agents/decision.py): the decision position's alternatives, then the rationale."""
+        self.agents.append(agent)
+        self.pi_calls.append({"messages": messages, "continue_from": continue_from, "top_logprobs": top_logprobs})
+        data = {"agent": agent, "messages": [*messages, {"role": "assistant", "content": continue_from}], "ok": True}
+        if top_logprobs:
+            data["logprobs"] = [{"token": "GO", "top_logprobs": [{"token": "GO", "logprob": -0.2},
+                                                                 {"token": "NO", "logprob": -1.8}]}]
+        spans.append({"kind": "llm", "name": agent, "data": data})
+        return "" if top_logprobs else 'It holds."\n}'
 
 
 @pytest.mark.parametrize("concurrent", [True, False])
@@ -221,8 +233,41 @@ def test_review_board_routes_by_the_worst_review_whether_concurrent_or_not(tmp_p
     assert [(r["round"], r["severity"]) for r in sorted(state["reviews"], key=lambda r: (r["round"], r["reviewer"]))] == [
         (0, "MINOR"), (0, "CRITICAL"), (1, "MINOR"), (1, "MINOR")]
     seniors = [a for a in client.agents if a in ("hypothesis_refiner", "protocol_designer", "principal_investigator")]
-    assert seniors == ["hypothesis_refiner", "protocol_designer", "hypothesis_refiner", "protocol_designer", "principal_investigator"]
+    assert seniors == ["hypothesis_refiner", "protocol_designer", "hypothesis_refiner", "protocol_designer",
+                       "principal_investigator", "principal_investigator"]  # the PI's decision, then its rationale
     assert state["decision"]["decision"] == "GO" and state["review_round"] == 2
+    assert state["decision"]["rationale"] == "It holds."
+
+
+@pytest.mark.parametrize("what", ["brief", "society"])
+def test_the_society_pi_decides_on_the_call_role_level_evaluation_and_train_pi_make(tmp_path: Path, what: str) -> None:
+    """The one decision path (#57): the society's PI asks its decision with the messages role-level evaluation and
+    train_pi's rows use for the same brief (agents.decision.input brief), at the same prefix, read by the same rule;
+    the rationale is written after it on the society's prompt (protocol and reviews), the decision fixed."""
+    import asyncio
+
+    from pipeline.agents import decision
+    from pipeline.schemas import Decision
+
+    cfg = section("agents", max_review_rounds=0, epsilon=0.0)
+    cfg = cfg.model_copy(update={"decision": cfg.decision.model_copy(update={"input": decision.DecisionInput(what)})})
+    client = _ScriptedClient()
+    task = {"id": "1", "question": "Do statins help?", "contexts": ["An abstract."], "long_answer": "They do.",
+            "setting": "reasoning_free"}
+    society = Society(client=client, tools=Toolbox(tmp_path / "no-index"), rng=random.Random(0),  # type: ignore[arg-type]
+                      cfg=cfg)
+    state = asyncio.run(society.compile().ainvoke({"task": task, "review_round": 0}))
+    decide, explain = client.pi_calls
+    assert decide["continue_from"] == cfg.decision.prefix and decide["top_logprobs"]
+    role_level_call = decision.decision_messages(task, cfg, "reasoning_free")  # what role_level.decide sends
+    society_call = decision.decision_messages(task, cfg, "reasoning_free", state["protocol"], state["reviews"],
+                                              what=decision.DecisionInput.SOCIETY)
+    assert (decide["messages"] == role_level_call) is (what == "brief")
+    assert "Protocol: none yet" in role_level_call[0]["content"] and "Protocol: {'title'" in society_call[0]["content"]
+    assert explain["messages"] == society_call and explain["continue_from"] == decision.rationale_prefix(
+        cfg.decision.prefix, Decision.GO)
+    made, p_go, _ = decision.read([{"token": "GO", "logprob": -0.2}, {"token": "NO", "logprob": -1.8}])
+    assert state["decision"]["decision"] == made.value and state["decision"]["p_go"] == pytest.approx(p_go)
 
 
 def test_judge_samples_with_its_own_penalty_not_the_societys() -> None:

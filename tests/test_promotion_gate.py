@@ -48,7 +48,9 @@ def test_margin_floors_and_order_of_rules() -> None:
     assert _compare(_records([0.32] * 10), _records(base), margin=0.05, min_tasks=10).rule == "margin"
     assert _compare(_records([0.3] * 10), _records(base), min_tasks=10).rule == "margin"  # a tie never promotes
     failed = _records([0.9] * 10, ok=[True] * 4 + [False] * 6)
-    assert _compare(failed, _records(base), min_tasks=10).rule == "min_success_rate"
+    assert _compare(failed, _records(base), min_tasks=10).rule == "served_failures"  # 6 failed where the champion's 0 did
+    champion_failing_alike = _records(base, ok=[True] * 4 + [False] * 6)
+    assert _compare(failed, champion_failing_alike, min_tasks=10).rule == "min_success_rate"
     wrong = _records([0.9] * 10, decisions=["NO-GO"] * 10)
     assert _compare(wrong, _records(base), min_decision_accuracy=0.5, min_tasks=10).rule == "min_decision_accuracy"
     assert _compare(failed, _records(base)).rule == "insufficient_evidence"  # 10 < the default min_tasks: checked first
@@ -225,8 +227,20 @@ def test_decision_metrics_put_maybe_apart_and_match_sklearn() -> None:
     recs = _records([0.1] * 6, decisions=["GO", "NO-GO", None, "GO", "GO", "NO-GO"], labels=["yes", "no", "yes", "no", "maybe", "maybe"])
     s = summarise(recs, 200)
     assert s["decision_accuracy"]["mean"] == pytest.approx(2 / 4) and s["decision_accuracy"]["n"] == 4
-    assert s["maybe"] == {"n": 2, "go": 1, "no_go": 1}
+    assert s["maybe"] == {"n": 2, "go": 1, "no_go": 1, "defer": 0}
     assert answer(None) == "maybe" and answer("GO") == "yes"
     assert s["macro_f1"] == pytest.approx(macro_f1(["yes", "no", "yes", "no"], ["yes", "no", "maybe", "yes"]))
     lo, hi = bootstrap_ci([0.5] * 5)
     assert lo == hi == 0.5
+
+
+def test_a_candidate_whose_served_answers_fail_more_often_is_refused_whatever_its_other_figures() -> None:
+    """#57: better rewards where it answers, but two more of its served answers fail than the champion's on the same
+    tasks: refused by its own rule, before the reward is read; an identical copy is not refused for failures."""
+    base = [0.3] * 30
+    champion = _records(base, ok=[True] * 29 + [False])
+    candidate = _records([0.9] * 30, ok=[True] * 27 + [False] * 3)
+    d = _compare(candidate, champion)
+    assert not d.promote and d.rule == "served_failures" and "3 of 30 served answers failed" in d.detail
+    assert _compare(candidate, champion, max_extra_failures=2).promote  # the tolerance is the gate's own value
+    assert _compare(champion, champion).rule == "margin"

@@ -26,7 +26,7 @@ def test_a_candidate_keeps_the_templates_fields_and_shows_balanced_gold_decision
     assert len(dev) == 8 and not {t["id"] for t in pool} & {t["id"] for t in dev}  # a demonstration never scores itself
     assert all(t["final_decision"] in ("yes", "no") for t in pool + dev)  # maybe has no right decision
     assert split(_tasks(60), 8, seed=0) == (pool, dev) != split(_tasks(60), 8, seed=1)
-    prefix = section("pi").decision_prefix
+    prefix = section("agents").decision.prefix
     opt = FewShotOptimizer(section("prompt").model_copy(update={"demos": 4}), pool, "reasoning_free", prefix)
     demos = opt._demos(0)
     assert sorted(t["final_decision"] for t in demos) == ["no", "no", "yes", "yes"]

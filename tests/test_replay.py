@@ -36,8 +36,14 @@ class SamplingModel:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         self.requests[body["model"]] += 1
-        schema = body["response_format"]["json_schema"]["name"]
         draw = self.rng.random()
+        if "response_format" not in body:  # the PI's decision position (alternatives listed), then its rationale
+            top = [{"token": t, "logprob": -self.rng.random()} for t in ("GO", "NO")]
+            choice: dict[str, Any] = {"message": {"content": "GO" if body.get("logprobs") else f'r{draw:.6f}"'},
+                                      "finish_reason": "stop", "logprobs": {"content": [{"token": "GO", "top_logprobs": top}]}}
+            return httpx.Response(200, json={"model": body["model"], "usage": {"total_tokens": 10}, "choices": [choice]},
+                                  headers={"x-litellm-model-group": f"{body['model']}-base"})
+        schema = body["response_format"]["json_schema"]["name"]
         answer: dict[str, Any] = {
             "EvidenceCall": {"tool": "search_literature", "query": f"statins {draw:.6f}"},
             "ToolCall": {"tool": "none", "query": ""},

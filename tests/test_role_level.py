@@ -13,11 +13,13 @@ from sklearn.metrics import roc_auc_score
 from pipeline.agents.graph import brief
 from pipeline.config import load_params
 from pipeline.data.pubmedqa import normalise_record
+from pipeline.agents import decision
 from pipeline.evaluation import role_level
 from pipeline.evaluation.gate import decide
 from pipeline.evaluation.metrics import paired_difference
 from pipeline.evaluation.significance import mcnemar_exact, sign_flip
 from pipeline.serving import routing
+from pipeline.schemas import Decision, PIDecision
 from pipeline.stages import train_pi
 from tests.conftest import ROOT, section
 
@@ -77,7 +79,7 @@ def test_auc_agrees_with_sklearn_and_its_interval_holds_it() -> None:
     m = role_level.metrics(cand, "reasoning_free", 300)
     assert m["yes_no"]["n"] == len(yes_no) and m["questions"] == 200 and m["setting"] == "reasoning_free"
     assert m["yes_no"]["ci_low"] < m["yes_no"]["accuracy"] < m["yes_no"]["ci_high"]
-    # the official metric counts every question; the PI never answers maybe, so maybe questions are all wrong
+    # the official metric counts every question; these records never DEFER, so maybe questions are all wrong
     maybe = sum(r["label"] == "maybe" for r in cand)
     assert m["official"]["accuracy"] == pytest.approx(m["yes_no"]["accuracy"] * len(yes_no) / 200)
     assert maybe > 0
@@ -97,12 +99,19 @@ def test_the_gate_promotes_a_better_pi_refuses_an_identical_one_and_refuses_acro
     assert not across.promote and across.rule == "setting" and "reasoning_required" in across.detail
 
 
-def test_p_go_reads_the_decision_token() -> None:
-    content = [{"token": '{"', "top_logprobs": []}, {"token": "NO", "top_logprobs": [
-        {"token": "NO", "logprob": float(np.log(0.6))}, {"token": "GO", "logprob": float(np.log(0.2))},
-        {"token": "maybe", "logprob": float(np.log(0.2))}]}]
-    assert role_level.p_go(content) == pytest.approx(0.25)
-    assert role_level.p_go([{"token": "x", "top_logprobs": []}]) is None
+def _top(**probs: float) -> list[dict]:
+    return [{"token": t, "logprob": float(np.log(p))} for t, p in probs.items()]
+
+
+def test_the_decision_is_read_over_the_three_decisions_at_the_decision_position() -> None:
+    made, p_go, probs = decision.read(_top(NO=0.6, GO=0.2, maybe=0.2))
+    assert made is Decision.NO_GO and p_go == pytest.approx(0.25) and probs["DEFER"] == 0  # "maybe" spells no decision
+    made, p_go, probs = decision.read(_top(DE=0.5, NO=0.3, GO=0.1, x=0.1))  # DEFER's first token
+    assert made is Decision.DEFER and p_go == pytest.approx(0.25) and probs["DEFER"] == pytest.approx(5 / 9)
+    made, p_go, _ = decision.read([{"token": ' "GO', "logprob": 0.0}])  # a space and the quote stripped
+    assert made is Decision.GO and p_go == 1.0
+    assert decision.read(_top(x=0.9, y=0.1)) == (None, None, {})  # nothing spells a decision: a served failure
+    assert Decision.for_label("maybe") is Decision.DEFER and Decision.DEFER.answer == "maybe"
 
 
 def test_reasoning_free_adds_the_conclusion_first() -> None:
@@ -112,19 +121,23 @@ def test_reasoning_free_adds_the_conclusion_first() -> None:
     assert free.index("Conclusion") < free.index("Abstract") and free.endswith("A" * 20)
 
 
-def test_the_pi_learns_the_gold_decision_without_maybe(pubmedqa) -> None:
+def test_the_pi_learns_the_gold_decision_maybe_included_on_the_call_the_society_serves(pubmedqa) -> None:
     params = load_params(ROOT / "params/learn.yaml", environ={})
     tasks = {pmid: {**normalise_record(pmid, rec), "setting": params.data.setting} for pmid, rec in list(pubmedqa.items())[:80]}
     data = train_pi.rows(list(tasks.values()), params)
     assert all("Conclusion: " in r["prompt"][0]["content"] for r in data)
-    assert data and {r["label"] for r in data} == {"yes", "no"}
+    assert len(data) == len(tasks) and {r["label"] for r in data} == {"yes", "no", "maybe"}
     for r in data:
+        task = tasks[r["task_id"]]
         target = yaml.safe_load(r["completion"][0]["content"])
-        assert target["decision"] == {"yes": "GO", "no": "NO-GO"}[tasks[r["task_id"]]["final_decision"]]
-        assert target["rationale"] == tasks[r["task_id"]]["long_answer"][:params.pi.rationale_chars]
-    assert sum(t["final_decision"] == "maybe" for t in tasks.values()) == len(tasks) - len(data)
+        assert target["decision"] == {"yes": "GO", "no": "NO-GO", "maybe": "DEFER"}[task["final_decision"]]
+        assert target["rationale"] == task["long_answer"][:params.pi.rationale_chars]
+        # the row's prompt is the decision call the society's PI makes on the same brief (no protocol: input brief)
+        assert r["prompt"] == decision.decision_messages(task, params.agents, params.data.setting, protocol={"title": "t"},
+                                                         reviews=[{"reviewer": "peer_reviewer", "severity": "MINOR",
+                                                                   "summary": "s"}])
     assert train_pi.signal(data) is None
-    assert "yes and no" in (train_pi.signal([r for r in data if r["label"] == "yes"]) or "")
+    assert "yes and no" in (train_pi.signal([r for r in data if r["label"] != "no"]) or "")
 
 
 def test_a_routing_version_from_before_the_pi_had_its_own_model_routes_it_as_the_senior(tmp_path) -> None:
@@ -151,34 +164,31 @@ def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefi
     params = load_params(ROOT / "params/learn.yaml", environ={})
     tasks = [normalise_record(pmid, rec) for pmid, rec in list(pubmedqa.items())[:40]]
     chat = train_pi.rows(tasks, params)
-    rows = train_pi.decision_rows(chat, _Template(), params.pi.decision_prefix)
+    prefix = params.agents.decision.prefix
+    rows = train_pi.decision_rows(chat, _Template(), prefix)
     assert len(rows) == len(chat) and params.pi.loss_on == "decision_token"
     for row, src in zip(rows, chat, strict=True):
-        assert row["prompt"].endswith("<assistant>" + params.pi.decision_prefix)
-        assert row["completion"] == {"yes": 'GO"', "no": 'NO-GO"'}[src["label"]]
+        assert row["prompt"].endswith("<assistant>" + prefix)
+        assert row["completion"] == {"yes": 'GO"', "no": 'NO-GO"', "maybe": 'DEFER"'}[src["label"]]
         assert row["task_id"] == src["task_id"] and row["rollout_id"] == src["rollout_id"]
 
 
-def test_p_go_at_the_decision_position_reads_it_whatever_token_won() -> None:
-    content = [{"token": "No", "top_logprobs": [{"token": "No", "logprob": float(np.log(0.5))},
-                                                {"token": "NO", "logprob": float(np.log(0.3))},
-                                                {"token": " GO", "logprob": float(np.log(0.1))}]}]
-    assert role_level.p_go(content) is None  # decoded answers: no GO/NO token was written
-    assert role_level.p_go(content, at_first=True) == pytest.approx(0.25)
-
-
-def test_the_rationale_is_read_from_the_answer_after_its_decision() -> None:
-    answer = 'GO",\n  "rationale": "The abstract shows a \\"clear\\" effect."\n}'
-    assert role_level.rationale(answer) == 'The abstract shows a "clear" effect.'
-    assert role_level.rationale('NO-GO", "rationale": "cut at the token cap') == "cut at the token cap"
-    assert role_level.rationale('GO"}') == ""
+def test_the_rationale_is_the_string_the_model_closed_after_the_fixed_decision() -> None:
+    prefix = section("agents").decision.prefix
+    assert decision.rationale_prefix(prefix, Decision.GO) == prefix + 'GO",\n  "rationale": "'
+    assert decision._closed('The abstract shows a \\"clear\\" effect."\n}') == 'The abstract shows a "clear" effect.'
+    assert decision._closed("cut at the token cap") == "cut at the token cap"
+    got = decision.Answer(decision=Decision.DEFER, p_go=0.5, probs={}, rationale="x" * 400)
+    state = got.as_pi_decision()  # the society's decision: a valid PIDecision, the rationale cut to the schema
+    obj = PIDecision(decision=state["decision"], rationale=state["rationale"])
+    assert obj.decision == "DEFER" and len(obj.rationale) == 300 and state["p_go"] == 0.5
 
 
 def test_every_prompt_is_a_named_template_whose_version_follows_its_text(monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeline.agents import prompts
 
     task = {"question": "Does X cause Y?", "contexts": ["An abstract."], "long_answer": "It does."}
-    assert role_level.messages(task, section("agents"), "reasoning_free")[0]["content"] == prompts.render(
+    assert decision.decision_messages(task, section("agents"), "reasoning_free")[0]["content"] == prompts.render(
         "principal_investigator", brief=brief(task, section("agents").context_chars, "reasoning_free"),
         protocol=prompts.NO_PROTOCOL, reviews="none")
     before = prompts.sha("principal_investigator")

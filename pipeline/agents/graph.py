@@ -25,11 +25,12 @@ from typing import Annotated, Any, TypedDict
 
 from langgraph.graph import END, START, StateGraph
 
+from pipeline.agents import decision
 from pipeline.agents.llm import DESIGNER_TOKENS, LLMError, RoleClient
-from pipeline.agents.prompts import SETTINGS, brief, pi_fields, render
+from pipeline.agents.prompts import SETTINGS, brief, render
 from pipeline.agents.tools import Toolbox, timed_call
-from pipeline.config import AgentsParams
-from pipeline.schemas import EvidenceCall, Hypothesis, PIDecision, Protocol, Review, StructuredOutput, SupervisorChoice, ToolCall
+from pipeline.config import AgentsParams, DecisionInput
+from pipeline.schemas import EvidenceCall, Hypothesis, Protocol, Review, StructuredOutput, SupervisorChoice, ToolCall
 
 JUNIORS = {
     "geneticist": "a geneticist: genes, variants, heritability",
@@ -191,9 +192,18 @@ class Society:
         return {3: "refiner", 2: "designer"}.get(worst, "principal_investigator")
 
     async def principal_investigator(self, state: SocietyState) -> dict[str, Any]:
-        fields = pi_fields(self._brief(state), state.get("protocol"), state.get("reviews", []))
-        return await self._senior("principal_investigator", PIDecision, "principal_investigator", fields, "decision",
-                                  tokens=max(self.cfg.max_tokens, 256))
+        """The PI decides by the one decision path it is trained and gated on (pipeline/agents/decision.py)."""
+        agent, spans = "principal_investigator", list[dict[str, Any]]()
+        task, setting = state["task"], state["task"].get("setting", SETTINGS[0])
+        protocol, reviews = state.get("protocol"), state.get("reviews", [])
+        answer = await decision.ask(
+            self.client, agent, self.cfg.models[agent], self.cfg.decision,
+            decision.decision_messages(task, self.cfg, setting, protocol, reviews),
+            decision.decision_messages(task, self.cfg, setting, protocol, reviews, what=DecisionInput.SOCIETY),
+            spans, prompt=agent)
+        if answer.decision is None:
+            return {"spans": spans, "errors": [f"{agent}: {answer.error}"]}
+        return {"spans": spans, "decision": answer.as_pi_decision()}
 
     def compile(self) -> Any:
         g = StateGraph(SocietyState)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound=StructuredOutput)
 
+TRANSPORT_RETRIES = 2  # a connection error is retried this often (with backoff) before the call fails
 DESIGNER_TOKENS = 4  # the protocol designer's cap, in agents.max_tokens: a protocol is the society's longest answer
 
 
@@ -99,13 +100,21 @@ class RoleClient:
     async def chat(self, agent: str, model: str, messages: list[dict[str, str]], spans: list[dict[str, Any]],
                    response_format: dict[str, Any] | None = None, max_tokens: int | None = None,
                    frequency_penalty: float | None = None, temperature: float | None = None,
-                   top_logprobs: int | None = None, prompt: str | None = None) -> str:
+                   top_logprobs: int | None = None, prompt: str | None = None, continue_from: str | None = None,
+                   stop: list[str] | None = None) -> str:
         """One call; ``frequency_penalty`` and ``temperature`` override the client's for this call (the judge
-        samples with its own); ``top_logprobs`` asks for each generated token's alternatives (span ``logprobs``)."""
+        samples with its own); ``top_logprobs`` asks for each generated token's alternatives (span ``logprobs``);
+        ``continue_from``: the assistant's answer so far, which the model continues (vLLM's continue_final_message)."""
         penalty = self.frequency_penalty if frequency_penalty is None else frequency_penalty
         temp = self.temperature if temperature is None else temperature
+        if continue_from is not None:
+            messages = [*messages, {"role": "assistant", "content": continue_from}]
         body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temp,
                                 "max_tokens": max_tokens or self.max_tokens}
+        if continue_from is not None:
+            body.update(continue_final_message=True, add_generation_prompt=False)
+        if stop:
+            body["stop"] = stop
         if penalty:
             body["frequency_penalty"] = penalty
         if (seed := call_seed(agent, messages)) is not None:
@@ -160,8 +169,16 @@ class RoleClient:
     async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None) -> httpx.Response:
         """The request, again after each 503 (a deployment down or restarting) for at most ``unavailable_wait_s``."""
         deadline = time.monotonic() + self.unavailable_wait_s
+        failures = 0
         while True:
-            resp = await self._http.post(url, json=body, headers=headers)
+            try:
+                resp = await self._http.post(url, json=body, headers=headers)
+            except httpx.TransportError:  # a dropped connection is retried a bounded number of times, then raised
+                failures += 1
+                if failures > TRANSPORT_RETRIES:
+                    raise
+                await asyncio.sleep(2 ** failures)
+                continue
             left = deadline - time.monotonic()
             if resp.status_code != 503 or left <= 0:
                 return resp

@@ -6,14 +6,16 @@ checked in order and the first that fails decides, so the recorded ``rule`` says
 0. ``setting``: the two evaluations were made in different PubMedQA settings (data.setting): never compared.
 1. ``insufficient_evidence``: fewer paired tasks than ``promote.min_tasks`` (docs/promotion.md
    derives the default from a power calculation). Never promotes, whatever the numbers say.
-2. ``min_success_rate`` / ``min_decision_accuracy``: floors on the candidate alone; ``discrimination`` (role level,
+2. ``served_failures``: the candidate's answers, asked as the society serves them, failed (no decision) on more tasks
+   than the champion's on the same tasks, by more than ``promote.max_extra_failures``.
+3. ``min_success_rate`` / ``min_decision_accuracy``: floors on the candidate alone; ``discrimination`` (role level,
    ``promote.min_auc``): the interval of the candidate's AUC of P(GO) must lie above the floor, so a PI that answers
    one decision everywhere (the label prior: right more often, separating nothing) is never promoted.
-3. ``accuracy_drop``: the judge's part of the reward rose while decision accuracy against the
+4. ``accuracy_drop``: the judge's part of the reward rose while decision accuracy against the
    PubMedQA label fell by more than ``promote.max_accuracy_drop`` (a candidate that learned to
    please the judge at the expense of being right).
-4. ``margin``: the mean reward gain must exceed ``promote.margin``.
-5. ``significance``: the exact one-sided sign-flip test of the paired reward differences must give
+5. ``margin``: the mean reward gain must exceed ``promote.margin``.
+6. ``significance``: the exact one-sided sign-flip test of the paired reward differences must give
    p < ``promote.alpha``; with ``promote.multiplicity: holm`` that p is first Holm-adjusted over every
    candidate the cycle evaluated (the caller passes it), so a cycle of several null candidates
    promotes one of them with probability at most alpha, not about alpha per candidate.
@@ -58,6 +60,11 @@ def decide(candidate: Metrics | dict[str, Any], champion: Metrics | dict[str, An
     if diff.n < cfg.min_tasks:
         return Decision(False, INSUFFICIENT, f"{diff.n} paired task(s) < promote.min_tasks={cfg.min_tasks}: the difference "
                                              f"{diff.mean:+.4f} (p={diff.p_value:.3f}) cannot support a decision")
+    failed, failed_before = candidate.failures(), champion.failures()
+    if failed is not None and failed_before is not None and failed > failed_before + cfg.max_extra_failures:
+        return Decision(False, "served_failures", f"{failed} of {diff.n} served answers failed against the champion's "
+                                                  f"{failed_before} (promote.max_extra_failures={cfg.max_extra_failures}): "
+                                                  "what it would serve fails more often, whatever its other figures say")
     success = _mean(candidate, "success_rate") or 0.0
     if success < cfg.min_success_rate:
         return Decision(False, "min_success_rate", f"success rate {success:.2f} < {cfg.min_success_rate:.2f}")

@@ -4,8 +4,8 @@ exact tests to decide (``pipeline.evaluation.significance``).
 Pure functions over evaluation records (one dict per task: ``task_id``, ``label``, ``decision``,
 ``status``, ``reward``, ``scores``, ``turns``, ``tokens``, ``latency_s``), so the gate can be
 tested on synthetic records and the numbers in MLflow, ``reports/`` and the notebook agree.
-Decision metrics map GO -> yes and NO-GO -> no; questions labelled ``maybe`` are reported apart
-(the society cannot answer maybe), and a rollout without a decision counts as wrong.
+Decision metrics map GO -> yes, NO-GO -> no and DEFER -> maybe (``pipeline.schemas.Decision``); ``decision_accuracy``
+counts the yes/no questions, the maybe questions are reported apart, and a rollout without a decision counts as wrong.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import numpy as np
 from sklearn.metrics import f1_score
 
 from pipeline.evaluation.significance import EXACT_MAX, mcnemar_exact, sign_flip
+from pipeline.schemas import ANSWER
 
 CRITERIA = ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")
-ANSWER = {"GO": "yes", "NO-GO": "no"}
 
 
 def answer(decision: str | None) -> str:
@@ -67,7 +67,8 @@ def summarise(records: list[dict[str, Any]], n: int = 1000, ci: float = 0.95, se
     out["macro_f1"] = macro_f1([r["label"] for r in decided], [answer(r["decision"]) for r in decided]) if decided else None
     maybe = [r for r in records if r["label"] == "maybe"]
     out["maybe"] = {"n": len(maybe), "go": sum(r["decision"] == "GO" for r in maybe),
-                    "no_go": sum(r["decision"] == "NO-GO" for r in maybe)}
+                    "no_go": sum(r["decision"] == "NO-GO" for r in maybe),
+                    "defer": sum(r["decision"] == "DEFER" for r in maybe)}
     return out
 
 

@@ -1,151 +1,69 @@
-"""A role whose output the label checks, scored on that output alone: the PI's GO/NO-GO on every question.
+"""A role whose output the label checks, scored on that output alone: the PI's decision on every question.
 
 A whole-society comparison costs minutes a task and its paired differences spread wide (sd 0.29 of the final reward):
 25 tasks detect only a 0.15 gain. The PI's decision is the one output a PubMedQA label checks, so a PI candidate is
 scored on its own decision for every question of a split, paired with the champion PI on the same inputs.
 
-**What the PI sees**: the society's own PI prompt (``graph.pi_prompt``) over the evidence brief alone (the question,
-its abstract, and in the reasoning-free setting the abstract's conclusion), with no protocol and no reviews. A
-cached champion record of the upstream society would tie the PI's score to a protocol per question (a whole society
-run each, ~3 min here), and the evidence for yes/no is in the brief; the society-level figure keeps its own n.
+**What the PI answers**: exactly what the society's PI node asks and serves (``pipeline.agents.decision.ask``, the one
+decision path): the decision read at ``agents.decision.prefix`` from the PI's prompt over the evidence brief (the
+question, its abstract, and in the reasoning-free setting the abstract's conclusion; no protocol: a role-level call has
+no society), then, when the judge is on, the rationale written after the decision is fixed. So the gated decision is
+the served one for the same brief and weights, and an answer that fails here (no decision at the decision position, a
+refused call) is a failure the gate counts against the candidate (``served_failures``). That is also the context
+``train_pi`` trains the decision in; under the JSON grammar a decision-trained adapter's whitespace drifted and it
+decided after a prefix it never saw (validation AUC 0.63 under the grammar vs 0.82 at the prefix, n = 89).
 
-**One prefill**: the call continues the PI's answer from ``pi.decision_prefix`` (what the base model writes before the
-decision under ``PIDecision``'s schema, ``{`` + newline + two spaces + ``"decision": "`` for SmolLM2) through the proxy
-(the routed deployment answers, as in the society) and generates one token; the decision is read from its
-probabilities (``p_go``): GO when P(GO) >= 1/2. That is the context ``train_pi`` trains the decision in. Under the
-grammar a decision-trained adapter's whitespace drifts (it had no loss there) and it decides after a prefix it never
-saw: validation AUC 0.63 under the grammar vs 0.82 at the prefix, n = 89.
-
-**The judge's part** (``evaluate.role_judge``): the same call goes on for ``evaluate.role_rationale_tokens`` tokens after
-the decision (the rest of the PI's JSON, its rationale, at temperature 0), and the society's judge scores that decision and
-rationale against the abstract as it scores a rollout's (``pipeline.rewards.judge``, no protocol). The record's reward is
-then the society's final reward: the judge's score and the decision credit weighted by ``reward``, so the gate reads
-judge scores anchored by the label. Identical answers are judged once (an A/A copy costs no judge call).
+**The judge's part** (``evaluate.role_judge``): the served rationale (``agents.decision.rationale_tokens``) is scored
+by the society's judge with the decision, against the abstract, as it scores a rollout's (``pipeline.rewards.judge``,
+no protocol). The record's reward is then the society's final reward: the judge's score and the decision credit
+weighted by ``reward``, so the gate reads judge scores anchored by the label. Identical answers are judged once (an
+A/A copy costs no judge call).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import re
-import time
 from typing import Any
 
-import httpx
 import numpy as np
 
+from pipeline.agents import decision
 from pipeline.agents.llm import RoleClient
-from pipeline.agents.prompts import NO_PROTOCOL, pi_messages
+from pipeline.agents.prompts import NO_PROTOCOL
 from pipeline.config import AgentsParams, JudgeParams, RewardParams
 from pipeline.evaluation.metrics import answer, macro_f1, summarise
 from pipeline.rewards.judge import decision_credit, final_reward
 from pipeline.rewards.judge import judge as run_judge
 
-TOP_LOGPROBS = 20  # enough that both GO and NO are listed at the decision token
-RETRIES = 3  # transport errors only; an unreadable answer is the model's and counts as no decision
-
-
-def messages(task: dict[str, Any], agents: AgentsParams, setting: str, template: str | None = None) -> list[dict[str, str]]:
-    return pi_messages(task, agents.context_chars, setting, template)
-
-
-def request(task: dict[str, Any], agents: AgentsParams, setting: str, prefix: str, role: str, rationale_tokens: int = 0,
-            template: str | None = None) -> dict[str, Any]:
-    """The role's chat request for ``task``: its answer continued from the decision prefix, so the decision token is the
-    one generated, in its trained context (``template``: a candidate prompt text instead of the routed one)."""
-    chat = [*messages(task, agents, setting, template), {"role": "assistant", "content": prefix}]
-    return {"model": role, "messages": chat, "max_tokens": 1 + rationale_tokens, "temperature": 0.0, "logprobs": True,
-            "top_logprobs": TOP_LOGPROBS, "continue_final_message": True, "add_generation_prompt": False}
-
-
-def decision_of(doc: dict[str, Any]) -> tuple[str | None, float | None]:
-    """The decision a completion's first token makes, and its P(GO) (None, None: no decision token listed)."""
-    choice = doc["choices"][0]
-    prob = p_go((choice.get("logprobs") or {}).get("content") or [], at_first=True)
-    return (None if prob is None else "GO" if prob >= 0.5 else "NO-GO"), prob
-
-
-_RATIONALE = re.compile(r'"rationale"\s*:\s*"((?:[^"\\]|\\.)*)')
-
-
-def rationale(text: str) -> str:
-    """The rationale the answer went on to write after its decision ('' when it wrote none), cut where it was cut."""
-    found = _RATIONALE.search(text)
-    return found.group(1).replace('\\"', '"') if found else ""
-
-
-def _word(token: str) -> str:
-    return token.strip().lstrip('"').strip()
-
-
-def p_go(content: list[dict[str, Any]], at_first: bool = False) -> float | None:
-    """P(GO) where the model writes the decision, renormalised over the spellings of GO and NO listed there (whitespace
-    and an opening quote stripped). ``at_first``: the first generated token is the decision position (the answer was
-    continued from the decision prefix), whatever the model picked there; otherwise the first token that is GO or NO
-    (a whole answer decoded under ``PIDecision``'s schema, benchmarks/bench_before_after.py). None when neither is
-    among the listed alternatives."""
-    for entry in content[:1] if at_first else content:
-        if at_first or _word(entry.get("token") or "") in ("GO", "NO"):
-            mass = {"GO": 0.0, "NO": 0.0}
-            for t in entry.get("top_logprobs") or []:
-                if (word := _word(t["token"])) in mass:
-                    mass[word] += math.exp(t["logprob"])
-            total = mass["GO"] + mass["NO"]
-            return mass["GO"] / total if total > 0 else None
-    return None
-
-
-async def _ask(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any] | str:
-    """The completion, or why the model refused the request (a 4xx: the model's answer, no decision); transport errors
-    and 5xx are retried, then raised."""
-    for attempt in range(RETRIES):
-        try:
-            resp = await http.post(url, json=body)
-            if 400 <= resp.status_code < 500 and resp.status_code not in (401, 403, 404, 429):
-                return f"HTTP {resp.status_code}: {resp.text[:200]}"
-            resp.raise_for_status()
-            return dict(resp.json())
-        except httpx.HTTPError:
-            if attempt == RETRIES - 1:
-                raise
-            await asyncio.sleep(2 ** attempt)
-    raise AssertionError("unreachable")
-
 
 async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]], agents: AgentsParams, reward: RewardParams,
-                 setting: str, prefix: str, concurrency: int, timeout_s: float, routing: str | None = None,
-                 progress: Any = None, rationale_tokens: int = 0, template: str | None = None) -> list[dict[str, Any]]:
-    """One record per task (``metrics.summarise``'s fields): the role's decision through the proxy, its P(GO) and its
-    decision credit as the reward; ``rationale_tokens`` more tokens of the answer give the rationale (:func:`judged`
-    scores it). ``routing``: an evaluation routing table (None = the live one); ``template``: a candidate prompt."""
+                 setting: str, concurrency: int, timeout_s: float, routing: str | None = None, progress: Any = None,
+                 rationale: bool = False, template: str | None = None) -> list[dict[str, Any]]:
+    """One record per task (``metrics.summarise``'s fields): the role's served answer through the proxy
+    (``decision.ask``, the society's own call; ``rationale``: its rationale too, which :func:`judged` scores), its
+    P(GO) and its decision credit as the reward. ``routing``: an evaluation routing table (None = the live one);
+    ``template``: a candidate prompt."""
     sem = asyncio.Semaphore(concurrency)
-    url = f"{base_url}/chat/completions"
+    client = RoleClient.for_agents(agents, base_url, key, timeout_s, routing=routing)
 
-    async def one(http: httpx.AsyncClient, task: dict[str, Any]) -> dict[str, Any]:
-        body = request(task, agents, setting, prefix, role, rationale_tokens, template)
-        if routing:
-            body["metadata"] = {"routing": routing}
+    async def one(task: dict[str, Any]) -> dict[str, Any]:
+        spans: list[dict[str, Any]] = []
+        chat = decision.decision_messages(task, agents, setting, template=template)
         async with sem:
-            t0 = time.perf_counter()
-            doc = await _ask(http, url, body)
-            latency = time.perf_counter() - t0
-        refused = doc if isinstance(doc, str) else None
-        choice = {} if isinstance(doc, str) else doc["choices"][0]
-        decision, prob = (None, None) if isinstance(doc, str) else decision_of(doc)
-        doc = {} if isinstance(doc, str) else doc
-        credit = decision_credit(decision, task["final_decision"], reward)
+            got = await decision.ask(client, role, role, agents.decision, chat, chat if rationale else None, spans)
+        made = got.decision.value if got.decision else None
+        credit = decision_credit(made, task["final_decision"], reward)
         if progress is not None:
             progress()
-        text = (choice.get("message") or {}).get("content") or ""
-        return {"task_id": task["id"], "label": task["final_decision"], "decision": decision, "p_go": prob,
-                "rationale": rationale(text) if rationale_tokens else None,
-                "status": "ok" if decision else "failed", "error": None if decision else refused or "no decision token",
-                "reward": credit, "components": {"decision": credit}, "scores": {}, "turns": 1,
-                "tokens": (doc.get("usage") or {}).get("total_tokens", 0), "latency_s": latency,
-                "served_model": doc.get("model")}
+        return {"task_id": task["id"], "label": task["final_decision"], "decision": made, "p_go": got.p_go,
+                "probs": got.probs, "rationale": got.rationale, "status": "ok" if made else "failed", "error": got.error,
+                "reward": credit, "components": {"decision": credit}, "scores": {}, "turns": len(spans),
+                "tokens": got.tokens, "latency_s": got.latency_s, "served_model": got.deployment}
 
-    async with httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {key}"}) as http:
-        return list(await asyncio.gather(*(one(http, t) for t in tasks)))
+    try:
+        return list(await asyncio.gather(*(one(t) for t in tasks)))
+    finally:
+        await client.aclose()
 
 
 async def judged(base_url: str, key: str, tasks: list[dict[str, Any]], runs: list[list[dict[str, Any]]], agents: AgentsParams,
@@ -213,8 +131,8 @@ def clopper_pearson(k: int, n: int, ci: float = 0.95) -> tuple[float, float]:
 
 def metrics(records: list[dict[str, Any]], setting: str, draws: int = 1000, ci: float = 0.95, seed: int = 0) -> dict[str, Any]:
     """``summarise``'s metrics (the gate reads them) plus what a reader compares: PubMedQA's official accuracy and
-    macro-F1 over every question (three classes; the PI never answers maybe), the yes/no accuracy with its exact
-    interval, and the AUC of P(GO) with a bootstrap interval."""
+    macro-F1 over every question (three classes: DEFER answers maybe), the yes/no accuracy with its exact interval,
+    the served failures, and the AUC of P(GO) with a bootstrap interval."""
     out = summarise(records, draws, ci, seed)
     yes_no = [r for r in records if r["label"] in ("yes", "no")]
     right = sum(answer(r["decision"]) == r["label"] for r in yes_no)
@@ -227,5 +145,6 @@ def metrics(records: list[dict[str, Any]], setting: str, draws: int = 1000, ci: 
                        "majority": max(sum(r["label"] == "yes" for r in yes_no), sum(r["label"] == "no" for r in yes_no))
                        / max(len(yes_no), 1),
                        "go_share": sum(r["decision"] == "GO" for r in yes_no) / max(len(yes_no), 1)},
-               auc={"value": auc(records), "ci_low": a_lo, "ci_high": a_hi})
+               auc={"value": auc(records), "ci_low": a_lo, "ci_high": a_hi},
+               failures={"n": sum(r["status"] != "ok" for r in records), "of": len(records)})
     return out

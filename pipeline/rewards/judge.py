@@ -4,10 +4,9 @@ A rollout's final reward has two parts, weighted by ``reward`` in params.yaml:
 
 - ``judge``: the judge's weighted score of the protocol and decision (six criteria). Groundedness is
   judged against the task's own abstract, which the judge sees and the society does not.
-- ``decision``: the PI's GO/NO-GO against the PubMedQA label (GO<->yes, NO-GO<->no), the one
-  verifiable signal of the task: 1 right, 0 wrong or no decision. A ``maybe`` label has no right
-  GO/NO-GO, so any decision earns ``reward.maybe_credit`` (the same for GO and NO-GO: no gradient
-  towards either), and no decision earns 0.
+- ``decision``: the PI's decision against the PubMedQA label (GO<->yes, NO-GO<->no, DEFER<->maybe), the one
+  verifiable signal of the task: 1 right, 0 wrong or no decision. On a ``maybe`` label DEFER is right and a GO or
+  NO-GO earns ``reward.maybe_credit`` (the same for both: no gradient between them).
 
 The judge is an instrument, not a participant: it samples at ``judge.temperature`` (0 by default,
 apart from the agents'), and everything the society wrote (protocol, rationale) or the dataset holds
@@ -26,10 +25,10 @@ from typing import Any
 from pipeline.agents.llm import LLMError, RoleClient
 from pipeline.agents.prompts import render
 from pipeline.config import JudgeParams, RewardParams
-from pipeline.schemas import JudgeScores
+from pipeline.schemas import ANSWER, Decision, JudgeScores
 
 CRITERIA = ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")
-ALIGN = {"GO": "yes", "NO-GO": "no"}
+ALIGN = {d: a for d, a in ANSWER.items() if a != "maybe"}  # the decisions a yes/no label checks
 
 
 def weighted_reward(scores: dict[str, float], weights: dict[str, float]) -> float:
@@ -47,12 +46,13 @@ def alignment(decision: str | None, label: str | None) -> dict[str, Any]:
 
 
 def decision_credit(decision: str | None, label: str | None, cfg: RewardParams) -> float:
-    """The gold part of the reward: 1 right, 0 wrong or undecided, ``maybe_credit`` for any decision on a maybe label."""
-    if decision not in ALIGN:
+    """The gold part of the reward: 1 for the decision the label asks for (DEFER on maybe), 0 wrong or undecided, and
+    ``maybe_credit`` for a GO or NO-GO on a maybe label (the same for both: no gradient towards either)."""
+    if decision not in ANSWER:
         return 0.0
     if label == "maybe":
-        return cfg.maybe_credit
-    return float(label in ("yes", "no") and ALIGN[decision] == label)
+        return 1.0 if decision == Decision.DEFER else cfg.maybe_credit
+    return float(ANSWER[decision] == label)
 
 
 def final_reward(judge_value: float, decision: str | None, label: str | None,

@@ -394,8 +394,7 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
         table = _table(params.serving, params.mlflow, slug, {**roles, name: where}, policies)
         t0 = time.perf_counter()
         records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward, setting,
-                                                params.pi.decision_prefix, cfg.role_concurrency, cfg.timeout_s, slug,
-                                                rationale_tokens=cfg.role_rationale_tokens if cfg.role_judge else 0,
+                                                cfg.role_concurrency, cfg.timeout_s, slug, rationale=cfg.role_judge,
                                                 template=text))
         answered[alias] = (records, json.dumps(table), time.perf_counter() - t0)
     judge_calls = 0
@@ -416,7 +415,7 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
             mlflow.log_text("".join(json.dumps(r) + "\n" for r in records), "evaluation/records.jsonl")
         scored[alias] = (records, mine, run.info.run_id)
         print(f"evaluate: {name} {alias} v{version.version} ({where}): {len(records)} validation questions in "
-              f"{seconds:.0f} s, yes/no accuracy {mine['yes_no']['accuracy']:.3f} "
+              f"{seconds:.0f} s, {mine['failures']['n']} failed, yes/no accuracy {mine['yes_no']['accuracy']:.3f} "
               f"(n={mine['yes_no']['n']}), AUC {mine['auc']['value']}")
     champ_records, champ, champ_run = scored["champion"]
     out: dict[str, Any] = {}
@@ -447,7 +446,8 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
             "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.level": "role", "eval.setting": setting,
             "eval.champion_reward": f"{champ['reward']['mean']:.4f}", "eval.diff": f"{diff['mean']:+.4f}",
             "eval.tasks": len(tasks), "eval.p_value": f"{diff['p_value']:.4f}",
-            "eval.mcnemar_p": f"{diff['decision']['p_value']:.4f}"})
+            "eval.mcnemar_p": f"{diff['decision']['p_value']:.4f}", "eval.failures": mine["failures"]["n"],
+            "eval.champion_failures": champ["failures"]["n"]})
         print(f"evaluate: {name} {alias} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion "
               f"{champ['reward']['mean']:.3f}; paired diff {diff['mean']:+.3f} (n={diff['n']}, "
               f"sign-flip p={diff['p_value']:.4f}; "

@@ -1,11 +1,20 @@
-"""The champion society on PubMedQA's official test split: the number people quote.
+"""The champions on PubMedQA's official test split: the numbers people quote, each named for what it measures.
 
-Runs after promotion, through the live routing (the champions), one rollout per question with the
-judge. The test split is read here and nowhere else: no training, evaluation or gating stage has it
-among its DVC deps (tests/test_dvc_pipeline.py checks). Predictions are written in PubMedQA's own
-format (PMID -> yes/no/maybe; a rollout without a decision abstains as ``maybe``) next to the ground
-truth of the same PMIDs, so the official ``evaluation.py`` scores a limited CPU run too; accuracy and
-macro-F1 are computed the way that script does (all questions, sklearn macro over the labels seen).
+Two figures, never confused (``reports/test.json`` and MLflow ``test.society.*`` / ``test.role_level.<role>.*``):
+
+- **the society as served** (``society``): the whole society through the live routing, one rollout per question with
+  the judge, on ``report.limit`` questions; a failed rollout decides nothing (it counts wrong, answers ``maybe`` in
+  PubMedQA's format, and the failure rate stands beside the accuracy). When this cycle promoted the decision role, the
+  society with the champion it replaced runs on the same questions, replaying the first society's other calls (the PI
+  speaks last), and the two are compared by exact McNemar; how often the society's decision is the role-level one,
+  and what the protocol and the reviews do to the decision (:func:`input_effect`), are reported with their n.
+- **the role level** (``role_level``): the decision role's own decision on ``report.role_limit`` questions (all 500:
+  the literature's figure), the same call the society's PI makes (``pipeline.agents.decision``).
+
+The test split is read here and nowhere else: no training, evaluation or gating stage has it among its DVC deps
+(tests/test_dvc_pipeline.py checks). Predictions (``report.predictions``: society or role_level) are written in
+PubMedQA's own format (PMID -> yes/no/maybe) next to the ground truth of the same PMIDs, so the official
+``evaluation.py`` scores a limited CPU run too; accuracy and macro-F1 are computed the way that script does.
 """
 
 from __future__ import annotations
@@ -20,14 +29,18 @@ from typing import Any
 import mlflow
 
 from pipeline import metrics_files, prompt_registry, tracking
-from pipeline.config import Params
+from pipeline.agents import decision
+from pipeline.agents.llm import RoleClient
+from pipeline.agents.replay import CallBook
+from pipeline.config import EvaluateParams, Params
 from pipeline.contracts import PromotionReport
 from pipeline.data.splits import load_tasks
 from pipeline.evaluation import role_level, society
-from pipeline.evaluation.metrics import answer, flat, macro_f1, summarise
+from pipeline.evaluation.metrics import CRITERIA, answer, flat, macro_f1, summarise
 from pipeline.evaluation.significance import mcnemar_exact
 from pipeline.io import atomic_dir, write_json
 from pipeline.serving import proxy, routing, stack
+from pipeline.traces.schema import Trace
 
 METRICS_FILE = Path("reports/test.json")
 PROMOTION_FILE = Path("reports/promotion.json")  # promote's record: which champion this cycle replaced
@@ -62,11 +75,11 @@ def role_level_report(params: Params, role: str) -> tuple[dict[str, Any], list[d
             routing.write_eval(params.serving, table, {**live["roles"], role: where}, live.get("policies"))
         t0 = time.perf_counter()
         records = asyncio.run(role_level.decide(url, key, role, tasks, params.agents, params.reward, params.data.setting,
-                                                params.pi.decision_prefix, cfg.role_concurrency, cfg.timeout_s, table))
+                                                cfg.role_concurrency, cfg.timeout_s, table))
         scored[which] = {"records": records, "seconds": time.perf_counter() - t0,
                          "metrics": role_level.metrics(records, params.data.setting, cfg.bootstrap, cfg.ci, cfg.seed)}
     champion = registry.by_alias(role, registry.CHAMPION)
-    out: dict[str, Any] = {"questions": len(tasks), "setting": params.data.setting, "maybe_answer": "never (GO/NO-GO only)",
+    out: dict[str, Any] = {"questions": len(tasks), "setting": params.data.setting, "maybe_answer": "DEFER",
                            "champion": champion.version if champion else None, "previous_champion": before,
                            **{w: s["metrics"] for w, s in scored.items()},
                            "seconds": {w: s["seconds"] for w, s in scored.items()}}
@@ -89,29 +102,158 @@ def role_level_report(params: Params, role: str) -> tuple[dict[str, Any], list[d
     return out, scored["after"]["records"]
 
 
+# whole Params: deploying a version reads serving and the registry's tracking settings
+def _replaced_table(params: Params, role: str, version: str, live: dict[str, Any], name: str) -> str:
+    """An evaluation routing table with ``role`` on the ``version`` this cycle replaced (the live one is untouched)."""
+    from pipeline import registry  # noqa: PLC0415 - control plane registry; only this report needs it here
+
+    where = registry.deploy(params.serving, role, registry.get_version(role, version), live["roles"].get(role))
+    routing.write_eval(params.serving, name, {**live["roles"], role: where}, live.get("policies"))
+    return name
+
+
+def _society_figures(traces: list[Trace], evaluate: EvaluateParams) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """What one society served on the test questions: PubMedQA's official figures (a failure answers maybe), yes/no
+    accuracy with its exact interval (a failure decides nothing: it counts wrong), the failure rate beside it."""
+    records: list[dict[str, Any]] = [
+               {"task_id": t.task_id, "label": t.label, "decision": t.decision, "status": t.status, "error": t.error,
+                "reward": t.reward or 0.0, "scores": t.rewards, "turns": t.turns, "tokens": t.tokens,
+                "latency_s": t.latency_s} for t in traces]
+    cfg = evaluate
+    yes_no = [r for r in records if r["label"] in ("yes", "no")]
+    right = sum(answer(r["decision"]) == r["label"] for r in yes_no)
+    lo, hi = role_level.clopper_pearson(right, len(yes_no), cfg.ci) if yes_no else (float("nan"), float("nan"))
+    failed = sum(r["status"] != "ok" for r in records)
+    f_lo, f_hi = role_level.clopper_pearson(failed, len(records), cfg.ci) if records else (float("nan"), float("nan"))
+    out = {**summarise(records, cfg.bootstrap, cfg.ci, cfg.seed), "level": "society", "questions": len(records),
+           "official": {"accuracy": sum(answer(r["decision"]) == r["label"] for r in records) / max(len(records), 1),
+                        "macro_f1": macro_f1([r["label"] for r in records], [answer(r["decision"]) for r in records])},
+           "yes_no": {"n": len(yes_no), "accuracy": right / max(len(yes_no), 1), "ci_low": lo, "ci_high": hi},
+           "failures": {"n": failed, "rate": failed / max(len(records), 1), "ci_low": f_lo, "ci_high": f_hi}}
+    return out, records
+
+
+def _paired(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> dict[str, Any]:
+    """The society after vs before on the same questions: exact McNemar on yes/no correctness and on failures."""
+    a, b = {r["task_id"]: r for r in after}, {r["task_id"]: r for r in before}
+    yes_no = [t for t in sorted(a) if a[t]["label"] in ("yes", "no")]
+    right = lambda r: answer(r["decision"]) == r["label"]  # noqa: E731
+    ok = lambda r: r["status"] == "ok"  # noqa: E731
+    return {"correct": {**mcnemar_exact([right(a[t]) for t in yes_no], [right(b[t]) for t in yes_no]), "n": len(yes_no)},
+            "served": {**mcnemar_exact([ok(a[t]) for t in sorted(a)], [ok(b[t]) for t in sorted(a)]), "n": len(a)}}
+
+
+def _agreement(records: list[dict[str, Any]], role_records: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """How often the society's decision is the role-level decision of the same champion on the same question."""
+    if not role_records:
+        return None
+    by_id = {r["task_id"]: r["decision"] for r in role_records}
+    both = [r for r in records if r["task_id"] in by_id]
+    same = sum(r["decision"] == by_id[r["task_id"]] for r in both)
+    return {"n": len(both), "same": same, "rate": same / len(both) if both else None}
+
+
+# whole Params: the PI's calls read agents, serving and evaluate
+def input_effect(params: Params, traces: list[Trace], role: str, routing_name: str | None = None) -> dict[str, Any]:
+    """What the protocol and the reviews do to the decision: for every rollout whose PI answered, the same weights asked
+    the decision on the brief alone and on the brief with the society's protocol and reviews (the PI's own spans hold
+    both prompts), yes/no accuracy of each and how often they agree (docs/promotion.md)."""
+    asked = []
+    for t in traces:
+        pi = [s.data for s in t.spans if s.kind == "llm" and s.data.get("logical_model") == role and s.data.get("ok")]
+        decided = next((d for d in pi if d.get("step") == "decision"), None)
+        explained = next((d for d in pi if d.get("step") == "rationale"), None)
+        if decided and explained:
+            asked.append((t, decided, explained))
+    url, key = proxy.client_settings(params.serving)
+
+    async def both() -> list[tuple[Any, Any]]:
+        client = RoleClient.for_agents(params.agents, url, key, params.evaluate.timeout_s, routing=routing_name)
+        sem = asyncio.Semaphore(params.evaluate.role_concurrency)
+
+        async def one(decided: dict[str, Any], explained: dict[str, Any]) -> tuple[Any, Any]:
+            async with sem:
+                alone = await decision.ask(client, role, role, params.agents.decision, decided["messages"][:-1], None, [])
+                told = await decision.ask(client, role, role, params.agents.decision, explained["messages"][:-1], None, [])
+            return alone.decision, told.decision
+
+        try:
+            return list(await asyncio.gather(*(one(d, e) for _, d, e in asked)))
+        finally:
+            await client.aclose()
+
+    pairs = asyncio.run(both()) if asked else []
+    rows: list[tuple[str | None, str | None, str | None]] = [
+        (t.label, a.value if a else None, b.value if b else None) for (t, _, _), (a, b) in zip(asked, pairs, strict=True)]
+    yes_no = [r for r in rows if r[0] in ("yes", "no")]
+    right = lambda label, d: answer(d) == label  # noqa: E731
+    test = mcnemar_exact([right(lab, b) for lab, _, b in yes_no], [right(lab, a) for lab, a, _ in yes_no])
+    return {"n": len(rows), "agree": sum(a == b for _, a, b in rows), "yes_no_n": len(yes_no),
+            "brief_accuracy": sum(right(lab, a) for lab, a, _ in yes_no) / max(len(yes_no), 1),
+            "society_accuracy": sum(right(lab, b) for lab, _, b in yes_no) / max(len(yes_no), 1),
+            "mcnemar": {**test, "b_means": "right with the protocol and reviews, wrong on the brief alone"},
+            "served_input": params.agents.decision.input.value}
+
+
+# whole Params: running the society reads six sections (see evaluation.society.run_many)
+def society_report(params: Params, role: str | None, role_records: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The society as served on ``report.limit`` test questions, and, when this cycle promoted ``role``, the society
+    with the champion it replaced on the same questions. The second society replays the first's calls of every other
+    role (the same upstream answers: the PI is the last to speak), so before/after costs one society pass plus the
+    replaced PI's own calls."""
+    tasks = load_tasks(params.validate_, "test", params.report.limit, setting=params.data.setting)
+    live = routing.active(params.serving)
+    societies: list[tuple[dict[str, Any] | None, str | None]] = [(live, None)]
+    books: list[CallBook | None] = [None]
+    sources: list[int | None] = [None]
+    before = _previous_champion(role) if role else None
+    if role and before is not None and live is not None:
+        name = _replaced_table(params, role, before, live, f"test-society-{role}-v{before}")
+        societies.append(({**live, "version": f"eval:{name}"}, name))
+        books.append(CallBook([role]))
+        sources.append(0)
+    t0 = time.perf_counter()
+    traces = society.run_many(params, tasks, societies, tracking.pipeline_run_id(), score=True,
+                              description="report: the society on the test split" + (" (after, before)" if before else ""),
+                              books=books, sources=sources)
+    seconds = time.perf_counter() - t0
+    after, after_records = _society_figures(traces[0], params.evaluate)
+    out: dict[str, Any] = {"questions": len(tasks), "after": after, "records": after_records, "traces": traces[0],
+                           "agreement_with_role_level": _agreement(after_records, role_records),
+                           "cost": {"seconds": seconds, "societies": len(societies),
+                                    "seconds_per_question": seconds / max(len(tasks), 1)}}
+    if len(traces) > 1:
+        out["before"], before_records = _society_figures(traces[1], params.evaluate)
+        out["before_version"] = before
+        out["after_vs_before"] = _paired(after_records, before_records)
+    if role:
+        out["input_effect"] = input_effect(params, traces[0], role)
+    return out
+
+
+def _line(which: str, m: dict[str, Any]) -> str:
+    return (f"{which}: official accuracy {m['official']['accuracy']:.3f}, macro-F1 {m['official']['macro_f1']:.3f} "
+            f"(n={m['questions']}); yes/no {m['yes_no']['accuracy']:.3f} [{m['yes_no']['ci_low']:.3f}, "
+            f"{m['yes_no']['ci_high']:.3f}] (n={m['yes_no']['n']}); failed {m['failures']['n']}/{m['questions']}")
+
+
 def run(params: Params) -> dict[str, Any]:
     role_results: dict[str, Any] = {}
     role_records: dict[str, list[dict[str, Any]]] = {}
+    decision_roles = [r for r in params.evaluate.role_level if r in params.promote.roles]
     if params.report.role_level:
-        for role in (r for r in params.evaluate.role_level if r in params.promote.roles):
+        for role in decision_roles:
             role_results[role], role_records[role] = role_level_report(params, role)
-    tasks = load_tasks(params.validate_, "test", params.report.limit, setting=params.data.setting)
-    live = routing.active(params.serving)
-    traces = society.run_many(params, tasks, [(live, None)], tracking.pipeline_run_id(), score=True,
-                              description="report (test split)")[0]
-    records = [{"task_id": t.task_id, "label": t.label, "decision": t.decision, "status": t.status, "reward": t.reward or 0.0,
-                "scores": t.rewards, "turns": t.turns, "tokens": t.tokens, "latency_s": t.latency_s} for t in traces]
+    pi = decision_roles[0] if decision_roles else None
+    served = society_report(params, pi, role_records.get(pi) if pi else None)
+    records, after = served.pop("records"), served["after"]
+    traces = served.pop("traces")
     predictions = {t.task_id: answer(t.decision) for t in traces}
-    truth = {t["id"]: t["final_decision"] for t in tasks}
-    pmids = list(truth)
-    official = {"accuracy": sum(predictions[p] == truth[p] for p in pmids) / len(pmids),
-                "macro_f1": macro_f1([truth[p] for p in pmids], [predictions[p] for p in pmids])}
-    summary = summarise(records, params.evaluate.bootstrap, params.evaluate.ci, params.evaluate.seed)
+    truth = {r["task_id"]: r["label"] for r in records}
     if params.report.predictions == "role_level" and role_records:
         rows = next(iter(role_records.values()))  # PubMedQA's format from the role-level PI: every question it answered
         predictions = {r["task_id"]: answer(r["decision"]) for r in rows}
         truth = {r["task_id"]: r["label"] for r in rows}
-    society_official, society_n = official, len(pmids)
     pmids = list(truth)
     official = {"accuracy": sum(predictions[p] == truth[p] for p in pmids) / len(pmids),
                 "macro_f1": macro_f1([truth[p] for p in pmids], [predictions[p] for p in pmids])}
@@ -121,14 +263,30 @@ def run(params: Params) -> dict[str, Any]:
         (tmp / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         for role, rows in role_records.items():
             (tmp / f"{role}-records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    live = routing.active(params.serving)
     result = {"questions": len(pmids), "setting": params.data.setting, "routing_version": live["version"] if live else None,
-              "official": official, "society": {"questions": society_n, "official": society_official}, **summary,
-              "predictions": params.report.predictions, "role_level": role_results}
-    mlflow.log_metrics({f"test.{k}": v for k, v in {**flat(summary), **official}.items()})
+              "predictions": params.report.predictions, "official": official, "society": served,
+              **{k: after[k] for k in ("reward", "success_rate", *CRITERIA, "turns", "tokens", "latency_s") if k in after},
+              "role_level": role_results}
+    # two names that cannot be confused: test.society.* is the society as served, test.role_level.<role>.* the readout
+    mlflow.log_metrics({**{f"test.society.{k}": v for k, v in flat(after).items()},
+                        **{f"test.society.official_{k}": v for k, v in after["official"].items()},
+                        "test.society.failure_rate": after["failures"]["rate"], "test.society.n": after["questions"],
+                        **{f"test.predictions.{k}": v for k, v in official.items()},
+                        **{f"test.role_level.{role}.{k}": v for role, x in role_results.items()
+                           for k, v in flat(x["after"]).items() if v == v}})
     mlflow.log_artifacts(params.report.out_dir, artifact_path="test")
-    print(f"report: {len(pmids)} test questions, accuracy {official['accuracy']:.3f}, macro-F1 {official['macro_f1']:.3f} "
-          f"(PubMedQA's evaluation.py: python evaluation.py {params.report.out_dir}/predictions.json "
-          f"with data/test_ground_truth.json = {params.report.out_dir}/ground_truth.json)")
+    print(f"report: society as served, {_line('after', after)}")
+    if "before" in served:
+        was = f"before (v{served['before_version']})"
+        print(f"report: society as served, {_line(was, served['before'])}; exact "
+              f"McNemar after vs before p={served['after_vs_before']['correct']['p_value']:.3g}")
+    if (agree := served.get("agreement_with_role_level")) and agree["n"]:
+        print(f"report: the society's decision is the role-level decision on {agree['same']}/{agree['n']} questions")
+    print(f"report: predictions.json ({params.report.predictions}) on {len(pmids)} test questions: accuracy "
+          f"{official['accuracy']:.3f}, macro-F1 {official['macro_f1']:.3f} (PubMedQA's evaluation.py: python "
+          f"evaluation.py {params.report.out_dir}/predictions.json with data/test_ground_truth.json = "
+          f"{params.report.out_dir}/ground_truth.json)")
     return result
 
 

@@ -1,15 +1,15 @@
-"""The principal investigator learns its GO/NO-GO from the gold label: LoRA SFT on the train split's yes/no questions.
+"""The principal investigator learns its decision from the gold label: LoRA SFT on the train split's questions.
 
 RLVR was tried first (docs/benchmarks-before-after.md): GRPO on the decision reward moved the 135M PI from all NO-GO
 to all GO, the label prior, with AUC of P(GO) still 0.51. Supervised targets carry the label on every question, not
 only where a sampled group disagrees, and one pass fits the decision token on 2 CPU cores (docs/training.md).
 
-Each row is the PI's own prompt in the role-level setting (``role_level.messages``: the evidence brief, no protocol)
-and, as its completion, the ``PIDecision`` the label asks for: GO for yes, NO-GO for no, with the paper's long answer
-as the rationale (its first ``pi.rationale_chars``, at most the schema's 300). ``maybe`` questions are left out: no
-decision is right there.
+Each row is the PI's decision call as the society serves it (``pipeline.agents.decision``: the evidence brief, no
+protocol) and, as its completion, the ``PIDecision`` the label asks for: GO for yes, NO-GO for no, DEFER for maybe
+(PubMedQA's third answer is a decision too), with the paper's long answer as the rationale (its first
+``pi.rationale_chars``, at most the schema's 300).
 
-The steps every trainer takes: fail fast on its inputs (both decisions present, or ``no_signal``) -> train in the model
+The steps every trainer takes: fail fast on its inputs (yes and no both present, or ``no_signal``) -> train in the model
 plane (``train_sft.train``, TRL ``SFTTrainer`` + PEFT) -> metrics and signal (the loss on its own rows must fall by
 ``pi.sft.min_fit_drop``) -> register the adapter as ``principal_investigator``'s challenger with its lineage and setting.
 """
@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import tracking, training
-from pipeline.agents.prompts import pi_messages
-from pipeline.config import Params, PiRole
+from pipeline.agents.decision import decision_messages, target
+from pipeline.config import DecisionInput, Params, PiRole
 from pipeline.data.splits import load_tasks
 from pipeline.io import atomic_dir, write_text
 from pipeline.learning import Learning
-from pipeline.schemas import PIDecision
+from pipeline.schemas import Decision, PIDecision
 from pipeline.stages import train_sft
 
-GOLD = {"yes": "GO", "no": "NO-GO"}
+GOLD = {label: Decision.for_label(label).value for label in ("yes", "no", "maybe")}
 
 
 def data_file(pi: PiRole) -> Path:
@@ -40,23 +40,23 @@ def data_file(pi: PiRole) -> Path:
 
 # whole Params: a row reads pi (its target), agents (the brief's length) and data (the setting)
 def rows(tasks: list[dict[str, Any]], params: Params) -> list[dict[str, Any]]:
-    """The PI's gold-decision rows: one per yes/no question of ``tasks``, in ``data.setting``."""
+    """The PI's gold-decision rows: one per question of ``tasks`` (maybe -> DEFER), in ``data.setting``."""
     out = []
     for task in tasks:
         if task["final_decision"] not in GOLD:
             continue
-        target = PIDecision(decision=GOLD[task["final_decision"]],  # type: ignore[arg-type]
-                            rationale=(task.get("long_answer") or "")[:params.pi.rationale_chars])
-        out.append({"prompt": pi_messages(task, params.agents.context_chars, params.data.setting),
-                    # the served JSON layout (pi.decision_prefix's): loss_on answer trains what role-level reads
-                    "completion": [{"role": "assistant", "content": json.dumps(target.model_dump(), indent=2)}],
+        answer = target(task["final_decision"], (task.get("long_answer") or "")[:params.pi.rationale_chars])
+        brief_only = decision_messages(task, params.agents, params.data.setting, what=DecisionInput.BRIEF)
+        out.append({"prompt": brief_only,
+                    # the served JSON layout (agents.decision.prefix's): loss_on answer trains what the society reads
+                    "completion": [{"role": "assistant", "content": answer}],
                     "task_id": task["id"], "rollout_id": task["id"], "run_id": "pubmedqa-gold", "label": task["final_decision"]})
     return out
 
 
 def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> list[dict[str, Any]]:
     """``pi.loss_on: decision_token``: each chat row as text, the prompt rendered with the served chat template and
-    followed by what the served model writes before the decision (``pi.decision_prefix``), the completion the decision
+    followed by what the served model writes before the decision (``agents.decision.prefix``), the completion the decision
     itself. The loss then falls on the decision, not on JSON the model already writes (in the whole answer the
     decision is 1 token of ~13, and one pass learned only the label prior: P(GO) 0.60-0.62 for yes, no and maybe)."""
     out = []
@@ -94,7 +94,7 @@ def served_prefix(base_model: str, messages: list[dict[str, str]], compact: bool
     return text[:key.end()]
 
 
-def training_file(pi: PiRole, compact_json: bool) -> Path:
+def training_file(pi: PiRole, prefix: str, compact_json: bool) -> Path:
     """Model plane: the file the trainer reads, the chat rows or (``decision_token``) their decision-token form."""
     path = data_file(pi)
     if pi.loss_on == "answer":
@@ -102,12 +102,11 @@ def training_file(pi: PiRole, compact_json: bool) -> Path:
     from transformers import AutoTokenizer  # noqa: PLC0415 - model plane only
 
     chat = train_sft.load_rows(path)
-    prefix = pi.decision_prefix
     served = served_prefix(pi.sft.base_model, chat[0]["prompt"], compact_json)
     if served != prefix:  # trained after one prefix, read after another: the decision would be taken out of context
-        raise ValueError(f"pi.decision_prefix {prefix!r}: the base model {pi.sft.base_model} writes {served!r} "
-                         "before its decision under PIDecision's schema; set pi.decision_prefix to that")
-    print(f"train_pi: the base model writes {prefix!r} before its decision, as pi.decision_prefix says")
+        raise ValueError(f"agents.decision.prefix {prefix!r}: the base model {pi.sft.base_model} writes {served!r} "
+                         "before its decision under PIDecision's schema; set agents.decision.prefix to that")
+    print(f"train_pi: the base model writes {prefix!r} before its decision, as agents.decision.prefix says")
     tokenizer = AutoTokenizer.from_pretrained(pi.sft.base_model)
     rows_ = decision_rows(chat, tokenizer, prefix)
     out = path.with_name("train.decision.jsonl")  # beside the chat rows, in the stage's DVC output
@@ -118,7 +117,7 @@ def training_file(pi: PiRole, compact_json: bool) -> Path:
 def signal(data: list[dict[str, Any]]) -> str | None:
     """Why these rows carry no signal (None when they do): a label the PI never sees the other side of teaches a prior."""
     labels = {r["label"] for r in data}
-    if len(data) < 2 or labels != set(GOLD):
+    if len(data) < 2 or not {"yes", "no"} <= labels:
         return f"{len(data)} gold-decision row(s) with labels {sorted(labels)}: training needs both yes and no questions"
     return None
 
@@ -147,12 +146,13 @@ def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
         data.extend(rows(load_tasks(params.validate_, "train", setting=params.data.setting), params))
         with atomic_dir(Path(pi.data_dir)) as tmp:
             (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
-        print(f"{f.stage}: {len(data)} gold-decision rows ({sum(r['label'] == 'yes' for r in data)} GO, "
-              f"{sum(r['label'] == 'no' for r in data)} NO-GO) in {params.data.setting} -> {data_file(pi)}")
+        counts = ", ".join(f"{sum(r['label'] == label for r in data)} {d}" for label, d in GOLD.items())
+        print(f"{f.stage}: {len(data)} gold-decision rows ({counts}) in {params.data.setting} -> {data_file(pi)}")
         return signal(data)
 
     def train() -> dict[str, Any]:
-        return {**train_sft.train(pi.sft, training_file(pi, params.serving.workers[0].compact_json)),
+        return {**train_sft.train(pi.sft, training_file(pi, params.agents.decision.prefix,
+                                                        params.serving.workers[0].compact_json)),
                 "setting": params.data.setting}
 
     return training.Trainer(

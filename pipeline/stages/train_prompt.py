@@ -47,9 +47,9 @@ def run(params: Params, role: str) -> dict[str, Any]:
         raise RuntimeError(f"prompt {cfg.template} v{base}: not in the Prompt Registry")
     pool, dev = split(_tasks(params.validate_, params.data.setting), cfg.dev_questions, cfg.seed)
     url, key = proxy.client_settings(params.serving)
-    predict = predictor(url, key, current, cfg.role, params.agents, params.data.setting, params.pi.decision_prefix,
+    predict = predictor(url, key, current, cfg.role, params.agents, params.data.setting, params.agents.decision.prefix,
                         params.evaluate.timeout_s)
-    opt = FewShotOptimizer(cfg, pool, params.data.setting, params.pi.decision_prefix)
+    opt = FewShotOptimizer(cfg, pool, params.data.setting, params.agents.decision.prefix)
     # MLflow's eval threads (metric calls in flight); its own trace check calls the function once, traced already
     with _environ(MLFLOW_GENAI_EVAL_MAX_WORKERS=str(cfg.concurrency), MLFLOW_GENAI_EVAL_SKIP_TRACE_VALIDATION="true"):
         result = mlflow.genai.optimize_prompts(predict_fn=predict, train_data=[record(t) for t in dev],
