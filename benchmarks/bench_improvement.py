@@ -5,7 +5,8 @@
 With ``--run`` it runs ``make learn`` first (PARAMS picks the profile, as there); without, it reads what the last one
 left: ``reports/learn-times.tsv`` (its step times), ``reports/train_pi/principal_investigator.json`` (the trainer and its signal),
 ``data/evaluation/summary.json`` (the role-level gate's evidence, challenger and A/A), ``reports/promotion.json`` (the
-decisions) and ``reports/test.json`` (the champion PI before and after on the official test split). It writes the
+decisions) and ``reports/test.json`` (the champion PI before and after on the official test split, and the society as
+served before and after on ``report.limit`` of its questions). It writes the
 tables to ``--out`` and every figure to the JSON beside it. Each figure carries its n and an exact interval or test.
 """
 
@@ -60,7 +61,49 @@ def gather() -> dict[str, Any]:
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "params": os.environ.get("PARAMS", "params/learn.yaml"),
             "times_s": times, "train_pi": _read("reports/train_pi/principal_investigator.json"), "gate": gate,
             "decisions": {k: v for k, v in ((promotion or {}).get("decisions") or {}).items() if v.get("role", k) == PI},
-            "test": ((test or {}).get("role_level") or {}).get(PI), "setting": (test or {}).get("setting")}
+            "test": ((test or {}).get("role_level") or {}).get(PI), "setting": (test or {}).get("setting"),
+            "society": (test or {}).get("society")}
+
+
+def _society_row(which: str, m: dict[str, Any]) -> str:
+    yn, f = m["yes_no"], m["failures"]
+    return (f"| {which} | {m['questions']} | {f['n']} ({f['rate']:.2f} [{f['ci_low']:.2f}, {f['ci_high']:.2f}]) | "
+            f"{yn['n']} | {yn['accuracy']:.3f} [{yn['ci_low']:.3f}, {yn['ci_high']:.3f}] | {m['official']['accuracy']:.3f} | "
+            f"{m['official']['macro_f1']:.3f} | {m['reward']['mean']:.3f} |")
+
+
+def society_lines(s: dict[str, Any], setting: str) -> list[str]:
+    """The society as served on the test questions, before and after, with what its figure costs."""
+    out = [f"## The society as served ({s['questions']} test questions, {setting})", "",
+           "The whole society through the live routing, one rollout a question, judged; a failed rollout decides nothing "
+           "(wrong in the yes/no accuracy, `maybe` in PubMedQA's format). Before: the same questions with the replaced "
+           "champion PI, the other roles' calls replayed from the after society's record.", "",
+           "| society | questions | failed (rate [95% CP]) | yes/no n | yes/no acc. [95% CP] | official acc. | macro-F1 | "
+           "mean reward |", "|---|---|---|---|---|---|---|---|"]
+    if "before" in s:
+        out.append(_society_row(f"before (PI v{s.get('before_version')})", s["before"]))
+    out.append(_society_row("after", s["after"]))
+    out.append("")
+    if s.get("after_vs_before"):
+        c, v = s["after_vs_before"]["correct"], s["after_vs_before"]["served"]
+        out += [f"Exact McNemar (two-sided), after vs before: yes/no correctness on {c['n']} questions b = {c['b']}, "
+                f"c = {c['c']}, p = {c['p_value']:.3g}; served (a decision made) on {v['n']}: b = {v['b']}, c = {v['c']}, "
+                f"p = {v['p_value']:.3g}.", ""]
+    if (a := s.get("agreement_with_role_level")) and a.get("n"):
+        out += [f"The society's decision is the role-level decision of the same champion on **{a['same']} of {a['n']}** "
+                "questions (the one decision path: by construction, unless a rollout failed before its PI).", ""]
+    if (e := s.get("input_effect")) and e.get("n"):
+        m = e["mcnemar"]
+        out += [f"What the protocol and the reviews do to the decision (the same weights, every rollout that reached the "
+                f"PI, n = {e['n']}, {e['yes_no_n']} yes/no): yes/no accuracy on the brief alone {e['brief_accuracy']:.3f}, "
+                f"with the protocol and reviews {e['society_accuracy']:.3f}; the two decisions agree on {e['agree']} of "
+                f"{e['n']}; exact McNemar b = {m['b']} (right only with them), c = {m['c']}, p = {m['p_value']:.3g}. "
+                f"Served input: `{e['served_input']}`.", ""]
+    cost = s.get("cost") or {}
+    if cost:
+        out += [f"Cost: {cost['seconds']:.0f} s for {s['questions']} questions x {cost['societies']} societies "
+                f"({cost['seconds_per_question']:.0f} s a question, the second society replaying).", ""]
+    return out
 
 
 def lines(doc: dict[str, Any]) -> list[str]:
@@ -114,8 +157,10 @@ def lines(doc: dict[str, Any]) -> list[str]:
             m = test["mcnemar"]
             out += ["", f"Exact McNemar, after better than before, on the {m['n']} yes/no questions: b = {m['b']} (only after "
                     f"right), c = {m['c']} (only before right), **p {_p(m['p_value'])}**."]
-        out += ["", "`maybe` is never answered (the PI decides GO or NO-GO), so the 55 maybe questions count wrong in the "
-                "official three-class metric.", ""]
+        out += ["", "`maybe` is answered by DEFER (a third decision learned from the gold like the others): the official "
+                "three-class metric counts it.", ""]
+    if doc.get("society"):
+        out += society_lines(doc["society"], doc["setting"])
     out += ["## Against the literature (reasoning-required, accuracy on the 500 test questions)", "",
             "| system | accuracy |", "|---|---|", *(f"| {name} | {acc:.3f} |" for name, acc in LITERATURE), "",
             "The GPU profile's target (docs/gpu.md): a ≤ 1.5B PI fine-tuned the same way, in the reasoning-required setting, "

@@ -382,6 +382,11 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_proxy_a
     assert entry["candidate"]["target"] == "base" and entry["champion"]["target"] == "offline"
     records = [json.loads(line) for line in (promo["root"] / f"data/evaluation/records/{pi}-champion.jsonl").read_text().splitlines()]
     assert all(r["decision"] is None and "HTTP 400" in r["error"] for r in records)
+    # served failures reach the gate and the version: the champion's every answer failed, the candidate's are counted
+    assert entry["champion"]["metrics"]["failures"] == {"n": VAL_QUESTIONS, "of": VAL_QUESTIONS}
+    tags = registry.get_version(pi, better).tags
+    assert tags["eval.champion_failures"] == str(VAL_QUESTIONS)
+    assert tags["eval.failures"] == str(entry["candidate"]["metrics"]["failures"]["n"])
     assert entry["candidate"]["metrics"]["setting"] == entry["champion"]["metrics"]["setting"] == "reasoning_required"
     assert twin["candidate"]["version"] == copy.version and twin["difference"]["mean"] == 0
     # the judge's part: each decided answer judged once, the reward the society's (judge and decision weighted by reward)
