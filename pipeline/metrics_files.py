@@ -48,9 +48,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "evaluate": ("tasks", "roles.*.candidate_reward", "roles.*.champion_reward", "roles.*.diff", "roles.*.diff_p_value",
                  "roles.*.decision_p_value"),
     "promote": ("routing_version", "dry_run", "decisions.*.status", "champions.*"),
-    "report": ("questions", "official.accuracy", "official.macro_f1", "society.questions", "society.after.yes_no.accuracy",
-               "society.after.failures.rate", "society.before.yes_no.accuracy", "society.before.failures.rate",
-               "society.agreement_with_role_level.rate", "role_level.*.after.yes_no.accuracy",
+    "report": ("questions", "official.accuracy", "official.macro_f1", "society.questions", "society.*.yes_no.accuracy",
+               "society.*.failures.rate", "society.agreement_with_role_level.rate", "role_level.*.after.yes_no.accuracy",
                "role_level.*.after.official.accuracy", "role_level.*.after.official.macro_f1", "role_level.*.after.auc.value",
                "role_level.*.mcnemar_p", "reward.mean", "success_rate.mean", "routing_version"),
 }
