@@ -63,11 +63,10 @@ def decision_messages(task: dict[str, Any], agents: AgentsParams, setting: str, 
                       what: DecisionInput | None = None) -> list[dict[str, str]]:
     """The PI's chat for ``task``: the evidence brief, with the society's protocol and reviews when ``what`` (default
     ``agents.decision.input``) is ``society``; ``template``: a candidate prompt text instead of the routed one."""
-    what = what or agents.decision.input
-    text = brief(task, agents.context_chars, setting)
-    if what == DecisionInput.BRIEF or protocol is None:
-        return [{"role": "user", "content": pi_prompt(text, NO_PROTOCOL, [], template)}]
-    return [{"role": "user", "content": pi_prompt(text, protocol, reviews or [], template)}]
+    if (what or agents.decision.input) == DecisionInput.BRIEF or protocol is None:
+        protocol, reviews = NO_PROTOCOL, []
+    return [{"role": "user", "content": pi_prompt(brief(task, agents.context_chars, setting), protocol, reviews or [],
+                                                  template)}]
 
 
 def rationale_prefix(prefix: str, decision: Decision) -> str:
@@ -99,10 +98,14 @@ def read(top: list[dict[str, Any]]) -> tuple[Decision | None, float | None, dict
     return max(mass, key=mass.__getitem__), (mass[Decision.GO] / pair if pair > 0 else None), probs
 
 
-def read_completion(doc: dict[str, Any]) -> tuple[Decision | None, float | None, dict[str, float]]:
-    """:func:`read` on an OpenAI chat completion whose first generated token is the decision position."""
-    content = ((doc["choices"][0].get("logprobs") or {}).get("content")) or []
+def read_first(content: list[dict[str, Any]]) -> tuple[Decision | None, float | None, dict[str, float]]:
+    """:func:`read` at the first generated token (the decision position) of a completion's logprobs content."""
     return read(content[0].get("top_logprobs") or []) if content else (None, None, {})
+
+
+def read_completion(doc: dict[str, Any]) -> tuple[Decision | None, float | None, dict[str, float]]:
+    """:func:`read_first` on an OpenAI chat completion continued from the decision prefix."""
+    return read_first(((doc["choices"][0].get("logprobs") or {}).get("content")) or [])
 
 
 def request(messages: list[dict[str, str]], model: str, prefix: str) -> dict[str, Any]:
@@ -140,8 +143,7 @@ async def ask(client: RoleClient, agent: str, model: str, cfg: DecisionParams, d
     except LLMError as exc:
         return Answer(decision=None, p_go=None, probs={}, rationale=None, error=str(exc), latency_s=time.perf_counter() - t0)
     call = spans[-1]["data"]
-    content = call.pop("logprobs", None) or []  # read here and dropped: traces stay small
-    decision, p_go, probs = read(content[0].get("top_logprobs") or []) if content else (None, None, {})
+    decision, p_go, probs = read_first(call.pop("logprobs", None) or [])  # read here and dropped: traces stay small
     tokens += (call.get("usage") or {}).get("total_tokens", 0)
     call.update(decision=decision.value if decision else None, p_go=p_go, probs=probs, step="decision")
     deployment = call.get("deployment")

@@ -92,8 +92,3 @@ def pi_prompt(brief_text: str, protocol: Any, reviews: list[dict[str, Any]], tem
 
 
 NO_PROTOCOL = "none yet: decide from the question and its abstract"
-
-
-def pi_messages(task: dict[str, Any], context_chars: int, setting: str, template: str | None = None) -> list[dict[str, str]]:
-    """The PI's chat on the evidence brief alone (no protocol, no reviews): role-level evaluation and its training rows."""
-    return [{"role": "user", "content": pi_prompt(brief(task, context_chars, setting), NO_PROTOCOL, [], template)}]

@@ -36,7 +36,7 @@ from pipeline.config import EvaluateParams, Params
 from pipeline.contracts import PromotionReport
 from pipeline.data.splits import load_tasks
 from pipeline.evaluation import role_level, society
-from pipeline.evaluation.metrics import CRITERIA, answer, flat, macro_f1, summarise
+from pipeline.evaluation.metrics import CRITERIA, answer, flat, macro_f1, paired_difference, summarise
 from pipeline.evaluation.significance import mcnemar_exact
 from pipeline.io import atomic_dir, write_json
 from pipeline.serving import proxy, routing, stack
@@ -133,14 +133,14 @@ def _society_figures(traces: list[Trace], evaluate: EvaluateParams) -> tuple[dic
     return out, records
 
 
-def _paired(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> dict[str, Any]:
-    """The society after vs before on the same questions: exact McNemar on yes/no correctness and on failures."""
+def _paired(after: list[dict[str, Any]], before: list[dict[str, Any]], evaluate: EvaluateParams) -> dict[str, Any]:
+    """The society after vs before on the same questions: the paired reward difference, the exact McNemar test on yes/no
+    correctness (``paired_difference``'s) and on failures."""
+    reward = paired_difference(after, before, evaluate.bootstrap, evaluate.ci, evaluate.seed)
     a, b = {r["task_id"]: r for r in after}, {r["task_id"]: r for r in before}
-    yes_no = [t for t in sorted(a) if a[t]["label"] in ("yes", "no")]
-    right = lambda r: answer(r["decision"]) == r["label"]  # noqa: E731
     ok = lambda r: r["status"] == "ok"  # noqa: E731
-    return {"correct": {**mcnemar_exact([right(a[t]) for t in yes_no], [right(b[t]) for t in yes_no]), "n": len(yes_no)},
-            "served": {**mcnemar_exact([ok(a[t]) for t in sorted(a)], [ok(b[t]) for t in sorted(a)]), "n": len(a)}}
+    return {"correct": reward.pop("decision"), "reward": reward,
+            "served": mcnemar_exact([ok(a[t]) for t in sorted(a)], [ok(b[t]) for t in sorted(a)])}
 
 
 def _agreement(records: list[dict[str, Any]], role_records: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -225,7 +225,7 @@ def society_report(params: Params, role: str | None, role_records: list[dict[str
     if len(traces) > 1:
         out["before"], before_records = _society_figures(traces[1], params.evaluate)
         out["before_version"] = before
-        out["after_vs_before"] = _paired(after_records, before_records)
+        out["after_vs_before"] = _paired(after_records, before_records, params.evaluate)
     if role:
         out["input_effect"] = input_effect(params, traces[0], role)
     return out
