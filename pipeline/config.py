@@ -15,7 +15,7 @@ import os
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -75,7 +75,7 @@ class SplitParams(_Strict):
 
 
 class ValidateParams(_Strict):
-    labels: list[str]
+    labels: list[Annotated[str, Field(min_length=1, max_length=32)]] = Field(min_length=1, max_length=8)
     question_chars: Bounds
     context_chars: Bounds
     split_rows: dict[Literal["train", "val", "test"], Bounds]
@@ -845,8 +845,18 @@ def _apply_env_overrides(raw: dict[str, Any], environ: dict[str, str]) -> dict[s
             if not isinstance(child, dict):
                 raise ParamsError(f"{name}: '{key}' is not a section")
             node = child
-        node[keys[-1]] = load_yaml(value)
+        try:
+            node[keys[-1]] = load_yaml(value)
+        except (yaml.YAMLError, ParamsError) as exc:
+            raise ParamsError(f"{name}: not a valid YAML value: {_short(exc)}") from None
     return raw
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    """A value or message cut for a one-line error: a hostile value must not fill the terminal (or the memory)."""
+    text = value if isinstance(value, str | BaseException) else repr(value)
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _format_errors(path: Path, exc: ValidationError) -> str:
@@ -855,7 +865,7 @@ def _format_errors(path: Path, exc: ValidationError) -> str:
         key = ".".join(str(p) for p in err["loc"]).replace("validate_", "validate")
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         # a whole-file rule (empty loc) names its keys in its message: the input is the whole file
-        got = "" if err["type"] in ("missing", "extra_forbidden") or not err["loc"] else f" (got {err.get('input')!r})"
+        got = "" if err["type"] in ("missing", "extra_forbidden") or not err["loc"] else f" (got {_short(err.get('input'))})"
         lines.append(f"  - {key}: {msg}{got}")
     return "\n".join(lines)
 
@@ -875,8 +885,42 @@ Yaml12Loader.yaml_implicit_resolvers = {
 Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
+class _NoAliasLoader(Yaml12Loader):
+    """Params have no use for anchors and aliases, and nested aliases are how a few hundred bytes of YAML expand
+    to gigabytes (a "billion laughs"): an alias is refused where it is read, before anything is built."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise ParamsError(f"line {mark.line + 1}: a YAML alias (*name); params files use none")
+        return super().compose_node(parent, index)
+
+
+MAX_PARAMS_BYTES = 1 << 20  # a params file is a few kB; a larger one is not a params file
+
+
 def load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+    if len(text) > MAX_PARAMS_BYTES:
+        raise ParamsError(f"{len(text)} characters: over the {MAX_PARAMS_BYTES} a params value may have")
+    return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def read_text(path: Path) -> str:
+    """A params file's text, bounded: a regular file, at most ``MAX_PARAMS_BYTES``, UTF-8 (a directory, a device
+    such as /dev/zero or a binary file gets one line, never a traceback or an endless read)."""
+    if not path.is_file():
+        raise ParamsError(f"{path}: not a regular file")
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(MAX_PARAMS_BYTES + 1)
+    except OSError as exc:
+        raise ParamsError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_PARAMS_BYTES:
+        raise ParamsError(f"{path}: over {MAX_PARAMS_BYTES} bytes; a params file is a few kB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParamsError(f"{path}: not UTF-8 (byte {exc.start}: {exc.reason})") from None
 
 
 PARAMS_DIR = "params"  # the other params files a DAG run may name (profiles, e.g. a GPU profile), tracked in the repo
@@ -913,10 +957,11 @@ def read_params_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
         raise ParamsError(f"{path}: params file not found")
     if path.resolve() in _seen:
         raise ParamsError(f"{path}: 'extends' cycle through {[str(p) for p in _seen]}")
+    text = read_text(path)
     try:
-        raw = load_yaml(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
+        raw = load_yaml(text) or {}
+    except (yaml.YAMLError, ParamsError, RecursionError) as exc:
+        raise ParamsError(f"{path}: not valid YAML: {_short(exc, 300)}") from None
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: top level must be a mapping")
     parent = raw.pop("extends", None)

@@ -108,3 +108,44 @@ def test_seeded_calls_need_cpu_workers_that_prefill_whole_prompts(tmp_path: Path
         load_params(_write(tmp_path, mutate), environ={})
     gpu = load_params(ROOT / "params/gpu.yaml", environ={})  # CUDA generators rewind: a GPU worker chunks and seeds
     assert gpu.agents.seeded_calls and all(w.chunked_prefill for w in gpu.serving.workers)
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n"
+
+
+@pytest.mark.parametrize("case", ["bomb_file", "directory", "invalid_utf8", "dev_zero", "env_not_yaml", "env_bomb",
+                                  "env_huge_value"])
+def test_hostile_params_end_in_a_short_error_never_a_traceback(tmp_path: Path, case: str) -> None:
+    """A params file or PIPELINE__ value that is not params: a few bounded lines naming it, exit 2, before any stage
+    runs (#56: a YAML bomb exhausted memory, a directory or /dev/zero gave a traceback or an endless read)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    path, env = ROOT / "params.yaml", {}
+    if case == "bomb_file":
+        path = tmp_path / "bomb.yaml"
+        path.write_text(BOMB)
+    elif case == "directory":
+        path = tmp_path / "dir.yaml"
+        path.mkdir()
+    elif case == "invalid_utf8":
+        path = tmp_path / "bad.yaml"
+        path.write_bytes(b"split:\n  seed: \xff\xfe\n")
+    elif case == "dev_zero":
+        path = Path("/dev/zero")
+    elif case == "env_not_yaml":
+        env = {"PIPELINE__SPLIT__SEED": "{"}
+    elif case == "env_bomb":
+        env = {"PIPELINE__VALIDATE__LABELS": BOMB}
+    else:
+        env = {"PIPELINE__VALIDATE__LABELS": "[" + ", ".join(["y" * 50] * 2000) + "]"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "--params", str(path), "ingest", "--no-mlflow"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env={**base, "PYTHONPATH": str(ROOT), **env})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ") and len(proc.stderr) < 1000, proc.stderr[:2000]
+    named = str(path) if not env else ("validate.labels" if case == "env_huge_value" else next(iter(env)))
+    assert named in proc.stderr, proc.stderr

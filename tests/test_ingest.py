@@ -216,7 +216,19 @@ def _hostile(project: Path, kind: str) -> Path:
         body = json.dumps(data).encode()
         path.write_bytes(body[:5000] + b"\xff\xfe" + body[5000:])
         return path
-    if kind == "huge_context":
+    if kind == "deep_json":
+        path.write_text("[" * 200_000 + "]" * 200_000)
+        return path
+    if kind == "duplicate":  # the same PMID again with the other answer: which label is gold would depend on row order
+        other = {**data[victim], "final_decision": "no" if data[victim]["final_decision"] == "yes" else "yes"}
+        path.write_text(json.dumps(data)[:-1] + f", {json.dumps(victim)}: {json.dumps(other)}}}")
+        return path
+    if kind == "three_problems":  # each named, in one run: the user fixes the file once
+        rest = [k for k in data if k not in test_ids]
+        data[rest[0]]["final_decision"] = "perhaps"
+        data[rest[1]]["QUESTION"] = "  "
+        data[rest[2]]["CONTEXTS"] = ["x" * 200_000]
+    elif kind == "huge_context":
         data[victim]["CONTEXTS"] = ["x" * 7000]
     elif kind == "perhaps":
         data[victim]["final_decision"] = "perhaps"
@@ -229,7 +241,9 @@ def _hostile(project: Path, kind: str) -> Path:
 @pytest.mark.parametrize("kind, rule", [("outside", "outside data.allow.local_roots"), ("invalid_utf8", "byte 5000: not UTF-8"),
                                         ("huge_context", "contexts: 7000 characters > validate.context_chars.max"),
                                         ("perhaps", "final_decision 'perhaps': must be one of"),
-                                        ("nan_year", "year 'nan'"), ("inf_year", "year 'inf'")])
+                                        ("nan_year", "year 'nan'"), ("inf_year", "year 'inf'"),
+                                        ("duplicate", "a PMID appears once"), ("deep_json", "nested too deeply"),
+                                        ("three_problems", "3 problem(s), nothing stored changed")])
 def test_a_hostile_source_ends_in_one_line_and_changes_nothing_stored(project: Path, tmp_path_factory, kind: str,
                                                                        rule: str) -> None:
     import subprocess
@@ -248,8 +262,13 @@ def test_a_hostile_source_ends_in_one_line_and_changes_nothing_stored(project: P
     proc = subprocess.run([sys.executable, "-m", "pipeline", "ingest", "--no-mlflow"], capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     lines = proc.stderr.strip().splitlines()
+    if kind == "three_problems":  # one line each, after one saying how many
+        assert proc.returncode == 1 and len(lines) == 4 and rule in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+        assert all(r in proc.stderr for r in ("final_decision 'perhaps'", "question: empty", "contexts: 200000 characters"))
+        assert all(line.startswith(f"{source}: row ") for line in lines[1:]), proc.stderr
+        lines = lines[:1]
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {source}") and rule in lines[0], proc.stderr
-    if kind not in ("outside", "invalid_utf8"):
+    if kind not in ("outside", "invalid_utf8", "deep_json", "three_problems"):
         assert "row " in lines[0] and "(id " in lines[0]
     assert {p: p.read_bytes() for p in stored} == stored
     assert sorted((project / "data/tasks").glob("*")) == [p for p in stored if p.parent.name == "tasks"]

@@ -73,6 +73,8 @@ def _records_from_json(raw: bytes, origin: str) -> Iterable[tuple[str, Mapping[s
         doc = json.loads(_text(raw, origin), object_pairs_hook=_pairs_keep_duplicates)
     except json.JSONDecodeError as exc:
         raise SourceError(f"{origin}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from exc
+    except RecursionError:
+        raise SourceError(f"{origin}: JSON nested too deeply (PQA-L records are three levels deep)") from None
     if isinstance(doc, list) and all(isinstance(p, tuple) for p in doc):  # top-level object
         for n, (pmid, rec) in enumerate(doc):
             if not isinstance(rec, list):
@@ -126,6 +128,8 @@ def load_test_ids(uri: str, allow: SourceAllowParams | None = None) -> dict[str,
         doc = json.loads(_text(read_bytes(uri, allow=allow), uri))
     except json.JSONDecodeError as exc:
         raise SourceError(f"{uri}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from None
+    except RecursionError:
+        raise SourceError(f"{uri}: JSON nested too deeply (expected an object of PMID -> label)") from None
     if not isinstance(doc, dict):
         raise SourceError(f"{uri}: expected an object of PMID -> label")
     return {str(k): str(v) for k, v in doc.items()}
@@ -134,24 +138,47 @@ def load_test_ids(uri: str, allow: SourceAllowParams | None = None) -> dict[str,
 YEAR = re.compile(r"[12][0-9]{3}")
 
 
+MAX_PROBLEMS = 20  # named one line each; the rest are counted
+
+
 def check_rows(tasks: pd.DataFrame, origin: str, validate: ValidateParams) -> None:
-    """What must hold before a table replaces the stored one: a year is four digits or absent (never NaN or inf), and,
-    unless ``validate.quarantine`` will set bad rows aside, every label is one of ``validate.labels`` and no question or
-    context is longer than ``validate``'s caps. Raises on the first bad row, naming the file, row, field and rule."""
+    """What must hold before a table replaces the stored one: a year is four digits or absent (never NaN or inf), a PMID
+    appears once (a duplicate with another label would make the gold answer depend on row order), and, unless
+    ``validate.quarantine`` will set bad rows aside, every label is one of ``validate.labels`` and no question or
+    context is longer than ``validate``'s caps. Raises once, naming every bad row's file, row, field and rule (the
+    first ``MAX_PROBLEMS``, then the count), so a user fixes a file in one pass."""
+    problems = [f"{origin}: row {n} (id {row.id}): {why}" for n, row in enumerate(tasks.itertuples(index=False))
+                for why in _row_problems(row, validate)]
+    first: dict[str, tuple[int, Any]] = {}
+    for n, (pmid, label) in enumerate(zip(tasks["id"], tasks["final_decision"], strict=True)):
+        if pmid in first:
+            was, was_label = first[pmid]
+            same = "the same label" if was_label == label else f"label {str(label)[:20]!r} where it had {str(was_label)[:20]!r}"
+            problems.append(f"{origin}: row {n} (id {pmid}): duplicate of row {was} ({same}): a PMID appears once")
+        else:
+            first[pmid] = (n, label)
+    if problems:
+        more = f"\n... and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
+        head = f"{origin}: {len(problems)} problem(s), nothing stored changed:\n" if len(problems) > 1 else ""
+        raise SourceError(head + "\n".join(problems[:MAX_PROBLEMS]) + more)
+
+
+def _row_problems(row: Any, validate: ValidateParams) -> list[str]:
     caps = {"question": validate.question_chars.max, "contexts": validate.context_chars.max}
-    for n, row in enumerate(tasks.itertuples(index=False)):
-        where = f"{origin}: row {n} (id {row.id})"
-        if isinstance(row.year, str) and not YEAR.fullmatch(row.year):  # absent is None (or pandas' NaN): allowed
-            raise SourceError(f"{where}: year {str(row.year)[:20]!r}: must be a four-digit year or absent")
-        if validate.quarantine:
-            continue
-        if row.final_decision not in validate.labels:
-            raise SourceError(f"{where}: final_decision {str(row.final_decision)[:20]!r}: must be one of {validate.labels}")
-        if row.question is not None and len(row.question) > caps["question"]:
-            raise SourceError(f"{where}: question: {len(row.question)} characters > validate.question_chars.max "
-                              f"{caps['question']}")
-        if (size := sum(len(c) for c in row.contexts or [])) > caps["contexts"]:
-            raise SourceError(f"{where}: contexts: {size} characters > validate.context_chars.max {caps['contexts']}")
+    found = []
+    if isinstance(row.year, str) and not YEAR.fullmatch(row.year):  # absent is None (or pandas' NaN): allowed
+        found.append(f"year {str(row.year)[:20]!r}: must be a four-digit year or absent")
+    if validate.quarantine:
+        return found
+    if row.final_decision not in validate.labels:
+        found.append(f"final_decision {str(row.final_decision)[:20]!r}: must be one of {validate.labels}")
+    if not (row.question or "").strip():
+        found.append("question: empty")
+    elif len(row.question) > caps["question"]:
+        found.append(f"question: {len(row.question)} characters > validate.question_chars.max {caps['question']}")
+    if (size := sum(len(c) for c in row.contexts or [])) > caps["contexts"]:
+        found.append(f"contexts: {size} characters > validate.context_chars.max {caps['contexts']}")
+    return found
 
 
 def split_tasks(tasks: pd.DataFrame, test_ids: Mapping[str, str], val_fraction: float, seed: int) -> pd.DataFrame:
