@@ -78,6 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ServiceError, SourceError, PromotionError) as exc:  # a service unusable, an input or a registry refused: one line
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if (gone := tracking.unreachable(exc)) is None:
+            raise
+        print(f"error: {gone}", file=sys.stderr)
+        return 1
     finally:
         _flush_mlflow_traces()
 

@@ -101,6 +101,8 @@ class MlflowParams(_Strict):
         description="let MLflow clients move artifacts straight to and from the artifact store by presigned URL (MLflow "
                     ">= 3.17 does whenever the server proxies to S3); false: every artifact through the tracking server, "
                     "the only door to the store (network-policies.yaml, make prod-stack's S3)")
+    request_timeout_s: int = Field(gt=0, le=600, description="deadline of one request to the tracking server")
+    request_retries: int = Field(ge=0, le=5, description="retries of a failed request (backoff 1 s, 2 s, ...)")
 
 
 class BaseModelParams(_Strict):

@@ -48,10 +48,32 @@ def setup(mlflow: MlflowParams) -> str:
 
     for name in PRESIGNED_ENV:
         os.environ[name] = "true" if mlflow.presigned_urls else "false"
+    # MLflow reads these at every request: every tracking and registry call of this process gets them
+    os.environ.update({"MLFLOW_HTTP_REQUEST_TIMEOUT": str(mlflow.request_timeout_s),
+                       "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(mlflow.request_retries),
+                       "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"})
     uri = mlflow_server.ensure(mlflow)
     set_tracking_uri(uri)
     set_experiment(mlflow.experiment)
     return uri
+
+
+def unreachable(exc: BaseException) -> str | None:
+    """One line for an error that means the tracking server did not answer (refused, reset, timed out, retries spent),
+    else None: a stage whose server died ends naming it instead of in a traceback."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen)
+        kind = f"{type(seen).__module__}.{type(seen).__name__}"
+        if kind.startswith(("requests.exceptions.", "urllib3.exceptions.")) or (
+                "API request to" in text and ("Max retries exceeded" in text or "timed out" in text.lower())):
+            from mlflow import get_tracking_uri  # noqa: PLC0415 - loaded already: the error came from it
+
+            text = " ".join(text.split())
+            cause = text[text.rfind("Caused by"):] if "Caused by" in text else text  # refused, reset or timed out
+            return f"the MLflow tracking server {get_tracking_uri()} did not answer ({cause[:200]})"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def experiment_id(mlflow: MlflowParams) -> str:

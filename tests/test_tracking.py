@@ -29,3 +29,35 @@ def test_setup_sets_the_presigned_switches_mlflow_reads(presigned: bool, tmp_pat
     params = load_params()
     tracking.setup(params.mlflow.model_copy(update={"presigned_urls": presigned}))
     assert all(s.is_set() and s.get() is presigned for s in switches)
+
+
+@pytest.mark.parametrize("server", ["hung", "dead"])
+def test_a_stage_whose_tracking_server_is_gone_ends_in_one_line_within_its_deadline(server: str) -> None:
+    """#56: MLflow killed under a stage held it for 400 s (MLflow's 120 s timeout, 7 retries). With the pipeline's
+    deadline and retries (mlflow.request_timeout_s, request_retries) a server that accepts but never answers ("hung")
+    or one that is gone ("dead") ends the stage within timeout x (retries + 1) + backoff, in one line naming it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.services.process import free_port
+    from tests.conftest import ROOT
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)  # the kernel completes connections; nothing ever answers
+        port = listener.getsockname()[1] if server == "hung" else free_port()
+        uri = f"http://127.0.0.1:{port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "MLFLOW_"))}
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "open"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env={**env, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": uri,
+                                                "PIPELINE__MLFLOW__REQUEST_TIMEOUT_S": "2",
+                                                "PIPELINE__MLFLOW__REQUEST_RETRIES": "2"})
+        took = time.monotonic() - started
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: the MLflow tracking server {uri} did not answer"), lines
+    assert took < 2 * 3 + (1 + 2) + 15, took  # 3 requests of 2 s, backoff 1 s + 2 s, the process's start
