@@ -154,3 +154,17 @@ def test_an_engine_that_fails_to_start_is_reported_not_restarted(tmp_path: Path)
 
     with pytest.raises(ServiceError, match=r"exited with 3(.|\n)*no such model(.|\n)*a failed start, not restarted"):
         _supervised(tmp_path, restarts=5, script="echo no such model >&2\nexit 3\n", min_uptime_s=30)
+
+
+def test_an_engine_whose_supervisor_is_killed_stops_instead_of_serving_unsupervised(tmp_path: Path) -> None:
+    """#56: SIGKILL the supervisor and the engine kept serving, with no one to restart it, until the next `services up`.
+    The engine gets SIGTERM when its supervisor dies (its parent-death signal), so nothing serves unsupervised."""
+    import signal
+
+    svc, leader, engine_file = _supervised(tmp_path, restarts=5)
+    try:
+        engine = int(engine_file.read_text())
+        os.kill(leader, signal.SIGKILL)
+        assert _wait_for(lambda: not _alive(engine), timeout_s=10), "the engine outlived its supervisor"
+    finally:
+        stop(svc, grace_s=5)

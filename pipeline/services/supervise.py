@@ -2,7 +2,8 @@
 
 The supervisor leads the service's process group and runs the engine inside it. When the engine exits (a crash, an
 OOM kill, a SIGKILL), everything else left in the group (vLLM's ``EngineCore``) is killed before the next start, so a
-restart never meets the old engine's port or memory. A SIGTERM to the group (``services down``) stops it for good.
+restart never meets the old engine's port or memory. A SIGTERM to the group (``services down``) stops it for good;
+a supervisor killed outright takes its engine with it (the engine's parent-death signal).
 Standard library only: it runs in whichever environment the engine does (the model plane for vLLM).
 
     python -m pipeline.services.supervise --restarts 5 --backoff-s 2 --cap-s 30 --window-s 600 --min-uptime-s 60 \
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -49,6 +51,19 @@ def _kill_leftovers(pgid: int) -> int:
     return len(left)
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent: int) -> None:
+    """In the engine, before exec: SIGTERM it when the supervisor dies. A SIGKILLed supervisor must not leave an engine
+    serving with no one to restart it or to stop its group; the proxy then answers 503 until `services up`."""
+    import ctypes  # noqa: PLC0415 - only in the forked child
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the supervisor died before the prctl took effect
+        os._exit(1)
+
+
 def delays(restarts: int, backoff_s: float, cap_s: float) -> list[float]:
     """The waits before restart 1..n: doubling from ``backoff_s``, capped."""
     return [min(cap_s, backoff_s * 2**i) for i in range(restarts)]
@@ -71,10 +86,12 @@ def supervise(cmd: list[str], restarts: int, backoff_s: float, cap_s: float, win
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     pgid = os.getpgid(0)
+    die_with_me = functools.partial(_die_with, os.getpid())
     deaths: list[float] = []
     waits = delays(restarts, backoff_s, cap_s)
     while not stopping:
-        child = subprocess.Popen(cmd)  # same group: a group stop reaches the engine and its children
+        # same group: a group stop reaches the engine and its children; the engine dies with its supervisor
+        child = subprocess.Popen(cmd, preexec_fn=die_with_me)  # noqa: PLW1509 - prctl needs the child, before exec
         started = time.monotonic()
         if child_pid_file is not None:
             child_pid_file.write_text(str(child.pid))
