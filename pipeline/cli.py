@@ -17,6 +17,7 @@ from pipeline.config import ParamsError, load_params
 from pipeline.data.sources import SourceError
 from pipeline.learning import WAYS
 from pipeline.promotion import PromotionError
+from pipeline.prompt_registry import PromptError
 from pipeline.services.process import ServiceError
 
 # command -> (module, one-line help)
@@ -75,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracking.CONTEXT["data.setting"] = params.data.setting
     try:
         return int(module.main(args, params) or 0)
-    except (ServiceError, SourceError, PromotionError) as exc:  # a service unusable, an input or a registry refused: one line
+    except (ServiceError, SourceError, PromotionError, PromptError) as exc:  # a service, an input or a registry refused
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:

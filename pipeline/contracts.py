@@ -128,6 +128,7 @@ class EvaluationSummary(_Open):
 
     tasks: list[str]
     setting: str
+    created_at: str | None = None  # UTC ISO time the evaluation ended: evidence older than a rollback is stale
     champion_versions: dict[str, Version] = Field(default_factory=dict)
     champion_routing: RoutingTable | None = None  # every registered role on its champion: what each candidate is paired with
     roles: dict[str, Evaluation] = Field(default_factory=dict)

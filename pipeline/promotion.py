@@ -73,17 +73,48 @@ MODEL, PROMPT = "model", "prompt"  # what a switch moved: a role's model version
 
 def journal(serving: ServingParams, role: str | None = None, kind: str = MODEL,
             template: str | None = None) -> list[dict[str, Any]]:
-    """The switches of ``kind`` recorded so far, oldest first (of ``role`` / ``template`` only, when given); a torn
-    last line is skipped. Entries written before prompts could switch carry no kind: they are model switches."""
+    """The switches of ``kind`` recorded so far, oldest first (of ``role`` / ``template`` only, when given). A torn last
+    line (a crash mid-append) is skipped; anything else that is not a switch (bytes that are not UTF-8, a line that is
+    not an object with a role and a version, a folder in the journal's place) is refused in one line: the journal is
+    what rollback and every stage's check trust, so a damaged one must stop them, not be half-read. Entries written
+    before prompts could switch carry no kind: they are model switches."""
     path = journal_file(serving)
+    if not path.exists():
+        return []
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PromotionError(f"{path}: the promotion journal cannot be read ({exc}); {RECOVER}") from None
+    lines = text.split("\n")
     entries = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
             continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):  # the last line, without its newline: a crash while it was written
+                continue
+            raise PromotionError(f"{path}: line {n} is not JSON; {RECOVER}") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("role"), str) or "version" not in entry:
+            raise PromotionError(f"{path}: line {n} is not a switch (an object with 'role' and 'version'); {RECOVER}")
+        entries.append(entry)
     return [e for e in entries if e.get("kind", MODEL) == kind and (role is None or e.get("role") == role)
             and (template is None or e.get("template") == template)]
+
+
+RECOVER = ("restore it from a backup (each switch is also an MLflow `promote` run with its routing version), or move it "
+           "aside and point every champion alias back to its baseline with the writer's credentials")
+
+
+def rolled_back_after(serving: ServingParams, role: str, when: str | None, kind: str = MODEL,
+                      template: str | None = None) -> str | None:
+    """The time of the last rollback of ``role`` (``template``) later than ``when`` (an ISO time; None: evidence of
+    unknown age, older than any rollback), else None. Evidence from before a rollback would promote the rolled-back
+    version again the moment its champion is back: a rollback must stick until something is evaluated anew."""
+    times = [e["time"] for e in journal(serving, role, kind, template) if e.get("action") == "rollback" and e.get("time")]
+    later = [t for t in times if when is None or str(t) > when]
+    return max(later) if later else None
 
 
 def _append(serving: ServingParams, entry: dict[str, Any]) -> None:
@@ -121,15 +152,20 @@ def switch(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams,
                        previous_routing=live["version"], new_routing=None, tags=dict(tags or {}), record=record)
         failpoint("intent")
         kind = promote.roles[name]
+        roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
         try:
             where = registry.deploy(serving, name, to, live["roles"].get(name))
         except (ServiceError, registry.RegistryError, OSError) as exc:
             intent_file(serving).unlink(missing_ok=True)
             raise PromotionError(f"{name} v{to.version} could not be deployed: {exc}") from exc
+        # what was routed, both sides, base versions included: rollback and the audit compare against these, never
+        # against a registry tag (a base version's `deployment` tag has no digest to check it by)
+        _note(serving, intent, to_deployment=where,
+              previous_deployment=roles.get(name) if kind == "llm" else policies.get(name, "llm"))
         failpoint("deploy")
-        roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
         (roles if kind == "llm" else policies)[name] = where
-        number = routing.write_version(serving, roles, description, policies, live.get("prompts"))
+        number = routing.write_version(serving, roles, description, policies, live.get("prompts"),
+                                       routing.pins_kept(live, live.get("prompts") or {}))
         return _apply_then_alias(serving, mlflow, intent, live, number, f"{name} v{to.version}",
                                  lambda: registry.set_alias(name, registry.CHAMPION, to.version))
 
@@ -179,8 +215,10 @@ def switch_prompt(serving: ServingParams, mlflow: MlflowParams, name: str, templ
                        previous_routing=live["version"], new_routing=None, tags=dict(tags or {}), record=record)
         failpoint("intent")
         routed = {**(live.get("prompts") or {}), template: int(to.version)}
+        pinned = {**routing.pins_kept(live, routed), template: prompts.digest(str(to.template))}
         try:
-            number = routing.write_version(serving, dict(live["roles"]), description, dict(live.get("policies", {})), routed)
+            number = routing.write_version(serving, dict(live["roles"]), description, dict(live.get("policies", {})), routed,
+                                           pinned)
         except routing.RoutingError as exc:
             intent_file(serving).unlink(missing_ok=True)
             raise PromotionError(f"{template} v{to.version}: {exc}") from exc
@@ -215,17 +253,27 @@ def _finish(serving: ServingParams, intent: dict[str, Any]) -> None:
                           "version": intent["to_version"], "sha256": intent.get("to_sha256"),
                           "previous_version": intent["previous_champion"], "previous_sha256": intent.get("previous_sha256"),
                           "routing_version": intent["new_routing"], "previous_routing": intent["previous_routing"],
+                          "deployment": intent.get("to_deployment"), "previous_deployment": intent.get("previous_deployment"),
                           "description": intent.get("description", ""),
                           **({"kind": PROMPT, "template": intent["template"]} if kind == PROMPT else {})})
     failpoint("tagged")
     intent_file(serving).unlink(missing_ok=True)
 
 
-def audit(serving: ServingParams) -> list[str]:
-    """Where the registry disagrees with the journal: a role whose champion alias or champion digest is not what the
-    journal's last switch of that role made it (roles never switched are the registry's own baselines)."""
+def audit(serving: ServingParams, roles: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Where the registry disagrees with the journal: a role whose champion alias, champion digest or champion
+    deployment is not what the journal's last switch of that role made it; a role of ``roles`` whose champion is a
+    version other than its baseline although the journal records no switch of it (the journal was removed or its line torn: roles
+    never switched are on their baselines); a prompt whose champion alias moved outside promote/rollback."""
     found = []
-    lasts = {e["role"]: e for e in journal(serving)}  # one read of the journal: each role's last switch
+    entries = journal(serving)
+    lasts = {e["role"]: e for e in entries}  # one read of the journal: each role's last switch
+    for role in (r for r in roles if r not in lasts):
+        champion = registry.by_alias(role, registry.CHAMPION)
+        if champion is not None and str(champion.version) != BASELINE:
+            found.append(f"{role}: the registry's champion is v{champion.version}, not its baseline v{BASELINE}, but the "
+                         f"promotion journal {journal_file(serving)} records no switch of {role} (missing or torn); "
+                         f"{RECOVER}")
     for role, last in lasts.items():
         champion = registry.by_alias(role, registry.CHAMPION)
         if champion is None or str(champion.version) != str(last["version"]):
@@ -235,7 +283,11 @@ def audit(serving: ServingParams) -> list[str]:
         elif champion.tags.get(registry.SHA256_TAG) != last.get("sha256"):
             found.append(f"{role} v{champion.version}: sha256 {champion.tags.get(registry.SHA256_TAG)} in the registry, but "
                          f"{last.get('sha256')} when the promotion journal made it champion")
-    for template, last in {e["template"]: e for e in journal(serving, kind=PROMPT)}.items():
+        elif last.get("deployment") and (where := _target(serving, role, champion)) != last["deployment"]:
+            found.append(f"{role} v{champion.version}: the registry routes it to {where}, but the promotion journal "
+                         f"routed {last['deployment']} when it made it champion")
+    switched = {e["template"]: e for e in journal(serving, kind=PROMPT)}
+    for template, last in switched.items():
         prompt = prompt_registry.load(template, f"@{prompt_registry.CHAMPION}")
         if prompt is None or str(prompt.version) != str(last["version"]):
             found.append(f"prompt {template}: the Prompt Registry's champion is v{prompt.version if prompt else '-'}, but the "
@@ -244,22 +296,47 @@ def audit(serving: ServingParams) -> list[str]:
         elif prompt.tags.get("sha") != last.get("sha256") or prompts.digest(str(prompt.template)) != last.get("sha256"):
             found.append(f"prompt {template} v{prompt.version}: its text hashes to {prompts.digest(str(prompt.template))} "
                          f"(tag {prompt.tags.get('sha')}), but {last.get('sha256')} when the journal made it champion")
+    return found + _unswitched_prompts(set(switched))
+
+
+BASELINE = "1"  # registry.ensure_baselines registers it first: a role no switch touched has it as champion
+
+
+def _target(serving: ServingParams, role: str, version: Any) -> str:
+    try:
+        return registry.target(serving, role, version)
+    except registry.RegistryError as exc:
+        return f"nothing ({exc})"
+
+
+def _unswitched_prompts(switched: set[str]) -> list[str]:
+    """A template no switch touched keeps the champion its first registration got, a version of the repository's text;
+    an alias moved elsewhere was moved outside promote/rollback (rollback would read it)."""
+    found = []
+    for template in prompts.TEMPLATES:
+        if template in switched:
+            continue
+        champion = prompt_registry.load(template, f"@{prompt_registry.CHAMPION}")
+        if champion is not None and champion.tags.get("source") != prompt_registry.SOURCE:
+            found.append(f"prompt {template}: the Prompt Registry's champion is v{champion.version}, an optimizer's "
+                         "version no promotion made champion (promotion journal): the alias was moved outside "
+                         "promote/rollback")
     return found
 
 
-def check(serving: ServingParams) -> None:
+def check(serving: ServingParams, roles: list[str] | tuple[str, ...] = ()) -> None:
     """Refuse to serve from a registry the journal disagrees with, naming each disagreement and the way out."""
-    if found := audit(serving):
+    if found := audit(serving, roles):
         raise PromotionError("; ".join(found) + f" (the record is {journal_file(serving)}: point the alias back with "
                              "the writer's credentials; a registry started afresh needs that journal moved aside)")
 
 
 def reconcile(serving: ServingParams, mlflow: MlflowParams) -> str | None:
     """Finish or undo a switch a crash interrupted; what was done (None: nothing pending)."""
-    intent = pending(serving)
-    if intent is None:
-        return None
-    with routing.lock(serving):
+    with routing.lock(serving):  # the intent is read under the lock: a switch in flight is not taken for a crashed one
+        intent = pending(serving)
+        if intent is None:
+            return None
         champion = _champion(intent)
         live = routing.active(serving)
         if champion is not None and champion == intent["to_version"]:

@@ -20,6 +20,7 @@ PREFIX = "society."
 CHAMPION = "champion"
 CHALLENGER = "challenger"  # an optimizer's proposal, evaluated with the role's champion weights (evaluate)
 FRESH: dict[str, Any] = {"link_to_model": False, "cache_ttl_seconds": 0}  # aliases move and tags are written after registration
+SOURCE = "pipeline/agents/prompts.py"  # the ``source`` tag of a version registered from the repository's text
 REPOSITORY = "repository"  # the newest version registered from pipeline/agents/prompts.py (optimizers register others)
 
 
@@ -47,7 +48,7 @@ def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> dict[
         if latest is None or latest.template != text:
             latest = mlflow.genai.register_prompt(
                 name, text, commit_message=f"pipeline/agents/prompts.py at sha {prompts.digest(text)}",
-                tags={"sha": prompts.digest(text), "source": "pipeline/agents/prompts.py"})
+                tags={"sha": prompts.digest(text), "source": SOURCE})
         if latest.aliases is None or REPOSITORY not in latest.aliases:
             mlflow.genai.set_prompt_alias(name, REPOSITORY, latest.version)
         # the first version is the champion; later only promotion and rollback move it (their journal records it)
@@ -55,9 +56,18 @@ def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> dict[
             mlflow.genai.set_prompt_alias(name, CHAMPION, latest.version)
         versions[template] = int(latest.version)
     prompts.ROUTED.clear()
+    pins = (table or {}).get("prompt_sha256") or {}
     for template, number in ((table or {}).get("prompts") or {}).items():
-        routed = mlflow.genai.load_prompt(f"prompts:/{registered_name(template)}/{number}", **FRESH)
-        # the served-digest rule for prompts: the text must be the one registered under that version's sha
+        routed = mlflow.genai.load_prompt(f"prompts:/{registered_name(template)}/{number}", allow_missing=True, **FRESH)
+        if routed is None:
+            raise PromptError(f"prompt {registered_name(template)} v{number}: routed by routing version "
+                              f"{(table or {}).get('version')}, but not in the Prompt Registry")
+        # the served-digest rule for prompts: the text must be the one the routing version pinned (a registry writer
+        # can replace a version's text and its tag together), and the one registered under that version's sha
+        if template in pins and prompts.digest(routed.template) != pins[template]:
+            raise PromptError(f"prompt {registered_name(template)} v{number}: its text hashes to "
+                              f"{prompts.digest(routed.template)}, but routing version {(table or {}).get('version')} "
+                              f"pinned {pins[template]}: the registry's text was changed; not rendered")
         if routed.tags.get("sha") != prompts.digest(routed.template):
             raise PromptError(f"prompt {registered_name(template)} v{number}: its text hashes to "
                               f"{prompts.digest(routed.template)}, but it was registered as {routed.tags.get('sha')}")
@@ -66,6 +76,20 @@ def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> dict[
     prompts.VERSIONS.clear()
     prompts.VERSIONS.update(versions)
     return versions
+
+
+def pin(template: str, number: int | str) -> str:
+    """The digest of version ``number`` of ``template``, once it is found, its ``sha`` tag is its text's and its fields
+    are the society's: what a routing version pins it by."""
+    found = load(template, int(number))
+    if found is None:
+        raise PromptError(f"prompt {registered_name(template)} v{number}: not in the Prompt Registry")
+    sha = prompts.digest(found.template)
+    if found.tags.get("sha") != sha:
+        raise PromptError(f"prompt {registered_name(template)} v{number}: its text hashes to {sha}, but it was registered "
+                          f"as {found.tags.get('sha')}")
+    check_fields(template, str(found.template))
+    return sha
 
 
 def register(mlflow_cfg: MlflowParams, template: str, text: str, message: str, tags: dict[str, str] | None = None) -> int:

@@ -319,3 +319,11 @@ def test_judge_scores_are_the_expected_digit_under_the_models_distribution() -> 
     assert got["novelty"] == pytest.approx((0 * 0.5 + 9 * 0.25) / 0.75 / 9)
     assert got["clarity"] == pytest.approx((4 * 0.6 + 5 * 0.2) / 0.8 / 9)
     assert expected_scores([tok('{"impact":'), tok("7")]) == {"impact": pytest.approx(7 / 9)}  # no alternatives: the digit itself
+
+
+def test_a_role_naming_an_agent_the_graph_does_not_have_is_refused() -> None:
+    """#56: a `roles:` entry naming an agent the graph lacks (a misspelling) loaded and answered nothing; the society
+    refuses it when it is built, naming the agents it has."""
+    models = {**section("agents").models, "principal_investgator": "principal_investigator"}
+    with pytest.raises(ValueError, match=r"agents \['principal_investgator'\] are not agents of the graph"):
+        Society(client=None, tools=None, cfg=section("agents", models=models), rng=random.Random(0))  # type: ignore[arg-type]

@@ -94,6 +94,34 @@ def test_unrouted_names_are_refused(params: Params) -> None:
         assert resp.status_code == 404 and "not a role of routing version" in resp.text, (name, resp.status_code, resp.text[:300])
 
 
+@pytest.mark.parametrize("body", [{"metadata": {"routing": "no-such-table"}}, {"metadata": {"routing": "../../active"}},
+                                  {"metadata": {"routing": ["x"]}}],
+                         ids=["unknown_table", "bad_table_name", "table_not_a_string"])
+def test_an_unknown_evaluation_table_is_the_clients_mistake(params: Params, body: dict) -> None:
+    """#56: a request naming an evaluation table that does not exist (or is not a table name) answered 500; it is the
+    client's mistake: 400, naming the field, and never the live routing instead."""
+    routing.apply(params.serving, params.mlflow, 1)
+    resp = _chat(params, "supervisor", **body)
+    assert resp.status_code == 400 and "routing" in resp.text, (resp.status_code, resp.text[:500])
+
+
+@pytest.mark.parametrize("field", ["api_base", "base_url"])
+def test_an_upstream_named_by_the_client_is_refused_and_never_called(params: Params, field: str) -> None:
+    """LiteLLM's own request-body blocklist refuses a client-chosen upstream before authentication, as a 500 (its
+    ValueError; accepted in docs/security.md: our hooks run after it). What matters is held: the upstream named is
+    never called, so no key can leave the proxy."""
+    import socket
+
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen(8)
+        trap.setblocking(False)
+        resp = _chat(params, "supervisor", **{field: f"http://127.0.0.1:{trap.getsockname()[1]}/v1"})
+        assert resp.status_code in (400, 500), (resp.status_code, resp.text[:500])
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody connected
+
+
 @pytest.mark.parametrize("schema", [Review, Protocol], ids=["review", "protocol"])
 def test_guided_json_validates(params: Params, schema) -> None:
     resp = _chat(params, "review_board", max_tokens=1024, temperature=0.0, response_format=schema.response_format(),

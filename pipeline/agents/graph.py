@@ -42,6 +42,7 @@ JUNIORS = {
 OPENING_AGENTS = tuple(JUNIORS)
 AGENTS = (*JUNIORS, "supervisor", "hypothesis_refiner", "protocol_designer", "peer_reviewer", "safety_officer",
           "principal_investigator")  # every agent of the graph: each must be answered by a role (roles.<r>.agents)
+INSTRUMENTS = ("judge",)  # agents of a role that score the society rather than take part in it
 SEVERITY_RANK = {"APPROVE": 0, "MINOR": 1, "MAJOR": 2, "CRITICAL": 3}
 
 
@@ -69,6 +70,8 @@ class Society:
     def __post_init__(self) -> None:
         if missing := [a for a in AGENTS if a not in self.cfg.models]:
             raise ValueError(f"params.yaml roles: no role's agents name {missing}; every agent of the graph needs one")
+        if unknown := sorted(set(self.cfg.models) - {*AGENTS, *INSTRUMENTS}):  # a misspelt agent would answer nothing
+            raise ValueError(f"params.yaml roles: agents {unknown} are not agents of the graph {list(AGENTS)}")
 
     def _llm_calls(self, state: SocietyState) -> int:
         return sum(1 for s in state.get("spans", []) if s["kind"] == "llm")

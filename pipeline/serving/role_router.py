@@ -33,14 +33,15 @@ class RoleRouter(CustomLogger):
         """The live table, or the evaluation table a request names (``metadata.routing``)."""
         path = self._path
         if routing:
-            if not EVAL_NAME.fullmatch(routing):
-                raise ValueError(f"routing {routing!r}: not an evaluation routing name")
+            if not isinstance(routing, str) or not EVAL_NAME.fullmatch(routing):
+                raise _client_error(f"metadata.routing {str(routing)[:80]!r}: not an evaluation routing name", "metadata")
             path = os.path.join(os.path.dirname(self._path), "eval", f"{routing}.json")
         try:
             mtime = os.stat(path).st_mtime_ns
         except OSError:
             if routing:  # an evaluation must never fall back to the live routing silently
-                raise ValueError(f"evaluation routing {routing!r} does not exist") from None
+                raise _client_error(f"evaluation routing {routing!r} does not exist (evaluation tables live only while "
+                                    "their evaluation runs)", "metadata") from None
             return self._cache.get(path, (0, {}))[1]
         cached = self._cache.get(path)
         if cached is None or cached[0] != mtime:
@@ -50,7 +51,15 @@ class RoleRouter(CustomLogger):
         return cached[1]
 
     async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: str) -> dict:
-        routing = (data.get("metadata") or {}).get("routing")
+        # the deployment is the routing's choice: a client naming its own upstream (LiteLLM would call it, with whatever
+        # key it was given) is refused as the client's mistake it is, before anything leaves the proxy
+        if chosen := sorted(k for k in UPSTREAM_KEYS if k in data):
+            raise _client_error(f"{', '.join(chosen)}: a client may not choose the upstream; name a role as the model",
+                                chosen[0])
+        metadata = data.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise _client_error("metadata must be an object", "metadata")
+        routing = metadata.get("routing")
         table = self.table(routing)
         role = data.get("model")
         roles = table.get("roles", {})
@@ -75,6 +84,13 @@ class RoleRouter(CustomLogger):
         return HTTPException(status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)},
                              detail={"error": f"the deployment serving {str(role)[:80]!r} is not answering (its worker is "
                                               f"down or restarting); retry after {RETRY_AFTER_S} s"})
+
+
+UPSTREAM_KEYS = ("api_base", "base_url", "api_key", "api_version", "custom_llm_provider", "litellm_params")
+
+
+def _client_error(message: str, param: str) -> ProxyException:
+    return ProxyException(message=message, type="invalid_request_error", param=param, code=400)
 
 
 RETRY_AFTER_S = 5

@@ -125,7 +125,32 @@ def load_version(serving: ServingParams, version: int) -> dict[str, Any]:
              "policies": {k: str(v) for k, v in policies.items()}, "description": doc.get("description", "")}
     if prompt_versions:
         table["prompts"] = {t: int(v) for t, v in prompt_versions.items()}
+    if pins := doc.get(PINS):  # versions written before pins had none: their prompts are checked against their tags only
+        table[PINS] = {str(t): str(v) for t, v in pins.items()} if isinstance(pins, dict) else {}
     return table
+
+
+PINS = "prompt_sha256"  # template -> the digest of the routed version's text when the routing version was written
+
+
+def pins_kept(live: dict[str, Any] | None, routed: dict[str, int]) -> dict[str, str]:
+    """The pins of ``live`` still true for ``routed``: those of templates routed at the same version."""
+    live = live or {}
+    return {t: sha for t, sha in (live.get(PINS) or {}).items() if (live.get("prompts") or {}).get(t) == routed.get(t)}
+
+
+def _pin(prompt_versions: dict[str, int], pinned: dict[str, str] | None) -> dict[str, str]:
+    """Every routed prompt's digest: the one ``pinned`` carries (a version already routed), else its text's now, the
+    version found in the Prompt Registry, its tag matching its text and its fields the society's."""
+    from pipeline import prompt_registry  # noqa: PLC0415 - mlflow.genai: only when prompts are routed
+
+    out = {}
+    for template, number in prompt_versions.items():
+        try:
+            out[template] = (pinned or {}).get(template) or prompt_registry.pin(template, number)
+        except prompt_registry.PromptError as exc:
+            raise RoutingError(str(exc)) from None
+    return out
 
 
 def check_table(serving: ServingParams, roles: dict[str, Any], policies: dict[str, Any],
@@ -156,11 +181,14 @@ def check_table(serving: ServingParams, roles: dict[str, Any], policies: dict[st
 
 
 def write_version(serving: ServingParams, roles: dict[str, str], description: str = "",
-                  policies: dict[str, str] | None = None, prompt_versions: dict[str, int] | None = None) -> int:
+                  policies: dict[str, str] | None = None, prompt_versions: dict[str, int] | None = None,
+                  pinned: dict[str, str] | None = None) -> int:
     """Write the next version file (used by `route new` and by promotion); returns its number. A table that
     :func:`check_table` refuses writes nothing. ``prompt_versions``: template -> the Prompt Registry version the
-    society renders instead of the repository's text (docs/serving.md)."""
+    society renders instead of the repository's text (docs/serving.md); each is pinned by its text's digest (``pinned``
+    carries the pins of versions already routed), and rendering refuses any other text under that version."""
     check_table(serving, roles, policies or {}, prompt_versions)
+    pins = _pin(prompt_versions or {}, pinned)
     with lock(serving):
         number = (versions(serving) or [0])[-1] + 1
         doc: dict[str, Any] = {"description": description, "roles": roles}
@@ -168,6 +196,7 @@ def write_version(serving: ServingParams, roles: dict[str, str], description: st
             doc["policies"] = policies
         if prompt_versions:
             doc["prompts"] = prompt_versions
+            doc[PINS] = pins
         path = generated_dir(serving) / f"v{number}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, yaml.safe_dump(doc, sort_keys=False))
@@ -194,7 +223,23 @@ def write_eval(serving: ServingParams, name: str, roles: dict[str, str],
     path = eval_file(serving, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, table)
+    _written.add(path)
     return table
+
+
+_written: set[Path] = set()  # the evaluation tables this process wrote: drop_evals removes them when its stage ends
+
+
+def drop_evals() -> int:
+    """Remove the evaluation tables this process wrote: a table outliving its evaluation would let any holder of the
+    proxy's key reach a refused candidate (``metadata.routing``) long after the gate said no. Returns how many."""
+    dropped = 0
+    for path in list(_written):
+        if path.exists():
+            path.unlink()
+            dropped += 1
+        _written.discard(path)
+    return dropped
 
 
 def active(serving: ServingParams) -> dict[str, Any] | None:
@@ -283,6 +328,7 @@ def _track(serving: ServingParams, table: dict[str, Any]) -> None:
     doc = {"version": table["version"], "roles": table["roles"], "policies": table.get("policies") or {}}
     if table.get("prompts"):
         doc["prompts"] = table["prompts"]
+        doc[PINS] = table.get(PINS) or {}
     text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
     if not live.exists() or live.read_text() != text:
         write_text(live, text)
@@ -294,6 +340,14 @@ def apply(serving: ServingParams, mlflow: MlflowParams, version: int) -> dict[st
     with lock(serving):
         table = load_version(serving, version)
         previous = active(serving)
+        if table.get("prompts"):  # every routed prompt exists, renders, and is still the text it was pinned with
+            tracking.setup(mlflow)
+            now = _pin(table["prompts"], None)
+            if changed := [f"{t}: {sha[:12]} -> {now.get(t, '-')[:12]}" for t, sha in (table.get(PINS) or {}).items()
+                           if now.get(t) != sha]:
+                kept = f"version {previous['version']} stays live" if previous else "no version is live"
+                raise RoutingError(f"routing version {version}: prompt text changed since it was pinned "
+                                   f"({', '.join(changed)}); {kept}")
         name = f"verify-v{version}"
         write_eval(serving, name, table["roles"], table.get("policies"))
         try:
@@ -354,6 +408,9 @@ def main(args: argparse.Namespace, params: Params) -> int:
             if bad:
                 raise RoutingError(f"--set {bad[0]!r}: must be ROLE=DEPLOYMENT or POLICY=URI")
             changes = dict(item.split("=", 1) for item in args.set)
+            policy_roles = [n for n, kind in params.promote.roles.items() if kind == "policy"]
+            if unknown := [k for k in changes if k not in serving.roles and k not in policy_roles]:
+                raise RoutingError(f"--set {unknown[0]}=...: neither a role ({serving.roles}) nor a policy ({policy_roles})")
             roles = {**live["roles"], **{k: v for k, v in changes.items() if k in serving.roles}}
             policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in serving.roles}}
             routed = dict(live.get("prompts") or {})
@@ -362,7 +419,9 @@ def main(args: argparse.Namespace, params: Params) -> int:
                 if not sep or not number.isdigit():
                     raise RoutingError(f"--prompt {item!r}: must be TEMPLATE=VERSION (a registered version number)")
                 routed[template] = int(number)
-            number = write_version(serving, roles, args.description, policies, routed)
+            if routed:
+                tracking.setup(params.mlflow)  # each routed prompt is looked up and pinned by its text's digest
+            number = write_version(serving, roles, args.description, policies, routed, pins_kept(live, routed))
             print(f"wrote {version_path(serving, number)}; apply with `python -m pipeline route apply --version {number}`")
         else:
             state = {"active": active(serving), "versions": versions(serving), "history": history(serving)[-5:]}

@@ -37,9 +37,12 @@ def ensure(serving: ServingParams, mlflow: MlflowParams) -> tuple[str, str]:
     if promotion.pending(serving):  # a switch a crash interrupted: alias and routing must agree before anything is served
         tracking.setup(mlflow)
         promotion.reconcile(serving, mlflow)
-    if promotion.journal(serving):  # what is served follows the journal, not a registry someone else wrote (#44)
+    # what is served follows the journal, not a registry someone else wrote (#44); once a routing version was written
+    # (a promotion, a `route new`) a missing journal is checked too: a trained champion must have its switch there
+    if promotion.journal(serving) or any(routing.generated_dir(serving).glob("v*.yaml")):
         tracking.setup(mlflow)
-        promotion.check(serving)
+        live = routing.active(serving) or {}
+        promotion.check(serving, [*serving.roles, *(live.get("policies") or {})])
     return proxy.client_settings(serving)
 
 

@@ -34,6 +34,7 @@ import os
 import re
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -481,6 +482,7 @@ def write_outputs(evaluate: EvaluateParams, summary: dict[str, Any]) -> None:
                 # PubMedQA's own format (PMID -> yes/no/maybe), scorable by its evaluation.py
                 answers = {r["task_id"]: answer(r["decision"]) for r in rows}
                 (tmp / "predictions" / f"{role}-{which}.json").write_text(json.dumps(answers, indent=1))
+        summary["created_at"] = datetime.now(UTC).isoformat(timespec="seconds")
         EvaluationSummary.model_validate(summary)  # the contract promote reads: a broken summary fails here, not there
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     metrics = {role: {"candidate_version": int(e["candidate"]["version"]),
@@ -503,7 +505,10 @@ def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)
     prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions, named in spans
     with tracking.stage_run("evaluate", params.mlflow):
-        summary = run(params)
+        try:
+            summary = run(params)
+        finally:
+            routing.drop_evals()  # the candidates' tables end with their evaluation
         plot(summary)
         mlflow.log_artifact(str(PLOT), artifact_path="plots")
         write_outputs(params.evaluate, summary)

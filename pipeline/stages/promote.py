@@ -24,7 +24,7 @@ from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams,
 from pipeline.contracts import Artifact, Evaluation, EvaluationSummary, Level, PromotionDecision, PromotionReport, Status
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide, family_p_values
 from pipeline.io import write_json
-from pipeline.promotion import PromotionError, reconcile, switch, switch_prompt
+from pipeline.promotion import PROMPT, PromotionError, reconcile, rolled_back_after, switch, switch_prompt
 from pipeline.serving import routing, stack
 
 __all__ = ["PromotionError", "promote_all", "promote_role", "switch"]
@@ -37,6 +37,30 @@ def _active_run_id() -> str:
     return run.info.run_id if run else ""
 
 
+HISTORY = (Status.PROMOTED, Status.REJECTED, "rolled_back")  # decisions a rerun on the same evidence must not rewrite
+
+
+def _decided(tags: dict[str, str], entry: Evaluation) -> str | None:
+    """The decision recorded on a version from this very evaluation (its candidate run), if it is one that is history:
+    re-running ``promote`` on the same summary reports it again instead of rewriting it (an A/A refused on
+    discrimination must not become 'stale' because its champion moved since)."""
+    if tags.get("promotion.decision") not in HISTORY:
+        return None
+    try:
+        evidence = json.loads(tags.get("promotion.evidence") or "{}")
+    except json.JSONDecodeError:
+        return None
+    return str(tags["promotion.decision"]) if evidence.get("candidate_run") == entry.candidate.run_id else None
+
+
+def _again(name: str, version: str, decided: str, tags: dict[str, str], evidence: dict, where: dict) -> PromotionDecision:
+    print(f"promote: {name} v{version} was decided {decided!r} on this evaluation by run {tags.get('promotion.run', '?')}; "
+          "a decision is history (evaluate again for a new one)")
+    return PromotionDecision(candidate=version, status=Status.REJECTED, rule="decided",
+                             detail=f"decided {decided} before ({tags.get('promotion.rule', '')}: "
+                                    f"{tags.get('promotion.detail', '')})"[:4000], **evidence, **where)
+
+
 def _status(decision: Decision, promote: PromoteParams) -> Status:
     if decision.promote:
         return Status.DRY_RUN if promote.dry_run else Status.PROMOTED
@@ -44,7 +68,8 @@ def _status(decision: Decision, promote: PromoteParams) -> Status:
 
 
 def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, entry: Evaluation,
-                 current_champion: str, adjusted_p: float | None = None, family: int = 1) -> PromotionDecision:
+                 current_champion: str, adjusted_p: float | None = None, family: int = 1,
+                 evaluated_at: str | None = None) -> PromotionDecision:
     cand = registry.get_version(name, entry.candidate.version)
     evidence = {"p_value": entry.difference.p_value, "p_adjusted": adjusted_p, "family": family,
                 "candidate_reward": entry.candidate.metrics.reward.mean, "champion_reward": entry.champion.metrics.reward.mean,
@@ -60,9 +85,16 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
                                  detail=cand.tags.get("promotion.detail", "already promoted"),
                                  routing_version=int(cand.tags.get("promotion.routing_version", 0)) or None, already=True,
                                  **evidence, **where)
+    if (decided := _decided(cand.tags, entry)) is not None:
+        if registry.by_alias(name, entry.alias) is not None:
+            registry.delete_alias(name, entry.alias)
+        return _again(name, cand.version, decided, cand.tags, evidence, where)
     if str(entry.champion.version) != str(current_champion):
         decision = Decision(False, "stale", f"evaluated against champion v{entry.champion.version}, "
                                             f"but the champion is now v{current_champion}; evaluate again")
+    elif (when := rolled_back_after(serving, name, evaluated_at)) is not None:
+        decision = Decision(False, "stale", f"{name} was rolled back at {when}, after this evaluation "
+                                            f"({evaluated_at or 'of unknown time'}); evaluate again")
     else:
         decision = decide(entry.candidate.metrics, entry.champion.metrics, entry.difference, promote, adjusted_p, family)
     status = _status(decision, promote)
@@ -89,7 +121,8 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
 
 
 def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, entry: Evaluation,
-                   model_champion: str, adjusted_p: float | None = None, family: int = 1) -> PromotionDecision:
+                   model_champion: str, adjusted_p: float | None = None, family: int = 1,
+                   evaluated_at: str | None = None) -> PromotionDecision:
     """A prompt pair (champion weights, candidate prompt) against (champion weights, rendered prompt): the same rules;
     a promotion routes the role's template to the version and moves the prompt's ``champion`` alias."""
     name, template = entry.role, str(entry.template)
@@ -109,10 +142,16 @@ def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: Promot
                                  status=Status.PROMOTED, promote=True, rule=cand.tags.get("promotion.rule", ""),
                                  detail=cand.tags.get("promotion.detail", "already promoted"), already=True,
                                  **evidence, **where)
+    if (decided := _decided(cand.tags, entry)) is not None:
+        prompt_registry.delete_alias(template, prompt_registry.CHALLENGER)
+        return _again(f"prompt {template}", cand.version, decided, cand.tags, evidence, where)
     if str(entry.champion.version) != str(current) or str(entry.model_version) != str(model_champion):
         decision = Decision(False, "stale", f"evaluated as prompt v{entry.champion.version} -> v{cand.version} on model "
                                             f"v{entry.model_version}, but the role renders prompt v{current} on model "
                                             f"v{model_champion} now; evaluate again")
+    elif (when := rolled_back_after(serving, name, evaluated_at, PROMPT, template)) is not None:
+        decision = Decision(False, "stale", f"prompt {template} was rolled back at {when}, after this evaluation "
+                                            f"({evaluated_at or 'of unknown time'}); evaluate again")
     else:
         decision = decide(entry.candidate.metrics, entry.champion.metrics, entry.difference, promote, adjusted_p, family)
     status = _status(decision, promote)
@@ -154,10 +193,10 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
         try:
             if entry.artifact == Artifact.PROMPT:
                 decisions[key] = promote_prompt(serving, mlflow, gate, entry, champion.version if champion else "",
-                                                adjusted[key], family)
+                                                adjusted[key], family, summary.created_at)
             else:
                 decisions[key] = promote_role(serving, mlflow, gate, name, entry, champion.version if champion else "",
-                                              adjusted[key], family)
+                                              adjusted[key], family, summary.created_at)
         except PromotionError as exc:
             decisions[key] = PromotionDecision(candidate=entry.candidate.version, status=Status.FAILED, rule="deployment",
                                                detail=str(exc), role=name, alias=entry.alias, level=entry.level,

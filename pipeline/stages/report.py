@@ -298,7 +298,10 @@ def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)
     prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions, named in spans
     with tracking.stage_run("report", params.mlflow):
-        result = run(params)
+        try:
+            result = run(params)
+        finally:
+            routing.drop_evals()  # the replaced champion's tables end with the report
     write_json(METRICS_FILE, result)
     metrics_files.write("report", result)
     return 0

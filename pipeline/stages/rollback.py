@@ -17,7 +17,7 @@ from pipeline import prompt_registry, registry, tracking
 from pipeline.agents import prompts
 from pipeline.config import MlflowParams, Params, PromoteParams, ServingParams
 from pipeline.promotion import PROMPT, PromotionError, journal, reconcile, switch, switch_prompt
-from pipeline.serving import stack
+from pipeline.serving import routing, stack
 
 
 def _promotion_of(entries: list[dict[str, Any]], current: str | None, what: str, store: str) -> dict[str, Any]:
@@ -45,6 +45,12 @@ def rollback(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParam
     if target.tags.get(registry.SHA256_TAG) != made.get("previous_sha256"):
         raise PromotionError(f"{name} v{previous}: sha256 {target.tags.get(registry.SHA256_TAG)} in the registry, but "
                              f"{made.get('previous_sha256')} when the promotion journal recorded it as champion")
+    # a base version has no digest: what it routed to is the journal's record, never its (writable) `deployment` tag
+    live = routing.active(serving) or {}
+    where = registry.target(serving, name, target, (live.get("roles") or {}).get(name))
+    if made.get("previous_deployment") and where != made["previous_deployment"]:
+        raise PromotionError(f"{name} v{previous}: the registry would route it to {where}, but the promotion journal "
+                             f"recorded {made['previous_deployment']} when it was replaced")
     number = switch(serving, mlflow, promote, name, target,
                     f"rollback {name} v{was} -> v{previous}", record=False)
     registry.set_tags(name, was, {"promotion.decision": "rolled_back"})
