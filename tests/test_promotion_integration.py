@@ -284,7 +284,7 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     path = journal_file(promo["params"].serving)
     kept = path.read_bytes()
     for damage in ("removed", "torn", "not_utf8", "not_a_switch"):
-        path.unlink()
+        path.unlink(missing_ok=True)
         if damage == "torn":
             path.write_bytes(kept.splitlines()[0][:40])
         elif damage == "not_utf8":
@@ -462,6 +462,26 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_proxy_a
     assert MlflowClient().get_model_version(pi, copy.version).tags["promotion.decision"] == "rejected"
     assert registry.by_alias(pi, registry.AA) is None and registry.by_alias(pi, registry.CHALLENGER) is None
     # the next rollout's PI calls: the next test's rollout (the promoted PI and a switched prompt, one society run)
+
+    # #57: a registered PI candidate whose served answers fail (the "offline" model: every decision call is refused)
+    # is refused by its own rule, even when the figure beside it says it is better: the reward of its summary entry is
+    # raised above the champion's here, as a readout apart from the served answer used to show it
+    failing = _register(promo, "offline", pi)
+    ev = _cli(promo, "evaluate", PIPELINE__AGENTS__CONTEXT_CHARS="200", PIPELINE__EVALUATE__ONLY=f"[{pi}]")
+    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
+    summary_path = promo["root"] / "data/evaluation/summary.json"
+    summary = json.loads(summary_path.read_text())
+    entry = summary["roles"][pi]
+    assert entry["candidate"]["version"] == failing and entry["candidate"]["target"] == "offline"
+    assert entry["candidate"]["metrics"]["failures"]["n"] > entry["champion"]["metrics"]["failures"]["n"]
+    entry["candidate"]["metrics"]["reward"]["mean"] = entry["champion"]["metrics"]["reward"]["mean"] + 0.5
+    entry["difference"].update(mean=0.5, ci_low=0.4, ci_high=0.6, p_value=1e-6)
+    summary_path.write_text(json.dumps(summary))
+    pr = _cli(promo, "promote", PIPELINE__PROMOTE__MIN_AUC="null")
+    assert pr.returncode == 0, pr.stdout[-3000:] + pr.stderr[-3000:]
+    refused = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"][pi]
+    assert refused["status"] == "rejected" and refused["rule"] == "served_failures", refused
+    assert _champion(pi) == better and _served(promo, pi) == "base"
 
 
 def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_back(promo: dict) -> None:
