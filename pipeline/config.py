@@ -623,6 +623,9 @@ class PiParams(_Strict):
     loss_on: Literal["decision_token", "answer"] = Field(
         description="decision_token: the loss on the decision alone, after the served prefix (decision_prefix); "
                     "answer: on the whole PIDecision JSON with its rationale")
+    oversample: dict[Literal["yes", "no", "maybe"], Annotated[int, Field(ge=1, le=10)]] = Field(
+        description="label -> how often each train row of it is repeated: a class rare in PQA-L (maybe, 11%) is "
+                    "otherwise learned as never answered (DEFER on 2 of 500 test questions)")
 
     def at(self, role: str) -> PiRole:
         entry = self.roles[role]

@@ -242,7 +242,7 @@ def _hostile(project: Path, kind: str) -> Path:
                                         ("huge_context", "contexts: 7000 characters > validate.context_chars.max"),
                                         ("perhaps", "final_decision 'perhaps': must be one of"),
                                         ("nan_year", "year 'nan'"), ("inf_year", "year 'inf'"),
-                                        ("duplicate", "a PMID appears once"), ("deep_json", "nested too deeply"),
+                                        ("duplicate", "a PMID has one answer"), ("deep_json", "nested too deeply"),
                                         ("three_problems", "3 problem(s), nothing stored changed")])
 def test_a_hostile_source_ends_in_one_line_and_changes_nothing_stored(project: Path, tmp_path_factory, kind: str,
                                                                        rule: str) -> None:

@@ -126,7 +126,12 @@ def test_the_pi_learns_the_gold_decision_maybe_included_on_the_call_the_society_
     tasks = {pmid: {**normalise_record(pmid, rec), "setting": params.data.setting} for pmid, rec in list(pubmedqa.items())[:80]}
     data = train_pi.rows(list(tasks.values()), params)
     assert all("Conclusion: " in r["prompt"][0]["content"] for r in data)
-    assert len(data) == len(tasks) and {r["label"] for r in data} == {"yes", "no", "maybe"}
+    # each question once per its label's pi.oversample (the rare maybe repeated), copies under one task id: the SFT eval
+    # split holds a question out whole, so no copy of an eval row is trained on
+    assert len(data) == sum(params.pi.oversample[t["final_decision"]] for t in tasks.values())
+    assert {r["task_id"] for r in data} == set(tasks) and {r["label"] for r in data} == {"yes", "no", "maybe"}
+    assert params.pi.oversample["maybe"] > 1 and sum(r["label"] == "maybe" for r in data) == params.pi.oversample["maybe"] * sum(
+        t["final_decision"] == "maybe" for t in tasks.values())
     for r in data:
         task = tasks[r["task_id"]]
         target = yaml.safe_load(r["completion"][0]["content"])

@@ -132,8 +132,11 @@ def test_evaluation_tables_are_named_safely_and_never_fall_back(params, monkeypa
     assert live["model"] == "base" and live["metadata"]["routing_version"] == 1
     evald = asyncio.run(hook(None, None, {"model": "junior_researcher", "metadata": {"routing": "cand-1"}}, "completion"))
     assert evald["model"] == "base/cand" and evald["metadata"]["routing_version"] == "eval:cand-1"
-    with pytest.raises(ValueError, match="does not exist"):
+    from litellm.proxy._types import ProxyException
+
+    with pytest.raises(ProxyException, match="does not exist") as gone:  # the client's mistake: 400, never the live table
         asyncio.run(hook(None, None, {"model": "junior_researcher", "metadata": {"routing": "gone"}}, "completion"))
+    assert str(gone.value.code) == "400"
 
 
 def test_proxy_serves_role_names_only_and_checks_its_key(params, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,9 +44,12 @@ def test_clean_data_passes(project: Path) -> None:
 def test_corrupt_input_fails_naming_each_problem(project: Path, pubmedqa: dict) -> None:
     source, bad = _corrupt_source(project, pubmedqa)
     set_param(project, "data.source", str(source))
-    # ingest refuses the bad label before it replaces anything; validate sees what quarantine would let through
+    # ingest refuses the bad label and the empty question, both in one run, before it replaces anything (the duplicate,
+    # with the same label, is validate's unique-id rule); validate sees what quarantine would let through
     refused = _cli("ingest", "--no-mlflow")
-    assert refused.returncode == 1 and "'perhaps'" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 1 and "2 problem(s)" in lines[0] and len(lines) == 3, refused.stderr
+    assert "'perhaps'" in refused.stderr and f"(id {bad['empty']}): question: empty" in refused.stderr
     assert _cli("ingest", "--no-mlflow", PIPELINE__VALIDATE__QUARANTINE="true").returncode == 0
     # a previous good validated output must survive the failed run untouched
     (project / "data/validated").mkdir(parents=True)

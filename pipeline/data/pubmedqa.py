@@ -143,7 +143,7 @@ MAX_PROBLEMS = 20  # named one line each; the rest are counted
 
 def check_rows(tasks: pd.DataFrame, origin: str, validate: ValidateParams) -> None:
     """What must hold before a table replaces the stored one: a year is four digits or absent (never NaN or inf), a PMID
-    appears once (a duplicate with another label would make the gold answer depend on row order), and, unless
+    has one label (a duplicate with another label would make the gold answer depend on row order), and, unless
     ``validate.quarantine`` will set bad rows aside, every label is one of ``validate.labels`` and no question or
     context is longer than ``validate``'s caps. Raises once, naming every bad row's file, row, field and rule (the
     first ``MAX_PROBLEMS``, then the count), so a user fixes a file in one pass."""
@@ -151,12 +151,10 @@ def check_rows(tasks: pd.DataFrame, origin: str, validate: ValidateParams) -> No
                 for why in _row_problems(row, validate)]
     first: dict[str, tuple[int, Any]] = {}
     for n, (pmid, label) in enumerate(zip(tasks["id"], tasks["final_decision"], strict=True)):
-        if pmid in first:
-            was, was_label = first[pmid]
-            same = "the same label" if was_label == label else f"label {str(label)[:20]!r} where it had {str(was_label)[:20]!r}"
-            problems.append(f"{origin}: row {n} (id {pmid}): duplicate of row {was} ({same}): a PMID appears once")
-        else:
-            first[pmid] = (n, label)
+        was, was_label = first.setdefault(pmid, (n, label))
+        if was != n and was_label != label and not validate.quarantine:  # the same label twice: validate's unique-id rule
+            problems.append(f"{origin}: row {n} (id {pmid}): label {str(label)[:20]!r} where row {was} has "
+                            f"{str(was_label)[:20]!r}: a PMID has one answer")
     if problems:
         more = f"\n... and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
         head = f"{origin}: {len(problems)} problem(s), nothing stored changed:\n" if len(problems) > 1 else ""

@@ -40,17 +40,19 @@ def data_file(pi: PiRole) -> Path:
 
 # whole Params: a row reads pi (its target), agents (the brief's length) and data (the setting)
 def rows(tasks: list[dict[str, Any]], params: Params) -> list[dict[str, Any]]:
-    """The PI's gold-decision rows: one per question of ``tasks`` (maybe -> DEFER), in ``data.setting``."""
+    """The PI's gold-decision rows: one per question of ``tasks`` (maybe -> DEFER), in ``data.setting``, each repeated
+    ``pi.oversample[label]`` times (the trainer shuffles)."""
     out = []
     for task in tasks:
         if task["final_decision"] not in GOLD:
             continue
         answer = target(task["final_decision"], (task.get("long_answer") or "")[:params.pi.rationale_chars])
         brief_only = decision_messages(task, params.agents, params.data.setting, what=DecisionInput.BRIEF)
-        out.append({"prompt": brief_only,
-                    # the served JSON layout (agents.decision.prefix's): loss_on answer trains what the society reads
-                    "completion": [{"role": "assistant", "content": answer}],
-                    "task_id": task["id"], "rollout_id": task["id"], "run_id": "pubmedqa-gold", "label": task["final_decision"]})
+        row = {"prompt": brief_only,
+               # the served JSON layout (agents.decision.prefix's): loss_on answer trains what the society reads
+               "completion": [{"role": "assistant", "content": answer}],
+               "task_id": task["id"], "rollout_id": task["id"], "run_id": "pubmedqa-gold", "label": task["final_decision"]}
+        out.extend([row] * params.pi.oversample.get(task["final_decision"], 1))
     return out
 
 
