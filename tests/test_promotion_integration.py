@@ -300,6 +300,17 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     os.write(fd, kept)
     os.close(fd)
+    # #56: `promote` whose tracking server is gone ends within its deadline in one line, nothing switched
+    import time
+
+    from pipeline.services.process import free_port
+
+    before, started = _live(promo), time.monotonic()
+    gone = _cli(promo, "promote", MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}",
+                PIPELINE__MLFLOW__REQUEST_TIMEOUT_S="2", **gate)
+    lines = gone.stderr.strip().splitlines()
+    assert gone.returncode == 1 and len(lines) == 1 and "did not answer" in lines[0], gone.stdout[-2000:] + gone.stderr
+    assert time.monotonic() - started < 60 and _live(promo) == before and _champion("junior_researcher") == "2"
 
 
 def test_promote_killed_after_each_step_then_rerun_leaves_alias_routing_and_tags_agreeing(promo: dict) -> None:

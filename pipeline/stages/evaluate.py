@@ -515,6 +515,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
         mlflow.log_dict(json.loads(Path(params.evaluate.out_dir, "summary.json").read_text()), "evaluation/summary.json")
     if not summary["roles"]:
         print("evaluate: no role has a challenger; nothing to compare", file=sys.stderr)
-    print(f"evaluate: {len(summary['roles'])} candidate(s) on {len(summary['tasks'])} validation tasks "
-          f"-> {params.evaluate.out_dir}/summary.json")
+    # a society candidate is paired on the society's validation tasks, a role-level one on every validation question
+    sizes = [f"{k} on {e['difference']['n']} {'questions' if e['level'] == 'role' else 'tasks'}"
+             for k, e in summary["roles"].items()]
+    print(f"evaluate: {len(sizes)} candidate(s) ({'; '.join(sizes) or 'none'}) -> {params.evaluate.out_dir}/summary.json")
     return 0
