@@ -552,7 +552,8 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
     assert again.returncode == 1 and "nothing to roll back" in again.stderr
 
 
-def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_be_served(promo: dict) -> None:
+def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_be_served(promo: dict,
+                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """#56: the registry's writer could replace a routed prompt version's text (and its `sha` tag) through MLflow's REST
     API, and the society rendered it. A routing version pins each routed prompt's digest: rendering and `route apply`
     refuse another text. `route new` / `route apply` refuse a prompt version that does not exist and a policy no role
@@ -564,6 +565,10 @@ def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_b
     from tests.conftest import mlflow_login
 
     pi, params = "principal_investigator", promo["params"]
+    # sync fills the process's rendered versions (prompts.ROUTED / VERSIONS, #53's process-global state): this test's
+    # syncs stay in this test, later tests of the session render the repository's texts
+    monkeypatch.setattr(prompts, "ROUTED", dict(prompts.ROUTED))
+    monkeypatch.setattr(prompts, "VERSIONS", dict(prompts.VERSIONS))
     text = prompts.TEMPLATES[pi] + " Weigh the strongest finding first."
     new = prompt_registry.register(params.mlflow, pi, text, "it: a prompt to pin")
     number = switch_prompt(params.serving, params.mlflow, pi, pi, prompt_registry.load(pi, new), "it: pin a prompt")
