@@ -55,6 +55,15 @@ def registered_name(kind: Learning, role: str) -> str:
     return f"{role}_policy" if WAYS[kind].registers == "policy" else role
 
 
+PROMPT_ALIAS = "prompt"  # a prompt candidate is gated apart from the role's model: its entries are ROLE@prompt
+
+
+def candidate_key(kind: Learning, role: str) -> str:
+    """The key a kind's candidate of ``role`` has in evaluation and promotion (and its row of the cycle view)."""
+    name = registered_name(kind, role)
+    return f"{name}@{PROMPT_ALIAS}" if kind is Learning.PROMPT else name
+
+
 def role_of(name: str) -> str:
     """The role a registered model belongs to (the inverse of :func:`registered_name`)."""
     return name.removesuffix("_policy")

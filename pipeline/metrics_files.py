@@ -1,9 +1,15 @@
-"""Headline metrics for ``dvc metrics show/diff`` and ``dvc exp show``: a few numbers per stage.
+"""Headline metrics: a few numbers per stage, and the cycle view ``dvc metrics show`` prints.
 
 Each stage writes a detailed report (``reports/<name>.json``, a plain DVC output) and, through
 :func:`write`, ``reports/metrics/<stage>.json``: the keys of that report named in ``HEADLINES``,
-flat (``{"total.mean_reward": 0.43}``), at most ``MAX_KEYS`` of them, so DVC's metrics table and
-experiment table stay readable and comparable across runs.
+flat (``{"total.mean_reward": 0.43}``), at most ``MAX_KEYS`` of them (``dvc metrics show
+reports/metrics/<stage>.json``: one stage's row).
+
+The cycle view (``reports/cycle/``, dvc.yaml's only ``metrics:``) answers "how did this cycle go" in a
+table a terminal holds: one row per candidate (its promotion key: trainer, signal, evaluated difference
+with its interval, p and n, decision) and one for the society (rollouts' reward, the test figure). DVC
+draws one column per key of the union of its files, so the rows share a few short keys. It is a pure
+function of the stage files (:func:`cycle_view`), rebuilt under a lock after each stage writes its own.
 
 A headline is a dotted path into the report. A dict key that itself holds dots (``"sft.rows"``)
 is matched whole; ``*`` matches every key of a dict (``roles.*.diff``: one column per role).
@@ -13,13 +19,18 @@ values are left out; a path that reaches a list or a dict is a mistake in ``HEAD
 
 from __future__ import annotations
 
+import fcntl
+import json
 from pathlib import Path
 from typing import Any
 
 from pipeline.io import write_json
+from pipeline.learning import Learning, candidate_key
 
 DIR = Path("reports/metrics")
 MAX_KEYS = 20
+CYCLE_DIR = Path("reports/cycle")
+SOCIETY = "society"  # the cycle view's row of the society's own figures
 
 _CRITERIA = ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency")
 
@@ -35,7 +46,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "datasets": ("traces", "ok_rollouts", "task_groups", "sft.rows", "sft.rollouts", "rl.rows", "bandit.rows",
                  "bandit.mean_reward"),
     "train_sft": ("steps", "train_rows", "eval_rows", "train_loss", "first_loss", "last_loss", "eval_loss_before",
-                  "eval_loss", "tokens_per_s"),
+                  "eval_loss", "tokens_per_s", "no_signal"),
     "train_pi": ("steps", "train_rows", "eval_rows", "train_loss", "fit_loss_before", "fit_loss_after", "fit_drop",
                  "eval_loss_before", "eval_loss", "no_signal"),
     "train_ppo": ("steps", "prompts", "groups", "completions_scored", "reward_first", "reward_last", "reward_mean",
@@ -45,9 +56,9 @@ HEADLINES: dict[str, tuple[str, ...]] = {
                      "ope.logging.snips.value"),
     "train_prompt": ("status", "no_signal", "version", "dev.n", "dev.before", "dev.after", "dev.auc_before", "dev.auc_after",
                      "calls", "seconds"),
-    "evaluate": ("tasks", "roles.*.candidate_reward", "roles.*.champion_reward", "roles.*.diff", "roles.*.diff_p_value",
-                 "roles.*.decision_p_value"),
-    "promote": ("routing_version", "dry_run", "decisions.*.status", "champions.*"),
+    "evaluate": ("tasks", "roles.*.candidate_reward", "roles.*.champion_reward", "roles.*.diff", "roles.*.diff_ci_low",
+                 "roles.*.diff_ci_high", "roles.*.diff_p_value", "roles.*.n"),
+    "promote": ("routing_version", "dry_run", "decisions.*.candidate", "decisions.*.status", "champions.*"),
     "report": ("questions", "official.accuracy", "official.macro_f1", "society.questions", "society.*.yes_no.accuracy",
                "society.*.failures.rate", "society.agreement_with_role_level.rate", "role_level.*.after.yes_no.accuracy",
                "role_level.*.after.official.accuracy", "role_level.*.after.official.macro_f1", "role_level.*.after.auc.value",
@@ -99,4 +110,57 @@ def write(stage: str, report: dict[str, Any]) -> dict[str, Any]:
     """Write the stage's DVC metrics file (:func:`path`) from its detailed report."""
     headline = select(stage, report)
     write_json(path(stage), headline)
+    _refresh_cycle()
     return headline
+
+
+# the cycle view's columns: stage -> column -> its headline key; a key with ``*`` fills the row of each candidate
+# it names, one without fills the society's row. Short names: DVC's table is as wide as the union of the keys.
+CYCLE: dict[str, dict[str, str]] = {
+    "rollouts": {"rollouts": "total.rollouts", "reward": "total.mean_reward"},
+    "evaluate": {"diff": "roles.*.diff", "ci_lo": "roles.*.diff_ci_low", "ci_hi": "roles.*.diff_ci_high",
+                 "p": "roles.*.diff_p_value", "n": "roles.*.n"},
+    "promote": {"version": "decisions.*.candidate", "decision": "decisions.*.status"},
+    "report": {"test.n": "questions", "test.acc": "official.accuracy", "test.f1": "official.macro_f1"},
+}
+
+
+def stage_of(file: Path) -> str:
+    """The stage a headline file belongs to (the inverse of :func:`path`)."""
+    rel = file.relative_to(DIR).with_suffix("")
+    return "@".join(rel.parts)
+
+
+def cycle_view(headlines: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Row -> its cells, from each stage's headline numbers (stage -> the flat dict :func:`write` wrote)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for stage, flat in sorted(headlines.items()):
+        kind, _, role = stage.partition("@")
+        if role and kind.startswith("train_"):  # a trainer fills its candidate's row: what learned, and whether it could
+            learning = Learning(kind.removeprefix("train_"))
+            rows.setdefault(candidate_key(learning, role), {}).update(trainer=learning.value, signal=not flat.get("no_signal"))
+            continue
+        for column, key in CYCLE.get(stage, {}).items():
+            head, _, tail = key.partition("*")
+            for found, value in flat.items():
+                if not tail and found == key:
+                    rows.setdefault(SOCIETY, {})[column] = value
+                elif tail and found.startswith(head) and found.endswith(tail) and len(found) > len(head) + len(tail):
+                    rows.setdefault(found[len(head):-len(tail)], {})[column] = value
+    return rows
+
+
+def _refresh_cycle() -> None:
+    """Rebuild ``reports/cycle/`` from every stage file present. Under a lock, after this stage's own write: the
+    last of concurrent stages (parallel trainers) reads everything the others wrote."""
+    DIR.mkdir(parents=True, exist_ok=True)
+    with (DIR.parent / ".cycle.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        headlines = {stage_of(f): json.loads(f.read_text()) for f in sorted(DIR.rglob("*.json"))}
+        rows = cycle_view(headlines)
+        CYCLE_DIR.mkdir(parents=True, exist_ok=True)
+        for stale in CYCLE_DIR.glob("*.json"):
+            if stale.stem not in rows:
+                stale.unlink()
+        for row, cells in rows.items():
+            write_json(CYCLE_DIR / f"{row}.json", dict(sorted(cells.items())))

@@ -1,7 +1,9 @@
-"""DVC-native reports: one concise metrics file per stage, curves and bars as data plots with templates.
+"""DVC-native reports: the cycle view as DVC's metrics, one concise headline file per stage, curves and bars as data
+plots with templates.
 
-`dvc metrics show/diff` and `dvc exp show` read ``reports/metrics/<stage>.json`` (headline keys picked by
-``pipeline.metrics_files`` out of the stage's detailed report, which is a plain output; a training stage of one role,
+`dvc metrics show/diff` and `dvc exp show` read ``reports/cycle/`` (a row per candidate and one for the society,
+rebuilt from the stages' headline files); each stage writes ``reports/metrics/<stage>.json`` (headline keys picked by
+``pipeline.metrics_files`` out of the stage's detailed report; both plain outputs; a training stage of one role,
 ``train_<kind>@<role>``, writes ``reports/metrics/train_<kind>/<role>.json`` beside ``reports/train_<kind>/<role>.json``);
 `dvc plots show/diff` render the data files under ``reports/plots/`` through dvc.yaml's top-level ``plots:`` and the
 training stages' own ``plots:`` (one curve per role). Checked against the committed ``reports/`` (the outputs of the last
@@ -13,6 +15,8 @@ from __future__ import annotations
 import ast
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +76,13 @@ def _committed(stage: str) -> dict[str, Any]:
     return json.loads((ROOT / _detailed_report(_dvc()["stages"][stage])).read_text())
 
 
+def _headline_files(stage: dict[str, Any]) -> list[str]:
+    return [p for p in _paths(stage.get("outs", [])) if p.startswith(metrics_files.DIR.as_posix() + "/")]
+
+
 def _with_metrics() -> list[str]:
-    """Every resolved stage that declares a metrics file (each training stage once per role)."""
-    return sorted(n for n, st in dvc_stages().items() if st.get("metrics"))
+    """Every resolved stage that writes a headline file (each training stage once per role)."""
+    return sorted(n for n, st in dvc_stages().items() if _headline_files(st))
 
 
 def _fields(path: Path) -> set[str]:
@@ -94,15 +102,18 @@ def _plots() -> list[tuple[str, dict[str, Any]]]:
     return top + staged
 
 
-def test_every_metrics_file_is_one_stage_headline_selection() -> None:
-    stages = _dvc()["stages"]
-    declared = {name: _paths(stage.get("metrics", [])) for name, stage in stages.items()}
+def test_every_headline_file_is_one_stage_selection_and_the_cycle_view_is_dvcs_metrics() -> None:
+    dvc = _dvc()
+    stages = dvc["stages"]
+    assert dvc["metrics"] == [metrics_files.CYCLE_DIR.as_posix()], "dvc metrics show: the cycle view only"
+    assert not [n for n, st in stages.items() if st.get("metrics")], "a stage's headlines are a plain out, not a metric"
+    declared = {name: _headline_files(stage) for name, stage in stages.items()}
     # a kind's headlines serve each of its roles' stages
     assert set(metrics_files.HEADLINES) == {n.partition("@")[0] for n, files in declared.items() if files}, \
         "a stage without headlines, or headlines without a stage"
     for name, files in declared.items():
-        assert files == [metrics_files.path(name).as_posix()], f"{name}: metrics must be its concise file only, got {files}"
-        assert _cache(stages[name]["metrics"], files[0]) is False
+        assert files == [metrics_files.path(name).as_posix()], f"{name}: one headline file, got {files}"
+        assert _cache(stages[name]["outs"], files[0]) is False
     produced = [metrics_files.path(s).as_posix() for s in metrics_files.HEADLINES]
     assert len(produced) == len(set(produced))
 
@@ -113,7 +124,7 @@ def test_each_stage_writes_its_headlines_beside_its_detailed_report() -> None:
         files = training.files(*trained) if trained else None
         written = files.report.as_posix() if files else _metrics_file_constant(module)
         assert written == report, f"{name}: {module.name} writes another report than dvc.yaml declares"
-        assert not files or (files.stage == name and metrics_files.path(files.stage).as_posix() in _paths(stage["metrics"]))
+        assert not files or (files.stage == name and metrics_files.path(files.stage).as_posix() in _headline_files(stage))
         assert _cache(stage["outs"], report) is False, f"{name}: {report} is a plain output (cache: false)"
         text = module.read_text()
         # a trainer's report and headlines are written by the shared trainer sequence (pipeline/training.py) it declares
@@ -142,6 +153,62 @@ def test_headlines_are_few_and_exist_in_the_committed_report(stage: str) -> None
 def test_committed_metrics_files_are_the_selection_of_the_committed_reports(stage: str) -> None:
     committed = json.loads((ROOT / metrics_files.path(stage)).read_text())
     assert committed == json.loads(json.dumps(metrics_files.select(stage, _committed(stage))))
+
+
+def test_committed_cycle_view_is_rebuilt_from_the_committed_headline_files() -> None:
+    files = sorted((ROOT / metrics_files.DIR).rglob("*.json"))
+    rows = metrics_files.cycle_view({metrics_files.stage_of(f.relative_to(ROOT)): json.loads(f.read_text()) for f in files})
+    committed = {f.stem: json.loads(f.read_text()) for f in (ROOT / metrics_files.CYCLE_DIR).glob("*.json")}
+    assert committed == json.loads(json.dumps(rows))
+    # every candidate the cycle promoted or refused has its row, with what learned it and the decision
+    decisions = _committed("promote")["decisions"]
+    for key, decision in decisions.items():
+        assert committed[key]["decision"] == decision["status"] and committed[key]["trainer"] in {k.value for k in Learning}
+    assert {"reward", "rollouts", "test.acc", "test.n"} <= set(committed[metrics_files.SOCIETY])
+
+
+def test_dvc_metrics_show_fits_a_200_column_terminal() -> None:
+    proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "metrics", "show"], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 + len(list((ROOT / metrics_files.CYCLE_DIR).glob("*.json"))), proc.stdout
+    assert max(map(len, lines)) <= 200, proc.stdout
+    assert lines[0].split()[:4] == ["Path", "ci_hi", "ci_lo", "decision"]
+
+
+def test_cycle_view_rows_follow_the_stage_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer names its candidate's row, evaluate and promote fill the rows of the keys they hold, the society row
+    takes the rest; a row no stage file names any more is gone at the next write (no stale decision stays shown)."""
+    monkeypatch.chdir(tmp_path)
+    metrics_files.write("train_prompt@principal_investigator", {"no_signal": True, "status": "no_signal"})
+    metrics_files.write("train_bandit@supervisor", {"decisions": 4, "dr_gain": 0.01})
+    metrics_files.write("evaluate", {"tasks": 30, "roles": {"supervisor_policy": {"diff": 0.1, "n": 30, "diff_p_value": 0.02}}})
+    metrics_files.write("rollouts", {"total": {"rollouts": 8, "mean_reward": 0.4}})
+    rows = {f.stem: json.loads(f.read_text()) for f in (tmp_path / metrics_files.CYCLE_DIR).glob("*.json")}
+    assert rows == {"principal_investigator@prompt": {"signal": False, "trainer": "prompt"},
+                    "supervisor_policy": {"diff": 0.1, "n": 30, "p": 0.02, "signal": True, "trainer": "bandit"},
+                    "society": {"reward": 0.4, "rollouts": 8}}
+    (tmp_path / metrics_files.path("train_prompt@principal_investigator")).unlink()
+    metrics_files.write("promote", {"decisions": {"supervisor_policy": {"status": "promoted", "candidate": "3"}}})
+    rows = {f.stem: json.loads(f.read_text()) for f in (tmp_path / metrics_files.CYCLE_DIR).glob("*.json")}
+    assert set(rows) == {"supervisor_policy", "society"} and rows["supervisor_policy"]["decision"] == "promoted"
+
+
+def test_dvc_metrics_diff_after_a_promotion_names_the_rows_that_moved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dvc = str(Path(sys.executable).parent / "dvc")
+    monkeypatch.chdir(tmp_path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], check=True)
+    subprocess.run([dvc, "init", "-q"], check=True)
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"metrics": [metrics_files.CYCLE_DIR.as_posix()]}))
+    metrics_files.write("train_pi@principal_investigator", {"steps": 8, "no_signal": False})
+    metrics_files.write("promote", {"decisions": {"principal_investigator": {"status": "rejected", "candidate": "2"}}})
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "cycle 1"], check=True)
+    metrics_files.write("promote", {"decisions": {"principal_investigator": {"status": "promoted", "candidate": "3"}}})
+    diff = subprocess.run([dvc, "metrics", "diff", "--json"], capture_output=True, text=True, check=True)
+    moved = json.loads(diff.stdout)["reports/cycle/principal_investigator.json"]
+    assert moved["decision"] == {"old": "rejected", "new": "promoted"} and moved["version"] == {"old": "2", "new": "3"}
 
 
 def test_select_reads_dotted_keys_wildcards_and_skips_what_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,7 +55,7 @@ from pipeline.evaluation import role_level, society
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, paired_difference, summarise
 from pipeline.evaluation.served import check_served
 from pipeline.io import atomic_dir, write_json, write_text
-from pipeline.learning import role_of
+from pipeline.learning import PROMPT_ALIAS, role_of
 from pipeline.lineage import dvc_md5
 from pipeline.plots import png
 from pipeline.rewards.judge import final_reward, judge
@@ -456,7 +456,6 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
     return out
 
 
-PROMPT_ALIAS = "prompt"  # a prompt candidate's summary entry: ROLE@prompt
 
 
 def prompt_candidate(prompt: PromptParams, name: str) -> Any | None:
