@@ -23,12 +23,13 @@ from typing import Any
 
 import pendulum
 import yaml
+from airflow.providers.standard.operators.hitl import HITLOperator
 from airflow.sdk import Asset, Param, TaskGroup, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from pipeline.learning import WAYS, Learning, learners  # standard library only: cheap to parse
+from pipeline.learning import WAYS, Learning, candidate_key, learners  # standard library only: cheap to parse
 
 PROJECT_ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent))
 
@@ -39,9 +40,23 @@ GPU: dict[str, Any] = {"queue": "gpu", "executor_config": {"pod_template_file": 
     "PIPELINE_GPU_POD_TEMPLATE", "/opt/airflow/pod_templates/pod-template-gpu.yaml")}}
 # Who learns how, read from params.yaml when Airflow parses this file: one task per kind of learning, mapped over the
 # roles of its `<kind>.roles` (a role added there is a mapped instance here on the next parse, as `dvc.yaml`'s foreach).
-LEARNERS = learners(yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text()) or {})
+RAW_PARAMS = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text()) or {}
+LEARNERS = learners(RAW_PARAMS)
 STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets",
           *(f"{kind.stage}@{role}" for kind, names in LEARNERS.items() for role in names), "evaluate", "promote", "report"]
+
+
+
+def _asks_a_person(role: str) -> bool:
+    """The role's gate values (``roles.<role>.gate``, else ``promote``) say ``approval: required``."""
+    gate = ((RAW_PARAMS.get("roles") or {}).get(role) or {}).get("gate") or {}
+    return gate.get("approval", (RAW_PARAMS.get("promote") or {}).get("approval", "none")) == "required"
+
+
+# The candidates a person approves before they are switched in: one approval task each (params.yaml at parse time, as
+# LEARNERS), keyed as promotion keys them (reports/promotion.json)
+APPROVALS = [candidate_key(kind, role) for kind, names in LEARNERS.items() for role in names if _asks_a_person(role)]
+APPROVAL_TIMEOUT = timedelta(hours=float((RAW_PARAMS.get("promote") or {}).get("approval_timeout_h", 72)))
 
 # Whoever refreshes the source data emits an event on this asset (a producer DAG with
 # ``outlets=[SOURCE_DATA]``, or ``POST /api/v2/assets/events``): the loop then runs without waiting for Monday.
@@ -107,8 +122,9 @@ GROUP_DOCS = {
              + ". Each instance registers its role's `challenger` in MLflow. The `trainers` Param picks which kinds "
              "run; the others are skipped.",
     "decide": "**decide**: each challenger against its champion on the validation split (`eval_limit`), the "
-              "judge-gated promotion (`margin`, `dry_run`), the decision printed by `promotion_gate`, and the test "
-              "split report when a champion changed.",
+              "judge-gated promotion (`margin`, `dry_run`), a person's approval where the role's gate asks for one "
+              "(`approve_<candidate>`: the evidence, Approve or Reject), the decision printed by `promotion_gate`, and "
+              "the test split report when a champion changed.",
     "record": "**record**: `dvc commit` + `dvc push` of what ran, then the MLflow parent run closed as FINISHED or FAILED.",
 }
 
@@ -246,7 +262,37 @@ def agent_retraining() -> None:
         """The gate: promote a candidate that beat its champion (hot-load, routing version, alias)."""
         _run_stage("promote")
 
-    @task.branch
+    def approval(key: str) -> Any:
+        """A candidate that passed the gate and whose role asks a person: the evidence shown in the Airflow UI's
+        approval form; the answer (or the timeout's Reject) finishes it through `promote --approve/--reject`."""
+        name = re.sub(r"[^A-Za-z0-9_]", "_", key)
+
+        @task.short_circuit(task_id=f"awaits_{name}", ignore_downstream_trigger_rules=False)
+        def awaits() -> str | None:
+            from pipeline.stages.promote import approval_request  # noqa: PLC0415 - task-only: Airflow re-parses this file
+
+            os.chdir(PROJECT_ROOT)
+            return approval_request(key)  # None: not awaiting (refused, or no candidate): the approval task is skipped
+
+        ask = HITLOperator(task_id=f"approve_{name}", subject=f"Switch in {key}?", options=["Approve", "Reject"],
+                           defaults=["Reject"], response_timeout=APPROVAL_TIMEOUT,
+                           body="{{ ti.xcom_pull(task_ids='awaits_" + name + "') }}")
+
+        @task(task_id=f"answer_{name}")
+        def answer() -> None:
+            got = get_current_context()["ti"].xcom_pull(task_ids=f"approve_{name}") or {}
+            who = (got.get("responded_by_user") or {}).get("name")
+            if got.get("chosen_options") == ["Approve"] and who:
+                _run_stage("promote", "--approve", key, "--by", who)
+            else:
+                why = "rejected in Airflow" if who else f"no answer within {APPROVAL_TIMEOUT}"
+                _run_stage("promote", "--reject", key, "--by", who or "airflow (timeout)", "--why", why)
+
+        first, last = awaits(), answer()
+        first >> ask >> last
+        return first, last
+
+    @task.branch(trigger_rule="none_failed")  # after the approvals: the skipped ones (nothing awaited) are fine
     def promotion_gate() -> str:
         """Branch on the decision: the champion is reported on the test split only when it changed."""
         from pipeline.contracts import PromotionReport  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
@@ -318,7 +364,15 @@ def agent_retraining() -> None:
                 [validated, model] >> t
             trained.append(t)
     with TaskGroup("decide", prefix_group_id=False, tooltip="evaluate, promote, report", doc_md=GROUP_DOCS["decide"]):
-        branches = trained >> evaluate() >> promote() >> promotion_gate() >> [report(), not_promoted()]
+        decided = trained >> evaluate() >> promote()
+        gate = promotion_gate()
+        for key in APPROVALS:
+            first, last = approval(key)
+            decided >> first
+            last >> gate
+        if not APPROVALS:
+            decided >> gate
+        branches = gate >> [report(), not_promoted()]
     with TaskGroup("record", prefix_group_id=False, tooltip="DVC + MLflow bookkeeping", doc_md=GROUP_DOCS["record"]):
         closed = branches >> version_outputs() >> close_run()
         closed.as_teardown(setups=run)

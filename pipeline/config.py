@@ -588,6 +588,10 @@ class PromoteParams(_Strict):
     min_auc: float | None = Field(ge=0.0, lt=1.0, description="role-level candidates: the lower end of their AUC of P(GO)'s "
                                   "interval must lie above this (their decisions separate yes from no); null = no floor")
     dry_run: bool = Field(description="decide and record, never move aliases or routing")
+    approval: Literal["none", "required"] = Field(
+        description="required: a candidate that passed the gate waits (awaiting_approval) until a person approves it in "
+                    "the Airflow UI or with `promote --approve KEY`; only then is it switched in")
+    approval_timeout_h: float = Field(gt=0, description="the Airflow approval task's wait; no answer by then is not_approved")
 
 
 class ReportParams(_Strict):
@@ -674,7 +678,7 @@ class Evaluation(StrEnum):
 
 
 GateValue = Literal["margin", "alpha", "min_tasks", "max_accuracy_drop", "min_success_rate", "min_decision_accuracy",
-                    "min_auc"]
+                    "min_auc", "approval"]
 
 
 class RoleSpec(_Strict):
@@ -684,7 +688,8 @@ class RoleSpec(_Strict):
     evaluation: Evaluation = Field(description="how a candidate of the role is evaluated")
     inherits: str | None = Field(description="where this role's calls went before it had its own logical model: a routing "
                                  "version that does not name it routes it there (docs/serving.md); null = nowhere else")
-    gate: dict[GateValue, float] = Field(description="the role's own gate values; each one left out is promote's")
+    gate: dict[GateValue, float | str] = Field(description="the role's own gate values (approval: none | required); each "
+                                               "one left out is promote's")
 
 
 class ProdStackParams(_Strict):
@@ -785,6 +790,11 @@ class Params(_Strict):
                 seen[agent] = role
             if spec.inherits is not None and spec.inherits not in self.roles:
                 raise ValueError(f"roles.{role}.inherits: {spec.inherits!r} is not a role of the spec")
+            try:  # the role's gate values meet promote's bounds now, not when promote first reads them
+                self.gate(role)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise ValueError(f"roles.{role}.gate.{first['loc'][0]}: {first['msg']}") from None
         for kind, names in self.learners().items():
             for role in names:
                 if role not in self.roles:

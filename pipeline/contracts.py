@@ -24,6 +24,8 @@ class Status(StrEnum):
     INSUFFICIENT_EVIDENCE = "insufficient_evidence"
     DRY_RUN = "dry_run"
     FAILED = "failed"
+    AWAITING_APPROVAL = "awaiting_approval"  # passed the gate; its role's gate asks a person before the switch
+    NOT_APPROVED = "not_approved"            # passed the gate; the person said no (or did not answer in time)
 
 
 class Level(StrEnum):

@@ -128,6 +128,16 @@ def _append(serving: ServingParams, entry: dict[str, Any]) -> None:
         os.close(fd)
 
 
+APPROVAL = "approval"  # a journal line that records a person's answer, not a switch: no check reads it as one
+
+
+def record_not_approved(serving: ServingParams, role: str, version: str, by: str, why: str,
+                        template: str | None = None) -> None:
+    """A candidate that passed the gate and was not approved: in the journal beside the switches, nothing switched."""
+    _append(serving, {"kind": APPROVAL, "action": "not_approved", "role": role, "version": str(version), "by": by,
+                      "why": why, "template": template, "time": datetime.now(UTC).isoformat(timespec="seconds")})
+
+
 def _note(serving: ServingParams, intent: dict[str, Any], **update: Any) -> dict[str, Any]:
     intent.update(update)
     write_json(intent_file(serving), intent)

@@ -76,6 +76,14 @@ def unreachable(exc: BaseException) -> str | None:
     return None
 
 
+def run_url(run_id: str) -> str:
+    """The run's page in the MLflow UI (what a version's ``eval.run_url`` tag links to)."""
+    from mlflow import MlflowClient, get_tracking_uri  # noqa: PLC0415 - 1.3 s, control plane only (see top)
+
+    experiment = MlflowClient().get_run(run_id).info.experiment_id
+    return f"{get_tracking_uri().rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+
+
 def experiment_id(mlflow: MlflowParams) -> str:
     """The pipeline experiment's id (``setup`` creates it); a clear error if it is gone."""
     from mlflow import get_experiment_by_name, get_tracking_uri  # noqa: PLC0415 - 1.3 s, control plane only (see top)

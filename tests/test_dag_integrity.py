@@ -182,3 +182,41 @@ def test_failure_callback_records_the_task_on_the_mlflow_parent_run(mlflow_serve
     parent = client.search_runs([exp.experiment_id], "tags.`pipeline.run_id` = 'scheduled__cb-test' and tags.`pipeline.kind` = 'parent'")[0]
     assert parent.data.tags["failed_tasks"] == "train_ppo"
     assert parent.data.tags["failed.train_ppo"] == "try 3: RuntimeError('stage train-ppo exited with 1')"
+
+
+def test_a_gate_that_asks_a_person_puts_an_approval_task_between_promote_and_the_report(tmp_path: Path) -> None:
+    """#55: `approval: required` in a role's gate values gives its candidate an approval task (Airflow's HITLOperator:
+    Approve or Reject, Reject on timeout) after the gate and before `promotion_gate`; roles that do not ask have none."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["roles"]["principal_investigator"]["gate"] = {"approval": "required"}
+    raw["promote"]["approval_timeout_h"] = 6
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    code = f"""
+import json, runpy
+ns = runpy.run_path({str(DAG_FILE)!r})
+dag = ns["agent_retraining"]()
+out = {{t.task_id: {{"up": sorted(t.upstream_task_ids), "down": sorted(t.downstream_task_ids), "rule": getattr(t.trigger_rule, "value", t.trigger_rule),
+                     "type": type(t).__name__, "options": getattr(t, "options", None), "defaults": getattr(t, "defaults", None),
+                     "timeout_h": t.response_timeout.total_seconds() / 3600 if getattr(t, "response_timeout", None) else None}}
+        for t in dag.tasks}}
+print(json.dumps(out))
+"""
+    env = {**os.environ, "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "PIPELINE_ROOT": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tasks = json.loads(proc.stdout.strip().splitlines()[-1])
+    pi = "principal_investigator"
+    assert tasks[f"awaits_{pi}"]["up"] == ["promote"] and tasks[f"awaits_{pi}"]["down"] == [f"approve_{pi}"]
+    ask = tasks[f"approve_{pi}"]
+    assert ask["type"] == "HITLOperator" and ask["options"] == ["Approve", "Reject"] and ask["defaults"] == ["Reject"]
+    assert ask["timeout_h"] == 6 and ask["down"] == [f"answer_{pi}"]
+    assert tasks[f"answer_{pi}"]["down"] == ["promotion_gate"]
+    # the prompt candidate of the same role asks too (its gate is the role's); the other roles' candidates do not
+    assert f"approve_{pi}_prompt" in tasks and not [t for t in tasks if t.startswith("approve_") and pi not in t]
+    assert tasks["promotion_gate"]["rule"] == "none_failed"
+    assert set(tasks["promotion_gate"]["up"]) == {f"answer_{pi}", f"answer_{pi}_prompt"}
+
+
+def test_no_approval_task_where_no_gate_asks_for_one(dagbag) -> None:
+    dag = dagbag.dags["agent_retraining"]
+    assert not [t.task_id for t in dag.tasks if t.task_id.startswith(("awaits_", "approve_", "answer_"))]

@@ -352,6 +352,213 @@ def test_promote_killed_after_each_step_then_rerun_leaves_alias_routing_and_tags
            "junior_researcher", registry.get_version("junior_researcher", "2"), "it: broken champion again")
 
 
+def test_a_gate_that_asks_a_person_waits_then_an_approval_switches_and_a_refusal_switches_nothing(promo: dict) -> None:
+    """#55 outside Airflow: the role's gate says `approval: required`. A candidate that passes waits (awaiting_approval:
+    its alias kept, nothing switched); `promote --approve` switches it through the same switch and journal a promotion
+    takes; `promote --reject` records not_approved on the version and in the journal, and the same evidence is not
+    asked again."""
+    from datetime import UTC, datetime
+
+    from pipeline import registry
+    from pipeline.promotion import journal, journal_file, switch
+
+    jr, params = "junior_researcher", promo["params"]
+    summary_path = promo["root"] / "data/evaluation/summary.json"
+    won = json.loads(summary_path.read_text())  # base beat the broken champion v2
+    won["created_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+    gate = {"PIPELINE__PROMOTE__REQUIRE_SIGNIFICANCE": "false", "PIPELINE__PROMOTE__MIN_TASKS": "2",
+            "PIPELINE__ROLES__JUNIOR_RESEARCHER__GATE": "{approval: required}"}
+    for answer in ("approve", "reject"):
+        assert _champion(jr) == "2"
+        before, version = _live(promo), _register(promo, "base")
+        won["roles"][jr]["candidate"]["version"] = version
+        summary_path.write_text(json.dumps(won))
+        pr = _cli(promo, "promote", **gate)
+        assert pr.returncode == 0 and f"{jr} v{version}: AWAITING_APPROVAL" in pr.stdout, pr.stdout[-3000:] + pr.stderr[-3000:]
+        assert f"promote --approve {jr}" in pr.stdout
+        assert _champion(jr) == "2" and _live(promo) == before and _served(promo, jr) == "offline"
+        assert registry.by_alias(jr, registry.CHALLENGER).version == version
+        assert registry.get_version(jr, version).tags["promotion.decision"] == "awaiting_approval"
+        report = json.loads((promo["root"] / "reports/promotion.json").read_text())
+        assert report["decisions"][jr]["status"] == "awaiting_approval" and jr not in report["promoted"]
+        if answer == "approve":
+            ok = _cli(promo, "promote", "--approve", jr, "--by", "alice", **gate)
+            assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+            live, tags = _live(promo), registry.get_version(jr, version).tags
+            assert _champion(jr) == version and live["roles"][jr] == "base" and _served(promo, jr) == "base"
+            assert tags["promotion.decision"] == "promoted" and tags["promotion.approved_by"] == "alice"
+            assert tags["promotion.previous_champion"] == "2" and tags["promotion.routing_version"] == str(live["version"])
+            assert [(e["action"], e["version"]) for e in journal(params.serving, jr)][-1] == ("promote", version)
+            report = json.loads((promo["root"] / "reports/promotion.json").read_text())
+            assert report["decisions"][jr]["status"] == "promoted" and jr in report["promoted"]
+            assert report["routing_version"] == live["version"] and report["champions"][jr] == version
+            assert registry.by_alias(jr, registry.CHALLENGER) is None
+            switch(params.serving, params.mlflow, params.promote, jr, registry.get_version(jr, "2"), "it: broken champion")
+        else:
+            no = _cli(promo, "promote", "--reject", jr, "--by", "bob", "--why", "not before the audit", **gate)
+            assert no.returncode == 0, no.stdout[-3000:] + no.stderr[-3000:]
+            tags = registry.get_version(jr, version).tags
+            assert _champion(jr) == "2" and _live(promo) == before and _served(promo, jr) == "offline"
+            assert tags["promotion.decision"] == "not_approved" and tags["promotion.refused_by"] == "bob"
+            assert registry.by_alias(jr, registry.CHALLENGER) is None
+            last = json.loads(journal_file(params.serving).read_text().splitlines()[-1])
+            assert (last["kind"], last["action"], last["version"], last["why"]) == ("approval", "not_approved", version,
+                                                                                    "not before the audit")
+            assert journal(params.serving, jr)[-1]["version"] == "2"  # the switches: the refusal is not one
+            report = json.loads((promo["root"] / "reports/promotion.json").read_text())
+            assert report["decisions"][jr]["status"] == "not_approved" and not report["promoted"]
+            again = _cli(promo, "promote", **gate)
+            assert again.returncode == 0 and f"{jr} v{version}: REJECTED (decided)" in again.stdout, again.stdout[-3000:]
+    nothing = _cli(promo, "promote", "--approve", jr, **gate)
+    lines = nothing.stderr.strip().splitlines()
+    assert nothing.returncode == 1 and len(lines) == 1 and "is not awaiting approval" in lines[0], nothing.stderr
+    assert _champion(jr) == "2"
+
+
+# every task of the DAG but the decision's own: what runs before `promote` is the other modules' tests' (and the e2e DAG
+# test's); here `promote` decides on the evidence already evaluated
+DECISION_ONLY = r"(?!(open_run|shard_ids|promote|awaits_.*|approve_.*|answer_.*|promotion_gate|not_promoted|close_run)$).*"
+
+
+@pytest.mark.e2e  # `make test-all`: an Airflow metadata DB, its API server and two DAG runs (~4 min)
+def test_the_dag_waits_at_the_approval_task_and_the_answer_given_through_airflows_api_decides(promo: dict,
+                                                                                              tmp_path: Path) -> None:
+    """#55 in Airflow: the role's gate says `approval: required`; a DAG run whose candidate passes the gate waits at
+    `approve_junior_researcher` (Airflow's HITLOperator) with the evidence as its body. Approving it through Airflow's
+    REST API, as the UI's form does, switches alias, routing and journal; rejecting it switches nothing and records
+    not_approved. The approval form is looked at in a real headless browser."""
+    from datetime import UTC, datetime
+
+    from pipeline import registry
+    from pipeline.promotion import journal, switch
+    from pipeline.services.airflow_server import admin_password, airflow_bin, airflow_env
+    from pipeline.services.process import free_port
+
+    jr, params, root = "junior_researcher", promo["params"], promo["root"]
+    kept = (root / "params.yaml").read_text()
+    raw = yaml.safe_load(kept)  # what the DAG reads when Airflow parses it, and every task through the run's params
+    raw["roles"][jr]["gate"] = {"approval": "required", "min_tasks": 2}
+    raw["promote"]["require_significance"] = False
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    home, port = tmp_path / "airflow", free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE__", "AIRFLOW"))}, **airflow_env(home, port),
+           "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"), "PIPELINE_ROOT": str(root), "PYTHONPATH": str(ROOT),
+           "MLFLOW_TRACKING_URI": promo["uri"], "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    airflow, url = airflow_bin(), f"http://127.0.0.1:{port}"
+    assert subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True).returncode == 0
+    api = subprocess.Popen([airflow, "api-server", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    summary_path = root / "data/evaluation/summary.json"
+    won = json.loads(summary_path.read_text())  # base beat the broken champion v2
+    try:
+        _wait_for(lambda: httpx.get(f"{url}/api/v2/monitor/health", timeout=5).status_code == 200, 180, "the API server")
+        token = httpx.post(f"{url}/auth/token", timeout=30,
+                           json={"username": "admin", "password": admin_password(home)}).json()["access_token"]
+        auth = {"Authorization": f"Bearer {token}"}
+        for answer in ("Approve", "Reject"):
+            assert _champion(jr) == "2"
+            before, version = _live(promo), _register(promo, "base")
+            won["roles"][jr]["candidate"]["version"] = version
+            won["created_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+            summary_path.write_text(json.dumps(won))
+            log = (tmp_path / f"dag-{answer}.log").open("w")
+            dag = subprocess.Popen([airflow, "dags", "test", "agent_retraining", "--mark-success-pattern", DECISION_ONLY],
+                                   env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                detail = _wait_for(lambda: _awaiting(url, auth, f"approve_{jr}"), 600, "the approval task",
+                                   lambda: dag.poll() is None)
+                run_id = detail["task_instance"]["dag_run_id"]
+                assert detail["subject"] == f"Switch in {jr}?" and detail["options"] == ["Approve", "Reject"]
+                for shown in (f"v{version} against the champion v2", "paired difference", "sign-flip p", "McNemar",
+                              "evaluation run: "):
+                    assert shown in detail["body"], detail["body"]
+                assert _champion(jr) == "2" and _live(promo) == before  # it waits: nothing switched
+                if answer == "Approve":
+                    _browse_approval(url, admin_password(home), f"/dags/agent_retraining/runs/{run_id}/tasks/approve_{jr}"
+                                     "/required_actions", ROOT / "test-artifacts")
+                resp = httpx.patch(f"{url}/api/v2/dags/agent_retraining/dagRuns/{run_id}/taskInstances/approve_{jr}/-1/"
+                                   "hitlDetails", headers=auth, json={"chosen_options": [answer]}, timeout=30)
+                assert resp.status_code == 200, resp.text
+                assert dag.wait(timeout=600) == 0, (tmp_path / f"dag-{answer}.log").read_text()[-4000:]
+            finally:
+                if dag.poll() is None:
+                    os.killpg(dag.pid, 9)
+                log.close()
+            tags = registry.get_version(jr, version).tags
+            report = json.loads((root / "reports/promotion.json").read_text())
+            if answer == "Approve":
+                live = _live(promo)
+                assert _champion(jr) == version and live["roles"][jr] == "base" and _served(promo, jr) == "base"
+                assert tags["promotion.decision"] == "promoted" and tags["promotion.approved_by"] == "admin"
+                assert journal(params.serving, jr)[-1]["version"] == version
+                assert report["decisions"][jr]["status"] == "promoted" and report["routing_version"] == live["version"]
+                switch(params.serving, params.mlflow, params.promote, jr, registry.get_version(jr, "2"), "it: broken again")
+            else:
+                assert _champion(jr) == "2" and _live(promo) == before and tags["promotion.decision"] == "not_approved"
+                assert report["decisions"][jr]["status"] == "not_approved" and journal(params.serving, jr)[-1]["version"] == "2"
+    finally:
+        os.killpg(api.pid, 15)
+        api.wait(timeout=60)
+        (root / "params.yaml").write_text(kept)
+
+
+def _wait_for(check, timeout_s: float, what: str, alive=lambda: True):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if got := check():
+                return got
+        except httpx.HTTPError:
+            pass
+        assert alive(), f"{what}: the process waited on ended"
+        time.sleep(2)
+    raise AssertionError(f"{what}: not there after {timeout_s} s")
+
+
+def _awaiting(url: str, auth: dict, task_id: str) -> dict | None:
+    runs = httpx.get(f"{url}/api/v2/dags/agent_retraining/dagRuns", headers=auth, timeout=30,
+                     params={"order_by": "-run_after", "limit": 1}).json().get("dag_runs") or []
+    if not runs:
+        return None
+    details = httpx.get(f"{url}/api/v2/dags/agent_retraining/dagRuns/{runs[0]['dag_run_id']}/hitlDetails", headers=auth,
+                        timeout=30).json().get("hitl_details") or []
+    return next((d for d in details if d["task_instance"]["task_id"] == task_id and d.get("responded_at") is None), None)
+
+
+def _browse_approval(url: str, password: str, path: str, artifacts: Path) -> None:
+    """The approval form in the Airflow UI, in headless Chromium (`scripts/setup_browser.sh`): the subject, the
+    evidence and both answers render; a screenshot is kept."""
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+
+    assert shutil.which("chromium") and shutil.which("chromedriver"), "run scripts/setup_browser.sh (make test-all does)"
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium")
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1100"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=shutil.which("chromedriver")))
+    driver.implicitly_wait(20)
+    artifacts.mkdir(exist_ok=True)
+    try:
+        driver.get(f"{url}/auth/login?next=%2F")
+        driver.find_element(By.NAME, "username").send_keys("admin")
+        driver.find_element(By.NAME, "password").send_keys(password)
+        driver.find_element(By.XPATH, "//button[normalize-space()='Sign in']").click()
+        driver.find_element(By.XPATH, "//*[normalize-space()='Dags']")
+        driver.get(f"{url}{path}")
+        driver.find_element(By.XPATH, "//*[contains(normalize-space(), 'paired difference')]")
+        for button in ("Approve", "Reject"):
+            driver.find_element(By.XPATH, f"//button[normalize-space()='{button}']")
+        driver.save_screenshot(str(artifacts / "airflow-approval.png"))
+    finally:
+        driver.quit()
+    assert (artifacts / "airflow-approval.png").stat().st_size > 10_000
+
+
 def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None:
     """The candidate won on evidence but its backend is down when it is routed in (the "offline"
     slot, stopped now; the proxy still routes to it)."""
@@ -472,6 +679,24 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_proxy_a
     assert _champion(pi) == better and _live(promo)["roles"][pi] == "base" and _served(promo, pi) == "base"
     assert MlflowClient().get_model_version(pi, copy.version).tags["promotion.decision"] == "rejected"
     assert registry.by_alias(pi, registry.AA) is None and registry.by_alias(pi, registry.CHALLENGER) is None
+    # #55: the gate's evidence on the promoted version, read as the MLflow UI's version page reads it (REST, as a reader)
+    from tests.conftest import mlflow_login
+
+    login = mlflow_login("reader")
+    seen = httpx.get(f"{promo['uri']}/api/2.0/mlflow/model-versions/get", params={"name": pi, "version": better}, timeout=30,
+                     auth=(login["MLFLOW_TRACKING_USERNAME"], login["MLFLOW_TRACKING_PASSWORD"]))
+    assert seen.status_code == 200, seen.text
+    shown = {t["key"]: t["value"] for t in seen.json()["model_version"]["tags"]}
+    diff = entry["difference"]
+    assert shown["promotion.decision"] == "promoted" and shown["promotion.family"] == str(decisions[pi]["family"])
+    assert float(shown["promotion.p_adjusted"]) == pytest.approx(decisions[pi]["p_adjusted"], rel=1e-3)
+    assert (shown["eval.level"], shown["eval.tasks"], shown["eval.champion_version"]) == ("role", str(diff["n"]), broken)
+    assert float(shown["eval.diff"]) == pytest.approx(diff["mean"], abs=1e-4)
+    assert shown["eval.diff_ci"].startswith(f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]")
+    assert float(shown["eval.p_value"]) == pytest.approx(diff["p_value"], rel=1e-3)
+    assert shown["eval.mcnemar_b_c"] == f"{diff['decision']['b']}/{diff['decision']['c']} of {diff['decision']['n']}"
+    assert shown["eval.auc"].startswith(f"{entry['candidate']['metrics']['auc']['value']:.3f} [")
+    assert shown["eval.run_url"].endswith(f"/runs/{entry['candidate']['run_id']}") and shown["eval.run_url"].startswith(promo["uri"])
     # the next rollout's PI calls: the next test's rollout (the promoted PI and a switched prompt, one society run)
 
     # #57: a registered PI candidate whose served answers fail (the "offline" model: every decision call is refused)

@@ -354,15 +354,32 @@ def run(params: Params) -> dict[str, Any]:
                                   "difference": diff, "records": {"champion": champion_records, "candidate": records},
                                   "cost": {"champion": champion_cost, "candidate": costs[slug], "replay": params.evaluate.replay}}
         registry.set_tags(name, cand.version, {
-            "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id,
-            "eval.champion_reward": f"{champ['reward']['mean']:.4f}", "eval.diff": f"{diff['mean']:+.4f}",
-            "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}]", "eval.tasks": len(tasks),
-            "eval.p_value": f"{diff['p_value']:.4f}", "eval.mcnemar_p": f"{diff['decision']['p_value']:.4f}",
+            **evidence_tags(mine, champ, diff, run_id, champion_run, champions[name].version),
             "eval.replayed_calls_per_task": f"{costs[slug]['replayed_calls_per_task']:.2f}"})
         print(f"evaluate: {name} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion {champ['reward']['mean']:.3f}; "
               f"paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}, sign-flip p="
               f"{diff['p_value']:.3f}; decisions McNemar p={diff['decision']['p_value']:.3f}); run {run_id}")
     return summary
+
+
+def evidence_tags(mine: dict[str, Any], champ: dict[str, Any], diff: dict[str, Any], run_id: str, champion_run: str | None,
+                  champion_version: str) -> dict[str, str]:
+    """The gate's evidence as the candidate version's tags, the same set at every level: what the MLflow UI's
+    version page and its compare view show beside the decision ``promote`` adds (``promotion.*``)."""
+    decision = diff["decision"]
+    tags = {"eval.level": mine["level"], "eval.setting": mine["setting"], "eval.tasks": str(diff["n"]),
+            "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
+            "eval.champion_version": str(champion_version), "eval.diff": f"{diff['mean']:+.4f}",
+            "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}] ({diff.get('ci', 0.95):.0%})",
+            "eval.p_value": f"{diff['p_value']:.4g}", "eval.mcnemar_p": f"{decision['p_value']:.4g}",
+            "eval.mcnemar_b_c": f"{decision.get('b')}/{decision.get('c')} of {decision.get('n')}",
+            "eval.run": run_id, "eval.run_url": tracking.run_url(run_id), "eval.champion_run": champion_run or ""}
+    if (auc := mine.get("auc")) and auc.get("value") is not None:
+        tags["eval.auc"] = f"{auc['value']:.3f} [{auc['ci_low']:.3f}, {auc['ci_high']:.3f}]"
+    for key, metrics in (("eval.failures", mine), ("eval.champion_failures", champ)):
+        if "failures" in metrics:
+            tags[key] = str(metrics["failures"]["n"])
+    return tags
 
 
 # whole Params: the role's requests read agents, reward, data, pi, serving and evaluate
@@ -437,18 +454,13 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
             entry["champion"]["version"] = str(prompts.VERSIONS[template])
             entry["candidate"]["version"] = str(cand.version)
             prompt_registry.set_tags(template, cand.version, {
-                "eval.run": run_id, "eval.setting": setting, "eval.model_version": champion.version,
-                "eval.diff": f"{diff['mean']:+.4f}", "eval.tasks": len(tasks), "eval.p_value": f"{diff['p_value']:.4f}"})
+                **evidence_tags(mine, champ, diff, run_id, champ_run, str(prompts.VERSIONS[template])),
+                "eval.model_version": champion.version})
             print(f"evaluate: {name} prompt {template} v{cand.version} (champion weights v{champion.version}) reward "
                   f"{mine['reward']['mean']:.3f} vs prompt v{prompts.VERSIONS[template]} {champ['reward']['mean']:.3f}; "
                   f"paired diff {diff['mean']:+.3f} (n={diff['n']}, sign-flip p={diff['p_value']:.4f})")
             continue
-        registry.set_tags(name, cand.version, {
-            "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.run": run_id, "eval.level": "role", "eval.setting": setting,
-            "eval.champion_reward": f"{champ['reward']['mean']:.4f}", "eval.diff": f"{diff['mean']:+.4f}",
-            "eval.tasks": len(tasks), "eval.p_value": f"{diff['p_value']:.4f}",
-            "eval.mcnemar_p": f"{diff['decision']['p_value']:.4f}", "eval.failures": mine["failures"]["n"],
-            "eval.champion_failures": champ["failures"]["n"]})
+        registry.set_tags(name, cand.version, evidence_tags(mine, champ, diff, run_id, champ_run, champion.version))
         print(f"evaluate: {name} {alias} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion "
               f"{champ['reward']['mean']:.3f}; paired diff {diff['mean']:+.3f} (n={diff['n']}, "
               f"sign-flip p={diff['p_value']:.4f}; "

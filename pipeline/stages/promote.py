@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from mlflow import active_run, log_artifact, log_dict, log_metric
@@ -24,7 +26,7 @@ from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams,
 from pipeline.contracts import Artifact, Evaluation, EvaluationSummary, Level, PromotionDecision, PromotionReport, Status
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide, family_p_values
 from pipeline.io import write_json
-from pipeline.promotion import PROMPT, PromotionError, reconcile, rolled_back_after, switch, switch_prompt
+from pipeline.promotion import PROMPT, PromotionError, reconcile, record_not_approved, rolled_back_after, switch, switch_prompt
 from pipeline.serving import routing, stack
 
 __all__ = ["PromotionError", "promote_all", "promote_role", "switch"]
@@ -37,7 +39,8 @@ def _active_run_id() -> str:
     return run.info.run_id if run else ""
 
 
-HISTORY = (Status.PROMOTED, Status.REJECTED, "rolled_back")  # decisions a rerun on the same evidence must not rewrite
+# decisions a rerun on the same evidence must not rewrite (a person's no included: it is not asked again)
+HISTORY = (Status.PROMOTED, Status.REJECTED, Status.NOT_APPROVED, "rolled_back")
 
 
 def _decided(tags: dict[str, str], entry: Evaluation) -> str | None:
@@ -73,7 +76,8 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
     cand = registry.get_version(name, entry.candidate.version)
     evidence = {"p_value": entry.difference.p_value, "p_adjusted": adjusted_p, "family": family,
                 "candidate_reward": entry.candidate.metrics.reward.mean, "champion_reward": entry.champion.metrics.reward.mean,
-                "difference": entry.difference.model_dump(mode="json")}
+                "difference": entry.difference.model_dump(mode="json"), "run_url": cand.tags.get("eval.run_url"),
+                "auc": cand.tags.get("eval.auc")}
     where = {"role": name, "alias": entry.alias, "level": entry.level, "setting": entry.candidate.metrics.setting}
     if str(cand.version) == str(current_champion) and cand.tags.get("promotion.decision") == Status.PROMOTED:
         # a retried promote (the DAG retries the task) after this switch completed: recognise it, change nothing
@@ -100,11 +104,12 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
     status = _status(decision, promote)
     out = PromotionDecision(candidate=cand.version, champion_before=current_champion or None, status=status,
                             **decision.as_dict(), **evidence, **where)
-    tags = {"promotion.decision": status.value, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
-            "promotion.run": _active_run_id(),
+    tags = {**_decision_tags(status, decision, adjusted_p, family),
             "promotion.evidence": json.dumps({"candidate_run": entry.candidate.run_id, "champion_run": entry.champion.run_id,
                                               "p_adjusted": adjusted_p, "family": family,
                                               "difference": evidence["difference"]})[:4000]}
+    if status == Status.PROMOTED and promote.approval == "required":
+        return _await(out, tags, lambda t: registry.set_tags(name, cand.version, t))
     if status == Status.PROMOTED:
         try:  # the decision's tags are written by the switch itself, once the alias moved (or by a reconcile after a crash)
             out.routing_version = switch(serving, mlflow, promote, name, cand,
@@ -120,6 +125,21 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
     return out
 
 
+def _decision_tags(status: Status, decision: Decision, adjusted_p: float | None, family: int) -> dict[str, str]:
+    """What the gate decided, on the version beside its evidence (``eval.*``): the rule, why, the p it decided on."""
+    return {"promotion.decision": status.value, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
+            "promotion.run": _active_run_id(), "promotion.family": str(family),
+            "promotion.p_adjusted": "" if adjusted_p is None else f"{adjusted_p:.4g}"}
+
+
+def _await(out: PromotionDecision, tags: dict[str, str], set_tags: Callable[[dict[str, str]], None]) -> PromotionDecision:
+    """Passed the gate, and its role's gate asks a person first: the decision and its evidence are recorded on the
+    version, the candidate keeps its alias, nothing is switched until :func:`settle`."""
+    set_tags({**tags, "promotion.decision": Status.AWAITING_APPROVAL.value})
+    out.status = Status.AWAITING_APPROVAL
+    return out
+
+
 def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, entry: Evaluation,
                    model_champion: str, adjusted_p: float | None = None, family: int = 1,
                    evaluated_at: str | None = None) -> PromotionDecision:
@@ -132,7 +152,8 @@ def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: Promot
     current = prompt_registry.rendered(routing.active(serving), template)
     evidence = {"p_value": entry.difference.p_value, "p_adjusted": adjusted_p, "family": family,
                 "candidate_reward": entry.candidate.metrics.reward.mean, "champion_reward": entry.champion.metrics.reward.mean,
-                "difference": entry.difference.model_dump(mode="json")}
+                "difference": entry.difference.model_dump(mode="json"), "run_url": cand.tags.get("eval.run_url"),
+                "auc": cand.tags.get("eval.auc")}
     where = {"role": name, "alias": entry.alias, "level": entry.level, "setting": entry.candidate.metrics.setting,
              "artifact": Artifact.PROMPT, "template": template}
     if str(cand.version) == str(current) and cand.tags.get("promotion.decision") == Status.PROMOTED:
@@ -157,10 +178,11 @@ def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: Promot
     status = _status(decision, promote)
     out = PromotionDecision(candidate=cand.version, champion_before=str(current) if current is not None else None,
                             status=status, **decision.as_dict(), **evidence, **where)
-    tags = {"promotion.decision": status.value, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
-            "promotion.run": _active_run_id(), "promotion.model_version": str(entry.model_version),
+    tags = {**_decision_tags(status, decision, adjusted_p, family), "promotion.model_version": str(entry.model_version),
             "promotion.evidence": json.dumps({"candidate_run": entry.candidate.run_id, "champion_run": entry.champion.run_id,
                                               "p_adjusted": adjusted_p, "family": family})[:4000]}
+    if status == Status.PROMOTED and promote.approval == "required":
+        return _await(out, tags, lambda t: prompt_registry.set_tags(template, cand.version, t))
     if status == Status.PROMOTED:
         try:
             out.routing_version = switch_prompt(serving, mlflow, name, template, cand,
@@ -205,6 +227,9 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
             failure = failure or exc
         d = decisions[key]
         print(f"promote: {key} v{d.candidate}: {d.status.upper()} ({d.rule}): {d.detail}")
+        if d.status == Status.AWAITING_APPROVAL:
+            print(f"promote: {key} v{d.candidate} waits for a person: approve it in the Airflow UI, or "
+                  f"`python -m pipeline promote --approve {key}` (`--reject {key}`)")
         log_metric(f"{key.replace('@', '.')}.promoted", float(d.status == Status.PROMOTED))
     for key, skipped in summary.unevaluated.items():  # too few tasks to evaluate: the gate's first rule, without the run
         decisions[key] = PromotionDecision(candidate=skipped.version, status=Status.INSUFFICIENT_EVIDENCE, rule=INSUFFICIENT,
@@ -229,6 +254,89 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
     return result
 
 
+def settle(params: Params, key: str, approve: bool, by: str, why: str) -> PromotionDecision:
+    """A person's answer to a candidate awaiting approval (``reports/promotion.json``): approved, it goes through the
+    same crash-safe switch a gate's promotion does; refused, it is ``not_approved`` on the version and in the journal
+    and nothing moves. Refused in one line when it is not awaiting, or when its alias or its champion moved since the
+    gate decided (the evidence is stale: evaluate again)."""
+    result = PromotionReport.model_validate_json(METRICS_FILE.read_text()) if METRICS_FILE.exists() else None
+    d = result.decisions.get(key) if result else None
+    if result is None or d is None or d.status != Status.AWAITING_APPROVAL:
+        waiting = sorted(k for k, v in (result.decisions if result else {}).items() if v.status == Status.AWAITING_APPROVAL)
+        raise PromotionError(f"{key} is not awaiting approval in {METRICS_FILE} (its decision: "
+                             f"{d.status if d else 'none'}; awaiting: {waiting or 'nothing'})")
+    name, serving = str(d.role), params.serving
+    prompt = d.artifact == Artifact.PROMPT
+    template = str(d.template) if prompt else None
+    if template is not None:
+        cand = prompt_registry.load(template, d.candidate)
+        named = prompt_registry.load(template, f"@{prompt_registry.CHALLENGER}")
+        current = prompt_registry.rendered(routing.active(serving), template)
+        set_tags: Callable[[dict[str, str]], None] = lambda t: prompt_registry.set_tags(template, d.candidate, t)  # noqa: E731
+    else:
+        cand = registry.get_version(name, d.candidate)
+        named = registry.by_alias(name, str(d.alias))
+        champion = registry.by_alias(name, registry.CHAMPION)
+        current = champion.version if champion else None
+        set_tags = lambda t: registry.set_tags(name, d.candidate, t)  # noqa: E731
+    if cand is None or cand.tags.get("promotion.decision") != Status.AWAITING_APPROVAL:
+        raise PromotionError(f"{key} v{d.candidate} is not awaiting approval in the registry "
+                             f"({cand.tags.get('promotion.decision') if cand else 'no such version'})")
+    if named is None or str(named.version) != str(d.candidate) or str(current) != str(d.champion_before):
+        raise PromotionError(f"{key} v{d.candidate} was decided against v{d.champion_before} as {d.alias}; now the champion "
+                             f"is v{current} and {d.alias} is v{named.version if named else '-'}: evaluate again")
+    answer = {"promotion.approved_by" if approve else "promotion.refused_by": by, "promotion.answer": why[:4000]}
+    if approve:
+        tags = {**{k: v for k, v in cand.tags.items() if k.startswith("promotion.")}, **answer,
+                "promotion.decision": Status.PROMOTED.value, "promotion.run": _active_run_id()}
+        text = f"promote {key} v{d.candidate} (approved by {by}): {d.detail}"
+        d.routing_version = (switch_prompt(serving, params.mlflow, name, str(template), cand, text, tags=tags) if prompt
+                             else switch(serving, params.mlflow, params.gate(name), name, cand, text, tags=tags))
+        d.status, d.promote = Status.PROMOTED, True
+        result.promoted = sorted({*result.promoted, key})
+    else:
+        set_tags({**answer, "promotion.decision": Status.NOT_APPROVED.value})
+        record_not_approved(serving, name, d.candidate, by, why, template)
+        d.status, d.promote, d.detail = Status.NOT_APPROVED, False, f"not approved by {by}: {why}"[:4000]
+    if template is not None:
+        prompt_registry.delete_alias(template, prompt_registry.CHALLENGER)
+    else:
+        registry.delete_alias(name, str(d.alias))
+    live = routing.active(serving)
+    result.champions = {n: (v.version if (v := registry.by_alias(n, registry.CHAMPION)) else None)
+                        for n in params.promote.roles}
+    result.routing_version = live["version"] if live else None
+    _write(result)
+    print(f"promote: {key} v{d.candidate}: {d.status.upper()} by {by}; routing v{result.routing_version} live")
+    return d
+
+
+def approval_request(key: str) -> str | None:
+    """What a person is shown before approving ``key`` (Markdown: the Airflow approval task's body): the candidate
+    against its champion, the paired difference with its interval and n, the exact tests, the AUC, the gate's rule and
+    the evaluation run. None when ``key`` is not awaiting approval."""
+    result = PromotionReport.model_validate_json(METRICS_FILE.read_text()) if METRICS_FILE.exists() else None
+    d = result.decisions.get(key) if result else None
+    if d is None or d.status != Status.AWAITING_APPROVAL:
+        return None
+    e = d.model_extra or {}
+    diff, tests = e.get("difference") or {}, (e.get("difference") or {}).get("decision") or {}
+    what = f"prompt {d.template} " if d.artifact == Artifact.PROMPT else ""
+    lines = [f"**{key}**: {what}v{d.candidate} against the champion v{d.champion_before} ({d.level} level, {d.setting})",
+             f"- reward {e.get('candidate_reward', float('nan')):.3f} vs {e.get('champion_reward', float('nan')):.3f}: "
+             f"paired difference {diff.get('mean', float('nan')):+.3f}, {diff.get('ci', 0.95):.0%} CI "
+             f"[{diff.get('ci_low', float('nan')):+.3f}, {diff.get('ci_high', float('nan')):+.3f}], n = {diff.get('n')}",
+             f"- sign-flip p = {e.get('p_value', float('nan')):.4g} (Holm over {e.get('family', 1)}: "
+             f"{e.get('p_adjusted') if e.get('p_adjusted') is not None else '-'}); McNemar on the decisions p = "
+             f"{tests.get('p_value', float('nan')):.4g} (b = {tests.get('b')}, c = {tests.get('c')}, n = {tests.get('n')})"]
+    if e.get("auc"):
+        lines.append(f"- AUC of P(GO): {e['auc']}")
+    lines.append(f"- the gate: {d.rule}: {d.detail}")
+    if e.get("run_url"):
+        lines.append(f"- evaluation run: {e['run_url']}")
+    return "\n".join(lines)
+
+
 def _write(result: PromotionReport) -> None:
     doc = result.model_dump(mode="json")
     write_json(METRICS_FILE, doc)
@@ -236,11 +344,25 @@ def _write(result: PromotionReport) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser
+    answer = parser.add_mutually_exclusive_group()
+    answer.add_argument("--approve", metavar="KEY", help="switch in the candidate KEY (as in reports/promotion.json) that "
+                        "awaits approval, through the same switch a promotion takes")
+    answer.add_argument("--reject", metavar="KEY", help="refuse it: not_approved, nothing switched")
+    parser.add_argument("--by", default=os.environ.get("USER", "cli"), help="who answers (recorded on the version)")
+    parser.add_argument("--why", default="", help="the answer's reason (recorded on the version and in the journal)")
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)  # reconciles a switch a crash interrupted before anything else
+    if args.approve or args.reject:
+        try:
+            with tracking.stage_run("promote", params.mlflow):
+                settle(params, args.approve or args.reject, bool(args.approve), args.by,
+                       args.why or ("approved" if args.approve else "rejected"))
+        except PromotionError as exc:
+            print(f"error: {exc}; champion alias and live routing unchanged", file=sys.stderr)
+            return 1
+        return 0
     try:
         with tracking.stage_run("promote", params.mlflow) as run:
             result = promote_all(params.evaluate, params.promote, params.serving, params.mlflow,
