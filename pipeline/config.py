@@ -25,6 +25,7 @@ from pipeline.learning import WAYS, Learning, learners, registered_name, role_of
 
 ENV_PREFIX = "PIPELINE__"
 DEFAULT_PARAMS = Path("params.yaml")
+PARAMS_ENV = "PIPELINE_PARAMS"  # the params file every stage reads instead of params.yaml
 
 
 class ParamsError(ValueError):
@@ -990,7 +991,7 @@ def read_params_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
 def effective_raw(path: str | Path | None = None, environ: dict[str, str] | None = None) -> dict[str, Any]:
     """The params file as written (``extends`` resolved) with the environment's ``PIPELINE__`` overrides applied,
     validated: what a run's stages actually use, in the file's own shape (not a dump of every default)."""
-    path = Path(path or os.environ.get("PIPELINE_PARAMS") or DEFAULT_PARAMS)
+    path = Path(path or os.environ.get(PARAMS_ENV) or DEFAULT_PARAMS)
     raw = _apply_env_overrides(read_params_file(path), dict(os.environ if environ is None else environ))
     try:
         Params.model_validate(raw)
@@ -1001,7 +1002,7 @@ def effective_raw(path: str | Path | None = None, environ: dict[str, str] | None
 
 def load_params(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Params:
     """Read (with ``extends``), override from the environment, and validate; raise ParamsError naming bad keys."""
-    path = Path(path or os.environ.get("PIPELINE_PARAMS") or DEFAULT_PARAMS)
+    path = Path(path or os.environ.get(PARAMS_ENV) or DEFAULT_PARAMS)
     raw = _apply_env_overrides(read_params_file(path), dict(os.environ if environ is None else environ))
     try:
         return Params.model_validate(raw)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from pipeline import tracking
-from pipeline.config import DEFAULT_PARAMS, Params, effective_raw
+from pipeline.config import DEFAULT_PARAMS, PARAMS_ENV, Params, effective_raw
 from pipeline.io import write_text
 
 RUNS_DIR = Path(".runs")
@@ -54,14 +56,33 @@ def write_effective(params_path: str | None, run_key: str, live_file: str | None
     return out
 
 
+SAVED = RUNS_DIR / "stood-in"  # the originals while a run's inputs stand in for them (a crash's leftovers come back)
+
+
+def restore_stood_in() -> list[str]:
+    """Put back what a killed process left standing in (``SAVED``): the files it names, then the folder."""
+    restored = []
+    for saved in sorted(SAVED.glob("*")) if SAVED.is_dir() else []:
+        target = Path(saved.name.replace("%", "/"))
+        write_text(target, saved.read_text())
+        saved.unlink()
+        restored.append(target.as_posix())
+    return restored
+
+
 @contextlib.contextmanager
 def run_inputs(effective: Path, live_file: str | None = None) -> Iterator[None]:
     """What DVC reads, as the run saw it: the effective params standing in for params.yaml and, when ``open`` took one,
-    the routing snapshot for ``live_file``; both restored whatever happens. Paths are relative to the project root."""
+    the routing snapshot for ``live_file``; both restored whatever happens, a SIGKILL included (the originals are kept
+    under ``SAVED`` first, and the next stand-in or ``run open`` puts them back). Paths are relative to the project root."""
+    if restored := restore_stood_in():
+        print(f"runs: restored {restored} left standing in by a process that was killed", file=sys.stderr)
     stand_ins = [(Path(DEFAULT_PARAMS), effective)]
     if live_file and routing_snapshot(effective).exists() and Path(live_file).exists():
         stand_ins.append((Path(live_file), routing_snapshot(effective)))
     saved = [(target, target.read_bytes()) for target, _ in stand_ins]
+    for target, data in saved:
+        write_text(SAVED / target.as_posix().replace("/", "%"), data.decode())
     try:
         for target, stand_in in stand_ins:
             target.write_bytes(stand_in.read_bytes())
@@ -69,6 +90,31 @@ def run_inputs(effective: Path, live_file: str | None = None) -> Iterator[None]:
     finally:
         for target, data in saved:
             target.write_bytes(data)
+        restore_stood_in()
+
+
+def repro(effective: Path, stages: list[str], single_item: bool, live_file: str) -> int:
+    """``dvc repro STAGES`` with the run's effective params standing in for params.yaml (a profile such as
+    params/learn.yaml is then what DVC records and compares): a stage runs only when its code, data or values changed
+    since dvc.lock recorded them. A promotion among them moves the live routing after the stages that read it ran; the
+    stages whose only change is that routing are then recorded with it (the cycle's own decision), so the same cycle
+    run again reproduces nothing."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the stand-in is restored on a TERM too (finally)
+    dvc = [sys.executable, "-m", "dvc"]
+    env = {k: v for k, v in os.environ.items() if k != PARAMS_ENV}  # the stages read what DVC reads: params.yaml
+    with run_inputs(effective):
+        rc = subprocess.run([*dvc, "repro", *(["--single-item"] if single_item else []), *stages], check=False,
+                            env=env).returncode
+        if rc != 0:
+            return rc
+        status = subprocess.run([*dvc, "status", "--json", *stages], capture_output=True, text=True, check=True)
+        moved = [stage for stage, entries in (json.loads(status.stdout or "{}")).items()
+                 if all(isinstance(e, dict) and set(e) == {"changed deps"} and set(e["changed deps"]) == {live_file}
+                        for e in entries)]
+        if moved:
+            subprocess.run([*dvc, "commit", "--force", *moved], check=True, capture_output=True)
+            print(f"runs: {moved} recorded with the routing this cycle's promotion made live")
+    return 0
 
 
 def commit_lock(effective: Path, stages: list[str], live_file: str | None = None) -> None:
@@ -78,10 +124,12 @@ def commit_lock(effective: Path, stages: list[str], live_file: str | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["open", "close", "fail", "times", "commit-lock"])
+    parser.add_argument("action", choices=["open", "close", "fail", "times", "commit-lock", "repro", "status"])
     parser.add_argument("--write-params", action="store_true",
                         help="open: write the run's effective params to .runs/<run id>/params.yaml")
-    parser.add_argument("--stages", nargs="*", default=[], help="commit-lock: the stages whose outputs this run produced")
+    parser.add_argument("--stages", nargs="*", default=[], help="commit-lock: the stages whose outputs this run produced; "
+                        "repro: the stages to reproduce with the run's params")
+    parser.add_argument("--single-item", action="store_true", help="repro: these stages only, not what they depend on")
     parser.add_argument("--task", default=None, help="fail: the task that failed")
     parser.add_argument("--error", default="", help="fail: why")
     parser.add_argument("--try-number", type=int, default=None)
@@ -93,11 +141,18 @@ def main(args: argparse.Namespace, params: Params) -> int:
     if args.run_id:
         os.environ[tracking.RUN_ID_ENV] = args.run_id
     run_key = tracking.pipeline_run_id()
+    if args.action == "repro":
+        return repro(effective_file(run_key), args.stages, args.single_item, params.serving.live_file)
+    if args.action == "status":  # `dvc status` of STAGES as the run's values see them
+        with run_inputs(effective_file(run_key)):
+            return subprocess.run([sys.executable, "-m", "dvc", "status", *args.stages], check=False).returncode
     if args.action == "commit-lock":
         effective = Path(args.params_path) if args.params_path else effective_file(run_key)
         commit_lock(effective, args.stages, params.serving.live_file)
         print(f"dvc.lock: {len(args.stages)} stage(s) committed with the params of {effective}")
         return 0
+    if args.action == "open" and (restored := restore_stood_in()):
+        print(f"runs: restored {restored} left standing in by a process that was killed", file=sys.stderr)
     mlflow_run = tracking.parent_run(params.mlflow)
     if args.action == "open" and args.write_params:
         from mlflow import MlflowClient  # noqa: PLC0415 - 1.3 s import; the DAG's tasks import this module for effective_file

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# `make learn`: one learning cycle of the PI in the reasoning-free setting (params/learn.yaml), timed end to end:
-# data + model (dvc repro) -> train the PI on the gold decision -> an A/A copy of its champion -> role-level evaluation
-# on every validation question -> the gate promotes on evidence and moves the routing -> the official test split: the
-# PI's decision on all 500 questions and the society as served on report.limit of them, each before vs after.
+# `make learn`: one learning cycle of the PI in the reasoning-free setting (params/learn.yaml), timed end to end, as
+# the pipeline's own DVC stages with the profile's values standing in for params.yaml (`run repro`: dvc.lock records
+# them, and a stage runs only when its code, data or values changed): data + model -> train the PI on the gold decision
+# -> an A/A copy of its champion -> role-level evaluation on every validation question -> the gate promotes on evidence
+# and moves the routing -> the official test split: the PI's decision on all 500 questions and the society as served on
+# report.limit of them, each before vs after. Run again with nothing changed, it reproduces nothing and says so.
 # PARAMS=<file> picks another profile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,18 +23,24 @@ step() {
 }
 
 python -m pipeline services up mlflow
-read -r _ PARENT EXPERIMENT < <(python -m pipeline run open | tail -n 1)
+read -r _ PARENT EXPERIMENT < <(python -m pipeline run open --write-params | tail -n 1)
 status=FAILED
 trap 'python -m pipeline run close --status "$status" > /dev/null || true' EXIT
-step "data, model and tools index (dvc repro: reused when up to date)"
-dvc repro validate materialize_model build_index
+LOCK_BEFORE=$(sha256sum dvc.lock 2>/dev/null || true)
+step "data, model and tools index"
+python -m pipeline run repro --stages validate materialize_model build_index
 step "serving plane up"
 python -m pipeline services up serving
-for stage in train-pi evaluate promote report; do  # evaluate registers the A/A candidate (evaluate.aa)
+for stage in train_pi@principal_investigator evaluate promote report; do  # evaluate registers the A/A candidate (evaluate.aa)
   step "$stage"
-  python -m pipeline "$stage"
+  python -m pipeline run repro --single-item --stages "$stage"
 done
 status=FINISHED
+echo "learn: dvc status of the cycle's stages with its values:"
+python -m pipeline run status --stages validate materialize_model build_index train_pi@principal_investigator evaluate promote report
+if [ "$(sha256sum dvc.lock 2>/dev/null || true)" = "$LOCK_BEFORE" ]; then
+  echo "learn: nothing changed since the last cycle with these values: DVC reproduced nothing (the figures below are that cycle's)"
+fi
 python - <<'PY'
 import json
 r = json.load(open("reports/promotion.json"))

@@ -77,3 +77,49 @@ def test_dvc_lock_records_the_routing_the_rollouts_ran_with_not_the_one_promote_
     assert (tmp_path / "live-routing.json").read_text() == after  # the live file is back as promote left it
     status = subprocess.run([sys.executable, "-m", "dvc", "status", "rollouts"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert "live-routing.json" in status.stdout  # the next run rolls out with the new champions
+
+
+def test_a_profile_cycle_through_dvc_is_recorded_and_run_again_reproduces_nothing(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """#55: `make learn` is `run repro` of the pipeline's own stages with the profile's values standing in for
+    params.yaml. dvc.lock records those values; the stages that read the live routing its promote moved are recorded
+    with it (the cycle's own decision); the same cycle again reproduces nothing; params.yaml is back as it was, also
+    after a process that was killed while its stand-in was in place."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True, env=env)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("# the default profile\npi:\n  steps: 4\n")
+    (tmp_path / "live-routing.json").write_text('{"version": 1}\n')
+    # train: reads its value (counts its runs); evaluate: reads the live routing; promote: moves it (not an out)
+    py = f"{sys.executable} -c"
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
+        "train": {"cmd": f"{py} \"import yaml,pathlib; p=pathlib.Path('runs.txt'); p.write_text(p.read_text()+'x' if "
+                         f"p.exists() else 'x'); pathlib.Path('model.txt').write_text(str(yaml.safe_load(open('params.yaml'))"
+                         f"['pi']['steps']))\"", "params": ["pi"], "outs": [{"model.txt": {"cache": False}}]},
+        "evaluate": {"cmd": f"{py} \"import shutil; shutil.copy('model.txt', 'summary.txt')\"",
+                     "deps": ["model.txt", "live-routing.json"], "outs": [{"summary.txt": {"cache": False}}]},
+        "promote": {"cmd": f"{py} \"import pathlib; pathlib.Path('live-routing.json').write_text('{{\\\"version\\\": 2}}\\\\n'); "
+                           f"pathlib.Path('decision.txt').write_text('promoted')\"",
+                    "deps": ["summary.txt"], "outs": [{"decision.txt": {"cache": False}}]}}}))
+    effective = tmp_path / ".runs/learn/params.yaml"
+    effective.parent.mkdir(parents=True)
+    effective.write_text("pi:\n  steps: 225\n")  # the profile, resolved (run open --write-params)
+    stages = ["train", "evaluate", "promote"]
+    assert runs.repro(effective, stages, True, "live-routing.json") == 0
+    assert (tmp_path / "model.txt").read_text() == "225" and (tmp_path / "live-routing.json").read_text() == '{"version": 2}\n'
+    assert (tmp_path / "params.yaml").read_text() == "# the default profile\npi:\n  steps: 4\n"
+    lock = yaml.safe_load((tmp_path / "dvc.lock").read_text())
+    assert lock["stages"]["train"]["params"]["params.yaml"]["pi"] == {"steps": 225}
+    with runs.run_inputs(effective):  # the cycle's status, with its values: clean
+        status = subprocess.run([sys.executable, "-m", "dvc", "status", *stages], capture_output=True, text=True, env=env)
+    assert "up to date" in status.stdout, status.stdout
+    assert runs.repro(effective, stages, True, "live-routing.json") == 0
+    assert (tmp_path / "runs.txt").read_text() == "x"  # the second cycle trained nothing
+    # a process killed while its stand-in was in place: the next one puts params.yaml back first
+    kept = (tmp_path / "params.yaml").read_text()
+    runs.SAVED.mkdir(parents=True, exist_ok=True)
+    (runs.SAVED / "params.yaml").write_text(kept)
+    (tmp_path / "params.yaml").write_text(effective.read_text())
+    assert runs.restore_stood_in() == ["params.yaml"] and (tmp_path / "params.yaml").read_text() == kept
+    assert not list(runs.SAVED.iterdir())

@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mlflow import active_run, log_artifact, log_dict, log_metric
 
@@ -64,6 +65,24 @@ def _again(name: str, version: str, decided: str, tags: dict[str, str], evidence
                                     f"{tags.get('promotion.detail', '')})"[:4000], **evidence, **where)
 
 
+def _evidence(entry: Evaluation, tags: dict[str, str], adjusted_p: float | None, family: int) -> dict[str, Any]:
+    """What a decision is recorded with (reports/promotion.json, the approval form): the figures the gate read."""
+    return {"p_value": entry.difference.p_value, "p_adjusted": adjusted_p, "family": family,
+            "candidate_reward": entry.candidate.metrics.reward.mean, "champion_reward": entry.champion.metrics.reward.mean,
+            "difference": entry.difference.model_dump(mode="json"), "auc": tags.get("eval.auc"),
+            "run_url": tags.get("eval.run_url") or _run_url(entry.candidate.run_id)}
+
+
+def _run_url(run_id: str | None) -> str | None:
+    """The candidate's evaluation run in the MLflow UI, for a version evaluate did not tag (evidence from elsewhere)."""
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 - loaded already (mlflow is imported at the top)
+
+    try:
+        return tracking.run_url(run_id) if run_id else None
+    except MlflowException:
+        return None
+
+
 def _status(decision: Decision, promote: PromoteParams) -> Status:
     if decision.promote:
         return Status.DRY_RUN if promote.dry_run else Status.PROMOTED
@@ -74,10 +93,7 @@ def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteP
                  current_champion: str, adjusted_p: float | None = None, family: int = 1,
                  evaluated_at: str | None = None) -> PromotionDecision:
     cand = registry.get_version(name, entry.candidate.version)
-    evidence = {"p_value": entry.difference.p_value, "p_adjusted": adjusted_p, "family": family,
-                "candidate_reward": entry.candidate.metrics.reward.mean, "champion_reward": entry.champion.metrics.reward.mean,
-                "difference": entry.difference.model_dump(mode="json"), "run_url": cand.tags.get("eval.run_url"),
-                "auc": cand.tags.get("eval.auc")}
+    evidence = _evidence(entry, cand.tags, adjusted_p, family)
     where = {"role": name, "alias": entry.alias, "level": entry.level, "setting": entry.candidate.metrics.setting}
     if str(cand.version) == str(current_champion) and cand.tags.get("promotion.decision") == Status.PROMOTED:
         # a retried promote (the DAG retries the task) after this switch completed: recognise it, change nothing
@@ -150,10 +166,7 @@ def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: Promot
     if cand is None:
         raise PromotionError(f"prompt {template} v{entry.candidate.version}: not in the Prompt Registry")
     current = prompt_registry.rendered(routing.active(serving), template)
-    evidence = {"p_value": entry.difference.p_value, "p_adjusted": adjusted_p, "family": family,
-                "candidate_reward": entry.candidate.metrics.reward.mean, "champion_reward": entry.champion.metrics.reward.mean,
-                "difference": entry.difference.model_dump(mode="json"), "run_url": cand.tags.get("eval.run_url"),
-                "auc": cand.tags.get("eval.auc")}
+    evidence = _evidence(entry, cand.tags, adjusted_p, family)
     where = {"role": name, "alias": entry.alias, "level": entry.level, "setting": entry.candidate.metrics.setting,
              "artifact": Artifact.PROMPT, "template": template}
     if str(cand.version) == str(current) and cand.tags.get("promotion.decision") == Status.PROMOTED:
