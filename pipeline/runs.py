@@ -93,12 +93,12 @@ def run_inputs(effective: Path, live_file: str | None = None) -> Iterator[None]:
         restore_stood_in()
 
 
-def repro(effective: Path, stages: list[str], single_item: bool, live_file: str) -> int:
+def repro(effective: Path, stages: list[str], single_item: bool, live_file: str, settle: list[str] | None = None) -> int:
     """``dvc repro STAGES`` with the run's effective params standing in for params.yaml (a profile such as
     params/learn.yaml is then what DVC records and compares): a stage runs only when its code, data or values changed
-    since dvc.lock recorded them. A promotion among them moves the live routing after the stages that read it ran; the
-    stages whose only change is that routing are then recorded with it (the cycle's own decision), so the same cycle
-    run again reproduces nothing."""
+    since dvc.lock recorded them. A promotion among them moves the live routing after the stages that read it ran; of
+    ``settle`` (default: STAGES), those whose only change is that routing are then recorded with it (the cycle's own
+    decision), so the same cycle run again reproduces nothing."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the stand-in is restored on a TERM too (finally)
     dvc = [sys.executable, "-m", "dvc"]
     env = {k: v for k, v in os.environ.items() if k != PARAMS_ENV}  # the stages read what DVC reads: params.yaml
@@ -107,7 +107,7 @@ def repro(effective: Path, stages: list[str], single_item: bool, live_file: str)
                             env=env).returncode
         if rc != 0:
             return rc
-        status = subprocess.run([*dvc, "status", "--json", *stages], capture_output=True, text=True, check=True)
+        status = subprocess.run([*dvc, "status", "--json", *(settle or stages)], capture_output=True, text=True, check=True)
         moved = [stage for stage, entries in (json.loads(status.stdout or "{}")).items()
                  if all(isinstance(e, dict) and set(e) == {"changed deps"} and set(e["changed deps"]) == {live_file}
                         for e in entries)]
@@ -130,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", nargs="*", default=[], help="commit-lock: the stages whose outputs this run produced; "
                         "repro: the stages to reproduce with the run's params")
     parser.add_argument("--single-item", action="store_true", help="repro: these stages only, not what they depend on")
+    parser.add_argument("--settle", nargs="*", default=None, help="repro: the stages to record with the live routing "
+                        "these stages moved, where it is their only change (default: the stages reproduced)")
     parser.add_argument("--task", default=None, help="fail: the task that failed")
     parser.add_argument("--error", default="", help="fail: why")
     parser.add_argument("--try-number", type=int, default=None)
@@ -142,7 +144,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
         os.environ[tracking.RUN_ID_ENV] = args.run_id
     run_key = tracking.pipeline_run_id()
     if args.action == "repro":
-        return repro(effective_file(run_key), args.stages, args.single_item, params.serving.live_file)
+        return repro(effective_file(run_key), args.stages, args.single_item, params.serving.live_file, args.settle)
     if args.action == "status":  # `dvc status` of STAGES as the run's values see them
         with run_inputs(effective_file(run_key)):
             return subprocess.run([sys.executable, "-m", "dvc", "status", *args.stages], check=False).returncode

@@ -33,7 +33,9 @@ step "serving plane up"
 python -m pipeline services up serving
 for stage in train_pi@principal_investigator evaluate promote report; do  # evaluate registers the A/A candidate (evaluate.aa)
   step "$stage"
-  python -m pipeline run repro --single-item --stages "$stage"
+  settle=("$stage")  # promote moves the live routing evaluate read: evaluate is recorded with it (the cycle's decision)
+  [ "$stage" = promote ] && settle+=(evaluate)
+  python -m pipeline run repro --single-item --stages "$stage" --settle "${settle[@]}"
 done
 status=FINISHED
 echo "learn: dvc status of the cycle's stages with its values:"
