@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -103,6 +104,30 @@ def mlflow_server(mlflow_home: Path) -> Iterator[str]:
         server.down(params.mlflow)
         if saved is not None:
             os.environ["MLFLOW_TRACKING_URI"] = saved
+
+
+@contextlib.contextmanager
+def airflow_browser(url: str, user: str, password: str, wait_s: int = 15) -> Iterator[Any]:
+    """Headless Chromium (Debian's, `scripts/setup_browser.sh`) through Selenium, logged into the Airflow UI at ``url``."""
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+
+    assert shutil.which("chromium") and shutil.which("chromedriver"), "run scripts/setup_browser.sh (make test-all does)"
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium")
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1100"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=shutil.which("chromedriver")))
+    driver.implicitly_wait(wait_s)
+    try:
+        driver.get(f"{url}/auth/login?next=%2F")
+        driver.find_element(By.NAME, "username").send_keys(user)
+        driver.find_element(By.NAME, "password").send_keys(password)
+        driver.find_element(By.XPATH, "//button[normalize-space()='Sign in']").click()
+        driver.find_element(By.XPATH, "//*[normalize-space()='Dags']")  # logged in: the nav renders
+        yield driver
+    finally:
+        driver.quit()
 
 
 def dvc_stages(root: Path = ROOT) -> dict[str, dict[str, Any]]:

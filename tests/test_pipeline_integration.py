@@ -158,47 +158,33 @@ def _browse_ui(home: Path, artifacts: Path) -> None:
     """Headless Chromium (Debian's, `scripts/setup_browser.sh`) through Selenium: log into the embedded
     Airflow UI, open the DAG's grid with the finished runs and its trigger form, check the mapped
     rollouts and the Params render, and keep screenshots."""
-    import shutil
-
-    from selenium import webdriver
     from selenium.webdriver.common.by import By
 
     from pipeline.services import airflow_server
     from pipeline.services.process import free_port
+    from tests.conftest import airflow_browser
 
-    assert shutil.which("chromium") and shutil.which("chromedriver"), "run scripts/setup_browser.sh (make test-all does)"
     port = free_port()
     old_home = os.environ.get("AIRFLOW_HOME")
     os.environ["AIRFLOW_HOME"] = str(home)
     info = airflow_server.up(port=port)
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1100"):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=shutil.which("chromedriver")))
-    driver.implicitly_wait(15)
     artifacts.mkdir(exist_ok=True)
     try:
-        driver.get(f"{info['url']}/auth/login?next=%2F")
-        driver.find_element(By.NAME, "username").send_keys(info["user"])
-        driver.find_element(By.NAME, "password").send_keys(info["password"])
-        driver.find_element(By.XPATH, "//button[normalize-space()='Sign in']").click()
-        driver.find_element(By.XPATH, "//*[normalize-space()='Dags']")  # logged in: the nav renders
-        driver.get(f"{info['url']}/dags/agent_retraining")
-        driver.find_element(By.CSS_SELECTOR, "button[aria-label='Expand all task groups']").click()
-        driver.find_element(By.XPATH, "//*[starts-with(normalize-space(), 'rollouts [')]")  # the mapped shard task
-        grid = driver.find_element(By.TAG_NAME, "body").text
-        for name in ("prepare", "collect", "train", "decide", "record", "train_ppo", "promotion_gate", "pubmedqa_source_data"):
-            assert name in grid, name
-        driver.save_screenshot(str(artifacts / "airflow-grid.png"))
-        driver.find_element(By.XPATH, "//button[normalize-space()='Trigger']").click()
-        driver.find_element(By.XPATH, "//*[normalize-space()='Run Parameters']")
-        form = driver.find_element(By.TAG_NAME, "body").text
-        for param in ("params_file", "data_source", "shards", "samples_per_task", "trainers", "eval_limit", "margin", "dry_run"):
-            assert param in form, param
-        driver.save_screenshot(str(artifacts / "airflow-trigger.png"))
+        with airflow_browser(info["url"], info["user"], info["password"]) as driver:
+            driver.get(f"{info['url']}/dags/agent_retraining")
+            driver.find_element(By.CSS_SELECTOR, "button[aria-label='Expand all task groups']").click()
+            driver.find_element(By.XPATH, "//*[starts-with(normalize-space(), 'rollouts [')]")  # the mapped shard task
+            grid = driver.find_element(By.TAG_NAME, "body").text
+            for name in ("prepare", "collect", "train", "decide", "record", "train_ppo", "promotion_gate", "pubmedqa_source_data"):
+                assert name in grid, name
+            driver.save_screenshot(str(artifacts / "airflow-grid.png"))
+            driver.find_element(By.XPATH, "//button[normalize-space()='Trigger']").click()
+            driver.find_element(By.XPATH, "//*[normalize-space()='Run Parameters']")
+            form = driver.find_element(By.TAG_NAME, "body").text
+            for param in ("params_file", "data_source", "shards", "samples_per_task", "trainers", "eval_limit", "margin", "dry_run"):
+                assert param in form, param
+            driver.save_screenshot(str(artifacts / "airflow-trigger.png"))
     finally:
-        driver.quit()
         airflow_server.down()
         if old_home is None:
             os.environ.pop("AIRFLOW_HOME", None)

@@ -528,34 +528,19 @@ def _awaiting(url: str, auth: dict, task_id: str) -> dict | None:
 
 
 def _browse_approval(url: str, password: str, path: str, artifacts: Path) -> None:
-    """The approval form in the Airflow UI, in headless Chromium (`scripts/setup_browser.sh`): the subject, the
-    evidence and both answers render; a screenshot is kept."""
-    import shutil
-
-    from selenium import webdriver
+    """The approval form in the Airflow UI, in headless Chromium: the subject, the evidence and both answers render; a
+    screenshot is kept."""
     from selenium.webdriver.common.by import By
 
-    assert shutil.which("chromium") and shutil.which("chromedriver"), "run scripts/setup_browser.sh (make test-all does)"
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1100"):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=shutil.which("chromedriver")))
-    driver.implicitly_wait(20)
+    from tests.conftest import airflow_browser
+
     artifacts.mkdir(exist_ok=True)
-    try:
-        driver.get(f"{url}/auth/login?next=%2F")
-        driver.find_element(By.NAME, "username").send_keys("admin")
-        driver.find_element(By.NAME, "password").send_keys(password)
-        driver.find_element(By.XPATH, "//button[normalize-space()='Sign in']").click()
-        driver.find_element(By.XPATH, "//*[normalize-space()='Dags']")
+    with airflow_browser(url, "admin", password, wait_s=20) as driver:
         driver.get(f"{url}{path}")
         driver.find_element(By.XPATH, "//*[contains(normalize-space(), 'paired difference')]")
         for button in ("Approve", "Reject"):
             driver.find_element(By.XPATH, f"//button[normalize-space()='{button}']")
         driver.save_screenshot(str(artifacts / "airflow-approval.png"))
-    finally:
-        driver.quit()
     assert (artifacts / "airflow-approval.png").stat().st_size > 10_000
 
 
