@@ -368,7 +368,8 @@ def test_dvc_experiment_reruns_what_a_param_touches_and_exp_show_compares(cycle:
     exp = _find(json.loads(show.stdout), "eps-02")
     assert exp is not None, show.stdout[:2000]
     assert exp["data"]["params"]["params.yaml"]["data"]["bandit"]["epsilon"] == 0.2
-    assert "reports/metrics/train_bandit/supervisor.json" in exp["data"]["metrics"]
+    # its metrics are the cycle view (dvc.yaml's `metrics:`): the bandit's candidate row
+    assert exp["data"]["metrics"]["reports/cycle/supervisor_policy.json"]["data"]["trainer"] == "bandit"
 
 
 @pytest.mark.e2e  # `make test-all`: ~1 min of CI for a second society run; the first test asserts the staleness it rests on

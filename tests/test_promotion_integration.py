@@ -393,6 +393,10 @@ def test_a_gate_that_asks_a_person_waits_then_an_approval_switches_and_a_refusal
             assert report["decisions"][jr]["status"] == "promoted" and jr in report["promoted"]
             assert report["routing_version"] == live["version"] and report["champions"][jr] == version
             assert registry.by_alias(jr, registry.CHALLENGER) is None
+            switches = len(journal(params.serving, jr))
+            again = _cli(promo, "promote", "--approve", jr, "--by", "alice", **gate)  # a retried Airflow task
+            assert again.returncode == 0 and "already" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+            assert len(journal(params.serving, jr)) == switches and _champion(jr) == version
             switch(params.serving, params.mlflow, params.promote, jr, registry.get_version(jr, "2"), "it: broken champion")
         else:
             no = _cli(promo, "promote", "--reject", jr, "--by", "bob", "--why", "not before the audit", **gate)
@@ -407,6 +411,8 @@ def test_a_gate_that_asks_a_person_waits_then_an_approval_switches_and_a_refusal
             assert journal(params.serving, jr)[-1]["version"] == "2"  # the switches: the refusal is not one
             report = json.loads((promo["root"] / "reports/promotion.json").read_text())
             assert report["decisions"][jr]["status"] == "not_approved" and not report["promoted"]
+            twice = _cli(promo, "promote", "--reject", jr, "--by", "bob", "--why", "not before the audit", **gate)
+            assert twice.returncode == 0 and "already" in twice.stdout, twice.stdout[-2000:] + twice.stderr[-2000:]
             again = _cli(promo, "promote", **gate)
             assert again.returncode == 0 and f"{jr} v{version}: REJECTED (decided)" in again.stdout, again.stdout[-3000:]
     nothing = _cli(promo, "promote", "--approve", jr, **gate)

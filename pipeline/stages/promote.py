@@ -267,53 +267,61 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
     return result
 
 
+# whole Params: the answer reads serving, mlflow, promote and the role's gate (Params.gate)
 def settle(params: Params, key: str, approve: bool, by: str, why: str) -> PromotionDecision:
     """A person's answer to a candidate awaiting approval (``reports/promotion.json``): approved, it goes through the
     same crash-safe switch a gate's promotion does; refused, it is ``not_approved`` on the version and in the journal
-    and nothing moves. Refused in one line when it is not awaiting, or when its alias or its champion moved since the
-    gate decided (the evidence is stale: evaluate again)."""
+    and nothing moves. The same answer again (a retried Airflow task, a rerun after a crash between the switch and the
+    report) finishes the record and changes nothing else. Refused in one line when it is not awaiting, or when its
+    alias or its champion moved since the gate decided (the evidence is stale: evaluate again)."""
     result = PromotionReport.model_validate_json(METRICS_FILE.read_text()) if METRICS_FILE.exists() else None
     d = result.decisions.get(key) if result else None
-    if result is None or d is None or d.status != Status.AWAITING_APPROVAL:
+    answered = Status.PROMOTED if approve else Status.NOT_APPROVED
+    if result is None or d is None or d.status not in (Status.AWAITING_APPROVAL, answered):
         waiting = sorted(k for k, v in (result.decisions if result else {}).items() if v.status == Status.AWAITING_APPROVAL)
         raise PromotionError(f"{key} is not awaiting approval in {METRICS_FILE} (its decision: "
                              f"{d.status if d else 'none'}; awaiting: {waiting or 'nothing'})")
-    name, serving = str(d.role), params.serving
-    prompt = d.artifact == Artifact.PROMPT
-    template = str(d.template) if prompt else None
+    name, serving, template = str(d.role), params.serving, str(d.template) if d.artifact == Artifact.PROMPT else None
     if template is not None:
         cand = prompt_registry.load(template, d.candidate)
         named = prompt_registry.load(template, f"@{prompt_registry.CHALLENGER}")
         current = prompt_registry.rendered(routing.active(serving), template)
-        set_tags: Callable[[dict[str, str]], None] = lambda t: prompt_registry.set_tags(template, d.candidate, t)  # noqa: E731
     else:
-        cand = registry.get_version(name, d.candidate)
-        named = registry.by_alias(name, str(d.alias))
-        champion = registry.by_alias(name, registry.CHAMPION)
-        current = champion.version if champion else None
-        set_tags = lambda t: registry.set_tags(name, d.candidate, t)  # noqa: E731
-    if cand is None or cand.tags.get("promotion.decision") != Status.AWAITING_APPROVAL:
-        raise PromotionError(f"{key} v{d.candidate} is not awaiting approval in the registry "
-                             f"({cand.tags.get('promotion.decision') if cand else 'no such version'})")
-    if named is None or str(named.version) != str(d.candidate) or str(current) != str(d.champion_before):
+        cand, named = registry.get_version(name, d.candidate), registry.by_alias(name, str(d.alias))
+        current = champion.version if (champion := registry.by_alias(name, registry.CHAMPION)) else None
+    if cand is None:
+        raise PromotionError(f"{key} v{d.candidate}: no such version in the registry")
+    tagged = cand.tags.get("promotion.decision")
+    done = tagged == answered and (not approve or str(current) == str(d.candidate))
+    if not done and tagged != Status.AWAITING_APPROVAL:
+        raise PromotionError(f"{key} v{d.candidate} is not awaiting approval in the registry ({tagged})")
+    if not done and (named is None or str(named.version) != str(d.candidate) or str(current) != str(d.champion_before)):
         raise PromotionError(f"{key} v{d.candidate} was decided against v{d.champion_before} as {d.alias}; now the champion "
                              f"is v{current} and {d.alias} is v{named.version if named else '-'}: evaluate again")
     answer = {"promotion.approved_by" if approve else "promotion.refused_by": by, "promotion.answer": why[:4000]}
-    if approve:
+    if done:
+        print(f"promote: {key} v{d.candidate} was {answered} already (a repeated answer): recording it, nothing else")
+        d.routing_version = int(cand.tags.get("promotion.routing_version") or 0) or d.routing_version
+    elif approve:
         tags = {**{k: v for k, v in cand.tags.items() if k.startswith("promotion.")}, **answer,
                 "promotion.decision": Status.PROMOTED.value, "promotion.run": _active_run_id()}
         text = f"promote {key} v{d.candidate} (approved by {by}): {d.detail}"
-        d.routing_version = (switch_prompt(serving, params.mlflow, name, str(template), cand, text, tags=tags) if prompt
+        d.routing_version = (switch_prompt(serving, params.mlflow, name, template, cand, text, tags=tags) if template
                              else switch(serving, params.mlflow, params.gate(name), name, cand, text, tags=tags))
-        d.status, d.promote = Status.PROMOTED, True
-        result.promoted = sorted({*result.promoted, key})
     else:
-        set_tags({**answer, "promotion.decision": Status.NOT_APPROVED.value})
+        tags = {**answer, "promotion.decision": Status.NOT_APPROVED.value}
+        if template is not None:
+            prompt_registry.set_tags(template, d.candidate, tags)
+        else:
+            registry.set_tags(name, d.candidate, tags)
         record_not_approved(serving, name, d.candidate, by, why, template)
-        d.status, d.promote, d.detail = Status.NOT_APPROVED, False, f"not approved by {by}: {why}"[:4000]
+    if d.status != answered:
+        d.detail = d.detail if approve else f"not approved by {by}: {why}"[:4000]
+    d.status, d.promote = answered, approve
+    result.promoted = sorted({*result.promoted, key} if approve else set(result.promoted) - {key})
     if template is not None:
         prompt_registry.delete_alias(template, prompt_registry.CHALLENGER)
-    else:
+    elif registry.by_alias(name, str(d.alias)) is not None:
         registry.delete_alias(name, str(d.alias))
     live = routing.active(serving)
     result.champions = {n: (v.version if (v := registry.by_alias(n, registry.CHAMPION)) else None)
