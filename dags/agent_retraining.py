@@ -46,7 +46,6 @@ STAGES = ["ingest", "validate", "materialize_model", "build_index", "rollouts", 
           *(f"{kind.stage}@{role}" for kind, names in LEARNERS.items() for role in names), "evaluate", "promote", "report"]
 
 
-
 def _asks_a_person(role: str) -> bool:
     """The role's gate values (``roles.<role>.gate``, else ``promote``) say ``approval: required``."""
     gate = ((RAW_PARAMS.get("roles") or {}).get(role) or {}).get("gate") or {}

@@ -88,9 +88,7 @@ def run_inputs(effective: Path, live_file: str | None = None) -> Iterator[None]:
             target.write_bytes(stand_in.read_bytes())
         yield
     finally:
-        for target, data in saved:
-            target.write_bytes(data)
-        restore_stood_in()
+        restore_stood_in()  # the originals, from the copies kept above
 
 
 def repro(effective: Path, stages: list[str], single_item: bool, live_file: str, settle: list[str] | None = None) -> int:

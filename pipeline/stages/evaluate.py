@@ -468,8 +468,6 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
     return out
 
 
-
-
 def prompt_candidate(prompt: PromptParams, name: str) -> Any | None:
     """The role's ``challenger`` prompt version when it is not the version the society renders (prompt_registry.sync
     ran at the stage's start); None otherwise. An identical text under a new version is a candidate: the gate refuses it."""
