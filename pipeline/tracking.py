@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from pipeline import timing
 from pipeline.config import MlflowParams
 from pipeline.services import mlflow_server
 
@@ -52,9 +53,10 @@ def setup(mlflow: MlflowParams) -> str:
     os.environ.update({"MLFLOW_HTTP_REQUEST_TIMEOUT": str(mlflow.request_timeout_s),
                        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(mlflow.request_retries),
                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"})
-    uri = mlflow_server.ensure(mlflow)
-    set_tracking_uri(uri)
-    set_experiment(mlflow.experiment)
+    with timing.phase(timing.Phase.TRACKING):
+        uri = mlflow_server.ensure(mlflow)
+        set_tracking_uri(uri)
+        set_experiment(mlflow.experiment)
     return uri
 
 
@@ -119,11 +121,17 @@ def stage_run(stage: str, mlflow: MlflowParams, tags: dict[str, str] | None = No
     """Open the stage's child run; the parent is only referenced, never ended, by a stage."""
     from mlflow import start_run  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
-    parent_id = parent_run(mlflow)
+    os.environ[timing.STAGE_ENV] = stage  # the model plane this stage starts records under it too
+    timing.record(timing.Phase.STARTUP, timing.since_process_start())
+    with timing.phase(timing.Phase.TRACKING):
+        parent_id = parent_run(mlflow)
     run_tags = {RUN_TAG: pipeline_run_id(), "pipeline.kind": "stage", "pipeline.stage": stage,
                 "mlflow.parentRunId": parent_id, **CONTEXT, **(tags or {})}
-    with start_run(run_name=stage, tags=run_tags) as run:
-        yield run
+    try:
+        with start_run(run_name=stage, tags=run_tags) as run:
+            yield run
+    finally:
+        timing.record(timing.Phase.STAGE, timing.since_process_start())
 
 
 def finish_parent(mlflow: MlflowParams, status: str = "FINISHED") -> None:

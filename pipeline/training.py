@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import envs, metrics_files, tracking
+from pipeline import envs, metrics_files, timing, tracking
 from pipeline.config import Params
 from pipeline.io import write_json
 from pipeline.learning import Learning
@@ -72,6 +72,7 @@ class Trainer:
 def main(t: Trainer, args: argparse.Namespace, params: Params) -> int:
     """Run ``t``'s steps in order: the control plane's path, or, under ``--in-model-plane``, the training alone."""
     if getattr(args, "in_model_plane", False):  # said by the control plane that spawned us, never guessed
+        timing.record(timing.Phase.STARTUP, timing.since_process_start(), plane="model")
         return _train(t)
     try:  # fail fast, before paying for torch or services
         reason = t.inputs()
@@ -91,8 +92,9 @@ def main(t: Trainer, args: argparse.Namespace, params: Params) -> int:
         if rc != 0:
             return rc
         metrics = json.loads(t.report.read_text())
-        version = t.register(metrics, mlflow.get_run(run.info.run_id))
-        mlflow.log_artifact(str(t.report))
+        with timing.phase(timing.Phase.REGISTRY):
+            version = t.register(metrics, mlflow.get_run(run.info.run_id))
+            mlflow.log_artifact(str(t.report))
         if version is None:
             print(f"{t.stage}: no_signal, nothing registered: {metrics.get('no_signal_reason')}")
         else:

@@ -173,6 +173,24 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     assert ("serving/live-routing.json" in status.stdout) == bool(promotion["promoted"]), status.stdout
 
 
+def test_the_cycles_time_splits_into_fixed_costs_and_work_per_stage(cycle: dict) -> None:
+    """``benchmarks/bench_cycle.py`` on the cycle (#54): every stage run has its wall time, split into the fixed costs
+    its processes recorded and the work; a trainer's model plane recorded its own start-up and model load."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_cycle
+
+    result = bench_cycle.analyse(cycle["clone"], cycle["run_id"], command_s=None)
+    rows = {r["stage"]: r for r in result["rows"]}
+    assert set(rows) == set(_children(cycle))
+    for stage, r in rows.items():
+        assert r["wall_s"] > 0 and r["control start-up"] > 0 and r["tracking"] > 0, (stage, r)
+        assert r["fixed_s"] + r["work_s"] == pytest.approx(r["wall_s"], abs=0.3), (stage, r)
+    for stage in ("train_sft@junior_researcher", "train_pi@principal_investigator", "train_ppo@senior_researcher"):
+        assert rows[stage]["model start-up"] > 1 and rows[stage]["model load"] > 0, rows[stage]
+        assert rows[stage]["units"] == rows[stage]["units"] // 1 > 0 and rows[stage]["unit"] == "steps"
+    assert rows["rollouts"]["units"] == 2 and rows["report"]["serving"] > 0
+
+
 def test_sft_loss_falls_and_version_carries_lineage(cycle: dict) -> None:
     clone = cycle["clone"]
     metrics = json.loads((clone / "reports/train_sft/junior_researcher.json").read_text())

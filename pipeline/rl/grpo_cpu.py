@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline import timing
 from pipeline.agents.llm import RoleClient
 from pipeline.config import AgentsParams, DatasetsParams, JudgeParams, PpoRole, RewardParams
 from pipeline.io import atomic_dir, write_json, write_text
@@ -93,8 +94,9 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
     columns = ("prompt", "agent", "label", "question", "abstract", "task_id")
     train_ds = Dataset.from_list([{k: (r.get(k) or "") if k != "prompt" else r[k] for k in columns} for r in rows])
     gpu = torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(ppo.base_model, dtype=torch.bfloat16 if gpu else torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(ppo.base_model)
+    with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
+        model = AutoModelForCausalLM.from_pretrained(ppo.base_model, dtype=torch.bfloat16 if gpu else torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(ppo.base_model)
     lora = ppo.lora
     peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
                       task_type="CAUSAL_LM")

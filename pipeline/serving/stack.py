@@ -9,7 +9,7 @@ from __future__ import annotations
 import fcntl
 from pathlib import Path
 
-from pipeline import promotion, tracking
+from pipeline import promotion, timing, tracking
 from pipeline.config import MlflowParams, ServingParams
 from pipeline.serving import proxy, routing, worker
 
@@ -22,6 +22,11 @@ def ensure(serving: ServingParams, mlflow: MlflowParams) -> tuple[str, str]:
     switch a crash interrupted are resolved. A registry whose champions disagree with the promotion journal is
     refused (``promotion.PromotionError``).
     """
+    with timing.phase(timing.Phase.SERVING):
+        return _ensure(serving, mlflow)
+
+
+def _ensure(serving: ServingParams, mlflow: MlflowParams) -> tuple[str, str]:
     home = Path(serving.home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     with open(home / "stack.lock", "w") as lock:

@@ -42,7 +42,7 @@ import mlflow
 from mlflow.entities import Feedback
 from mlflow.genai.scorers import scorer
 
-from pipeline import metrics_files, prompt_registry, registry, tracking
+from pipeline import metrics_files, prompt_registry, registry, timing, tracking
 from pipeline.agents import prompts
 from pipeline.agents.graph import OPENING_AGENTS
 from pipeline.agents.llm import RoleClient
@@ -257,7 +257,8 @@ def plot(summary: dict[str, Any]) -> None:
 
 
 def run(params: Params) -> dict[str, Any]:
-    champions = registry.ensure_baselines(params)
+    with timing.phase(timing.Phase.REGISTRY):
+        champions = registry.ensure_baselines(params)
     # the cycle = the challengers under evaluation: each cycle draws its own validation tasks (seeded, reproducible)
     evaluated = [n for n in params.promote.roles if params.evaluate.only is None or n in params.evaluate.only]
     cycle = ",".join(f"{n}:v{c.version}" for n in evaluated

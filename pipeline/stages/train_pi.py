@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline import tracking, training
+from pipeline import timing, tracking, training
 from pipeline.agents.decision import decision_messages, target
 from pipeline.config import DecisionInput, Params, PiRole
 from pipeline.data.splits import load_tasks
@@ -81,8 +81,9 @@ def served_prefix(base_model: str, messages: list[dict[str, str]], compact: bool
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: PLC0415 - model plane only
     from xgrammar.contrib.hf import LogitsProcessor  # noqa: PLC0415 - model plane only
 
-    tokenizer = AutoTokenizer.from_pretrained(base_model)
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
+        tokenizer = AutoTokenizer.from_pretrained(base_model)
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
     schema = json.dumps(PIDecision.model_json_schema())
     grammar = xgr.GrammarCompiler(info).compile_json_schema(schema, any_whitespace=not compact,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline import metrics_files, plots, tracking, training
+from pipeline import metrics_files, plots, timing, tracking, training
 from pipeline.config import DatasetsParams, MlflowParams, Params, SftRole
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
 from pipeline.learning import Learning
@@ -136,8 +136,9 @@ def _model_and_peft(sft: SftRole, backend: str) -> tuple[Any, Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # CPU: bf16 matmuls are slow without AVX-512 BF16
-    model = AutoModelForCausalLM.from_pretrained(sft.base_model, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(sft.base_model)
+    with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
+        model = AutoModelForCausalLM.from_pretrained(sft.base_model, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(sft.base_model)
     peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
                       task_type="CAUSAL_LM")
     return model, tokenizer, peft
