@@ -57,7 +57,8 @@ def work_units(checkout: Path, stage: str) -> tuple[float | None, str, float | N
     if not path.exists():
         return None, unit, None
     values = json.loads(path.read_text())
-    steps_s = values.get("train_seconds")
+    full = checkout / "reports" / file.format(role=role)  # a trainer's whole report (its DVC metrics file leaves timings out)
+    steps_s = json.loads(full.read_text()).get("train_seconds") if "{role}" in file and full.exists() else None
     steps_s = float(steps_s) if isinstance(steps_s, (int, float)) else None
     if key.startswith("."):
         found = [v for k, v in values.items() if k.endswith(key) and isinstance(v, (int, float))]

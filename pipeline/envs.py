@@ -37,8 +37,10 @@ def model_python() -> str:
 
 def pythonpath() -> str:
     """A child's PYTHONPATH: this checkout first (so ``python -m pipeline`` and ``pipeline`` imports resolve from any
-    working directory), then whatever the caller already had."""
-    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    working directory), then whatever the caller already had, each entry once: a service's identity includes it, and a
+    caller whose PYTHONPATH already named the checkout (a stage started by another) must not restart the proxy."""
+    entries = [str(REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return os.pathsep.join(dict.fromkeys(e for e in entries if e))
 
 
 def run_in_model_plane(argv: Sequence[str]) -> int:

@@ -36,6 +36,9 @@ def path() -> Path | None:
     return Path(__file__).resolve().parent.parent / ".runs" / run / FILE if run else None
 
 
+_spent = [0.0]  # seconds this process already recorded as fixed costs (what its start-up must not count again)
+
+
 def record(phase: str, seconds: float, plane: str = "control") -> None:
     """Append one line; silent when no pipeline run is set (a unit test, an ad-hoc call) or the file is not writable.
     A line written before the stage's run named the stage carries its process id, which the later lines name."""
@@ -43,6 +46,8 @@ def record(phase: str, seconds: float, plane: str = "control") -> None:
     stage = os.environ.get(STAGE_ENV)
     if target is None:
         return
+    if phase != Phase.STAGE:
+        _spent[0] += seconds
     line = json.dumps({"stage": stage, "phase": phase, "seconds": round(seconds, 3), "plane": plane,
                        "pid": os.getpid(), "at": round(time.time(), 3)})
     with contextlib.suppress(OSError):
@@ -69,8 +74,14 @@ def phase(name: str, plane: str = "control") -> Iterator[None]:
         record(name, time.perf_counter() - t0, plane)
 
 
+def startup() -> float:
+    """This process's start-up so far: its age less the fixed costs it already recorded (a stage that ensured the
+    serving plane before opening its run)."""
+    return max(0.0, since_process_start() - _spent[0])
+
+
 def since_process_start() -> float:
-    """Seconds since this process was started (Linux ``/proc``): its interpreter start and imports so far."""
+    """Seconds since this process was started (Linux ``/proc``)."""
     try:
         stat = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
         started = int(stat[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks since boot

@@ -122,7 +122,7 @@ def stage_run(stage: str, mlflow: MlflowParams, tags: dict[str, str] | None = No
     from mlflow import start_run  # noqa: PLC0415 - 1.3 s, control plane only (see top)
 
     os.environ[timing.STAGE_ENV] = stage  # the model plane this stage starts records under it too
-    timing.record(timing.Phase.STARTUP, timing.since_process_start())
+    timing.record(timing.Phase.STARTUP, timing.startup())
     with timing.phase(timing.Phase.TRACKING):
         parent_id = parent_run(mlflow)
     run_tags = {RUN_TAG: pipeline_run_id(), "pipeline.kind": "stage", "pipeline.stage": stage,

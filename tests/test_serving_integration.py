@@ -164,6 +164,21 @@ def test_apply_rollback_and_failed_apply_keeps_live_version(params: Params) -> N
     assert [e["status"] for e in routing.history(params.serving)][-1] == "failed"
 
 
+def test_stages_started_with_any_pythonpath_reuse_the_running_proxy(params: Params, monkeypatch: pytest.MonkeyPatch) -> None:
+    """#54: a stage started by another (its PYTHONPATH already naming the checkout) found the proxy "changed" and
+    restarted it, ~9 s a stage with requests in flight dropped; the same proxy now answers every caller."""
+    from pipeline.envs import REPO_ROOT
+    from pipeline.services.process import Service
+
+    service = Service("proxy", Path(params.serving.home).resolve())
+    running = service.pid()
+    assert running is not None
+    for path in ("", str(REPO_ROOT), f"{REPO_ROOT}:{REPO_ROOT}"):
+        monkeypatch.setenv("PYTHONPATH", path)
+        proxy.up(params.serving)
+        assert service.pid() == running, path
+
+
 def test_hot_loaded_adapter_is_routable(params: Params, serving_models: Path) -> None:
     base = params.serving.workers[0]
     worker.load_lora(base, "adapter-b", str(serving_models / "adapter-a"))
