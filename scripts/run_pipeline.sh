@@ -6,15 +6,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export PIPELINE_RUN_ID="${PIPELINE_RUN_ID:-run-$(date -u +%Y%m%dT%H%M%SZ)}"
-python -m pipeline services up mlflow
+# what this command spends outside the stages, beside what each stage records (benchmarks/bench_cycle.py reads both)
+mkdir -p ".runs/${PIPELINE_RUN_ID}"
+timed() {  # timed <name> <command...>: run it, append its wall time to the run's timings, keep its exit status
+  local t0=$EPOCHREALTIME rc=0
+  "${@:2}" || rc=$?
+  awk -v name="$1" -v s="$(awk "BEGIN {print $EPOCHREALTIME - $t0}")" -v pid=$$ \
+    'BEGIN {printf "{\"stage\": null, \"phase\": \"%s\", \"seconds\": %.3f, \"plane\": \"command\", \"pid\": %d}\n", name, s, pid}' \
+    >> ".runs/${PIPELINE_RUN_ID}/timings.jsonl"
+  return $rc
+}
+timed "services up mlflow" python -m pipeline services up mlflow
 read -r _ PARENT EXPERIMENT < <(python -m pipeline run open | tail -n 1)
 
 status=FINISHED
-if ! dvc repro; then status=FAILED; fi
+if ! timed "dvc repro" dvc repro; then status=FAILED; fi
 # serving plane on the materialised model: vLLM worker(s), the role-routing proxy, routing verified
-if [ "$status" = FINISHED ] && ! python -m pipeline services up serving; then status=FAILED; fi
+if [ "$status" = FINISHED ] && ! timed "services up serving" python -m pipeline services up serving; then status=FAILED; fi
 python -m pipeline run close --status "$status" > /dev/null
-[ "$status" = FINISHED ] && dvc push -q
+[ "$status" = FINISHED ] && timed "dvc push" dvc push -q
 
 if [ -f reports/promotion.json ]; then
   python - <<'PY'
