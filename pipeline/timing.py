@@ -32,8 +32,9 @@ class Phase:
 
 
 def path() -> Path | None:
+    """Beside the run's effective params (``pipeline/runs.py``): under the working directory, the project's root."""
     run = os.environ.get("PIPELINE_RUN_ID")
-    return Path(__file__).resolve().parent.parent / ".runs" / run / FILE if run else None
+    return Path(".runs", run, FILE) if run else None
 
 
 _spent = [0.0]  # seconds this process already recorded as fixed costs (what its start-up must not count again)

@@ -23,6 +23,7 @@ PLUMBING = {
     "pipeline/io.py": "atomic writes and JSONL reading: how bytes land, not which",
     "pipeline/tracking.py": "MLflow run bookkeeping (what is logged, not what the stage writes)",
     "pipeline/runs.py": "pipeline run ids for MLflow grouping",
+    "pipeline/timing.py": "wall-time records of a run (.runs/<run>/timings.jsonl): how long, not what a stage writes",
     "pipeline/plots.py": "matplotlib figure saving for MLflow artifacts",
     "pipeline/envs.py": "locating the model-plane interpreter (process dispatch)",
     "pipeline/services/__init__.py": "package marker",
