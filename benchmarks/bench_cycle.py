@@ -27,9 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from report import write_report
+from report import publish
 
-from pipeline.io import write_json
 from pipeline.timing import FILE, Phase
 
 FIXED = [("control start-up", Phase.STARTUP, "control"), ("tracking", Phase.TRACKING, "control"),
@@ -170,10 +169,7 @@ def main() -> int:
         checkout = args.checkout
         run = args.run or latest_run(checkout)
     result = analyse(checkout, run, command_s)
-    lines = markdown(result, " ".join(command) or "a cycle")
-    print("\n".join(lines))
-    write_report(args.out, lines)
-    write_json(Path(args.out).with_suffix(".json"), result)
+    publish(args.out, markdown(result, " ".join(command) or "a cycle"), result)
     return 0
 
 

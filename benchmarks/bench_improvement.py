@@ -21,9 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from report import write_report
-
-from pipeline.io import write_json
+from report import publish
 
 PI = "principal_investigator"
 # PubMedQA (Jin et al. 2019) and its leaderboard, reasoning-required, accuracy on the 500 test questions
@@ -179,10 +177,7 @@ def main() -> int:
             print(f"make learn exited with {rc}", file=sys.stderr)
             return rc
     doc = gather()
-    text = lines(doc)
-    print("\n".join(text))
-    write_report(args.out, text)
-    write_json(Path(args.out).with_suffix(".json"), doc)
+    publish(args.out, lines(doc), doc)
     return 0
 
 
