@@ -44,12 +44,11 @@ def record(phase: str, seconds: float, plane: str = "control") -> None:
     """Append one line; silent when no pipeline run is set (a unit test, an ad-hoc call) or the file is not writable.
     A line written before the stage's run named the stage carries its process id, which the later lines name."""
     target = path()
-    stage = os.environ.get(STAGE_ENV)
     if target is None:
         return
     if phase != Phase.STAGE:
         _spent[0] += seconds
-    line = json.dumps({"stage": stage, "phase": phase, "seconds": round(seconds, 3), "plane": plane,
+    line = json.dumps({"stage": os.environ.get(STAGE_ENV), "phase": phase, "seconds": round(seconds, 3), "plane": plane,
                        "pid": os.getpid(), "at": round(time.time(), 3)})
     with contextlib.suppress(OSError):
         target.parent.mkdir(parents=True, exist_ok=True)

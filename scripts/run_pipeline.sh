@@ -11,8 +11,8 @@ mkdir -p ".runs/${PIPELINE_RUN_ID}"
 timed() {  # timed <name> <command...>: run it, append its wall time to the run's timings, keep its exit status
   local t0=$EPOCHREALTIME rc=0
   "${@:2}" || rc=$?
-  awk -v name="$1" -v s="$(awk "BEGIN {print $EPOCHREALTIME - $t0}")" -v pid=$$ \
-    'BEGIN {printf "{\"stage\": null, \"phase\": \"%s\", \"seconds\": %.3f, \"plane\": \"command\", \"pid\": %d}\n", name, s, pid}' \
+  LC_ALL=C awk -v name="$1" -v t0="$t0" -v t1="$EPOCHREALTIME" -v pid=$$ \
+    'BEGIN {printf "{\"stage\": null, \"phase\": \"%s\", \"seconds\": %.3f, \"plane\": \"command\", \"pid\": %d}\n", name, t1 - t0, pid}' \
     >> ".runs/${PIPELINE_RUN_ID}/timings.jsonl"
   return $rc
 }

@@ -187,7 +187,8 @@ def test_the_cycles_time_splits_into_fixed_costs_and_work_per_stage(cycle: dict)
         assert r["fixed_s"] + r["work_s"] == pytest.approx(r["wall_s"], abs=0.3), (stage, r)
     for stage in ("train_sft@junior_researcher", "train_pi@principal_investigator", "train_ppo@senior_researcher"):
         assert rows[stage]["model start-up"] > 1 and rows[stage]["model load"] > 0, rows[stage]
-        assert rows[stage]["units"] == rows[stage]["units"] // 1 > 0 and rows[stage]["unit"] == "steps"
+        steps = rows[stage]["units"]
+        assert steps is not None and steps == int(steps) > 0 and rows[stage]["unit"] == "steps", rows[stage]
     assert rows["rollouts"]["units"] == 2 and rows["report"]["serving"] > 0
 
 
