@@ -9,9 +9,9 @@ export PIPELINE_RUN_ID="${PIPELINE_RUN_ID:-run-$(date -u +%Y%m%dT%H%M%SZ)}"
 # what this command spends outside the stages, beside what each stage records (benchmarks/bench_cycle.py reads both)
 mkdir -p ".runs/${PIPELINE_RUN_ID}"
 timed() {  # timed <name> <command...>: run it, append its wall time to the run's timings, keep its exit status
-  local t0=$EPOCHREALTIME rc=0
+  local t0=${EPOCHREALTIME/,/.} rc=0  # a decimal comma (the locale's) would cut the fraction in awk
   "${@:2}" || rc=$?
-  LC_ALL=C awk -v name="$1" -v t0="$t0" -v t1="$EPOCHREALTIME" -v pid=$$ \
+  awk -v name="$1" -v t0="$t0" -v t1="${EPOCHREALTIME/,/.}" -v pid=$$ \
     'BEGIN {printf "{\"stage\": null, \"phase\": \"%s\", \"seconds\": %.3f, \"plane\": \"command\", \"pid\": %d}\n", name, t1 - t0, pid}' \
     >> ".runs/${PIPELINE_RUN_ID}/timings.jsonl"
   return $rc
