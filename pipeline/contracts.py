@@ -26,6 +26,7 @@ class Status(StrEnum):
     FAILED = "failed"
     AWAITING_APPROVAL = "awaiting_approval"  # passed the gate; its role's gate asks a person before the switch
     NOT_APPROVED = "not_approved"            # passed the gate; the person said no (or did not answer in time)
+    ROLLED_BACK = "rolled_back"              # was promoted; `rollback` gave its role the champion it replaced
 
 
 class Level(StrEnum):

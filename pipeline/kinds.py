@@ -20,6 +20,11 @@ class Kind(StrEnum):
         """Its artifact must be loaded into a worker before the society can reach it."""
         return self is Kind.LORA_ADAPTER
 
+    @property
+    def policy(self) -> bool:
+        """The society reaches it through the routing's ``policies`` (the supervisor's pick), not a deployment."""
+        return self in (Kind.CONTEXTUAL_BANDIT, Kind.LLM_SUPERVISOR)
+
     def target(self, role: str, version: str, deployment: str | None, worker: str | None, adapter: str | None) -> str:
         """Where the society reaches a version of this kind: a routing deployment (LLM roles) or a policy value."""
         match self:

@@ -36,10 +36,12 @@ from typing import Any
 
 from pipeline import prompt_registry, registry
 from pipeline.agents import prompts
-from pipeline.config import MlflowParams, PromoteParams, ServingParams
+from pipeline.config import MlflowParams, ServingParams
+from pipeline.contracts import Artifact
 from pipeline.io import write_json
 from pipeline.services.process import ServiceError
 from pipeline.serving import proxy, routing
+from pipeline.versions import CHAMPION, Line, VersionError
 
 FAILPOINT_ENV = "PIPELINE_FAILPOINT"
 STEPS = ("intent", "deploy", "routing_written", "routing_applied", "alias_moved", "tagged")
@@ -68,12 +70,11 @@ def journal_file(serving: ServingParams) -> Path:
     return proxy.active_file(serving).with_name("journal.jsonl")
 
 
-MODEL, PROMPT = "model", "prompt"  # what a switch moved: a role's model version, or the prompt version it renders
+MODEL, PROMPT = Artifact.MODEL.value, Artifact.PROMPT.value  # what a switch moved (a journal line's ``kind``)
 
 
-def journal(serving: ServingParams, role: str | None = None, kind: str = MODEL,
-            template: str | None = None) -> list[dict[str, Any]]:
-    """The switches of ``kind`` recorded so far, oldest first (of ``role`` / ``template`` only, when given). A torn last
+def journal(serving: ServingParams, line: Line | None = None, kind: str = MODEL) -> list[dict[str, Any]]:
+    """The switches of ``line`` recorded so far, oldest first (without a line: every switch of ``kind``). A torn last
     line (a crash mid-append) is skipped; anything else that is not a switch (bytes that are not UTF-8, a line that is
     not an object with a role and a version, a folder in the journal's place) is refused in one line: the journal is
     what rollback and every stage's check trust, so a damaged one must stop them, not be half-read. Entries written
@@ -87,11 +88,11 @@ def journal(serving: ServingParams, role: str | None = None, kind: str = MODEL,
         raise PromotionError(f"{path}: the promotion journal cannot be read ({exc}); {RECOVER}") from None
     lines = text.split("\n")
     entries = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    for n, text_line in enumerate(lines, 1):
+        if not text_line.strip():
             continue
         try:
-            entry = json.loads(line)
+            entry = json.loads(text_line)
         except json.JSONDecodeError:
             if n == len(lines):  # the last line, without its newline: a crash while it was written
                 continue
@@ -99,20 +100,19 @@ def journal(serving: ServingParams, role: str | None = None, kind: str = MODEL,
         if not isinstance(entry, dict) or not isinstance(entry.get("role"), str) or "version" not in entry:
             raise PromotionError(f"{path}: line {n} is not a switch (an object with 'role' and 'version'); {RECOVER}")
         entries.append(entry)
-    return [e for e in entries if e.get("kind", MODEL) == kind and (role is None or e.get("role") == role)
-            and (template is None or e.get("template") == template)]
+    kind = line.artifact if line is not None else kind
+    return [e for e in entries if e.get("kind", MODEL) == kind and (line is None or Line.of_record(e) == line)]
 
 
 RECOVER = ("restore it from a backup (each switch is also an MLflow `promote` run with its routing version), or move it "
            "aside and point every champion alias back to its baseline with the writer's credentials")
 
 
-def rolled_back_after(serving: ServingParams, role: str, when: str | None, kind: str = MODEL,
-                      template: str | None = None) -> str | None:
-    """The time of the last rollback of ``role`` (``template``) later than ``when`` (an ISO time; None: evidence of
+def rolled_back_after(serving: ServingParams, line: Line, when: str | None) -> str | None:
+    """The time of the last rollback of ``line`` later than ``when`` (an ISO time; None: evidence of
     unknown age, older than any rollback), else None. Evidence from before a rollback would promote the rolled-back
     version again the moment its champion is back: a rollback must stick until something is evaluated anew."""
-    times = [e["time"] for e in journal(serving, role, kind, template) if e.get("action") == "rollback" and e.get("time")]
+    times = [e["time"] for e in journal(serving, line) if e.get("action") == "rollback" and e.get("time")]
     later = [t for t in times if when is None or str(t) > when]
     return max(later) if later else None
 
@@ -131,11 +131,10 @@ def _append(serving: ServingParams, entry: dict[str, Any]) -> None:
 APPROVAL = "approval"  # a journal line that records a person's answer, not a switch: no check reads it as one
 
 
-def record_not_approved(serving: ServingParams, role: str, version: str, by: str, why: str,
-                        template: str | None = None) -> None:
+def record_not_approved(serving: ServingParams, line: Line, version: str, by: str, why: str) -> None:
     """A candidate that passed the gate and was not approved: in the journal beside the switches, nothing switched."""
-    _append(serving, {"kind": APPROVAL, "action": "not_approved", "role": role, "version": str(version), "by": by,
-                      "why": why, "template": template, "time": datetime.now(UTC).isoformat(timespec="seconds")})
+    _append(serving, {"kind": APPROVAL, "action": "not_approved", "role": line.role, "version": str(version), "by": by,
+                      "why": why, "template": line.template, "time": datetime.now(UTC).isoformat(timespec="seconds")})
 
 
 def _note(serving: ServingParams, intent: dict[str, Any], **update: Any) -> dict[str, Any]:
@@ -144,128 +143,72 @@ def _note(serving: ServingParams, intent: dict[str, Any], **update: Any) -> dict
     return intent
 
 
-def switch(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, to: Any, description: str,
+def switch(serving: ServingParams, mlflow: MlflowParams, line: Line, to: Any, description: str,
            tags: dict[str, Any] | None = None, record: bool = True) -> int:
-    """Route role ``name`` to version ``to`` (new routing version, verified, applied), then move ``champion`` and
-    write ``tags`` on ``to``; on a failure both stay as they were, on a crash :func:`reconcile` settles it.
-    Returns the routing version now live."""
+    """Serve version ``to`` of ``line`` (a role's model or a prompt it renders): a new routing version, verified and
+    applied, then the line's ``champion`` alias moved and ``tags`` written on ``to``; on a failure both stay as they
+    were, on a crash :func:`reconcile` settles it. Returns the routing version now live."""
     with routing.lock(serving):
         reconcile(serving, mlflow)
         live = routing.active(serving)
         if live is None:
             raise PromotionError("no routing version is live; start the serving plane first")
-        previous = registry.by_alias(name, registry.CHAMPION)
-        intent = _note(serving, {}, id=uuid.uuid4().hex, role=name, to_version=str(to.version), description=description,
-                       to_sha256=to.tags.get(registry.SHA256_TAG),
-                       previous_champion=previous.version if previous else None,
-                       previous_sha256=previous.tags.get(registry.SHA256_TAG) if previous else None,
+        what = f"{line.label} v{to.version}"
+        served = line.current(live)  # what the society was served before: what a rollback restores
+        previous = line.get(served) if served is not None else None
+        intent = _note(serving, {}, id=uuid.uuid4().hex, kind=line.artifact.value, role=line.role, template=line.template,
+                       to_version=str(to.version), to_sha256=line.sha256(to), description=description,
+                       previous_champion=str(previous.version) if previous is not None else None,
+                       previous_sha256=line.sha256(previous) if previous is not None else None,
                        previous_routing=live["version"], new_routing=None, tags=dict(tags or {}), record=record)
         failpoint("intent")
-        kind = promote.roles[name]
-        roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
         try:
-            where = registry.deploy(serving, name, to, live["roles"].get(name))
-        except (ServiceError, registry.RegistryError, OSError) as exc:
+            table = line.routed(serving, live, to)
+            number = routing.write_version(serving, table.roles, description, table.policies, table.prompts, table.pins)
+        except (ServiceError, VersionError, routing.RoutingError, OSError) as exc:
             intent_file(serving).unlink(missing_ok=True)
-            raise PromotionError(f"{name} v{to.version} could not be deployed: {exc}") from exc
-        # what was routed, both sides, base versions included: rollback and the audit compare against these, never
-        # against a registry tag (a base version's `deployment` tag has no digest to check it by)
-        _note(serving, intent, to_deployment=where,
-              previous_deployment=roles.get(name) if kind == "llm" else policies.get(name, "llm"))
+            raise PromotionError(f"{what} could not be deployed: {exc}") from exc
+        _note(serving, intent, to_deployment=table.deployment, previous_deployment=table.previous_deployment)
         failpoint("deploy")
-        (roles if kind == "llm" else policies)[name] = where
-        number = routing.write_version(serving, roles, description, policies, live.get("prompts"),
-                                       routing.pins_kept(live, live.get("prompts") or {}))
-        return _apply_then_alias(serving, mlflow, intent, live, number, f"{name} v{to.version}",
-                                 lambda: registry.set_alias(name, registry.CHAMPION, to.version))
-
-
-def _apply_then_alias(serving: ServingParams, mlflow: MlflowParams, intent: dict[str, Any], live: dict[str, Any],
-                      number: int, what: str, move_alias: Any) -> int:
-    """A switch's last steps, the same for every kind: apply routing version ``number`` (verified before it goes live;
-    the previous version stays live on failure), move the champion alias (routing restored if that fails), bookkeeping.
-    Returns ``number``."""
-    _note(serving, intent, new_routing=number)
-    failpoint("routing_written")
-    try:
-        routing.apply(serving, mlflow, number)
-    except routing.RoutingError as exc:
-        intent_file(serving).unlink(missing_ok=True)
-        raise PromotionError(f"{what}: {exc}") from exc
-    failpoint("routing_applied")
-    try:
-        move_alias()
-    except Exception as exc:
-        routing.apply(serving, mlflow, live["version"])
-        intent_file(serving).unlink(missing_ok=True)
-        raise PromotionError(f"{what}: moving the champion alias failed ({exc}); "
-                             f"routing restored to v{live['version']}") from exc
-    failpoint("alias_moved")
-    _finish(serving, intent)
-    return number
-
-
-def switch_prompt(serving: ServingParams, mlflow: MlflowParams, name: str, template: str, to: Any, description: str,
-                  tags: dict[str, Any] | None = None, record: bool = True) -> int:
-    """Make role ``name`` render prompt version ``to`` of ``template``: a routing version naming it (the roles' and
-    policies' targets kept), verified and applied, then the prompt's ``champion`` alias; the same intent record and
-    journal as a model switch, so a crash is settled by :func:`reconcile` and ``rollback ROLE --prompt`` reads it.
-    Returns the routing version now live."""
-    with routing.lock(serving):
-        reconcile(serving, mlflow)
-        live = routing.active(serving)
-        if live is None:
-            raise PromotionError("no routing version is live; start the serving plane first")
-        previous = prompt_registry.rendered(live, template)  # what the society rendered before: what a rollback restores
-        before = prompt_registry.load(template, previous) if previous is not None else None
-        intent = _note(serving, {}, id=uuid.uuid4().hex, kind=PROMPT, role=name, template=template,
-                       to_version=str(to.version), to_sha256=to.tags.get("sha"), description=description,
-                       previous_champion=str(previous) if previous is not None else None,
-                       previous_sha256=before.tags.get("sha") if before else None,
-                       previous_routing=live["version"], new_routing=None, tags=dict(tags or {}), record=record)
-        failpoint("intent")
-        routed = {**(live.get("prompts") or {}), template: int(to.version)}
-        pinned = {**routing.pins_kept(live, routed), template: prompts.digest(str(to.template))}
+        _note(serving, intent, new_routing=number)
+        failpoint("routing_written")
         try:
-            number = routing.write_version(serving, dict(live["roles"]), description, dict(live.get("policies", {})), routed,
-                                           pinned)
+            routing.apply(serving, mlflow, number)
         except routing.RoutingError as exc:
             intent_file(serving).unlink(missing_ok=True)
-            raise PromotionError(f"{template} v{to.version}: {exc}") from exc
-        return _apply_then_alias(serving, mlflow, intent, live, number, f"prompt {template} v{to.version}",
-                                 lambda: prompt_registry.set_alias(template, prompt_registry.CHAMPION, to.version))
-
-
-def _champion(intent: dict[str, Any]) -> str | None:
-    """The version the switch's kind of champion alias names now."""
-    if intent.get("kind", MODEL) == PROMPT:
-        found = prompt_registry.load(intent["template"], f"@{prompt_registry.CHAMPION}")
-    else:
-        found = registry.by_alias(intent["role"], registry.CHAMPION)
-    return str(found.version) if found is not None else None
+            raise PromotionError(f"{what}: {exc}") from exc
+        failpoint("routing_applied")
+        try:
+            line.set_alias(CHAMPION, to.version)
+        except Exception as exc:
+            routing.apply(serving, mlflow, live["version"])
+            intent_file(serving).unlink(missing_ok=True)
+            raise PromotionError(f"{what}: moving the champion alias failed ({exc}); "
+                                 f"routing restored to v{live['version']}") from exc
+        failpoint("alias_moved")
+        _finish(serving, intent)
+        return number
 
 
 def _finish(serving: ServingParams, intent: dict[str, Any]) -> None:
     """The switch's bookkeeping after the alias moved (idempotent: a reconcile may run it again)."""
-    kind = intent.get("kind", MODEL)
+    line = Line.of_record(intent)
     tags = dict(intent["tags"])
     if intent["record"]:  # a rollback does not record what it replaced: rolling back twice must not undo itself
         tags.update({"promotion.previous_champion": intent["previous_champion"] or "",
                      "promotion.routing_version": intent["new_routing"],
                      "promotion.previous_routing_version": intent["previous_routing"]})
-    if tags and kind == PROMPT:
-        prompt_registry.set_tags(intent["template"], intent["to_version"], tags)
-    elif tags:
-        registry.set_tags(intent["role"], intent["to_version"], tags)
-    if not any(e.get("id") == intent.get("id") for e in journal(serving, intent["role"], kind)):  # a reconcile may finish twice
+    if tags:
+        line.set_tags(intent["to_version"], tags)
+    if not any(e.get("id") == intent.get("id") for e in journal(serving, line)):  # a reconcile may finish twice
         _append(serving, {"id": intent.get("id"), "time": datetime.now(UTC).isoformat(timespec="seconds"),
-                          "role": intent["role"], "action": "promote" if intent["record"] else "rollback",
+                          "role": line.role, "action": "promote" if intent["record"] else "rollback",
                           "version": intent["to_version"], "sha256": intent.get("to_sha256"),
                           "previous_version": intent["previous_champion"], "previous_sha256": intent.get("previous_sha256"),
                           "routing_version": intent["new_routing"], "previous_routing": intent["previous_routing"],
                           "deployment": intent.get("to_deployment"), "previous_deployment": intent.get("previous_deployment"),
                           "description": intent.get("description", ""),
-                          **({"kind": PROMPT, "template": intent["template"]} if kind == PROMPT else {})})
+                          **({"kind": PROMPT, "template": line.template} if line.template is not None else {})})
     failpoint("tagged")
     intent_file(serving).unlink(missing_ok=True)
 
@@ -276,47 +219,26 @@ def audit(serving: ServingParams, roles: list[str] | tuple[str, ...] = ()) -> li
     version other than its baseline although the journal records no switch of it (the journal was removed or its line torn: roles
     never switched are on their baselines); a prompt whose champion alias moved outside promote/rollback."""
     found = []
-    entries = journal(serving)
-    lasts = {e["role"]: e for e in entries}  # one read of the journal: each role's last switch
-    for role in (r for r in roles if r not in lasts):
+    lasts = {Line.of_record(e): e for kind in (MODEL, PROMPT) for e in journal(serving, kind=kind)}  # each line's last switch
+    switched = {line.role for line in lasts if line.template is None}
+    for role in (r for r in roles if r not in switched):
         champion = registry.by_alias(role, registry.CHAMPION)
         if champion is not None and str(champion.version) != BASELINE:
             found.append(f"{role}: the registry's champion is v{champion.version}, not its baseline v{BASELINE}, but the "
                          f"promotion journal {journal_file(serving)} records no switch of {role} (missing or torn); "
                          f"{RECOVER}")
-    for role, last in lasts.items():
-        champion = registry.by_alias(role, registry.CHAMPION)
+    for line, last in lasts.items():
+        champion = line.champion()
         if champion is None or str(champion.version) != str(last["version"]):
-            found.append(f"{role}: the registry's champion is v{champion.version if champion else '-'}, but the promotion "
-                         f"journal's last switch made v{last['version']} champion: the registry was changed outside "
-                         "promote/rollback")
-        elif champion.tags.get(registry.SHA256_TAG) != last.get("sha256"):
-            found.append(f"{role} v{champion.version}: sha256 {champion.tags.get(registry.SHA256_TAG)} in the registry, but "
-                         f"{last.get('sha256')} when the promotion journal made it champion")
-        elif last.get("deployment") and (where := _target(serving, role, champion)) != last["deployment"]:
-            found.append(f"{role} v{champion.version}: the registry routes it to {where}, but the promotion journal "
-                         f"routed {last['deployment']} when it made it champion")
-    switched = {e["template"]: e for e in journal(serving, kind=PROMPT)}
-    for template, last in switched.items():
-        prompt = prompt_registry.load(template, f"@{prompt_registry.CHAMPION}")
-        if prompt is None or str(prompt.version) != str(last["version"]):
-            found.append(f"prompt {template}: the Prompt Registry's champion is v{prompt.version if prompt else '-'}, but the "
-                         f"promotion journal's last switch made v{last['version']} champion: the registry was changed "
+            found.append(f"{line.label}: the {line.store}'s champion is v{champion.version if champion else '-'}, but the "
+                         f"promotion journal's last switch made v{last['version']} champion: the {line.store} was changed "
                          "outside promote/rollback")
-        elif prompt.tags.get("sha") != last.get("sha256") or prompts.digest(str(prompt.template)) != last.get("sha256"):
-            found.append(f"prompt {template} v{prompt.version}: its text hashes to {prompts.digest(str(prompt.template))} "
-                         f"(tag {prompt.tags.get('sha')}), but {last.get('sha256')} when the journal made it champion")
-    return found + _unswitched_prompts(set(switched))
+        elif problem := line.drift(serving, champion, last.get("sha256"), last.get("deployment"), "made it champion"):
+            found.append(problem)
+    return found + _unswitched_prompts({line.template for line in lasts if line.template is not None})
 
 
 BASELINE = "1"  # registry.ensure_baselines registers it first: a role no switch touched has it as champion
-
-
-def _target(serving: ServingParams, role: str, version: Any) -> str:
-    try:
-        return registry.target(serving, role, version)
-    except registry.RegistryError as exc:
-        return f"nothing ({exc})"
 
 
 def _unswitched_prompts(switched: set[str]) -> list[str]:
@@ -347,7 +269,8 @@ def reconcile(serving: ServingParams, mlflow: MlflowParams) -> str | None:
         intent = pending(serving)
         if intent is None:
             return None
-        champion = _champion(intent)
+        found = Line.of_record(intent).champion()
+        champion = str(found.version) if found is not None else None
         live = routing.active(serving)
         if champion is not None and champion == intent["to_version"]:
             if intent["new_routing"] is not None and (live is None or live["version"] != intent["new_routing"]):

@@ -222,6 +222,14 @@ def target(serving: ServingParams, name: str, version: Any, worker_of: str | Non
         raise RegistryError(str(exc)) from None
 
 
+def routes_policy(version: Any) -> bool:
+    """Whether the society reaches ``version`` through the routing's ``policies`` rather than a deployment."""
+    try:
+        return Kind(version.tags.get("kind")).policy
+    except ValueError:
+        raise RegistryError(f"v{version.version}: unknown kind {version.tags.get('kind')!r}; cannot route it") from None
+
+
 def _name_base_model(config: Path, model: str) -> None:
     """Name the base model the way the serving engine does. Training records its own path for it
     (``models/base``, a download folder); vLLM's filesystem resolver, which reloads adapters into a

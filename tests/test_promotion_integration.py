@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from pipeline.config import Params, load_params
+from pipeline.versions import Line
 from tests.conftest import PUBMEDQA, ROOT
 
 pytestmark = pytest.mark.slow
@@ -216,8 +217,8 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     from pipeline.stages.promote import switch
 
     # a random-weight champion, put in place the way a promotion does
-    switch(promo["params"].serving, promo["params"].mlflow, promo["params"].promote,
-           "junior_researcher", registry.get_version("junior_researcher", "2"), "it: random-weight champion")
+    switch(promo["params"].serving, promo["params"].mlflow, Line("junior_researcher"),
+           registry.get_version("junior_researcher", "2"), "it: random-weight champion")
     assert _served(promo, "junior_researcher") == "offline"
     version = _register(promo, "base")
     _swap_evidence(promo, version)
@@ -327,8 +328,8 @@ def test_promote_killed_after_each_step_then_rerun_leaves_alias_routing_and_tags
 
     won["created_at"] = datetime.now(UTC).isoformat(timespec="seconds")  # evidence newer than the previous test's rollback
     for step in STEPS:
-        switch(promo["params"].serving, promo["params"].mlflow, promo["params"].promote,
-               "junior_researcher", registry.get_version("junior_researcher", "2"), f"it: broken champion before {step}")
+        switch(promo["params"].serving, promo["params"].mlflow, Line("junior_researcher"),
+               registry.get_version("junior_researcher", "2"), f"it: broken champion before {step}")
         version = _register(promo, "base")
         won["roles"]["junior_researcher"]["candidate"]["version"] = version
         summary_path.write_text(json.dumps(won))
@@ -348,8 +349,8 @@ def test_promote_killed_after_each_step_then_rerun_leaves_alias_routing_and_tags
         report = json.loads((promo["root"] / "reports/promotion.json").read_text())
         assert report["promoted"] == ["junior_researcher"] and report["routing_version"] == live["version"], step
         assert registry.by_alias("junior_researcher", registry.CHALLENGER) is None, step
-    switch(promo["params"].serving, promo["params"].mlflow, promo["params"].promote,
-           "junior_researcher", registry.get_version("junior_researcher", "2"), "it: broken champion again")
+    switch(promo["params"].serving, promo["params"].mlflow, Line("junior_researcher"),
+           registry.get_version("junior_researcher", "2"), "it: broken champion again")
 
 
 def test_a_gate_that_asks_a_person_waits_then_an_approval_switches_and_a_refusal_switches_nothing(promo: dict) -> None:
@@ -388,16 +389,16 @@ def test_a_gate_that_asks_a_person_waits_then_an_approval_switches_and_a_refusal
             assert _champion(jr) == version and live["roles"][jr] == "base" and _served(promo, jr) == "base"
             assert tags["promotion.decision"] == "promoted" and tags["promotion.approved_by"] == "alice"
             assert tags["promotion.previous_champion"] == "2" and tags["promotion.routing_version"] == str(live["version"])
-            assert [(e["action"], e["version"]) for e in journal(params.serving, jr)][-1] == ("promote", version)
+            assert [(e["action"], e["version"]) for e in journal(params.serving, Line(jr))][-1] == ("promote", version)
             report = json.loads((promo["root"] / "reports/promotion.json").read_text())
             assert report["decisions"][jr]["status"] == "promoted" and jr in report["promoted"]
             assert report["routing_version"] == live["version"] and report["champions"][jr] == version
             assert registry.by_alias(jr, registry.CHALLENGER) is None
-            switches = len(journal(params.serving, jr))
+            switches = len(journal(params.serving, Line(jr)))
             again = _cli(promo, "promote", "--approve", jr, "--by", "alice", **gate)  # a retried Airflow task
             assert again.returncode == 0 and "already" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
-            assert len(journal(params.serving, jr)) == switches and _champion(jr) == version
-            switch(params.serving, params.mlflow, params.promote, jr, registry.get_version(jr, "2"), "it: broken champion")
+            assert len(journal(params.serving, Line(jr))) == switches and _champion(jr) == version
+            switch(params.serving, params.mlflow, Line(jr), registry.get_version(jr, "2"), "it: broken champion")
         else:
             no = _cli(promo, "promote", "--reject", jr, "--by", "bob", "--why", "not before the audit", **gate)
             assert no.returncode == 0, no.stdout[-3000:] + no.stderr[-3000:]
@@ -408,7 +409,7 @@ def test_a_gate_that_asks_a_person_waits_then_an_approval_switches_and_a_refusal
             last = json.loads(journal_file(params.serving).read_text().splitlines()[-1])
             assert (last["kind"], last["action"], last["version"], last["why"]) == ("approval", "not_approved", version,
                                                                                     "not before the audit")
-            assert journal(params.serving, jr)[-1]["version"] == "2"  # the switches: the refusal is not one
+            assert journal(params.serving, Line(jr))[-1]["version"] == "2"  # the switches: the refusal is not one
             report = json.loads((promo["root"] / "reports/promotion.json").read_text())
             assert report["decisions"][jr]["status"] == "not_approved" and not report["promoted"]
             twice = _cli(promo, "promote", "--reject", jr, "--by", "bob", "--why", "not before the audit", **gate)
@@ -496,12 +497,12 @@ def test_the_dag_waits_at_the_approval_task_and_the_answer_given_through_airflow
                 live = _live(promo)
                 assert _champion(jr) == version and live["roles"][jr] == "base" and _served(promo, jr) == "base"
                 assert tags["promotion.decision"] == "promoted" and tags["promotion.approved_by"] == "admin"
-                assert journal(params.serving, jr)[-1]["version"] == version
+                assert journal(params.serving, Line(jr))[-1]["version"] == version
                 assert report["decisions"][jr]["status"] == "promoted" and report["routing_version"] == live["version"]
-                switch(params.serving, params.mlflow, params.promote, jr, registry.get_version(jr, "2"), "it: broken again")
+                switch(params.serving, params.mlflow, Line(jr), registry.get_version(jr, "2"), "it: broken again")
             else:
                 assert _champion(jr) == "2" and _live(promo) == before and tags["promotion.decision"] == "not_approved"
-                assert report["decisions"][jr]["status"] == "not_approved" and journal(params.serving, jr)[-1]["version"] == "2"
+                assert report["decisions"][jr]["status"] == "not_approved" and journal(params.serving, Line(jr))[-1]["version"] == "2"
     finally:
         os.killpg(api.pid, 15)
         api.wait(timeout=60)
@@ -559,9 +560,8 @@ def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None
     from pipeline.serving import worker
     from pipeline.stages.promote import PromotionError, promote_all, switch
 
-    switch(promo["params"].serving, promo["params"].mlflow, promo["params"].promote,
-
-           "junior_researcher", registry.get_version("junior_researcher", "3"), "it: base champion again")
+    switch(promo["params"].serving, promo["params"].mlflow, Line("junior_researcher"),
+           registry.get_version("junior_researcher", "3"), "it: base champion again")
     worker.down(promo["params"].serving, promo["params"].serving.workers[1])
     version = _register(promo, "offline")
     summary_path = promo["root"] / "data/evaluation/summary.json"
@@ -614,7 +614,7 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_proxy_a
     params = promo["params"]
     worker.up(params.serving, params.serving.workers[1])  # the previous test stopped it
     broken = _register(promo, "offline", pi)
-    switch(params.serving, params.mlflow, params.promote, pi, registry.get_version(pi, broken), "it: a PI that cannot answer")
+    switch(params.serving, params.mlflow, Line(pi), registry.get_version(pi, broken), "it: a PI that cannot answer")
     assert _served(promo, pi) == "offline" and _champion(pi) == broken
     better = _register(promo, "base", pi)
     aa = _cli(promo, "register-aa", pi)
@@ -720,7 +720,7 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
 
     from pipeline import prompt_registry
     from pipeline.agents import prompts
-    from pipeline.promotion import journal, switch_prompt
+    from pipeline.promotion import journal, switch
 
     pi, params = "principal_investigator", promo["params"]
     short = {"PIPELINE__AGENTS__CONTEXT_CHARS": "200"}  # every PI call one short prefill: the mechanism, not the figure
@@ -739,13 +739,13 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
     decision = json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"][f"{pi}@prompt"]
     assert decision["status"] == "rejected" and decision["artifact"] == "prompt", decision
     assert prompt_registry.load(pi, f"@{prompt_registry.CHALLENGER}") is None
-    assert not (_live(promo).get("prompts") or {}) and not journal(params.serving, pi, "prompt")
+    assert not (_live(promo).get("prompts") or {}) and not journal(params.serving, Line(pi, pi))
     assert mlflow.genai.load_prompt(f"prompts:/society.{pi}/{same}", link_to_model=False,
                                     cache_ttl_seconds=0).tags["promotion.decision"] == "rejected"
     # a switched prompt is what the society renders next
     text = prompts.TEMPLATES[pi] + " State the decisive finding first."
     new = prompt_registry.register(params.mlflow, pi, text, "it: a prompt to switch to")
-    number = switch_prompt(params.serving, params.mlflow, pi, pi, prompt_registry.load(pi, new), "it: switch the PI's prompt")
+    number = switch(params.serving, params.mlflow, Line(pi, pi), prompt_registry.load(pi, new), "it: switch the PI's prompt")
     assert _live(promo)["version"] == number and _live(promo)["prompts"] == {pi: new}
     assert str(prompt_registry.load(pi, f"@{prompt_registry.CHAMPION}").version) == str(new)
     ro = _cli(promo, "rollouts", PIPELINE__ROLLOUTS__LIMIT="1", PIPELINE__ROLLOUTS__SAMPLES_PER_TASK="1",
@@ -763,7 +763,7 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
     assert rb.returncode == 0 and f"v{new} -> v{current}" in rb.stdout, rb.stdout + rb.stderr
     assert _live(promo)["prompts"] == {pi: current}
     assert str(prompt_registry.load(pi, f"@{prompt_registry.CHAMPION}").version) == str(current)
-    assert [e["action"] for e in journal(params.serving, pi, "prompt")] == ["promote", "rollback"]
+    assert [e["action"] for e in journal(params.serving, Line(pi, pi))] == ["promote", "rollback"]
     again = _cli(promo, "rollback", pi, "--prompt")  # the rollback is not a promotion: nothing further to undo
     assert again.returncode == 1 and "nothing to roll back" in again.stderr
 
@@ -776,7 +776,7 @@ def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_b
     has; a prompt's champion alias moved outside promote/rollback is reported by every stage's check."""
     from pipeline import prompt_registry
     from pipeline.agents import prompts
-    from pipeline.promotion import switch_prompt
+    from pipeline.promotion import switch
     from pipeline.serving import routing
     from tests.conftest import mlflow_login
 
@@ -787,7 +787,7 @@ def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_b
     monkeypatch.setattr(prompts, "VERSIONS", dict(prompts.VERSIONS))
     text = prompts.TEMPLATES[pi] + " Weigh the strongest finding first."
     new = prompt_registry.register(params.mlflow, pi, text, "it: a prompt to pin")
-    number = switch_prompt(params.serving, params.mlflow, pi, pi, prompt_registry.load(pi, new), "it: pin a prompt")
+    number = switch(params.serving, params.mlflow, Line(pi, pi), prompt_registry.load(pi, new), "it: pin a prompt")
     live = _live(promo)
     assert live["version"] == number and live["prompt_sha256"] == {pi: prompts.digest(text)}
     # the writer swaps the text and its tag together, as the REST API allows
@@ -809,7 +809,7 @@ def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_b
         assert applied.returncode == 1 and "prompt text changed since it was pinned" in applied.stdout, applied.stdout
         ro = _cli(promo, "rollouts", PIPELINE__ROLLOUTS__LIMIT="1")  # a stage that renders it stops in one line
         assert ro.returncode == 1 and "Traceback" not in ro.stderr, ro.stdout[-2000:] + ro.stderr
-        assert "when the journal made it champion" in ro.stderr, ro.stderr  # every stage's check, before anything renders
+        assert "when the promotion journal made it champion" in ro.stderr, ro.stderr  # every stage's check, before anything renders
     finally:
         set_tag("mlflow.prompt.text", text)
         set_tag("sha", prompts.digest(text))
@@ -875,3 +875,51 @@ def test_a_role_added_to_the_params_is_registered_and_routed_after_one_evaluate_
     resp = httpx.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
                       json={"model": ROLE, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert resp.status_code == 404, resp.text  # no longer a role of the live routing
+
+
+def test_an_adapter_and_a_prompt_are_promoted_and_rolled_back_through_one_switch(promo: dict) -> None:
+    """#53: a LoRA adapter of a role and a prompt version it renders are two lines of the same kind of version: each is
+    promoted through `switch` (the proxy answers the role from the adapter, the society renders the prompt), each is
+    rolled back by `rollback` (the other's change kept), and the journal records both with the same fields."""
+    import mlflow
+
+    from pipeline import prompt_registry, registry
+    from pipeline.agents import prompts
+    from pipeline.digest import artifact_sha256
+    from pipeline.promotion import journal, switch
+
+    params, jr, pi = promo["params"], "senior_researcher", "principal_investigator"
+    before = _live(promo)
+    assert before["roles"][jr] == "base"  # the worker the adapter's base model serves
+    with mlflow.start_run(run_name="it-adapter") as run:
+        mlflow.log_artifacts(str(_adapter_folder(promo)), "adapter")
+    tags = {"kind": "lora_adapter", "sha256": artifact_sha256(_adapter_folder(promo))}
+    version = registry.register_candidate(params, jr, f"runs:/{run.info.run_id}/adapter", run.info.run_id, tags).version
+    text = prompts.TEMPLATES[pi] + " Name the deciding result."
+    prompt = prompt_registry.register(params.mlflow, pi, text, "it: a prompt beside an adapter")
+    model_line, prompt_line = Line(jr), Line(pi, pi)
+    switch(params.serving, params.mlflow, model_line, registry.get_version(jr, version), "it: promote an adapter")
+    switch(params.serving, params.mlflow, prompt_line, prompt_registry.load(pi, prompt), "it: promote a prompt")
+    live = _live(promo)
+    assert live["roles"][jr].startswith("base/") and live["prompts"][pi] == prompt
+    assert _champion(jr) == version and str(prompt_registry.load(pi, "@champion").version) == str(prompt)
+    assert _served(promo, jr) == live["roles"][jr]  # the proxy answers the role from the adapter
+    promoted = [journal(params.serving, line)[-1] for line in (model_line, prompt_line)]
+    assert [e["action"] for e in promoted] == ["promote", "promote"]
+    assert set(promoted[0]) | {"kind", "template"} == set(promoted[1])  # one writer: the same record for both kinds
+
+    rb = _cli(promo, "rollback", jr)
+    assert rb.returncode == 0, rb.stdout + rb.stderr
+    assert _live(promo)["roles"][jr] == "base" and _live(promo)["prompts"][pi] == prompt  # the prompt's switch kept
+    rb = _cli(promo, "rollback", pi, "--prompt")
+    assert rb.returncode == 0, rb.stdout + rb.stderr
+    after = _live(promo)
+    assert after["roles"] == before["roles"] and (after.get("prompts") or {}).get(pi) == (before.get("prompts") or {}).get(pi)
+    assert _champion(jr) == str(promoted[0]["previous_version"])
+    assert registry.get_version(jr, version).tags["promotion.decision"] == "rolled_back"
+    assert prompt_registry.load(pi, prompt).tags["promotion.decision"] == "rolled_back"
+    assert [journal(params.serving, line)[-1]["action"] for line in (model_line, prompt_line)] == ["rollback", "rollback"]
+
+
+def _adapter_folder(promo: dict) -> Path:
+    return Path(promo["params"].serving.workers[0].lora_modules["adapter-a"])

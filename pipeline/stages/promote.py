@@ -16,21 +16,21 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mlflow import active_run, log_artifact, log_dict, log_metric
 
-from pipeline import metrics_files, prompt_registry, registry, tracking
+from pipeline import metrics_files, registry, tracking
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
 from pipeline.contracts import Artifact, Evaluation, EvaluationSummary, Level, PromotionDecision, PromotionReport, Status
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide, family_p_values
 from pipeline.io import write_json
-from pipeline.promotion import PROMPT, PromotionError, reconcile, record_not_approved, rolled_back_after, switch, switch_prompt
+from pipeline.promotion import PromotionError, reconcile, record_not_approved, rolled_back_after, switch
 from pipeline.serving import routing, stack
+from pipeline.versions import Line
 
-__all__ = ["PromotionError", "promote_all", "promote_role", "switch"]
+__all__ = ["PromotionError", "promote_all", "promote_candidate", "switch"]
 
 METRICS_FILE = Path("reports/promotion.json")
 
@@ -41,7 +41,7 @@ def _active_run_id() -> str:
 
 
 # decisions a rerun on the same evidence must not rewrite (a person's no included: it is not asked again)
-HISTORY = (Status.PROMOTED, Status.REJECTED, Status.NOT_APPROVED, "rolled_back")
+HISTORY = (Status.PROMOTED, Status.REJECTED, Status.NOT_APPROVED, Status.ROLLED_BACK)
 
 
 def _decided(tags: dict[str, str], entry: Evaluation) -> str | None:
@@ -89,55 +89,65 @@ def _status(decision: Decision, promote: PromoteParams) -> Status:
     return Status.INSUFFICIENT_EVIDENCE if decision.rule == INSUFFICIENT else Status.REJECTED
 
 
-def promote_role(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, name: str, entry: Evaluation,
-                 current_champion: str, adjusted_p: float | None = None, family: int = 1,
-                 evaluated_at: str | None = None) -> PromotionDecision:
-    cand = registry.get_version(name, entry.candidate.version)
+def promote_candidate(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, entry: Evaluation,
+                      adjusted_p: float | None = None, family: int = 1, evaluated_at: str | None = None) -> PromotionDecision:
+    """Decide one evaluated candidate (a model version, or a prompt version with the champion weights) by the gate's
+    rules, and switch it in when they say so: the same path for every kind of version."""
+    line = Line.of(entry)
+    cand = line.get(entry.candidate.version)
+    if cand is None:
+        raise PromotionError(f"{line.label} v{entry.candidate.version}: not in the {line.store}")
+    current = line.current(routing.active(serving))
     evidence = _evidence(entry, cand.tags, adjusted_p, family)
-    where = {"role": name, "alias": entry.alias, "level": entry.level, "setting": entry.candidate.metrics.setting}
-    if str(cand.version) == str(current_champion) and cand.tags.get("promotion.decision") == Status.PROMOTED:
+    where = {"role": line.role, "alias": entry.alias, "level": entry.level, "setting": entry.candidate.metrics.setting,
+             "artifact": line.artifact, "template": line.template}
+    alias = line.candidate_alias(entry.alias)
+    if str(cand.version) == str(current) and cand.tags.get("promotion.decision") == Status.PROMOTED:
         # a retried promote (the DAG retries the task) after this switch completed: recognise it, change nothing
-        print(f"promote: {name} v{cand.version} was already promoted by run {cand.tags.get('promotion.run', '?')}")
-        if registry.by_alias(name, entry.alias) is not None:
-            registry.delete_alias(name, entry.alias)
+        print(f"promote: {line.label} v{cand.version} was already promoted by run {cand.tags.get('promotion.run', '?')}")
+        line.delete_alias(alias)
         return PromotionDecision(candidate=cand.version, champion_before=cand.tags.get("promotion.previous_champion") or None,
                                  status=Status.PROMOTED, promote=True, rule=cand.tags.get("promotion.rule", ""),
                                  detail=cand.tags.get("promotion.detail", "already promoted"),
                                  routing_version=int(cand.tags.get("promotion.routing_version", 0)) or None, already=True,
                                  **evidence, **where)
     if (decided := _decided(cand.tags, entry)) is not None:
-        if registry.by_alias(name, entry.alias) is not None:
-            registry.delete_alias(name, entry.alias)
-        return _again(name, cand.version, decided, cand.tags, evidence, where)
-    if str(entry.champion.version) != str(current_champion):
-        decision = Decision(False, "stale", f"evaluated against champion v{entry.champion.version}, "
-                                            f"but the champion is now v{current_champion}; evaluate again")
-    elif (when := rolled_back_after(serving, name, evaluated_at)) is not None:
-        decision = Decision(False, "stale", f"{name} was rolled back at {when}, after this evaluation "
+        line.delete_alias(alias)
+        return _again(line.label, cand.version, decided, cand.tags, evidence, where)
+    if (why := line.stale(entry, current)) is not None:
+        decision = Decision(False, "stale", why)
+    elif (when := rolled_back_after(serving, line, evaluated_at)) is not None:
+        decision = Decision(False, "stale", f"{line.label} was rolled back at {when}, after this evaluation "
                                             f"({evaluated_at or 'of unknown time'}); evaluate again")
     else:
         decision = decide(entry.candidate.metrics, entry.champion.metrics, entry.difference, promote, adjusted_p, family)
     status = _status(decision, promote)
-    out = PromotionDecision(candidate=cand.version, champion_before=current_champion or None, status=status,
-                            **decision.as_dict(), **evidence, **where)
+    out = PromotionDecision(candidate=cand.version, champion_before=current, status=status, **decision.as_dict(),
+                            **evidence, **where)
     tags = {**_decision_tags(status, decision, adjusted_p, family),
             "promotion.evidence": json.dumps({"candidate_run": entry.candidate.run_id, "champion_run": entry.champion.run_id,
                                               "p_adjusted": adjusted_p, "family": family,
                                               "difference": evidence["difference"]})[:4000]}
+    if line.template is not None:  # a prompt's evidence holds for the weights it was rendered with
+        tags["promotion.model_version"] = str(entry.model_version)
     if status == Status.PROMOTED and promote.approval == "required":
-        return _await(out, tags, lambda t: registry.set_tags(name, cand.version, t))
+        # the role's gate asks a person first: the decision and its evidence on the version, the candidate keeps its
+        # alias, nothing is switched until `settle`
+        line.set_tags(cand.version, {**tags, "promotion.decision": Status.AWAITING_APPROVAL.value})
+        out.status = Status.AWAITING_APPROVAL
+        return out
     if status == Status.PROMOTED:
         try:  # the decision's tags are written by the switch itself, once the alias moved (or by a reconcile after a crash)
-            out.routing_version = switch(serving, mlflow, promote, name, cand,
-                                         f"promote {name} v{cand.version}: {decision.detail}", tags=tags)
+            out.routing_version = switch(serving, mlflow, line, cand, f"promote {line.label} v{cand.version}: "
+                                         f"{decision.detail}", tags=tags)
         except PromotionError as exc:
-            registry.set_tags(name, cand.version, {"promotion.decision": Status.FAILED.value, "promotion.rule": "deployment",
-                                                   "promotion.detail": str(exc)[:4000], "promotion.run": _active_run_id()})
+            line.set_tags(cand.version, {"promotion.decision": Status.FAILED.value, "promotion.rule": "deployment",
+                                         "promotion.detail": str(exc)[:4000], "promotion.run": _active_run_id()})
             raise
         log_artifact(str(routing.version_path(serving, out.routing_version)), artifact_path="routing")
     else:
-        registry.set_tags(name, cand.version, tags)
-    registry.delete_alias(name, entry.alias)  # decided: the next cycle's trainer names the next challenger
+        line.set_tags(cand.version, tags)
+    line.delete_alias(alias)  # decided: the next cycle's trainer (or optimizer) names the next challenger
     return out
 
 
@@ -146,69 +156,6 @@ def _decision_tags(status: Status, decision: Decision, adjusted_p: float | None,
     return {"promotion.decision": status.value, "promotion.rule": decision.rule, "promotion.detail": decision.detail[:4000],
             "promotion.run": _active_run_id(), "promotion.family": str(family),
             "promotion.p_adjusted": "" if adjusted_p is None else f"{adjusted_p:.4g}"}
-
-
-def _await(out: PromotionDecision, tags: dict[str, str], set_tags: Callable[[dict[str, str]], None]) -> PromotionDecision:
-    """Passed the gate, and its role's gate asks a person first: the decision and its evidence are recorded on the
-    version, the candidate keeps its alias, nothing is switched until :func:`settle`."""
-    set_tags({**tags, "promotion.decision": Status.AWAITING_APPROVAL.value})
-    out.status = Status.AWAITING_APPROVAL
-    return out
-
-
-def promote_prompt(serving: ServingParams, mlflow: MlflowParams, promote: PromoteParams, entry: Evaluation,
-                   model_champion: str, adjusted_p: float | None = None, family: int = 1,
-                   evaluated_at: str | None = None) -> PromotionDecision:
-    """A prompt pair (champion weights, candidate prompt) against (champion weights, rendered prompt): the same rules;
-    a promotion routes the role's template to the version and moves the prompt's ``champion`` alias."""
-    name, template = entry.role, str(entry.template)
-    cand = prompt_registry.load(template, entry.candidate.version)
-    if cand is None:
-        raise PromotionError(f"prompt {template} v{entry.candidate.version}: not in the Prompt Registry")
-    current = prompt_registry.rendered(routing.active(serving), template)
-    evidence = _evidence(entry, cand.tags, adjusted_p, family)
-    where = {"role": name, "alias": entry.alias, "level": entry.level, "setting": entry.candidate.metrics.setting,
-             "artifact": Artifact.PROMPT, "template": template}
-    if str(cand.version) == str(current) and cand.tags.get("promotion.decision") == Status.PROMOTED:
-        print(f"promote: prompt {template} v{cand.version} was already promoted")  # a retried promote after its switch
-        prompt_registry.delete_alias(template, prompt_registry.CHALLENGER)
-        return PromotionDecision(candidate=cand.version, champion_before=cand.tags.get("promotion.previous_champion") or None,
-                                 status=Status.PROMOTED, promote=True, rule=cand.tags.get("promotion.rule", ""),
-                                 detail=cand.tags.get("promotion.detail", "already promoted"), already=True,
-                                 **evidence, **where)
-    if (decided := _decided(cand.tags, entry)) is not None:
-        prompt_registry.delete_alias(template, prompt_registry.CHALLENGER)
-        return _again(f"prompt {template}", cand.version, decided, cand.tags, evidence, where)
-    if str(entry.champion.version) != str(current) or str(entry.model_version) != str(model_champion):
-        decision = Decision(False, "stale", f"evaluated as prompt v{entry.champion.version} -> v{cand.version} on model "
-                                            f"v{entry.model_version}, but the role renders prompt v{current} on model "
-                                            f"v{model_champion} now; evaluate again")
-    elif (when := rolled_back_after(serving, name, evaluated_at, PROMPT, template)) is not None:
-        decision = Decision(False, "stale", f"prompt {template} was rolled back at {when}, after this evaluation "
-                                            f"({evaluated_at or 'of unknown time'}); evaluate again")
-    else:
-        decision = decide(entry.candidate.metrics, entry.champion.metrics, entry.difference, promote, adjusted_p, family)
-    status = _status(decision, promote)
-    out = PromotionDecision(candidate=cand.version, champion_before=str(current) if current is not None else None,
-                            status=status, **decision.as_dict(), **evidence, **where)
-    tags = {**_decision_tags(status, decision, adjusted_p, family), "promotion.model_version": str(entry.model_version),
-            "promotion.evidence": json.dumps({"candidate_run": entry.candidate.run_id, "champion_run": entry.champion.run_id,
-                                              "p_adjusted": adjusted_p, "family": family})[:4000]}
-    if status == Status.PROMOTED and promote.approval == "required":
-        return _await(out, tags, lambda t: prompt_registry.set_tags(template, cand.version, t))
-    if status == Status.PROMOTED:
-        try:
-            out.routing_version = switch_prompt(serving, mlflow, name, template, cand,
-                                                f"promote prompt {template} v{cand.version}: {decision.detail}", tags=tags)
-        except PromotionError as exc:
-            prompt_registry.set_tags(template, cand.version, {"promotion.decision": Status.FAILED.value,
-                                                              "promotion.rule": "deployment", "promotion.detail": str(exc)})
-            raise
-        log_artifact(str(routing.version_path(serving, out.routing_version)), artifact_path="routing")
-    else:
-        prompt_registry.set_tags(template, cand.version, tags)
-    prompt_registry.delete_alias(template, prompt_registry.CHALLENGER)  # decided: the next optimizer names the next one
-    return out
 
 
 def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: ServingParams,
@@ -223,15 +170,9 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
     # A/A candidates first: each is decided against the champion it was evaluated with, before a challenger may move it
     for key, entry in sorted(summary.roles.items(), key=lambda kv: kv[1].alias != registry.AA):
         name = entry.role
-        champion = registry.by_alias(name, registry.CHAMPION)
-        gate = (gates or {}).get(name, promote)
         try:
-            if entry.artifact == Artifact.PROMPT:
-                decisions[key] = promote_prompt(serving, mlflow, gate, entry, champion.version if champion else "",
-                                                adjusted[key], family, summary.created_at)
-            else:
-                decisions[key] = promote_role(serving, mlflow, gate, name, entry, champion.version if champion else "",
-                                              adjusted[key], family, summary.created_at)
+            decisions[key] = promote_candidate(serving, mlflow, (gates or {}).get(name, promote), entry, adjusted[key],
+                                               family, summary.created_at)
         except PromotionError as exc:
             decisions[key] = PromotionDecision(candidate=entry.candidate.version, status=Status.FAILED, rule="deployment",
                                                detail=str(exc), role=name, alias=entry.alias, level=entry.level,
@@ -267,7 +208,7 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
     return result
 
 
-# whole Params: the answer reads serving, mlflow, promote and the role's gate (Params.gate)
+# whole Params: the answer reads serving, mlflow and promote
 def settle(params: Params, key: str, approve: bool, by: str, why: str) -> PromotionDecision:
     """A person's answer to a candidate awaiting approval (``reports/promotion.json``): approved, it goes through the
     same crash-safe switch a gate's promotion does; refused, it is ``not_approved`` on the version and in the journal
@@ -281,20 +222,15 @@ def settle(params: Params, key: str, approve: bool, by: str, why: str) -> Promot
         waiting = sorted(k for k, v in (result.decisions if result else {}).items() if v.status == Status.AWAITING_APPROVAL)
         raise PromotionError(f"{key} is not awaiting approval in {METRICS_FILE} (its decision: "
                              f"{d.status if d else 'none'}; awaiting: {waiting or 'nothing'})")
-    name, serving, template = str(d.role), params.serving, str(d.template) if d.artifact == Artifact.PROMPT else None
-    if template is not None:
-        cand = prompt_registry.load(template, d.candidate)
-        named = prompt_registry.load(template, f"@{prompt_registry.CHALLENGER}")
-        current = prompt_registry.rendered(routing.active(serving), template)
-    else:
-        cand, named = registry.get_version(name, d.candidate), registry.by_alias(name, str(d.alias))
-        current = champion.version if (champion := registry.by_alias(name, registry.CHAMPION)) else None
+    serving, line = params.serving, Line(str(d.role), str(d.template) if d.artifact == Artifact.PROMPT else None)
+    alias = line.candidate_alias(str(d.alias))
+    cand, named, current = line.get(d.candidate), line.named(alias), line.current(routing.active(serving))
     if cand is None:
-        raise PromotionError(f"{key} v{d.candidate}: no such version in the registry")
+        raise PromotionError(f"{key} v{d.candidate}: no such version in the {line.store}")
     tagged = cand.tags.get("promotion.decision")
     done = tagged == answered and (not approve or str(current) == str(d.candidate))
     if not done and tagged != Status.AWAITING_APPROVAL:
-        raise PromotionError(f"{key} v{d.candidate} is not awaiting approval in the registry ({tagged})")
+        raise PromotionError(f"{key} v{d.candidate} is not awaiting approval in the {line.store} ({tagged})")
     if not done and (named is None or str(named.version) != str(d.candidate) or str(current) != str(d.champion_before)):
         raise PromotionError(f"{key} v{d.candidate} was decided against v{d.champion_before} as {d.alias}; now the champion "
                              f"is v{current} and {d.alias} is v{named.version if named else '-'}: evaluate again")
@@ -306,23 +242,15 @@ def settle(params: Params, key: str, approve: bool, by: str, why: str) -> Promot
         tags = {**{k: v for k, v in cand.tags.items() if k.startswith("promotion.")}, **answer,
                 "promotion.decision": Status.PROMOTED.value, "promotion.run": _active_run_id()}
         text = f"promote {key} v{d.candidate} (approved by {by}): {d.detail}"
-        d.routing_version = (switch_prompt(serving, params.mlflow, name, template, cand, text, tags=tags) if template
-                             else switch(serving, params.mlflow, params.gate(name), name, cand, text, tags=tags))
+        d.routing_version = switch(serving, params.mlflow, line, cand, text, tags=tags)
     else:
-        tags = {**answer, "promotion.decision": Status.NOT_APPROVED.value}
-        if template is not None:
-            prompt_registry.set_tags(template, d.candidate, tags)
-        else:
-            registry.set_tags(name, d.candidate, tags)
-        record_not_approved(serving, name, d.candidate, by, why, template)
+        line.set_tags(d.candidate, {**answer, "promotion.decision": Status.NOT_APPROVED.value})
+        record_not_approved(serving, line, d.candidate, by, why)
     if d.status != answered:
         d.detail = d.detail if approve else f"not approved by {by}: {why}"[:4000]
     d.status, d.promote = answered, approve
     result.promoted = sorted({*result.promoted, key} if approve else set(result.promoted) - {key})
-    if template is not None:
-        prompt_registry.delete_alias(template, prompt_registry.CHALLENGER)
-    elif registry.by_alias(name, str(d.alias)) is not None:
-        registry.delete_alias(name, str(d.alias))
+    line.delete_alias(alias)
     live = routing.active(serving)
     result.champions = {n: (v.version if (v := registry.by_alias(n, registry.CHAMPION)) else None)
                         for n in params.promote.roles}
