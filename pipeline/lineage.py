@@ -52,7 +52,7 @@ def register_version(name: str, model_uri: str, run_id: str, tags: dict[str, Any
 
     ``model_uri`` is a logged MLflow model (``models:/m-...``: the bandit's pyfunc, a LoRA adapter's pyfunc) or a
     run's plain artifact folder (``runs:/<run>/adapter``: how LoRA versions were registered before they were pyfunc
-    models, and what tests register by hand; ``registry.deploy`` serves both).
+    models, and what tests register by hand; ``serving.deploy.deploy`` serves both).
     """
     # mlflow: a 1.3 s import, control plane only (the model plane, which has none, imports this module through registry)
     import mlflow  # noqa: PLC0415 - see above

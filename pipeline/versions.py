@@ -21,7 +21,7 @@ from pipeline import prompt_registry, registry
 from pipeline.agents import prompts
 from pipeline.config import ServingParams
 from pipeline.contracts import Artifact, Evaluation
-from pipeline.serving import routing
+from pipeline.serving import deploy, routing
 
 CHAMPION = registry.CHAMPION  # the same alias name in both registries: what the society is served
 
@@ -147,10 +147,10 @@ class Line:
             pins = {**routing.pins_kept(live, routed_prompts), self.template: prompts.digest(str(to.template))}
             return Routed(roles, policies, routed_prompts, pins)
         try:
-            where = registry.deploy(serving, self.role, to, roles.get(self.role))
+            where = deploy.deploy(serving, self.role, to, roles.get(self.role))
         except registry.RegistryError as exc:
             raise VersionError(str(exc)) from exc
-        table = policies if registry.routes_policy(to) else roles
+        table = policies if deploy.routes_policy(to) else roles
         # what was routed, both sides, base versions included: rollback and the audit compare against these, never
         # against a registry tag (a base version's `deployment` tag has no digest to check it by)
         previous = table.get(self.role, "llm" if table is policies else None)
@@ -175,7 +175,7 @@ class Line:
                     f"journal {when}")
         if deployment:
             try:
-                where = registry.target(serving, self.role, version)
+                where = deploy.target(serving, self.role, version)
             except registry.RegistryError as exc:
                 where = f"nothing ({exc})"
             if where != deployment:

@@ -67,6 +67,7 @@ def test_deploy_refuses_an_artifact_whose_digest_is_not_the_registered_one(tmp_p
 
     from pipeline import registry
     from pipeline.config import load_params
+    from pipeline.serving import deploy
     from tests.conftest import ROOT
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
@@ -87,11 +88,11 @@ def test_deploy_refuses_an_artifact_whose_digest_is_not_the_registered_one(tmp_p
     monkeypatch.setattr("pipeline.serving.worker.models", lambda w: [])
     with pytest.raises(registry.RegistryError, match=rf"has sha256 {artifact_sha256(logged)}, but the version was registered with "
                                                      rf"{artifact_sha256(trained)}: not what was trained, refusing to serve it"):
-        registry.deploy(params.serving, name, version, "base")
+        deploy.deploy(params.serving, name, version, "base")
     assert loaded == [] and not any((tmp_path / "services" / "adapters").glob("digest_role-*"))
     untagged = SimpleNamespace(version="9", tags={"kind": "lora_adapter"}, source=version.source)
     with pytest.raises(registry.RegistryError, match="has no sha256 tag"):
-        registry.deploy(params.serving, name, untagged, "base")
+        deploy.deploy(params.serving, name, untagged, "base")
 
 
 def test_a_lora_version_is_a_pyfunc_model_and_deploy_serves_the_adapter_inside_it(tmp_path: Path, mlflow_server: str,
@@ -102,6 +103,7 @@ def test_a_lora_version_is_a_pyfunc_model_and_deploy_serves_the_adapter_inside_i
 
     from pipeline import lineage, registry
     from pipeline.config import load_params
+    from pipeline.serving import deploy
     from tests.conftest import ROOT
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
@@ -120,7 +122,7 @@ def test_a_lora_version_is_a_pyfunc_model_and_deploy_serves_the_adapter_inside_i
     loaded: list[tuple[str, str]] = []
     monkeypatch.setattr("pipeline.serving.worker.load_lora", lambda w, name, path, **k: loaded.append((name, path)))
     monkeypatch.setattr("pipeline.serving.worker.models", lambda w: [])
-    where = registry.deploy(params.serving, "pyfunc_role", version, "base")
+    where = deploy.deploy(params.serving, "pyfunc_role", version, "base")
     assert loaded and loaded[0][0] == where.split("/", 1)[1]
     served = Path(loaded[0][1])
     assert artifact_sha256(served) == artifact_sha256(trained)  # the adapter itself, not the MLflow model folder around it

@@ -84,3 +84,24 @@ def test_second_clone_refuses_first_clones_services(tmp_path: Path, monkeypatch:
         fake.terminate()
         _pipeline(a, env, "services", "down", "mlflow")
     assert not http_ok(f"http://127.0.0.1:{port}/health")
+
+
+def test_services_starting_side_by_side_read_one_whole_generated_key(tmp_path: Path) -> None:
+    """The proxy and the workers start side by side and each reads (or generates) the same key file: every process gets
+    the same whole key, none an empty file another was still writing, and the file is its owner's only."""
+    script = textwrap.dedent("""
+        import sys, time
+        from pipeline.serving.keys import read_or_create
+        time.sleep(float(sys.argv[2]) - time.time())  # all start at once
+        print(read_or_create(sys.argv[1]))
+    """)
+    path, start = tmp_path / "secrets" / "worker_key", time.time() + 3
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(path), str(start)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    keys = {out.strip() for out, _ in outs}
+    assert len(keys) == 1 and next(iter(keys)).startswith("sk-") and len(next(iter(keys))) > 20
+    assert path.read_text().strip() in keys and path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["worker_key"]  # no temporary file left beside it

@@ -15,7 +15,7 @@ import pytest
 from pipeline.config import Params
 from pipeline.digest import artifact_sha256
 from pipeline.schemas import Protocol, Review
-from pipeline.serving import proxy, routing, worker
+from pipeline.serving import deploy, proxy, routing, worker
 
 pytestmark = pytest.mark.slow
 
@@ -230,7 +230,7 @@ def test_adapter_published_to_s3_reaches_the_worker_through_its_sidecar(params: 
             mlflow.log_artifacts(str(serving_models / "adapter-a"), "adapter")
         version = SimpleNamespace(version="7", source=f"runs:/{run.info.run_id}/adapter",
                                   tags={"kind": "lora_adapter", "sha256": artifact_sha256(serving_models / "adapter-a")})
-        where = registry.deploy(p.serving, "supervisor", version, worker_of="base")
+        where = deploy.deploy(p.serving, "supervisor", version, worker_of="base")
         adapter = where.split("/", 1)[1]
         assert (tmp_path / "synced" / adapter / "adapter_config.json").exists()  # copied by the sidecar, not by deploy
         assert adapter in worker.models(base)
@@ -301,7 +301,7 @@ def test_promoted_adapter_survives_a_worker_restart(params: Params, serving_mode
     version = SimpleNamespace(version="8", source=f"runs:/{run.info.run_id}/adapter",
                               tags={"kind": "lora_adapter", "sha256": artifact_sha256(serving_models / "adapter-a")})
     base = params.serving.workers[0]
-    where = registry.deploy(params.serving, "supervisor", version, worker_of="base")
+    where = deploy.deploy(params.serving, "supervisor", version, worker_of="base")
     adapter = where.split("/", 1)[1]
     roles = {**routing.load_version(params.serving, 1)["roles"], "supervisor": where}
     routing.apply(params.serving, params.mlflow, routing.write_version(params.serving, roles, "promoted"))

@@ -6,7 +6,7 @@ worker's environment (VLLM_ALLOW_RUNTIME_LORA_UPDATING, read when the app is bui
 the request model, vLLM's key check and the project's guard are that release's code. So each GPU worker's HTTP app is
 built by 0.20.2's own `build_app` from its own argv and environment (params/gpu.yaml's workers, compose's and
 Kubernetes' stock-image workers; tests/vllm_gpu_lora_server.py), with only the CUDA engine standing in, and the
-control plane's own client (`pipeline.serving.worker`: what `registry.deploy` calls) loads, lists and unloads an
+control plane's own client (`pipeline.serving.worker`: what `serving.deploy.deploy` calls) loads, lists and unloads an
 adapter through it. A restarted worker gets its adapters back through 0.20.2's filesystem resolver
 (tests/vllm_gpu_lora_resolve.py), and compose's worker must see the folder promotion names (docs/gpu.md).
 """
@@ -28,9 +28,9 @@ import yaml
 from pipeline.config import WorkerParams, load_params
 from pipeline.envs import model_python
 from pipeline.io import write_json
-from pipeline.registry import _name_base_model
 from pipeline.services.process import ServiceError
 from pipeline.serving import worker as worker_mod
+from pipeline.serving.deploy import _name_base_model
 from pipeline.serving.lora_pyfunc import LoraAdapterModel
 from tests.conftest import gpu_releases_env, run_with_gpu_releases
 from tests.test_infra import _interpolate
@@ -110,10 +110,10 @@ def test_every_gpu_worker_that_takes_adapters_loads_lists_and_unloads_one(gpu_ap
         assert early.status_code != 200 and adapter not in worker_mod.models(w), (name, early.status_code, early.text)
         folder.mkdir(parents=True)
         (folder / "adapter_config.json").write_text("{}")
-        worker_mod.load_lora(w, adapter, str(folder), wait_s=5)  # registry.deploy's call for a worker on another host
+        worker_mod.load_lora(w, adapter, str(folder), wait_s=5)  # serving.deploy.deploy's call for a worker on another host
         cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"]}
         assert cards[adapter]["root"] == str(folder) and cards[adapter]["parent"] == _served(d["argv"])[0], (name, cards)
-        # 0.20.2 refuses a second load of a loaded name: registry.deploy asks /v1/models first, so a rerun does not
+        # 0.20.2 refuses a second load of a loaded name: serving.deploy.deploy asks /v1/models first, so a rerun does not
         again = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": str(folder)},
                            headers=auth, timeout=10)
         assert again.status_code == 400 and "already been loaded" in again.text, (name, again.text)
@@ -148,7 +148,7 @@ def test_a_worker_without_runtime_lora_answers_promotion_404(gpu_apps, tmp_path,
 def test_a_restarted_gpu_worker_resolves_the_adapters_promotion_named_for_it(tmp_path) -> None:
     """A restarted worker has lost its hot-loaded adapters; the proxy still routes roles to them by name. The workers
     that set VLLM_LORA_RESOLVER_CACHE_DIR get them back from that folder through 0.20.2's filesystem resolver, which
-    takes an adapter only if its config names the worker's own --model: what `registry.deploy` writes into it
+    takes an adapter only if its config names the worker's own --model: what `serving.deploy.deploy` writes into it
     (`_name_base_model`). An adapter left with training's base path is not resolved (tests/vllm_gpu_lora_resolve.py)."""
     resolving = {d["name"]: d for d in _deployments() if "VLLM_LORA_RESOLVER_CACHE_DIR" in d["env"] and d["name"] != OFF}
     assert {n.split(":")[0] for n in resolving} == {"params-gpu", "compose", "k8s"}, sorted(resolving)
@@ -170,14 +170,14 @@ def test_a_restarted_gpu_worker_resolves_the_adapters_promotion_named_for_it(tmp
 
 
 def test_the_compose_worker_sees_the_adapter_folder_promotion_sends() -> None:
-    """Compose's worker has no adapter store (no S3 sidecar, unlike Kubernetes'), so `registry.deploy` hot-loads an
+    """Compose's worker has no adapter store (no S3 sidecar, unlike Kubernetes'), so `serving.deploy.deploy` hot-loads an
     adapter by the path of its own copy, serving.home/adapters/<name> under the control image's WORKDIR. vllm-base is
     another container: that folder must be a volume both mount at that very path (the worker read-only), and the
     worker's resolver folder, or its load answers "no adapter found" and a restarted worker loses its adapters."""
     compose = yaml.safe_load((ROOT / "infra/docker-compose.yml").read_text())
     params = load_params(ROOT / "params.yaml", environ={k: _interpolate(str(v)) for k, v in compose["x-serving-env"].items()})
     (w,) = params.serving.workers
-    assert not worker_mod.is_local(w) and w.adapter_store is None  # registry.deploy: load_lora(w, name, str(folder))
+    assert not worker_mod.is_local(w) and w.adapter_store is None  # serving.deploy.deploy: load_lora(w, name, str(folder))
     workdir = re.search(r"^WORKDIR (\S+)$", (ROOT / "infra/docker/Dockerfile.control").read_text(), re.M).group(1)  # type: ignore[union-attr]
     home = PurePosixPath(params.serving.home)
     sent = (home if home.is_absolute() else PurePosixPath(workdir) / home) / "adapters"  # worker.adapter_cache there

@@ -48,57 +48,116 @@ def _mean(summary: Metrics, key: str) -> float | None:
     return None if stat is None else float(stat.mean)
 
 
+def enough_tasks(n: int, min_tasks: int, mean: float | None = None, p: float | None = None) -> Decision | None:
+    """Rule 1 (``insufficient_evidence``), the one place it is written: evaluate applies it before running a society
+    (a smaller evaluation is not run), the gate to every difference."""
+    if n >= min_tasks:
+        return None
+    figures = f": the difference {mean:+.4f} (p={p:.3f})" if mean is not None and p is not None else ""
+    return Decision(False, INSUFFICIENT, f"{n} paired task(s) < promote.min_tasks={min_tasks}{figures} cannot support "
+                                         "a decision")
+
+
+@dataclass(frozen=True)
+class _Case:
+    """What the rules read: both summaries, the paired difference, the gate's values, the p the gate holds."""
+
+    candidate: Metrics
+    champion: Metrics
+    diff: Difference
+    cfg: PromoteParams
+    adjusted_p: float | None
+    family: int
+
+
+def _setting(c: _Case) -> Decision | None:
+    if c.candidate.setting == c.champion.setting:
+        return None
+    return Decision(False, "setting", f"candidate evaluated in {c.candidate.setting}, champion in {c.champion.setting}: "
+                                      "evaluations in different PubMedQA settings never compare")
+
+
+def _insufficient(c: _Case) -> Decision | None:
+    return enough_tasks(c.diff.n, c.cfg.min_tasks, c.diff.mean, c.diff.p_value)
+
+
+def _served_failures(c: _Case) -> Decision | None:
+    failed, before = c.candidate.failures(), c.champion.failures()
+    if failed is None or before is None or failed <= before + c.cfg.max_extra_failures:
+        return None
+    return Decision(False, "served_failures", f"{failed} of {c.diff.n} served answers failed against the champion's "
+                                              f"{before} (promote.max_extra_failures={c.cfg.max_extra_failures}): what it "
+                                              "would serve fails more often, whatever its other figures say")
+
+
+def _floors(c: _Case) -> Decision | None:
+    success = _mean(c.candidate, "success_rate") or 0.0
+    if success < c.cfg.min_success_rate:
+        return Decision(False, "min_success_rate", f"success rate {success:.2f} < {c.cfg.min_success_rate:.2f}")
+    accuracy = _mean(c.candidate, "decision_accuracy")
+    if c.cfg.min_decision_accuracy > 0 and (accuracy is None or accuracy < c.cfg.min_decision_accuracy):
+        return Decision(False, "min_decision_accuracy", f"decision accuracy {accuracy} < {c.cfg.min_decision_accuracy:.2f}")
+    return None
+
+
+def _discrimination(c: _Case) -> Decision | None:
+    if c.cfg.min_auc is None or c.candidate.level != Level.ROLE:
+        return None
+    auc = (c.candidate.model_extra or {}).get("auc")
+    if auc and (auc.get("ci_low") or 0) > c.cfg.min_auc:
+        return None
+    shown = "none" if not auc or auc.get("value") is None else (
+        f"{auc['value']:.3f} [{auc.get('ci_low', float('nan')):.3f}, {auc.get('ci_high', float('nan')):.3f}]")
+    return Decision(False, "discrimination", f"AUC of P(GO) {shown}: its interval does not lie above promote.min_auc="
+                                             f"{c.cfg.min_auc:g} (the decisions do not separate yes from no)")
+
+
+def _accuracy_drop(c: _Case) -> Decision | None:
+    judge_c, judge_b = _mean(c.candidate, "reward_judge"), _mean(c.champion, "reward_judge")
+    acc_c, acc_b = _mean(c.candidate, "decision_accuracy"), _mean(c.champion, "decision_accuracy")
+    if judge_c is None or judge_b is None or acc_c is None or acc_b is None:
+        return None
+    if judge_c <= judge_b or acc_b - acc_c <= c.cfg.max_accuracy_drop:
+        return None
+    return Decision(False, "accuracy_drop", f"judge reward rose {judge_b:.4f} -> {judge_c:.4f} while decision accuracy fell "
+                                            f"{acc_b:.2f} -> {acc_c:.2f} "
+                                            f"(more than promote.max_accuracy_drop={c.cfg.max_accuracy_drop:.2f}; "
+                                            f"McNemar p={c.diff.decision.get('p_value', float('nan')):.3f})")
+
+
+def _margin(c: _Case) -> Decision | None:
+    gain = c.candidate.reward.mean - c.champion.reward.mean
+    if gain > c.cfg.margin:
+        return None
+    return Decision(False, "margin", f"reward {c.candidate.reward.mean:.4f} vs champion {c.champion.reward.mean:.4f}: "
+                                     f"gain {gain:+.4f} is not above the margin {c.cfg.margin:.4f}")
+
+
+def _significance(c: _Case) -> Decision:
+    """The last rule decides either way: not significant, or promoted."""
+    d, p = c.diff, c.diff.p_value
+    evidence = f"paired difference {d.mean:+.4f} over {d.n} tasks, sign-flip p={p:.4f}"
+    if c.adjusted_p is not None and c.family > 1:
+        evidence += f", Holm-adjusted over the cycle's {c.family} candidates p={c.adjusted_p:.4f}"
+        p = c.adjusted_p
+    evidence += f", {d.ci:.0%} bootstrap CI [{d.ci_low:+.4f}, {d.ci_high:+.4f}]"
+    if c.cfg.require_significance and not p < c.cfg.alpha:
+        return Decision(False, "significance", f"{evidence}: p is not below promote.alpha={c.cfg.alpha:g}")
+    gain = c.candidate.reward.mean - c.champion.reward.mean
+    return Decision(True, "promoted", f"gain {gain:+.4f} > margin {c.cfg.margin:.4f}; {evidence}")
+
+
+RULES = (_setting, _insufficient, _served_failures, _floors, _discrimination, _accuracy_drop, _margin)  # in order
+
+
 def decide(candidate: Metrics | dict[str, Any], champion: Metrics | dict[str, Any], diff: Difference | dict[str, Any],
            cfg: PromoteParams, adjusted_p: float | None = None, family: int = 1) -> Decision:
     """``candidate``/``champion``: metrics summaries; ``diff``: the paired candidate-champion difference;
-    ``adjusted_p``: its p-value adjusted over the ``family`` of candidates tested with it (None: tested alone)."""
-    candidate, champion = Metrics.model_validate(candidate), Metrics.model_validate(champion)
-    diff = Difference.model_validate(diff)
-    if candidate.setting != champion.setting:
-        return Decision(False, "setting", f"candidate evaluated in {candidate.setting}, champion in "
-                                          f"{champion.setting}: evaluations in different PubMedQA settings never compare")
-    if diff.n < cfg.min_tasks:
-        return Decision(False, INSUFFICIENT, f"{diff.n} paired task(s) < promote.min_tasks={cfg.min_tasks}: the difference "
-                                             f"{diff.mean:+.4f} (p={diff.p_value:.3f}) cannot support a decision")
-    failed, failed_before = candidate.failures(), champion.failures()
-    if failed is not None and failed_before is not None and failed > failed_before + cfg.max_extra_failures:
-        return Decision(False, "served_failures", f"{failed} of {diff.n} served answers failed against the champion's "
-                                                  f"{failed_before} (promote.max_extra_failures={cfg.max_extra_failures}): "
-                                                  "what it would serve fails more often, whatever its other figures say")
-    success = _mean(candidate, "success_rate") or 0.0
-    if success < cfg.min_success_rate:
-        return Decision(False, "min_success_rate", f"success rate {success:.2f} < {cfg.min_success_rate:.2f}")
-    accuracy = _mean(candidate, "decision_accuracy")
-    if cfg.min_decision_accuracy > 0 and (accuracy is None or accuracy < cfg.min_decision_accuracy):
-        return Decision(False, "min_decision_accuracy", f"decision accuracy {accuracy} < {cfg.min_decision_accuracy:.2f}")
-    auc = (candidate.model_extra or {}).get("auc") if candidate.level == Level.ROLE else None
-    if cfg.min_auc is not None and candidate.level == Level.ROLE and not (auc and (auc.get("ci_low") or 0) > cfg.min_auc):
-        shown = "none" if not auc or auc.get("value") is None else (
-            f"{auc['value']:.3f} [{auc.get('ci_low', float('nan')):.3f}, {auc.get('ci_high', float('nan')):.3f}]")
-        return Decision(False, "discrimination", f"AUC of P(GO) {shown}: its interval does not lie above promote.min_auc="
-                                                 f"{cfg.min_auc:g} (the decisions do not separate yes from no)")
-    judge_c, judge_b = _mean(candidate, "reward_judge"), _mean(champion, "reward_judge")
-    acc_b = _mean(champion, "decision_accuracy")
-    if (None not in (judge_c, judge_b, accuracy, acc_b)
-            and judge_c > judge_b and acc_b - accuracy > cfg.max_accuracy_drop):  # type: ignore[operator]
-        return Decision(False, "accuracy_drop", f"judge reward rose {judge_b:.4f} -> {judge_c:.4f} while decision accuracy fell "
-                                                f"{acc_b:.2f} -> {accuracy:.2f} "
-                                                f"(more than promote.max_accuracy_drop={cfg.max_accuracy_drop:.2f}; "
-                                                f"McNemar p={diff.decision.get('p_value', float('nan')):.3f})")
-    gain = candidate.reward.mean - champion.reward.mean
-    if gain <= cfg.margin:
-        return Decision(False, "margin", f"reward {candidate.reward.mean:.4f} "
-                                         f"vs champion {champion.reward.mean:.4f}: "
-                                         f"gain {gain:+.4f} is not above the margin {cfg.margin:.4f}")
-    p = diff.p_value
-    evidence = f"paired difference {diff.mean:+.4f} over {diff.n} tasks, sign-flip p={p:.4f}"
-    if adjusted_p is not None and family > 1:
-        evidence += f", Holm-adjusted over the cycle's {family} candidates p={adjusted_p:.4f}"
-        p = adjusted_p
-    evidence += f", {diff.ci:.0%} bootstrap CI [{diff.ci_low:+.4f}, {diff.ci_high:+.4f}]"
-    if cfg.require_significance and not p < cfg.alpha:
-        return Decision(False, "significance", f"{evidence}: p is not below promote.alpha={cfg.alpha:g}")
-    return Decision(True, "promoted", f"gain {gain:+.4f} > margin {cfg.margin:.4f}; {evidence}")
+    ``adjusted_p``: its p-value adjusted over the ``family`` of candidates tested with it (None: tested alone).
+    The first rule of :data:`RULES` that refuses decides; a candidate none refuses meets the significance rule."""
+    case = _Case(Metrics.model_validate(candidate), Metrics.model_validate(champion), Difference.model_validate(diff), cfg,
+                 adjusted_p, family)
+    return next((d for rule in RULES if (d := rule(case)) is not None), None) or _significance(case)
 
 
 def family_p_values(p_values: dict[str, float], cfg: PromoteParams) -> tuple[dict[str, float], int]:

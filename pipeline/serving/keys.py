@@ -18,13 +18,18 @@ def read_or_create(path: str | Path, prefix: str = "sk-") -> str:
     path = Path(path)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # written whole beside it, then linked into place (link never replaces): a process that starts beside this one
+        # (the proxy and the workers start side by side) reads the whole key or creates none, never an empty file
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{prefix}{secrets.token_urlsafe(32)}\n")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process created it first: read theirs
+            os.link(tmp, path)
+        except FileExistsError:  # another process linked its key first: read theirs
             pass
-        else:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(f"{prefix}{secrets.token_urlsafe(32)}\n")
+        finally:
+            tmp.unlink()
     if path.stat().st_mode & 0o077:
         raise ServiceError(f"{path}: key file must be readable by its owner only (chmod 600)")
     key = path.read_text().strip()

@@ -5,13 +5,13 @@
 model_config={"base_url": "http://<worker>:8000"})`` works from any directory with the control plane's
 packages (mlflow and the standard library: no torch, nothing from this repository). A 135M-to-8B adapter is
 not something the control plane can run itself; what it can do is hand the adapter to the engine that
-serves its base model, which is how the pipeline serves it too (``registry.deploy``). ``predict`` takes
+serves its base model, which is how the pipeline serves it too (``serving.deploy.deploy``). ``predict`` takes
 rows of chat ``messages`` and returns the adapter's answers.
 
 The worker must see the artifact's path (a worker on this host, or a shared volume) and serve the base
 model the adapter was trained on; its key, if it has one, comes from the environment variable named by
 ``api_key_env`` (never from the model config, which MLflow logs). The pipeline itself never loads LoRA
-versions this way: ``registry.deploy`` checks the digest and hot-loads the same folder.
+versions this way: ``serving.deploy.deploy`` checks the digest and hot-loads the same folder.
 """
 
 from __future__ import annotations

@@ -399,6 +399,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--description", default="")
 
 
+# whole Params: serving, promote's policy roles and mlflow (routed prompts are looked up in the Prompt Registry)
+def _new(serving: ServingParams, params: Params, sets: list[str], prompt_items: list[str], description: str) -> int:
+    """``route new``: the live table with ``--set ROLE=DEPLOYMENT|POLICY=URI`` and ``--prompt TEMPLATE=VERSION`` applied,
+    written as the next version (not applied)."""
+    live = active(serving) or load_version(serving, (versions(serving) or [1])[-1])
+    if bad := [item for item in sets if "=" not in item]:
+        raise RoutingError(f"--set {bad[0]!r}: must be ROLE=DEPLOYMENT or POLICY=URI")
+    changes = dict(item.split("=", 1) for item in sets)
+    policy_roles = [n for n, kind in params.promote.roles.items() if kind == "policy"]
+    if unknown := [k for k in changes if k not in serving.roles and k not in policy_roles]:
+        raise RoutingError(f"--set {unknown[0]}=...: neither a role ({serving.roles}) nor a policy ({policy_roles})")
+    roles = {**live["roles"], **{k: v for k, v in changes.items() if k in serving.roles}}
+    policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in serving.roles}}
+    routed = dict(live.get("prompts") or {})
+    for item in prompt_items:
+        template, sep, number = item.partition("=")
+        if not sep or not number.isdigit():
+            raise RoutingError(f"--prompt {item!r}: must be TEMPLATE=VERSION (a registered version number)")
+        routed[template] = int(number)
+    if routed:
+        tracking.setup(params.mlflow)  # each routed prompt is looked up and pinned by its text's digest
+    return write_version(serving, roles, description, policies, routed, pins_kept(live, routed))
+
+
 def main(args: argparse.Namespace, params: Params) -> int:
     serving = params.serving
     try:
@@ -410,25 +434,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
             table = rollback(serving, params.mlflow)
             print(f"rolled back to routing version {table['version']}: {json.dumps(table['roles'])}")
         elif args.action == "new":
-            live = active(serving) or load_version(serving, (versions(serving) or [1])[-1])
-            bad = [item for item in args.set if "=" not in item]
-            if bad:
-                raise RoutingError(f"--set {bad[0]!r}: must be ROLE=DEPLOYMENT or POLICY=URI")
-            changes = dict(item.split("=", 1) for item in args.set)
-            policy_roles = [n for n, kind in params.promote.roles.items() if kind == "policy"]
-            if unknown := [k for k in changes if k not in serving.roles and k not in policy_roles]:
-                raise RoutingError(f"--set {unknown[0]}=...: neither a role ({serving.roles}) nor a policy ({policy_roles})")
-            roles = {**live["roles"], **{k: v for k, v in changes.items() if k in serving.roles}}
-            policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in serving.roles}}
-            routed = dict(live.get("prompts") or {})
-            for item in getattr(args, "prompt", []):
-                template, sep, number = item.partition("=")
-                if not sep or not number.isdigit():
-                    raise RoutingError(f"--prompt {item!r}: must be TEMPLATE=VERSION (a registered version number)")
-                routed[template] = int(number)
-            if routed:
-                tracking.setup(params.mlflow)  # each routed prompt is looked up and pinned by its text's digest
-            number = write_version(serving, roles, args.description, policies, routed, pins_kept(live, routed))
+            number = _new(serving, params, args.set, getattr(args, "prompt", []), args.description)
             print(f"wrote {version_path(serving, number)}; apply with `python -m pipeline route apply --version {number}`")
         else:
             state = {"active": active(serving), "versions": versions(serving), "history": history(serving)[-5:]}

@@ -298,7 +298,7 @@ def load_lora(worker: WorkerParams, name: str, path: str, wait_s: float = 0.0) -
     ``path`` is as the worker sees it. With ``wait_s`` (an adapter published to the worker's S3 store,
     which its sidecar has yet to copy) a refusal is retried until the deadline.
     """
-    if wait_s == 0:  # a local folder (a published one was checked before publishing: registry.deploy)
+    if wait_s == 0:  # a local folder (a published one was checked before publishing: serving.deploy.deploy)
         if not Path(path, "adapter_config.json").exists():
             raise FileNotFoundError(f"{path}: not a PEFT adapter folder (no adapter_config.json)")
         check_adapter(worker, Path(path))
@@ -342,23 +342,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, params: Params) -> int:
     workers = pick(params.serving, args.worker)
     if args.action == "sync-adapters":
-        store, folder = workers[0].adapter_store, workers[0].adapter_dir
-        if len(workers) != 1 or store is None or folder is None:
-            raise SystemExit("error: sync-adapters needs --worker naming a worker with adapter_store and adapter_dir")
-        if args.every > 0:
-            adapter_store.sync_forever(store, folder, args.every)
-        print(f"{workers[0].name}: synced {adapter_store.sync(store, folder) or 'nothing new'} from {store}")
-        return 0
+        return _sync_adapters(workers, args.every)
     if args.action in ("load-lora", "unload-lora"):
-        if len(workers) != 1 or not args.name or (args.action == "load-lora" and not args.path):
-            needs = "--worker, --name" + (" and --path" if args.action == "load-lora" else "")
-            raise SystemExit(f"error: {args.action} needs {needs}")
-        if args.action == "load-lora":
-            load_lora(workers[0], args.name, args.path)
-        else:
-            unload_lora(workers[0], args.name)
-        print(f"{workers[0].name}: {args.action} {args.name} ok; serving {models(workers[0])}")
-        return 0
+        return _lora(workers, args.action, args.name, args.path)
     for worker in workers:
         if args.action == "up":
             print(f"{worker.name}: {up(params.serving, worker)}  log {service(params.serving, worker).log_file}")
@@ -368,4 +354,27 @@ def main(args: argparse.Namespace, params: Params) -> int:
             healthy = http_ok(f"{base_url(worker)}/health")
             print(json.dumps({"worker": worker.name, "url": base_url(worker), "healthy": healthy,
                               "models": models(worker) if healthy else []}))
+    return 0
+
+
+def _sync_adapters(workers: list[WorkerParams], every: float) -> int:
+    """The sidecar beside a remote worker: copy what promotion published to its store into its adapter folder."""
+    store, folder = workers[0].adapter_store, workers[0].adapter_dir
+    if len(workers) != 1 or store is None or folder is None:
+        raise SystemExit("error: sync-adapters needs --worker naming a worker with adapter_store and adapter_dir")
+    if every > 0:
+        adapter_store.sync_forever(store, folder, every)
+    print(f"{workers[0].name}: synced {adapter_store.sync(store, folder) or 'nothing new'} from {store}")
+    return 0
+
+
+def _lora(workers: list[WorkerParams], action: str, name: str | None, path: str | None) -> int:
+    """``load-lora`` / ``unload-lora`` on one worker, by hand."""
+    if len(workers) != 1 or not name or (action == "load-lora" and not path):
+        raise SystemExit(f"error: {action} needs --worker, --name" + (" and --path" if action == "load-lora" else ""))
+    if action == "load-lora":
+        load_lora(workers[0], name, str(path))
+    else:
+        unload_lora(workers[0], name)
+    print(f"{workers[0].name}: {action} {name} ok; serving {models(workers[0])}")
     return 0

@@ -34,6 +34,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from pipeline.contracts import EvaluationSummary, RoutingTable
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.envs import REPO_ROOT
 from pipeline.evaluation import role_level, society
+from pipeline.evaluation.gate import enough_tasks
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, paired_difference, summarise
 from pipeline.evaluation.served import check_served
 from pipeline.io import atomic_dir, write_json, write_text
@@ -59,7 +61,7 @@ from pipeline.learning import PROMPT_ALIAS, role_of
 from pipeline.lineage import dvc_md5
 from pipeline.plots import png
 from pipeline.rewards.judge import final_reward, judge
-from pipeline.serving import proxy, routing, stack
+from pipeline.serving import deploy, proxy, routing, stack
 from pipeline.traces.mlflow_traces import log_traces
 from pipeline.traces.schema import Trace
 
@@ -74,7 +76,7 @@ def champion_table(serving: ServingParams, promote: PromoteParams,
     live = routing.active(serving) or routing.load_version(serving, routing.versions(serving)[-1])
     roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
     for name, kind in promote.roles.items():
-        where = registry.deploy(serving, name, champions[name], live["roles"].get(name))
+        where = deploy.deploy(serving, name, champions[name], live["roles"].get(name))
         (roles if kind == "llm" else policies)[name] = where
     return roles, policies
 
@@ -256,111 +258,162 @@ def plot(summary: dict[str, Any]) -> None:
         ax.legend(fontsize=7)
 
 
-def run(params: Params) -> dict[str, Any]:
+@dataclass
+class Society:
+    """One society to run on the plan's tasks: the champion's (``role`` None), or one with a candidate routed in."""
+
+    slug: str
+    table: dict[str, Any]
+    tags: dict[str, str]
+    role: str | None = None
+    version: Any = None
+    target: str | None = None
+
+
+@dataclass
+class Plan:
+    """What a cycle evaluates, decided before anything runs: the tasks, every role on its champion, the candidates of
+    each level, and those too small to decide on (not run)."""
+
+    champions: dict[str, Any]
+    tasks: list[dict[str, Any]]
+    rotation: str
+    roles: dict[str, str]
+    policies: dict[str, str]
+    key: str
+    label: str
+    role_level: list[str] = field(default_factory=list)
+    societies: list[Society] = field(default_factory=list)
+    unevaluated: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+# whole Params: the plan reads promote, evaluate, validate, data, serving and mlflow
+def plan(params: Params) -> Plan:
     with timing.phase(timing.Phase.REGISTRY):
         champions = registry.ensure_baselines(params)
     # the cycle = the challengers under evaluation: each cycle draws its own validation tasks (seeded, reproducible)
     evaluated = [n for n in params.promote.roles if params.evaluate.only is None or n in params.evaluate.only]
-    cycle = ",".join(f"{n}:v{c.version}" for n in evaluated
-                     if (c := registry.by_alias(n, registry.CHALLENGER)) is not None and c.version != champions[n].version)
-    rotation = f"{params.evaluate.seed}:{cycle}"
+    challengers = {n: c for n in evaluated
+                   if (c := registry.by_alias(n, registry.CHALLENGER)) is not None and c.version != champions[n].version}
+    rotation = f"{params.evaluate.seed}:{','.join(f'{n}:v{c.version}' for n, c in challengers.items())}"
     tasks = load_tasks(params.validate_, "val", params.evaluate.limit, rotation=rotation, setting=params.data.setting)
     roles, policies = champion_table(params.serving, params.promote, champions)
-    label = ",".join(f"{n}:v{v.version}" for n, v in champions.items())
-    key = cache_key(params, champions, roles, policies, tasks)
-    summary: dict[str, Any] = {"tasks": [t["id"] for t in tasks], "task_rotation": rotation, "setting": params.data.setting,
-                               "champion_versions": {n: v.version for n, v in champions.items()},
-                               "champion_routing": RoutingTable(roles=roles, policies=policies).model_dump(), "roles": {},
-                               "unevaluated": {}}
-    # every society to run (name, table, tags, role, candidate version, target); the champion first unless cached
-    candidates: list[tuple[str, dict[str, Any], dict[str, str], str, Any, str]] = []
-    for name in (n for n in params.evaluate.role_level if n in evaluated):
-        summary["roles"].update(evaluate_role(params, name, champions[name], roles, policies, key, label))
-    for name in evaluated:
-        kind = params.promote.roles[name]
-        if name in params.evaluate.role_level:
-            continue
-        cand = registry.by_alias(name, registry.CHALLENGER)
-        if cand is None or cand.version == champions[name].version:
+    p = Plan(champions, tasks, rotation, roles, policies, cache_key(params, champions, roles, policies, tasks),
+             ",".join(f"{n}:v{v.version}" for n, v in champions.items()),
+             role_level=[n for n in params.evaluate.role_level if n in evaluated])
+    for name in (n for n in evaluated if n not in params.evaluate.role_level):
+        cand = challengers.get(name)
+        if cand is None:
             print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
-            continue
-        if len(tasks) < (min_tasks := params.gate(name).min_tasks):
-            own = name if name in params.roles else role_of(name)
-            source = "promote" if min_tasks == params.promote.min_tasks else f"roles.{own}.gate"
-            why = (f"{len(tasks)} validation task(s) (evaluate.limit={params.evaluate.limit}) < {source}.min_tasks="
-                   f"{min_tasks}: a society evaluation this small cannot support a decision, so it was not run")
-            summary["unevaluated"][name] = {"role": name, "alias": registry.CHALLENGER, "version": cand.version, "reason": why}
+        elif (why := _too_few(params, name, len(tasks))) is not None:
+            p.unevaluated[name] = {"role": name, "alias": registry.CHALLENGER, "version": cand.version, "reason": why}
             print(f"evaluate: {name} v{cand.version}: not evaluated: {why}")
-            continue
-        where = registry.deploy(params.serving, name, cand, roles.get(name))
-        c_roles, c_policies = dict(roles), dict(policies)
-        (c_roles if kind == "llm" else c_policies)[name] = where
-        slug = _slug(f"{name}-v{cand.version}-{key[:8]}")
-        candidates.append((slug, _table(params.serving, params.mlflow, slug, c_roles, c_policies),
-                           {"eval.role": name, "eval.version": str(cand.version), "eval.champions": label}, name, cand, where))
-    if not candidates:
-        return summary
-    champion_run: str | None = "cached"
-    cached = _cached(params.mlflow, key)
-    champion: list[tuple[str, dict[str, Any], dict[str, str], str | None, Any, str | None]] = []
-    if cached is None:
-        slug = _slug(f"champion-{key[:12]}")
-        tags = {"eval.key": key, "eval.role": "champion", "eval.champions": label}
-        champion = [(slug, _table(params.serving, params.mlflow, slug, roles, policies), tags, None, None, None)]
-    else:
-        champion_records, champion_traces = cached
-    # each candidate: its role's calls live, every other call that repeats the champion's answered from its record,
-    # each task as soon as the champion's rollout of it has finished; all in one event loop
-    books: list[CallBook | None] = [None] * len(champion)
-    sources: list[int | None] = [None] * len(champion)
-    for c in candidates:
-        llm = params.promote.roles[c[3]] == "llm"
-        if not params.evaluate.replay or (llm and c[3] in {params.agents.models[a] for a in OPENING_AGENTS}):
+        else:
+            p.societies.append(_candidate(params, p, name, cand))
+    return p
+
+
+# whole Params: the role's own gate (Params.gate)
+def _too_few(params: Params, name: str, n: int) -> str | None:
+    """The gate's first rule, applied before a society runs: an evaluation this small cannot support a decision."""
+    min_tasks = params.gate(name).min_tasks
+    if enough_tasks(n, min_tasks) is None:
+        return None
+    own = name if name in params.roles else role_of(name)
+    source = "promote" if min_tasks == params.promote.min_tasks else f"roles.{own}.gate"
+    return (f"{n} validation task(s) (evaluate.limit={params.evaluate.limit}) < {source}.min_tasks={min_tasks}: a society "
+            "evaluation this small cannot support a decision, so it was not run")
+
+
+# whole Params: serving, mlflow and promote
+def _candidate(params: Params, p: Plan, name: str, cand: Any) -> Society:
+    """The society with ``cand`` routed in for ``name`` (deployed first), every other role on its champion."""
+    where = deploy.deploy(params.serving, name, cand, p.roles.get(name))
+    roles, policies = dict(p.roles), dict(p.policies)
+    (roles if params.promote.roles[name] == "llm" else policies)[name] = where
+    slug = _slug(f"{name}-v{cand.version}-{p.key[:8]}")
+    return Society(slug, _table(params.serving, params.mlflow, slug, roles, policies),
+                   {"eval.role": name, "eval.version": str(cand.version), "eval.champions": p.label}, name, cand, where)
+
+
+def run(params: Params) -> dict[str, Any]:
+    """Plan, then each candidate against its champion (role level, then societies); the summary ``promote`` reads."""
+    p = plan(params)
+    entries: dict[str, Any] = {}
+    for name in p.role_level:
+        entries.update(evaluate_role(params, name, p.champions[name], p.roles, p.policies, p.key, p.label))
+    if p.societies:
+        entries.update(evaluate_societies(params, p))
+    return {"tasks": [t["id"] for t in p.tasks], "task_rotation": p.rotation, "setting": params.data.setting,
+            "champion_versions": {n: v.version for n, v in p.champions.items()},
+            "champion_routing": RoutingTable(roles=p.roles, policies=p.policies).model_dump(), "roles": entries,
+            "unevaluated": p.unevaluated}
+
+
+# whole Params: evaluate, promote and agents
+def _replay(params: Params, p: Plan, champion_traces: list[Trace] | None) -> tuple[list[Any], list[int | None]]:
+    """Each society's call book: the champion's (first, when it runs) none; a candidate's its role's calls live, every
+    other call that repeats the champion's answered from the champion's record (a cached run's traces, or the champion
+    society running beside it: source 0)."""
+    books: list[CallBook | None] = [None] if champion_traces is None else []
+    sources: list[int | None] = [None] if champion_traces is None else []
+    for s in p.societies:
+        llm = params.promote.roles[str(s.role)] == "llm"
+        if not params.evaluate.replay or (llm and s.role in {params.agents.models[a] for a in OPENING_AGENTS}):
             books.append(None)  # the juniors' calls open every rollout: nothing of the champion's comes before them
             sources.append(None)
-        else:
-            live = [c[3]] if llm else []
-            books.append(CallBook.from_traces(champion_traces, live) if cached else CallBook(live))
-            sources.append(None if cached else 0)
-    what = f"evaluate {'the champion and ' if champion else ''}{len(candidates)} candidate societies x {len(tasks)} tasks"
+            continue
+        live = [str(s.role)] if llm else []
+        books.append(CallBook.from_traces(champion_traces, live) if champion_traces is not None else CallBook(live))
+        sources.append(None if champion_traces is not None else 0)
+    return books, sources
+
+
+# whole Params: the societies run with agents, serving and evaluate, and are scored by the judge (see score)
+def evaluate_societies(params: Params, p: Plan) -> dict[str, Any]:
+    """The champion society (unless a finished run with the same key is cached) and every candidate society on the
+    same tasks, in one event loop, scored; summary entries keyed by role."""
+    cached = _cached(params.mlflow, p.key)
+    champion: list[Society] = []
+    if cached is None:
+        slug = _slug(f"champion-{p.key[:12]}")
+        champion = [Society(slug, _table(params.serving, params.mlflow, slug, p.roles, p.policies),
+                            {"eval.key": p.key, "eval.role": "champion", "eval.champions": p.label})]
+    books, sources = _replay(params, p, cached[1] if cached else None)
+    what = f"evaluate {'the champion and ' if champion else ''}{len(p.societies)} candidate societies x {len(p.tasks)} tasks"
     if params.evaluate.replay:
         what += " (candidates replay the champion's calls of other roles)"
-    societies = [*champion, *candidates]
-    traces = society.run_many(params, tasks, [(s[1], s[0]) for s in societies], tracking.pipeline_run_id(), score=False,
-                              description=what, books=books, sources=sources)
-    if champion:
-        champion_traces = traces[0]
-    cand_traces = traces[len(champion):]
-    champion_cost = society_cost(champion_traces)
-    for society_, society_traces in zip(societies, traces, strict=True):
-        role, version, deployment = society_[3], society_[4], society_[5]
-        # every call of the role was answered by the version evaluated
-        if role is not None and deployment is not None and params.promote.roles[role] == "llm":
-            check_served(society_traces, role, version.version, deployment)
-    scored = {s[0]: score(params, s[0], s[1], t, tasks, s[2]) for s, t in zip(societies, traces, strict=True)}
-    if champion:
-        champion_records, champion_run = scored[champion[0][0]]
-    costs = {c[0]: society_cost(t) for c, t in zip(candidates, cand_traces, strict=True)}
+    societies = [*champion, *p.societies]
+    traces = society.run_many(params, p.tasks, [(s.table, s.slug) for s in societies], tracking.pipeline_run_id(),
+                              score=False, description=what, books=books, sources=sources)
+    for s, society_traces in zip(societies, traces, strict=True):
+        if s.role is not None and s.target is not None and params.promote.roles[s.role] == "llm":
+            check_served(society_traces, s.role, s.version.version, s.target)  # every call of the role: the version
+    scored = {s.slug: score(params, s.slug, s.table, t, p.tasks, s.tags) for s, t in zip(societies, traces, strict=True)}
+    champion_records, champion_run = scored[champion[0].slug] if champion else (cached[0], "cached")  # type: ignore[index]
+    champion_cost = society_cost(traces[0] if champion else cached[1])  # type: ignore[index]
     cfg = params.evaluate
     champ = {**summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed), "setting": params.data.setting, "level": "society"}
-    for slug, _, _, name, cand, where in candidates:
-        records, run_id = scored[slug]
+    entries = {}
+    for s, cand_traces in zip(p.societies, traces[len(champion):], strict=True):
+        records, run_id = scored[s.slug]
         mine = {**summarise(records, cfg.bootstrap, cfg.ci, cfg.seed), "setting": params.data.setting, "level": "society"}
         diff = paired_difference(records, champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
-        summary["roles"][name] = {"role": name, "alias": registry.CHALLENGER, "level": "society",
-                                  "champion": {"version": champions[name].version,
-                                               "target": roles.get(name) or policies.get(name),
-                                               "label": label, "metrics": champ, "run_id": champion_run},
-                                  "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
-                                  "difference": diff, "records": {"champion": champion_records, "candidate": records},
-                                  "cost": {"champion": champion_cost, "candidate": costs[slug], "replay": params.evaluate.replay}}
-        registry.set_tags(name, cand.version, {
-            **evidence_tags(mine, champ, diff, run_id, champion_run, champions[name].version),
-            "eval.replayed_calls_per_task": f"{costs[slug]['replayed_calls_per_task']:.2f}"})
-        print(f"evaluate: {name} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion {champ['reward']['mean']:.3f}; "
-              f"paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] (n={diff['n']}, sign-flip p="
-              f"{diff['p_value']:.3f}; decisions McNemar p={diff['decision']['p_value']:.3f}); run {run_id}")
-    return summary
+        name, cost = str(s.role), society_cost(cand_traces)
+        entries[name] = {"role": name, "alias": registry.CHALLENGER, "level": "society",
+                         "champion": {"version": p.champions[name].version, "target": p.roles.get(name) or p.policies.get(name),
+                                      "label": p.label, "metrics": champ, "run_id": champion_run},
+                         "candidate": {"version": s.version.version, "target": s.target, "metrics": mine, "run_id": run_id},
+                         "difference": diff, "records": {"champion": champion_records, "candidate": records},
+                         "cost": {"champion": champion_cost, "candidate": cost, "replay": cfg.replay}}
+        registry.set_tags(name, s.version.version, {
+            **evidence_tags(mine, champ, diff, run_id, champion_run, p.champions[name].version),
+            "eval.replayed_calls_per_task": f"{cost['replayed_calls_per_task']:.2f}"})
+        print(f"evaluate: {name} v{s.version.version} reward {mine['reward']['mean']:.3f} vs champion "
+              f"{champ['reward']['mean']:.3f}; paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, "
+              f"{diff['ci_high']:+.3f}] (n={diff['n']}, sign-flip p={diff['p_value']:.3f}; decisions McNemar "
+              f"p={diff['decision']['p_value']:.3f}); run {run_id}")
+    return entries
 
 
 def evidence_tags(mine: dict[str, Any], champ: dict[str, Any], diff: dict[str, Any], run_id: str, champion_run: str | None,
@@ -383,90 +436,124 @@ def evidence_tags(mine: dict[str, Any], champ: dict[str, Any], diff: dict[str, A
     return tags
 
 
+@dataclass
+class RoleRun:
+    """One side of a role-level pair: the champion, a candidate model version, or a candidate prompt version (``text``:
+    what the champion's weights render instead of the routed template)."""
+
+    alias: str
+    version: Any
+    target: str
+    text: str | None = None
+    records: list[dict[str, Any]] = field(default_factory=list)
+    table: str = ""
+    seconds: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    run_id: str = ""
+
+
 # whole Params: the role's requests read agents, reward, data, pi, serving and evaluate
 def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str], policies: dict[str, str], key: str,
                   label: str) -> dict[str, Any]:
-    """Each candidate of ``name`` (its ``challenger`` and an A/A ``aa`` version) against the champion on the role's own
-    decision, every validation question (pipeline/evaluation/role_level.py); summary entries keyed by role (``@aa``)."""
-    cfg, setting = params.evaluate, params.data.setting
-    challenger = registry.by_alias(name, registry.CHALLENGER)
-    trained = challenger is not None and challenger.version != champion.version
-    if cfg.aa and trained and registry.by_alias(name, registry.AA) is None:
-        aa = registry.register_aa(params, name)
-        print(f"evaluate: {name}: A/A candidate v{aa.version} (champion v{champion.version} again)")
-    cands = [(alias, c) for alias in (registry.CHALLENGER, registry.AA)
-             if (c := registry.by_alias(name, alias)) is not None and c.version != champion.version]
-    prompt = prompt_candidate(params.prompt, name)
-    if not cands and prompt is None:
+    """Each candidate of ``name`` (its ``challenger``, an A/A ``aa`` version, a ``challenger`` prompt) against the
+    champion on the role's own decision, every validation question (pipeline/evaluation/role_level.py); summary entries
+    keyed by role (``@aa``, ``@prompt``)."""
+    runs = _role_runs(params, name, champion, roles)
+    if len(runs) == 1:
         print(f"evaluate: {name}: no challenger (champion v{champion.version})")
         return {}
-    tasks = load_tasks(params.validate_, "val", None, setting=setting)  # every question: one prefill each
+    cfg = params.evaluate
+    tasks = load_tasks(params.validate_, "val", None, setting=params.data.setting)  # every question: one prefill each
     url, api_key = proxy.client_settings(params.serving)
-    # (alias, version, where it is served, the prompt text a prompt candidate renders instead of the routed one)
-    runs: list[tuple[str, Any, str, str | None]] = [("champion", champion, roles[name], None)]
-    runs += [(alias, c, registry.deploy(params.serving, name, c, roles.get(name)), None) for alias, c in cands]
-    if prompt is not None:  # the champion's weights under the candidate prompt: the pair differs in its prompt alone
-        runs.append((PROMPT_ALIAS, prompt, roles[name], str(prompt.template)))
-    answered: dict[str, tuple[list[dict[str, Any]], str, float]] = {}
-    for alias, version, where, text in runs:
-        slug = _slug(f"{name}-{alias}-v{version.version}-{key[:8]}")
-        table = _table(params.serving, params.mlflow, slug, {**roles, name: where}, policies)
+    for r in runs:
+        slug = _slug(f"{name}-{r.alias}-v{r.version.version}-{key[:8]}")
+        r.table = json.dumps(_table(params.serving, params.mlflow, slug, {**roles, name: r.target}, policies))
         t0 = time.perf_counter()
-        records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward, setting,
-                                                cfg.role_concurrency, cfg.timeout_s, slug, rationale=cfg.role_judge,
-                                                template=text))
-        answered[alias] = (records, json.dumps(table), time.perf_counter() - t0)
+        r.records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward,
+                                                  params.data.setting, cfg.role_concurrency, cfg.timeout_s, slug,
+                                                  rationale=cfg.role_judge, template=r.text))
+        r.seconds = time.perf_counter() - t0
     judge_calls = 0
     if cfg.role_judge:
         t0 = time.perf_counter()
-        judge_calls = asyncio.run(role_level.judged(url, api_key, tasks, [a[0] for a in answered.values()], params.agents,
+        judge_calls = asyncio.run(role_level.judged(url, api_key, tasks, [r.records for r in runs], params.agents,
                                                     params.judge, params.reward, cfg.role_concurrency, cfg.timeout_s))
         print(f"evaluate: {name}: the judge scored {judge_calls} distinct answers in {time.perf_counter() - t0:.0f} s")
-    scored: dict[str, tuple[list[dict[str, Any]], dict[str, Any], str]] = {}
-    for alias, version, where, _ in runs:
-        records, table_json, seconds = answered[alias]
-        mine = role_level.metrics(records, setting, cfg.bootstrap, cfg.ci, cfg.seed)
-        with mlflow.start_run(run_name=f"eval {name} {alias} v{version.version}", nested=True,
-                              tags={"pipeline.kind": "evaluation", "eval.role": name, "eval.level": "role",
-                                    "eval.version": str(version.version), "eval.alias": alias, "data.setting": setting}) as run:
-            mlflow.log_text(table_json, "evaluation/routing.json")
-            mlflow.log_metrics({k: v for k, v in flat(mine).items() if v == v})
-            mlflow.log_text("".join(json.dumps(r) + "\n" for r in records), "evaluation/records.jsonl")
-        scored[alias] = (records, mine, run.info.run_id)
-        print(f"evaluate: {name} {alias} v{version.version} ({where}): {len(records)} validation questions in "
-              f"{seconds:.0f} s, {mine['failures']['n']} failed, yes/no accuracy {mine['yes_no']['accuracy']:.3f} "
-              f"(n={mine['yes_no']['n']}), AUC {mine['auc']['value']}")
-    champ_records, champ, champ_run = scored["champion"]
-    out: dict[str, Any] = {}
-    for alias, cand, where, text in runs[1:]:
-        records, mine, run_id = scored[alias]
-        diff = paired_difference(records, champ_records, cfg.bootstrap, cfg.ci, cfg.seed)
-        entry: dict[str, Any] = {
-            "role": name, "alias": alias, "level": "role",
-            "champion": {"version": champion.version, "target": roles[name], "label": label, "metrics": champ,
-                         "run_id": champ_run},
-            "candidate": {"version": cand.version, "target": where, "metrics": mine, "run_id": run_id},
-            "difference": diff, "records": {"champion": champ_records, "candidate": records},
-            "cost": {"calls_per_task": 1, "tasks": len(tasks), "judge_calls": judge_calls}}
-        out[name if alias == registry.CHALLENGER else f"{name}@{alias}"] = entry
-        if text is not None:  # a prompt pair: the versions compared are the prompt's, both answered by the champion model
-            template = params.prompt.at(name).template
-            entry.update(artifact="prompt", template=template, model_version=champion.version)
-            entry["champion"]["version"] = str(prompts.VERSIONS[template])
-            entry["candidate"]["version"] = str(cand.version)
-            prompt_registry.set_tags(template, cand.version, {
-                **evidence_tags(mine, champ, diff, run_id, champ_run, str(prompts.VERSIONS[template])),
-                "eval.model_version": champion.version})
-            print(f"evaluate: {name} prompt {template} v{cand.version} (champion weights v{champion.version}) reward "
-                  f"{mine['reward']['mean']:.3f} vs prompt v{prompts.VERSIONS[template]} {champ['reward']['mean']:.3f}; "
-                  f"paired diff {diff['mean']:+.3f} (n={diff['n']}, sign-flip p={diff['p_value']:.4f})")
-            continue
-        registry.set_tags(name, cand.version, evidence_tags(mine, champ, diff, run_id, champ_run, champion.version))
-        print(f"evaluate: {name} {alias} v{cand.version} reward {mine['reward']['mean']:.3f} vs champion "
-              f"{champ['reward']['mean']:.3f}; paired diff {diff['mean']:+.3f} (n={diff['n']}, "
-              f"sign-flip p={diff['p_value']:.4f}; "
-              f"McNemar p={diff['decision']['p_value']:.4f}, b={diff['decision'].get('b')}, c={diff['decision'].get('c')})")
-    return out
+    for r in runs:  # the figures once the judge's part of the reward is in the records
+        _log_role_run(params, name, r)
+    cost = {"calls_per_task": 1, "tasks": len(tasks), "judge_calls": judge_calls}
+    return dict(_role_entry(params, name, champion, runs[0], r, roles[name], label, cost) for r in runs[1:])
+
+
+# whole Params: register_aa's five sections
+def _role_runs(params: Params, name: str, champion: Any, roles: dict[str, str]) -> list[RoleRun]:
+    """The champion first, then each candidate (deployed): ``challenger`` and ``aa`` versions, a ``challenger`` prompt.
+    The A/A version is registered here once a challenger was trained."""
+    challenger = registry.by_alias(name, registry.CHALLENGER)
+    if params.evaluate.aa and challenger is not None and challenger.version != champion.version \
+            and registry.by_alias(name, registry.AA) is None:
+        aa = registry.register_aa(params, name)
+        print(f"evaluate: {name}: A/A candidate v{aa.version} (champion v{champion.version} again)")
+    runs = [RoleRun("champion", champion, roles[name])]
+    runs += [RoleRun(alias, c, deploy.deploy(params.serving, name, c, roles.get(name)))
+             for alias in (registry.CHALLENGER, registry.AA)
+             if (c := registry.by_alias(name, alias)) is not None and c.version != champion.version]
+    if (prompt := prompt_candidate(params.prompt, name)) is not None:
+        # the champion's weights under the candidate prompt: the pair differs in its prompt alone
+        runs.append(RoleRun(PROMPT_ALIAS, prompt, roles[name], str(prompt.template)))
+    return runs
+
+
+# whole Params: data.setting and evaluate
+def _log_role_run(params: Params, name: str, r: RoleRun) -> None:
+    """One side's figures (role_level.metrics) as a nested evaluation run with its routing table and records."""
+    cfg, setting = params.evaluate, params.data.setting
+    r.metrics = role_level.metrics(r.records, setting, cfg.bootstrap, cfg.ci, cfg.seed)
+    with mlflow.start_run(run_name=f"eval {name} {r.alias} v{r.version.version}", nested=True,
+                          tags={"pipeline.kind": "evaluation", "eval.role": name, "eval.level": "role",
+                                "eval.version": str(r.version.version), "eval.alias": r.alias, "data.setting": setting}) as run:
+        mlflow.log_text(r.table, "evaluation/routing.json")
+        mlflow.log_metrics({k: v for k, v in flat(r.metrics).items() if v == v})
+        mlflow.log_text("".join(json.dumps(x) + "\n" for x in r.records), "evaluation/records.jsonl")
+    r.run_id = run.info.run_id
+    m = r.metrics
+    print(f"evaluate: {name} {r.alias} v{r.version.version} ({r.target}): {len(r.records)} validation questions in "
+          f"{r.seconds:.0f} s, {m['failures']['n']} failed, yes/no accuracy {m['yes_no']['accuracy']:.3f} "
+          f"(n={m['yes_no']['n']}), AUC {m['auc']['value']}")
+
+
+# whole Params: a prompt pair's template (prompt.roles)
+def _role_entry(params: Params, name: str, champion: Any, champ: RoleRun, r: RoleRun, target: str, label: str,
+                cost: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The summary entry of candidate ``r`` against ``champ`` (keyed ``name``, ``name@aa``, ``name@prompt``), and its
+    evidence as tags on the version (a prompt pair: the prompt versions compared, both answered by the champion model)."""
+    cfg = params.evaluate
+    diff = paired_difference(r.records, champ.records, cfg.bootstrap, cfg.ci, cfg.seed)
+    entry: dict[str, Any] = {
+        "role": name, "alias": r.alias, "level": "role",
+        "champion": {"version": champion.version, "target": target, "label": label, "metrics": champ.metrics,
+                     "run_id": champ.run_id},
+        "candidate": {"version": r.version.version, "target": r.target, "metrics": r.metrics, "run_id": r.run_id},
+        "difference": diff, "records": {"champion": champ.records, "candidate": r.records}, "cost": cost}
+    key = name if r.alias == registry.CHALLENGER else f"{name}@{r.alias}"
+    figures = (f"reward {r.metrics['reward']['mean']:.3f} vs {{}} {champ.metrics['reward']['mean']:.3f}; paired diff "
+               f"{diff['mean']:+.3f} (n={diff['n']}, sign-flip p={diff['p_value']:.4f}")
+    if r.text is None:
+        registry.set_tags(name, r.version.version, evidence_tags(r.metrics, champ.metrics, diff, r.run_id, champ.run_id,
+                                                                 champion.version))
+        print(f"evaluate: {name} {r.alias} v{r.version.version} {figures.format('champion')}; McNemar "
+              f"p={diff['decision']['p_value']:.4f}, b={diff['decision'].get('b')}, c={diff['decision'].get('c')})")
+        return key, entry
+    template = params.prompt.at(name).template
+    rendered = str(prompts.VERSIONS[template])
+    entry.update(artifact="prompt", template=template, model_version=champion.version)
+    entry["champion"]["version"], entry["candidate"]["version"] = rendered, str(r.version.version)
+    prompt_registry.set_tags(template, r.version.version, {
+        **evidence_tags(r.metrics, champ.metrics, diff, r.run_id, champ.run_id, rendered),
+        "eval.model_version": champion.version})
+    print(f"evaluate: {name} prompt {template} v{r.version.version} (champion weights v{champion.version}) "
+          f"{figures.format(f'prompt v{rendered}')})")
+    return key, entry
 
 
 def prompt_candidate(prompt: PromptParams, name: str) -> Any | None:

@@ -215,37 +215,29 @@ def settle(params: Params, key: str, approve: bool, by: str, why: str) -> Promot
     and nothing moves. The same answer again (a retried Airflow task, a rerun after a crash between the switch and the
     report) finishes the record and changes nothing else. Refused in one line when it is not awaiting, or when its
     alias or its champion moved since the gate decided (the evidence is stale: evaluate again)."""
-    result = PromotionReport.model_validate_json(METRICS_FILE.read_text()) if METRICS_FILE.exists() else None
-    d = result.decisions.get(key) if result else None
     answered = Status.PROMOTED if approve else Status.NOT_APPROVED
-    if result is None or d is None or d.status not in (Status.AWAITING_APPROVAL, answered):
-        waiting = sorted(k for k, v in (result.decisions if result else {}).items() if v.status == Status.AWAITING_APPROVAL)
-        raise PromotionError(f"{key} is not awaiting approval in {METRICS_FILE} (its decision: "
-                             f"{d.status if d else 'none'}; awaiting: {waiting or 'nothing'})")
+    result, d = _awaiting(key, answered)
     serving, line = params.serving, Line(str(d.role), str(d.template) if d.artifact == Artifact.PROMPT else None)
     alias = line.candidate_alias(str(d.alias))
-    cand, named, current = line.get(d.candidate), line.named(alias), line.current(routing.active(serving))
+    cand = line.get(d.candidate)
     if cand is None:
         raise PromotionError(f"{key} v{d.candidate}: no such version in the {line.store}")
+    current = line.current(routing.active(serving))
     tagged = cand.tags.get("promotion.decision")
-    done = tagged == answered and (not approve or str(current) == str(d.candidate))
-    if not done and tagged != Status.AWAITING_APPROVAL:
-        raise PromotionError(f"{key} v{d.candidate} is not awaiting approval in the {line.store} ({tagged})")
-    if not done and (named is None or str(named.version) != str(d.candidate) or str(current) != str(d.champion_before)):
-        raise PromotionError(f"{key} v{d.candidate} was decided against v{d.champion_before} as {d.alias}; now the champion "
-                             f"is v{current} and {d.alias} is v{named.version if named else '-'}: evaluate again")
     answer = {"promotion.approved_by" if approve else "promotion.refused_by": by, "promotion.answer": why[:4000]}
-    if done:
+    if tagged == answered and (not approve or str(current) == str(d.candidate)):
         print(f"promote: {key} v{d.candidate} was {answered} already (a repeated answer): recording it, nothing else")
         d.routing_version = int(cand.tags.get("promotion.routing_version") or 0) or d.routing_version
-    elif approve:
-        tags = {**{k: v for k, v in cand.tags.items() if k.startswith("promotion.")}, **answer,
-                "promotion.decision": Status.PROMOTED.value, "promotion.run": _active_run_id()}
-        text = f"promote {key} v{d.candidate} (approved by {by}): {d.detail}"
-        d.routing_version = switch(serving, params.mlflow, line, cand, text, tags=tags)
     else:
-        line.set_tags(d.candidate, {**answer, "promotion.decision": Status.NOT_APPROVED.value})
-        record_not_approved(serving, line, d.candidate, by, why)
+        _still_as_decided(key, d, line, alias, tagged, current)
+        if approve:
+            tags = {**{k: v for k, v in cand.tags.items() if k.startswith("promotion.")}, **answer,
+                    "promotion.decision": Status.PROMOTED.value, "promotion.run": _active_run_id()}
+            d.routing_version = switch(serving, params.mlflow, line, cand,
+                                       f"promote {key} v{d.candidate} (approved by {by}): {d.detail}", tags=tags)
+        else:
+            line.set_tags(d.candidate, {**answer, "promotion.decision": Status.NOT_APPROVED.value})
+            record_not_approved(serving, line, d.candidate, by, why)
     if d.status != answered:
         d.detail = d.detail if approve else f"not approved by {by}: {why}"[:4000]
     d.status, d.promote = answered, approve
@@ -258,6 +250,28 @@ def settle(params: Params, key: str, approve: bool, by: str, why: str) -> Promot
     _write(result)
     print(f"promote: {key} v{d.candidate}: {d.status.upper()} by {by}; routing v{result.routing_version} live")
     return d
+
+
+def _awaiting(key: str, answered: Status) -> tuple[PromotionReport, PromotionDecision]:
+    """The cycle's report and ``key``'s decision, which must await approval (or carry this very answer already)."""
+    result = PromotionReport.model_validate_json(METRICS_FILE.read_text()) if METRICS_FILE.exists() else None
+    d = result.decisions.get(key) if result else None
+    if result is None or d is None or d.status not in (Status.AWAITING_APPROVAL, answered):
+        waiting = sorted(k for k, v in (result.decisions if result else {}).items() if v.status == Status.AWAITING_APPROVAL)
+        raise PromotionError(f"{key} is not awaiting approval in {METRICS_FILE} (its decision: "
+                             f"{d.status if d else 'none'}; awaiting: {waiting or 'nothing'})")
+    return result, d
+
+
+def _still_as_decided(key: str, d: PromotionDecision, line: Line, alias: str, tagged: str | None,
+                      current: str | None) -> None:
+    """Refuse an answer to evidence that went stale: the version no longer awaits, its alias or the champion moved."""
+    if tagged != Status.AWAITING_APPROVAL:
+        raise PromotionError(f"{key} v{d.candidate} is not awaiting approval in the {line.store} ({tagged})")
+    named = line.named(alias)
+    if named is None or str(named.version) != str(d.candidate) or str(current) != str(d.champion_before):
+        raise PromotionError(f"{key} v{d.candidate} was decided against v{d.champion_before} as {d.alias}; now the champion "
+                             f"is v{current} and {d.alias} is v{named.version if named else '-'}: evaluate again")
 
 
 def approval_request(key: str) -> str | None:

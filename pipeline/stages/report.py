@@ -39,7 +39,7 @@ from pipeline.evaluation import role_level, society
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, macro_f1, paired_difference, summarise
 from pipeline.evaluation.significance import mcnemar_exact
 from pipeline.io import atomic_dir, write_json
-from pipeline.serving import proxy, routing, stack
+from pipeline.serving import deploy, proxy, routing, stack
 from pipeline.traces.schema import Trace
 
 METRICS_FILE = Path("reports/test.json")
@@ -70,7 +70,7 @@ def role_level_report(params: Params, role: str) -> tuple[dict[str, Any], list[d
             continue
         table = None
         if version is not None:  # the replaced champion, reached through an evaluation table (the live one is untouched)
-            where = registry.deploy(params.serving, role, registry.get_version(role, version), live["roles"].get(role))
+            where = deploy.deploy(params.serving, role, registry.get_version(role, version), live["roles"].get(role))
             table = f"test-{role}-v{version}"
             routing.write_eval(params.serving, table, {**live["roles"], role: where}, live.get("policies"))
         t0 = time.perf_counter()
@@ -107,7 +107,7 @@ def _replaced_table(params: Params, role: str, version: str, live: dict[str, Any
     """An evaluation routing table with ``role`` on the ``version`` this cycle replaced (the live one is untouched)."""
     from pipeline import registry  # noqa: PLC0415 - control plane registry; only this report needs it here
 
-    where = registry.deploy(params.serving, role, registry.get_version(role, version), live["roles"].get(role))
+    where = deploy.deploy(params.serving, role, registry.get_version(role, version), live["roles"].get(role))
     routing.write_eval(params.serving, name, {**live["roles"], role: where}, live.get("policies"))
     return name
 
@@ -158,13 +158,7 @@ def input_effect(params: Params, traces: list[Trace], role: str, routing_name: s
     """What the protocol and the reviews do to the decision: for every rollout whose PI answered, the same weights asked
     the decision on the brief alone and on the brief with the society's protocol and reviews (the PI's own spans hold
     both prompts), yes/no accuracy of each and how often they agree (docs/promotion.md)."""
-    asked = []
-    for t in traces:
-        pi = [s.data for s in t.spans if s.kind == "llm" and s.data.get("logical_model") == role and s.data.get("ok")]
-        decided = next((d for d in pi if d.get("step") == "decision"), None)
-        explained = next((d for d in pi if d.get("step") == "rationale"), None)
-        if decided and explained:
-            asked.append((t, decided, explained))
+    asked = [a for t in traces if (a := _asked(t, role)) is not None]
     url, key = proxy.client_settings(params.serving)
 
     async def both() -> list[tuple[Any, Any]]:
@@ -185,14 +179,26 @@ def input_effect(params: Params, traces: list[Trace], role: str, routing_name: s
     pairs = asyncio.run(both()) if asked else []
     rows: list[tuple[str | None, str | None, str | None]] = [
         (t.label, a.value if a else None, b.value if b else None) for (t, _, _), (a, b) in zip(asked, pairs, strict=True)]
+    return {**_effect(rows), "served_input": params.agents.decision.input.value}
+
+
+def _asked(t: Trace, role: str) -> tuple[Trace, dict[str, Any], dict[str, Any]] | None:
+    """A rollout's PI spans that asked the decision (the brief) and the rationale (brief, protocol and reviews)."""
+    pi = [s.data for s in t.spans if s.kind == "llm" and s.data.get("logical_model") == role and s.data.get("ok")]
+    decided = next((d for d in pi if d.get("step") == "decision"), None)
+    explained = next((d for d in pi if d.get("step") == "rationale"), None)
+    return (t, decided, explained) if decided and explained else None
+
+
+def _effect(rows: list[tuple[str | None, str | None, str | None]]) -> dict[str, Any]:
+    """(label, decision on the brief, decision with the protocol and reviews): accuracy of each, agreement, McNemar."""
     yes_no = [r for r in rows if r[0] in ("yes", "no")]
     right = lambda label, d: answer(d) == label  # noqa: E731
     test = mcnemar_exact([right(lab, b) for lab, _, b in yes_no], [right(lab, a) for lab, a, _ in yes_no])
     return {"n": len(rows), "agree": sum(a == b for _, a, b in rows), "yes_no_n": len(yes_no),
             "brief_accuracy": sum(right(lab, a) for lab, a, _ in yes_no) / max(len(yes_no), 1),
             "society_accuracy": sum(right(lab, b) for lab, _, b in yes_no) / max(len(yes_no), 1),
-            "mcnemar": {**test, "b_means": "right with the protocol and reviews, wrong on the brief alone"},
-            "served_input": params.agents.decision.input.value}
+            "mcnemar": {**test, "b_means": "right with the protocol and reviews, wrong on the brief alone"}}
 
 
 # whole Params: running the society reads six sections (see evaluation.society.run_many)
@@ -238,6 +244,8 @@ def _line(which: str, m: dict[str, Any]) -> str:
 
 
 def run(params: Params) -> dict[str, Any]:
+    """The role-level readout on the test split (every decision role), then the society as served; PubMedQA's files
+    from the figure ``report.predictions`` names, both figures logged under names that cannot be confused."""
     role_results: dict[str, Any] = {}
     role_records: dict[str, list[dict[str, Any]]] = {}
     decision_roles = [r for r in params.evaluate.role_level if r in params.promote.roles]
@@ -246,17 +254,10 @@ def run(params: Params) -> dict[str, Any]:
             role_results[role], role_records[role] = role_level_report(params, role)
     pi = decision_roles[0] if decision_roles else None
     served = society_report(params, pi, role_records.get(pi) if pi else None)
-    records, after = served.pop("records"), served["after"]
-    traces = served.pop("traces")
-    predictions = {t.task_id: answer(t.decision) for t in traces}
-    truth = {r["task_id"]: r["label"] for r in records}
-    if params.report.predictions == "role_level" and role_records:
-        rows = next(iter(role_records.values()))  # PubMedQA's format from the role-level PI: every question it answered
-        predictions = {r["task_id"]: answer(r["decision"]) for r in rows}
-        truth = {r["task_id"]: r["label"] for r in rows}
+    records, after, traces = served.pop("records"), served["after"], served.pop("traces")
+    rows = next(iter(role_records.values())) if params.report.predictions == "role_level" and role_records else None
+    predictions, truth, official = _official(traces, records, rows)
     pmids = list(truth)
-    official = {"accuracy": sum(predictions[p] == truth[p] for p in pmids) / len(pmids),
-                "macro_f1": macro_f1([truth[p] for p in pmids], [predictions[p] for p in pmids])}
     with atomic_dir(params.report.out_dir) as tmp:
         (tmp / "predictions.json").write_text(json.dumps(predictions, indent=1))
         (tmp / "ground_truth.json").write_text(json.dumps(truth, indent=1))
@@ -268,26 +269,50 @@ def run(params: Params) -> dict[str, Any]:
               "predictions": params.report.predictions, "official": official, "society": served,
               **{k: after[k] for k in ("reward", "success_rate", *CRITERIA, "turns", "tokens", "latency_s") if k in after},
               "role_level": role_results}
-    # two names that cannot be confused: test.society.* is the society as served, test.role_level.<role>.* the readout
+    _log(params.report.out_dir, after, official, role_results)
+    _print(params, served, official, len(pmids))
+    return result
+
+
+def _official(traces: list[Trace], records: list[dict[str, Any]],
+              role_rows: list[dict[str, Any]] | None) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
+    """PubMedQA's files (PMID -> yes/no/maybe) and its official figures: from the role-level PI's answers to every
+    question (``role_rows``), else from the society's decisions."""
+    if role_rows is not None:
+        predictions = {r["task_id"]: answer(r["decision"]) for r in role_rows}
+        truth = {r["task_id"]: r["label"] for r in role_rows}
+    else:
+        predictions, truth = {t.task_id: answer(t.decision) for t in traces}, {r["task_id"]: r["label"] for r in records}
+    pmids = list(truth)
+    return predictions, truth, {"accuracy": sum(predictions[p] == truth[p] for p in pmids) / len(pmids),
+                                "macro_f1": macro_f1([truth[p] for p in pmids], [predictions[p] for p in pmids])}
+
+
+def _log(out_dir: str, after: dict[str, Any], official: dict[str, Any], role_results: dict[str, Any]) -> None:
+    """Two names that cannot be confused: test.society.* is the society as served, test.role_level.<role>.* the readout,
+    test.predictions.* what predictions.json scores."""
     mlflow.log_metrics({**{f"test.society.{k}": v for k, v in flat(after).items()},
                         **{f"test.society.official_{k}": v for k, v in after["official"].items()},
                         "test.society.failure_rate": after["failures"]["rate"], "test.society.n": after["questions"],
                         **{f"test.predictions.{k}": v for k, v in official.items()},
                         **{f"test.role_level.{role}.{k}": v for role, x in role_results.items()
                            for k, v in flat(x["after"]).items() if v == v}})
-    mlflow.log_artifacts(params.report.out_dir, artifact_path="test")
-    print(f"report: society as served, {_line('after', after)}")
+    mlflow.log_artifacts(out_dir, artifact_path="test")
+
+
+# whole Params: report's out_dir and predictions beside the served figures
+def _print(params: Params, served: dict[str, Any], official: dict[str, Any], n: int) -> None:
+    print(f"report: society as served, {_line('after', served['after'])}")
     if "before" in served:
         was = f"before (v{served['before_version']})"
         print(f"report: society as served, {_line(was, served['before'])}; exact "
               f"McNemar after vs before p={served['after_vs_before']['correct']['p_value']:.3g}")
     if (agree := served.get("agreement_with_role_level")) and agree["n"]:
         print(f"report: the society's decision is the role-level decision on {agree['same']}/{agree['n']} questions")
-    print(f"report: predictions.json ({params.report.predictions}) on {len(pmids)} test questions: accuracy "
+    print(f"report: predictions.json ({params.report.predictions}) on {n} test questions: accuracy "
           f"{official['accuracy']:.3f}, macro-F1 {official['macro_f1']:.3f} (PubMedQA's evaluation.py: python "
           f"evaluation.py {params.report.out_dir}/predictions.json with data/test_ground_truth.json = "
           f"{params.report.out_dir}/ground_truth.json)")
-    return result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -40,10 +40,6 @@ from pipeline.serving import routing, stack
 METRICS_FILE = Path("reports/rollouts.json")
 
 
-class FailureRateExceeded(RuntimeError):
-    pass
-
-
 def shard_tasks(rollouts: RolloutsParams, validate: ValidateParams, shard: int,
                 setting: str | None = None) -> list[dict[str, Any]]:
     return load_tasks(validate, "train", rollouts.limit, setting=setting)[shard :: rollouts.shards]
@@ -253,6 +249,36 @@ def prune_stale_shards(rollouts: RolloutsParams) -> None:
             path.unlink()
 
 
+# whole Params: the society's run reads six sections (see run)
+def _tracked(params: Params, shard: int | None, shards: list[int], run_id: str) -> dict[str, Any]:
+    """The shards run as an MLflow stage run: the routed prompt versions named in spans, the metrics, each shard's
+    traces as an artifact and as MLflow traces."""
+    with tracking.stage_run("rollouts" if shard is None else f"rollouts-shard-{shard}", params.mlflow):
+        import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow, --collect)
+
+        from pipeline.traces.mlflow_traces import log_traces  # noqa: PLC0415 - imports mlflow, as above
+
+        prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions, named in spans
+        results = run(params, shards, run_id)
+        for scope, metrics in results.items():
+            mlflow.log_metrics({f"{scope}.{k}": float(v) for k, v in metrics.items()})
+        for s in shards:
+            mlflow.log_artifact(str(shard_path(params.rollouts, s)), artifact_path="traces")
+            log_traces([json.loads(line) for line in shard_path(params.rollouts, s).read_text().splitlines()])
+    return results
+
+
+def _failure_reasons(rollouts: RolloutsParams, shards: list[int]) -> dict[str, int]:
+    """How often each failed rollout's error (its first 160 characters) occurred in ``shards``."""
+    errors: dict[str, int] = {}
+    for s in shards:
+        for line in shard_path(rollouts, s).read_text().splitlines():
+            t = json.loads(line)
+            if t["status"] == "failed":
+                errors[t["error"][:160]] = errors.get(t["error"][:160], 0) + 1
+    return errors
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", type=int, default=None, help="run one shard (default: all)")
     parser.add_argument("--collect", action="store_true", help="only compute metrics from existing shard files")
@@ -274,19 +300,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     elif args.no_mlflow:
         results = run(params, shards, run_id)
     else:
-        with tracking.stage_run("rollouts" if args.shard is None else f"rollouts-shard-{args.shard}", params.mlflow):
-            import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow, --collect)
-
-            prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions, named in spans
-
-            results = collect(params.rollouts) if args.collect else run(params, shards, run_id)
-            for scope, metrics in results.items():
-                mlflow.log_metrics({f"{scope}.{k}": float(v) for k, v in metrics.items()})
-            from pipeline.traces.mlflow_traces import log_traces  # noqa: PLC0415 - imports mlflow, as above
-
-            for s in ([] if args.collect else shards):
-                mlflow.log_artifact(str(shard_path(params.rollouts, s)), artifact_path="traces")
-                log_traces([json.loads(line) for line in shard_path(params.rollouts, s).read_text().splitlines()])
+        results = _tracked(params, args.shard, shards, run_id)
     if args.shard is None:
         write_json(METRICS_FILE, results)
         metrics_files.write("rollouts", results)
@@ -295,13 +309,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
     print(f"rollouts: {int(total['rollouts'])} rollouts, success {total['success_rate']:.0%}, "
           f"mean reward {total['mean_reward']:.3f} -> {params.rollouts.out_dir}/")
     if failure_rate > params.rollouts.max_failure_rate:
-        errors: dict[str, int] = {}
-        for s in shards:
-            for line in shard_path(params.rollouts, s).read_text().splitlines():
-                t = json.loads(line)
-                if t["status"] == "failed":
-                    errors[t["error"][:160]] = errors.get(t["error"][:160], 0) + 1
         print(f"error: failure rate {failure_rate:.0%} exceeds rollouts.max_failure_rate "
-              f"{params.rollouts.max_failure_rate:.0%}; reasons: {json.dumps(errors)}", file=sys.stderr)
+              f"{params.rollouts.max_failure_rate:.0%}; reasons: {json.dumps(_failure_reasons(params.rollouts, shards))}",
+              file=sys.stderr)
         return 1
     return 0
