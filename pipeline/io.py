@@ -52,10 +52,6 @@ def write_text(dest: str | Path, text: str) -> None:
         fh.write(text)
 
 
-def write_parquet(dest: str | Path, frame: Any) -> None:
-    with atomic_path(dest, suffix=".parquet") as tmp:
-        frame.to_parquet(tmp, index=False)
-
 
 @contextlib.contextmanager
 def atomic_dir(dest: str | Path) -> Iterator[Path]:

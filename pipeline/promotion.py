@@ -218,15 +218,8 @@ def audit(serving: ServingParams, roles: list[str] | tuple[str, ...] = ()) -> li
     deployment is not what the journal's last switch of that role made it; a role of ``roles`` whose champion is a
     version other than its baseline although the journal records no switch of it (the journal was removed or its line torn: roles
     never switched are on their baselines); a prompt whose champion alias moved outside promote/rollback."""
-    found = []
     lasts = {Line.of_record(e): e for kind in (MODEL, PROMPT) for e in journal(serving, kind=kind)}  # each line's last switch
-    switched = {line.role for line in lasts if line.template is None}
-    for role in (r for r in roles if r not in switched):
-        champion = registry.by_alias(role, registry.CHAMPION)
-        if champion is not None and str(champion.version) != BASELINE:
-            found.append(f"{role}: the registry's champion is v{champion.version}, not its baseline v{BASELINE}, but the "
-                         f"promotion journal {journal_file(serving)} records no switch of {role} (missing or torn); "
-                         f"{RECOVER}")
+    found = _unswitched_roles(serving, [r for r in roles if Line(r) not in lasts])
     for line, last in lasts.items():
         champion = line.champion()
         if champion is None or str(champion.version) != str(last["version"]):
@@ -239,6 +232,19 @@ def audit(serving: ServingParams, roles: list[str] | tuple[str, ...] = ()) -> li
 
 
 BASELINE = "1"  # registry.ensure_baselines registers it first: a role no switch touched has it as champion
+
+
+def _unswitched_roles(serving: ServingParams, roles: list[str]) -> list[str]:
+    """A role the journal records no switch of is on its baseline; another champion means the journal was removed or
+    its line torn."""
+    found = []
+    for role in roles:
+        champion = registry.by_alias(role, registry.CHAMPION)
+        if champion is not None and str(champion.version) != BASELINE:
+            found.append(f"{role}: the registry's champion is v{champion.version}, not its baseline v{BASELINE}, but the "
+                         f"promotion journal {journal_file(serving)} records no switch of {role} (missing or torn); "
+                         f"{RECOVER}")
+    return found
 
 
 def _unswitched_prompts(switched: set[str]) -> list[str]:

@@ -35,47 +35,55 @@ class PromptError(RuntimeError):
 def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> dict[str, int]:
     """Every template registered as it reads now; then the versions the routing ``table`` names (its ``prompts``)
     become what the society renders. Returns (and records in ``prompts``) template -> the version rendered."""
-    import mlflow.genai  # noqa: PLC0415 - control plane only; 1 s import
-
     from pipeline import tracking  # noqa: PLC0415 - control plane only
 
     tracking.setup(mlflow_cfg)
-    versions: dict[str, int] = {}
-    for template, text in prompts.TEMPLATES.items():
-        name = registered_name(template)
-        latest = (mlflow.genai.load_prompt(f"prompts:/{name}@{REPOSITORY}", allow_missing=True, **FRESH)
-                  or mlflow.genai.load_prompt(f"prompts:/{name}@latest", allow_missing=True, **FRESH))
-        if latest is None or latest.template != text:
-            latest = mlflow.genai.register_prompt(
-                name, text, commit_message=f"pipeline/agents/prompts.py at sha {prompts.digest(text)}",
-                tags={"sha": prompts.digest(text), "source": SOURCE})
-        if latest.aliases is None or REPOSITORY not in latest.aliases:
-            mlflow.genai.set_prompt_alias(name, REPOSITORY, latest.version)
-        # the first version is the champion; later only promotion and rollback move it (their journal records it)
-        if mlflow.genai.load_prompt(f"prompts:/{name}@{CHAMPION}", allow_missing=True, **FRESH) is None:
-            mlflow.genai.set_prompt_alias(name, CHAMPION, latest.version)
-        versions[template] = int(latest.version)
+    versions = {template: _repository_version(template, text) for template, text in prompts.TEMPLATES.items()}
     prompts.ROUTED.clear()
-    pins = (table or {}).get("prompt_sha256") or {}
     for template, number in ((table or {}).get("prompts") or {}).items():
-        routed = mlflow.genai.load_prompt(f"prompts:/{registered_name(template)}/{number}", allow_missing=True, **FRESH)
-        if routed is None:
-            raise PromptError(f"prompt {registered_name(template)} v{number}: routed by routing version "
-                              f"{(table or {}).get('version')}, but not in the Prompt Registry")
-        # the served-digest rule for prompts: the text must be the one the routing version pinned (a registry writer
-        # can replace a version's text and its tag together), and the one registered under that version's sha
-        if template in pins and prompts.digest(routed.template) != pins[template]:
-            raise PromptError(f"prompt {registered_name(template)} v{number}: its text hashes to "
-                              f"{prompts.digest(routed.template)}, but routing version {(table or {}).get('version')} "
-                              f"pinned {pins[template]}: the registry's text was changed; not rendered")
-        if routed.tags.get("sha") != prompts.digest(routed.template):
-            raise PromptError(f"prompt {registered_name(template)} v{number}: its text hashes to "
-                              f"{prompts.digest(routed.template)}, but it was registered as {routed.tags.get('sha')}")
-        prompts.ROUTED[template] = routed.template
+        prompts.ROUTED[template] = _routed_text(template, number, table or {})
         versions[template] = int(number)
     prompts.VERSIONS.clear()
     prompts.VERSIONS.update(versions)
     return versions
+
+
+def _repository_version(template: str, text: str) -> int:
+    """The version holding the repository's ``text`` of ``template``: a new one when the text changed (a template
+    changed in the repo is a new version, never an edit of one already used); the first version is the champion."""
+    import mlflow.genai  # noqa: PLC0415 - control plane only; 1 s import
+
+    name = registered_name(template)
+    latest = (mlflow.genai.load_prompt(f"prompts:/{name}@{REPOSITORY}", allow_missing=True, **FRESH)
+              or mlflow.genai.load_prompt(f"prompts:/{name}@latest", allow_missing=True, **FRESH))
+    if latest is None or latest.template != text:
+        sha = prompts.digest(text)
+        latest = mlflow.genai.register_prompt(name, text, commit_message=f"pipeline/agents/prompts.py at sha {sha}",
+                                              tags={"sha": sha, "source": SOURCE})
+    if latest.aliases is None or REPOSITORY not in latest.aliases:
+        mlflow.genai.set_prompt_alias(name, REPOSITORY, latest.version)
+    # the first version is the champion; later only promotion and rollback move it (their journal records it)
+    if mlflow.genai.load_prompt(f"prompts:/{name}@{CHAMPION}", allow_missing=True, **FRESH) is None:
+        mlflow.genai.set_prompt_alias(name, CHAMPION, latest.version)
+    return int(latest.version)
+
+
+def _routed_text(template: str, number: int, table: dict[str, Any]) -> str:
+    """The text of version ``number`` of ``template`` that routing ``table`` names, once it is the text the table pinned
+    (a registry writer can replace a version's text and its tag together) and the one registered under its ``sha``."""
+    import mlflow.genai  # noqa: PLC0415 - control plane only
+
+    routed = mlflow.genai.load_prompt(f"prompts:/{registered_name(template)}/{number}", allow_missing=True, **FRESH)
+    where = f"prompt {registered_name(template)} v{number}"
+    if routed is None:
+        raise PromptError(f"{where}: routed by routing version {table.get('version')}, but not in the Prompt Registry")
+    sha, pinned = prompts.digest(routed.template), (table.get("prompt_sha256") or {}).get(template)
+    if pinned is not None and sha != pinned:
+        raise PromptError(f"{where}: its text hashes to {sha}, but routing version {table.get('version')} pinned "
+                          f"{pinned}: the registry's text was changed; not rendered")
+    if routed.tags.get("sha") != sha:
+        raise PromptError(f"{where}: its text hashes to {sha}, but it was registered as {routed.tags.get('sha')}")
+    return str(routed.template)
 
 
 def pin(template: str, number: int | str) -> str:

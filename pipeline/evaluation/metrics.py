@@ -62,14 +62,16 @@ def summarise(records: list[dict[str, Any]], n: int = 1000, ci: float = 0.95, se
     for key in ("turns", "tokens", "latency_s"):
         stat(key, [float(r.get(key) or 0) for r in records])
     decided = [r for r in records if r["label"] in ("yes", "no")]
-    correct = [float(answer(r["decision"]) == r["label"]) for r in decided]
-    stat("decision_accuracy", correct)
+    stat("decision_accuracy", [float(answer(r["decision"]) == r["label"]) for r in decided])
     out["macro_f1"] = macro_f1([r["label"] for r in decided], [answer(r["decision"]) for r in decided]) if decided else None
-    maybe = [r for r in records if r["label"] == "maybe"]
-    out["maybe"] = {"n": len(maybe), "go": sum(r["decision"] == "GO" for r in maybe),
-                    "no_go": sum(r["decision"] == "NO-GO" for r in maybe),
-                    "defer": sum(r["decision"] == "DEFER" for r in maybe)}
+    out["maybe"] = _maybe([r["decision"] for r in records if r["label"] == "maybe"])
     return out
+
+
+def _maybe(decisions: list[str | None]) -> dict[str, int]:
+    """What was decided on the ``maybe`` questions (no right answer among GO / NO-GO; DEFER is PubMedQA's maybe)."""
+    return {"n": len(decisions), "go": decisions.count("GO"), "no_go": decisions.count("NO-GO"),
+            "defer": decisions.count("DEFER")}
 
 
 def paired_difference(candidate: list[dict[str, Any]], champion: list[dict[str, Any]], n: int = 1000, ci: float = 0.95,

@@ -101,23 +101,24 @@ def expected_model(serving: ServingParams, target: str) -> str:
     raise RoutingError(f"deployment '{target}': no worker '{worker_name}' in serving.workers")
 
 
+def _mapping(path: Path, doc: dict[str, Any], key: str, what: str, required: bool = False) -> dict[str, Any]:
+    value = doc.get(key) if required else doc.get(key) or {}
+    if not isinstance(value, dict):
+        raise RoutingError(f"{path}: '{key}' must map {what}")
+    return value
+
+
 def load_version(serving: ServingParams, version: int) -> dict[str, Any]:
     path = version_path(serving, version)
     if not path.exists():
         raise RoutingError(f"{path}: routing version {version} does not exist (have {versions(serving)})")
     doc = yaml.safe_load(path.read_text()) or {}
-    roles = doc.get("roles")
-    if not isinstance(roles, dict):
-        raise RoutingError(f"{path}: 'roles' must map role -> deployment")
+    roles = _mapping(path, doc, "roles", "role -> deployment", required=True)
     for role, was in serving.inherits.items():  # a version from before the role had its own model: where its calls went then
         if role in serving.roles and role not in roles and was in roles:
             roles = {**roles, role: roles[was]}
-    policies = doc.get("policies") or {}
-    if not isinstance(policies, dict):
-        raise RoutingError(f"{path}: 'policies' must map policy -> model URI or 'llm'")
-    prompt_versions = doc.get("prompts") or {}
-    if not isinstance(prompt_versions, dict):
-        raise RoutingError(f"{path}: 'prompts' must map prompt template -> registered version")
+    policies = _mapping(path, doc, "policies", "policy -> model URI or 'llm'")
+    prompt_versions = _mapping(path, doc, "prompts", "prompt template -> registered version")
     try:
         check_table(serving, roles, policies, prompt_versions)
     except RoutingError as exc:
@@ -399,25 +400,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--description", default="")
 
 
+def _pairs(items: list[str], flag: str, rule: str, valid: Any = lambda _: True) -> dict[str, str]:
+    """``NAME=VALUE`` arguments of ``flag`` as a dict; the first that is not one (or whose value ``valid`` refuses) is
+    refused naming it and ``rule``."""
+    for item in items:
+        _, sep, value = item.partition("=")
+        if not sep or not valid(value):
+            raise RoutingError(f"{flag} {item!r}: {rule}")
+    return dict(item.split("=", 1) for item in items)
+
+
 # whole Params: serving, promote's policy roles and mlflow (routed prompts are looked up in the Prompt Registry)
 def _new(serving: ServingParams, params: Params, sets: list[str], prompt_items: list[str], description: str) -> int:
     """``route new``: the live table with ``--set ROLE=DEPLOYMENT|POLICY=URI`` and ``--prompt TEMPLATE=VERSION`` applied,
     written as the next version (not applied)."""
     live = active(serving) or load_version(serving, (versions(serving) or [1])[-1])
-    if bad := [item for item in sets if "=" not in item]:
-        raise RoutingError(f"--set {bad[0]!r}: must be ROLE=DEPLOYMENT or POLICY=URI")
-    changes = dict(item.split("=", 1) for item in sets)
+    changes = _pairs(sets, "--set", "must be ROLE=DEPLOYMENT or POLICY=URI")
     policy_roles = [n for n, kind in params.promote.roles.items() if kind == "policy"]
     if unknown := [k for k in changes if k not in serving.roles and k not in policy_roles]:
         raise RoutingError(f"--set {unknown[0]}=...: neither a role ({serving.roles}) nor a policy ({policy_roles})")
     roles = {**live["roles"], **{k: v for k, v in changes.items() if k in serving.roles}}
     policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in serving.roles}}
-    routed = dict(live.get("prompts") or {})
-    for item in prompt_items:
-        template, sep, number = item.partition("=")
-        if not sep or not number.isdigit():
-            raise RoutingError(f"--prompt {item!r}: must be TEMPLATE=VERSION (a registered version number)")
-        routed[template] = int(number)
+    numbers = _pairs(prompt_items, "--prompt", "must be TEMPLATE=VERSION (a registered version number)", str.isdigit)
+    routed = {**(live.get("prompts") or {}), **{t: int(n) for t, n in numbers.items()}}
     if routed:
         tracking.setup(params.mlflow)  # each routed prompt is looked up and pinned by its text's digest
     return write_version(serving, roles, description, policies, routed, pins_kept(live, routed))

@@ -224,20 +224,12 @@ def settle(params: Params, key: str, approve: bool, by: str, why: str) -> Promot
         raise PromotionError(f"{key} v{d.candidate}: no such version in the {line.store}")
     current = line.current(routing.active(serving))
     tagged = cand.tags.get("promotion.decision")
-    answer = {"promotion.approved_by" if approve else "promotion.refused_by": by, "promotion.answer": why[:4000]}
     if tagged == answered and (not approve or str(current) == str(d.candidate)):
         print(f"promote: {key} v{d.candidate} was {answered} already (a repeated answer): recording it, nothing else")
         d.routing_version = int(cand.tags.get("promotion.routing_version") or 0) or d.routing_version
     else:
         _still_as_decided(key, d, line, alias, tagged, current)
-        if approve:
-            tags = {**{k: v for k, v in cand.tags.items() if k.startswith("promotion.")}, **answer,
-                    "promotion.decision": Status.PROMOTED.value, "promotion.run": _active_run_id()}
-            d.routing_version = switch(serving, params.mlflow, line, cand,
-                                       f"promote {key} v{d.candidate} (approved by {by}): {d.detail}", tags=tags)
-        else:
-            line.set_tags(d.candidate, {**answer, "promotion.decision": Status.NOT_APPROVED.value})
-            record_not_approved(serving, line, d.candidate, by, why)
+        _answer(params, key, d, line, cand, approve, by, why)
     if d.status != answered:
         d.detail = d.detail if approve else f"not approved by {by}: {why}"[:4000]
     d.status, d.promote = answered, approve
@@ -250,6 +242,21 @@ def settle(params: Params, key: str, approve: bool, by: str, why: str) -> Promot
     _write(result)
     print(f"promote: {key} v{d.candidate}: {d.status.upper()} by {by}; routing v{result.routing_version} live")
     return d
+
+
+# whole Params: serving and mlflow (the switch)
+def _answer(params: Params, key: str, d: PromotionDecision, line: Line, cand: Any, approve: bool, by: str, why: str) -> None:
+    """Approved: the candidate through the same switch a promotion takes, the person's answer on it; refused: the
+    answer on the version and in the journal, nothing switched."""
+    answer = {"promotion.approved_by" if approve else "promotion.refused_by": by, "promotion.answer": why[:4000]}
+    if approve:
+        tags = {**{k: v for k, v in cand.tags.items() if k.startswith("promotion.")}, **answer,
+                "promotion.decision": Status.PROMOTED.value, "promotion.run": _active_run_id()}
+        d.routing_version = switch(params.serving, params.mlflow, line, cand,
+                                   f"promote {key} v{d.candidate} (approved by {by}): {d.detail}", tags=tags)
+    else:
+        line.set_tags(d.candidate, {**answer, "promotion.decision": Status.NOT_APPROVED.value})
+        record_not_approved(params.serving, line, d.candidate, by, why)
 
 
 def _awaiting(key: str, answered: Status) -> tuple[PromotionReport, PromotionDecision]:

@@ -180,6 +180,10 @@ async def _run_shard(params: Params, shard: int, run_id: str, tasks: list[dict[s
     return [json.loads(done[r]) for r in order]
 
 
+REWARD_PARTS = ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency", "aligned", "reward_judge",
+                "reward_decision")
+
+
 def summarise(traces: list[dict[str, Any]]) -> dict[str, float]:
     ok = [t for t in traces if t["status"] == "ok"]
     out: dict[str, float] = {"rollouts": len(traces), "success_rate": len(ok) / len(traces) if traces else 0.0}
@@ -187,11 +191,8 @@ def summarise(traces: list[dict[str, Any]]) -> dict[str, float]:
         out[f"mean_{key}"] = statistics.fmean(t[key] for t in traces) if traces else 0.0
     rewards = [t["reward"] for t in ok if t["reward"] is not None]
     out["mean_reward"] = statistics.fmean(rewards) if rewards else 0.0
-    for c in ("novelty", "feasibility", "impact", "clarity", "groundedness", "efficiency", "aligned", "reward_judge",
-              "reward_decision"):
-        vals = [t["rewards"][c] for t in ok if c in t["rewards"]]
-        if vals:
-            out[f"mean_{c}"] = statistics.fmean(vals)
+    parts = {c: [t["rewards"][c] for t in ok if c in t["rewards"]] for c in REWARD_PARTS}
+    out.update({f"mean_{c}": statistics.fmean(vals) for c, vals in parts.items() if vals})
     out["maybe_labels"] = sum(1 for t in traces if t.get("label") == "maybe")
     return out
 

@@ -175,16 +175,7 @@ def train(sft: SftRole, data: Path) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
         final_eval = trainer.evaluate()["eval_loss"]
         fit_after = trainer.evaluate(eval_dataset=fit_ds, metric_key_prefix="fit")["fit_loss"]
-        trainer.model.save_pretrained(str(tmp / "adapter"))
-        tokenizer.save_pretrained(str(tmp / "adapter"))
-        if sft.merge:
-            if backend == "unsloth":
-                trainer.model.save_pretrained_merged(str(tmp / "merged"), tokenizer, save_method=UNSLOTH_MERGED)
-            else:
-                merged = trainer.model.merge_and_unload()
-                merged.to(torch.bfloat16).save_pretrained(str(tmp / "merged"), safe_serialization=True)
-                tokenizer.save_pretrained(str(tmp / "merged"))
-        shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
+        _save(trainer.model, tokenizer, tmp, sft.merge, backend)
         history = trainer.state.log_history
         write_json(tmp / "log_history.json", history)
         losses = [h["loss"] for h in history if "loss" in h]
@@ -206,6 +197,20 @@ def train(sft: SftRole, data: Path) -> dict[str, Any]:
                    "base_model": str(Path(sft.base_model).resolve())}
         write_json(tmp / "train_meta.json", metrics)
     return metrics
+
+
+def _save(model: Any, tokenizer: Any, tmp: Path, merge: bool, backend: str) -> None:
+    """The adapter (and, with ``merge``, the merged bfloat16 model) into the folder being built; the checkpoints out."""
+    import torch  # noqa: PLC0415 - model plane only
+
+    model.save_pretrained(str(tmp / "adapter"))
+    tokenizer.save_pretrained(str(tmp / "adapter"))
+    if merge and backend == "unsloth":
+        model.save_pretrained_merged(str(tmp / "merged"), tokenizer, save_method=UNSLOTH_MERGED)
+    elif merge:
+        model.merge_and_unload().to(torch.bfloat16).save_pretrained(str(tmp / "merged"), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp / "merged"))
+    shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
 
 
 def _log_curves(history: list[dict[str, Any]], eval_before: float | None, files: tuple[Path, Path, Path],

@@ -41,5 +41,3 @@ class Trace(BaseModel):
     attempts: int = 1
     spans: list[Span] = Field(default_factory=list)
 
-    def roles_called(self) -> set[str]:
-        return {s.data.get("agent", s.name) for s in self.spans if s.kind == "llm"}
