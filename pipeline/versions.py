@@ -9,7 +9,7 @@ approval, rollback, reconcile and the journal are written once (``pipeline/promo
 - ``current``: the version the society is served now (a prompt: the one the live routing renders);
 - ``sha256``: the digest a version was registered with (what the journal records and rollback checks);
 - ``routed``: the routing table that serves a version (an adapter is deployed first), and what it replaced;
-- ``restorable``: refuses a version whose artifact is no longer the one the journal recorded.
+- ``drift``: how a version differs from what the promotion journal recorded of it (rollback and the audit refuse it).
 """
 
 from __future__ import annotations
