@@ -222,13 +222,18 @@ def audit(serving: ServingParams, roles: list[str] | tuple[str, ...] = ()) -> li
     found = _unswitched_roles(serving, [r for r in roles if Line(r) not in lasts])
     for line, last in lasts.items():
         champion = line.champion()
-        if champion is None or str(champion.version) != str(last["version"]):
-            found.append(f"{line.label}: the {line.store}'s champion is v{champion.version if champion else '-'}, but the "
-                         f"promotion journal's last switch made v{last['version']} champion: the {line.store} was changed "
-                         "outside promote/rollback")
-        elif problem := line.drift(serving, champion, last.get("sha256"), last.get("deployment"), "made it champion"):
+        if problem := (moved(line, last, champion) or
+                       line.drift(serving, champion, last.get("sha256"), last.get("deployment"), "made it champion")):
             found.append(problem)
     return found + _unswitched_prompts({line.template for line in lasts if line.template is not None})
+
+
+def moved(line: Line, last: dict[str, Any], champion: Any | None) -> str | None:
+    """Why ``champion`` is not the version the journal's ``last`` switch of ``line`` made champion (None: it is)."""
+    if champion is not None and str(champion.version) == str(last["version"]):
+        return None
+    return (f"{line.label}: the {line.store}'s champion is v{champion.version if champion else '-'}, but the promotion "
+            f"journal's last switch made v{last['version']} champion: the {line.store} was changed outside promote/rollback")
 
 
 BASELINE = "1"  # registry.ensure_baselines registers it first: a role no switch touched has it as champion

@@ -403,11 +403,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _pairs(items: list[str], flag: str, rule: str, valid: Any = lambda _: True) -> dict[str, str]:
     """``NAME=VALUE`` arguments of ``flag`` as a dict; the first that is not one (or whose value ``valid`` refuses) is
     refused naming it and ``rule``."""
+    pairs = {}
     for item in items:
-        _, sep, value = item.partition("=")
+        name, sep, value = item.partition("=")
         if not sep or not valid(value):
             raise RoutingError(f"{flag} {item!r}: {rule}")
-    return dict(item.split("=", 1) for item in items)
+        pairs[name] = value
+    return pairs
 
 
 # whole Params: serving, promote's policy roles and mlflow (routed prompts are looked up in the Prompt Registry)

@@ -64,6 +64,7 @@ from pipeline.rewards.judge import final_reward, judge
 from pipeline.serving import deploy, proxy, routing, stack
 from pipeline.traces.mlflow_traces import log_traces
 from pipeline.traces.schema import Trace
+from pipeline.versions import Line
 
 METRICS_FILE = Path("reports/evaluate.json")
 PLOT = Path("reports/plots/evaluate.png")
@@ -75,9 +76,9 @@ def champion_table(serving: ServingParams, promote: PromoteParams,
     """Routing roles and policies with every trainable role on its champion (others as live)."""
     live = routing.active(serving) or routing.load_version(serving, routing.versions(serving)[-1])
     roles, policies = dict(live["roles"]), dict(live.get("policies", {}))
-    for name, kind in promote.roles.items():
-        where = deploy.deploy(serving, name, champions[name], live["roles"].get(name))
-        (roles if kind == "llm" else policies)[name] = where
+    for name in promote.roles:
+        table = Line(name).routed(serving, {"roles": roles, "policies": policies}, champions[name])
+        roles, policies = table.roles, table.policies
     return roles, policies
 
 
@@ -325,15 +326,14 @@ def _too_few(params: Params, name: str, n: int) -> str | None:
             "evaluation this small cannot support a decision, so it was not run")
 
 
-# whole Params: serving, mlflow and promote
+# whole Params: serving and mlflow
 def _candidate(params: Params, p: Plan, name: str, cand: Any) -> Society:
     """The society with ``cand`` routed in for ``name`` (deployed first), every other role on its champion."""
-    where = deploy.deploy(params.serving, name, cand, p.roles.get(name))
-    roles, policies = dict(p.roles), dict(p.policies)
-    (roles if params.promote.roles[name] == "llm" else policies)[name] = where
+    table = Line(name).routed(params.serving, {"roles": p.roles, "policies": p.policies}, cand)
     slug = _slug(f"{name}-v{cand.version}-{p.key[:8]}")
-    return Society(slug, _table(params.serving, params.mlflow, slug, roles, policies),
-                   {"eval.role": name, "eval.version": str(cand.version), "eval.champions": p.label}, name, cand, where)
+    return Society(slug, _table(params.serving, params.mlflow, slug, table.roles, table.policies),
+                   {"eval.role": name, "eval.version": str(cand.version), "eval.champions": p.label}, name, cand,
+                   table.deployment)
 
 
 def run(params: Params) -> dict[str, Any]:

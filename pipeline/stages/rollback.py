@@ -16,7 +16,7 @@ import sys
 from pipeline import tracking
 from pipeline.config import MlflowParams, Params, ServingParams
 from pipeline.contracts import Status
-from pipeline.promotion import PromotionError, journal, reconcile, switch
+from pipeline.promotion import PromotionError, journal, moved, reconcile, switch
 from pipeline.serving import stack
 from pipeline.versions import Line
 
@@ -28,10 +28,8 @@ def rollback(serving: ServingParams, mlflow: MlflowParams, line: Line) -> tuple[
     found = line.champion()
     current = str(found.version) if found is not None else None
     entries = journal(serving, line)
-    if current is not None and entries and str(entries[-1]["version"]) != current:
-        raise PromotionError(f"{line.label}: the {line.store}'s champion is v{current}, but the promotion journal's last "
-                             f"switch made v{entries[-1]['version']} champion: the {line.store} was changed outside "
-                             "promote/rollback")
+    if found is not None and entries and (problem := moved(line, entries[-1], found)):
+        raise PromotionError(problem)
     made = next((e for e in reversed(entries) if e["action"] == "promote" and str(e["version"]) == current), None)
     if current is None or made is None or not made.get("previous_version"):
         raise PromotionError(f"{line.label}: champion v{current or '?'} was not put there by a promotion (promotion "
