@@ -356,7 +356,6 @@ class SftDataParams(_Strict):
 class DatasetsParams(_Strict):
     out_dir: str
     sft: SftDataParams
-    senior_agents: list[str]
     reward_bins: int = Field(ge=2, description="histogram bins of the reward plots")
 
 
@@ -478,19 +477,17 @@ class AglParams(_Strict):
 
 
 class PpoSettings(_Strict):
-    """Online RL of the senior roles (``senior_researcher``): verl through Agent Lightning on GPU, TRL GRPO on CPU."""
+    """Online RL of a role's agents: verl through Agent Lightning on GPU, TRL GRPO on CPU (the society's prompts)."""
 
     backend: Literal["auto", "trl", "verl"] = Field(description="auto: verl when CUDA and verl are there, else TRL GRPO")
     algorithm: Literal["grpo", "gae"] = Field(description="verl advantage estimator (gae trains a critic: PPO)")
     base_model: str
     max_steps: int = Field(ge=1)
-    prompts_per_step: int = Field(ge=1, description="senior prompts (CPU) or tasks (GPU) per step")
+    prompts_per_step: int = Field(ge=1, description="the role's prompts (CPU) or tasks (GPU) per step")
     group_size: int = Field(ge=2, description="completions (CPU) or rollouts (GPU) sampled per prompt/task: GRPO's group n")
     max_prompt_tokens: int = Field(ge=64)
-    max_completion_tokens: int = Field(ge=8, description="CPU GRPO completion cap; at least the schema budget of ppo.agents "
-                                       "(a cut completion is invalid JSON)")
-    agents: list[Literal["hypothesis_refiner", "protocol_designer", "principal_investigator"]] = Field(
-        min_length=1, description="CPU GRPO: the senior agents whose prompts it trains on")
+    max_completion_tokens: int = Field(ge=8, description="CPU GRPO completion cap; at least the schema budget of the "
+                                       "role's trained agents (a cut completion is invalid JSON)")
     learning_rate: float = Field(gt=0)
     kl_coef: float = Field(ge=0, description="KL penalty to the base policy (GRPO beta / verl kl_loss_coef)")
     temperature: float = Field(gt=0)
@@ -513,13 +510,20 @@ class PpoSettings(_Strict):
     verl_overrides: list[str] = Field(description="extra Hydra overrides passed to verl as-is")
 
 
+class PpoLearner(Learner):
+    agents: list[str] = Field(min_length=1, description="the role's agents (roles.<role>.agents) whose prompts CPU GRPO "
+                              "trains on; verl trains every call of the role")
+
+
 class PpoRole(PpoSettings):
     role: str
     out_dir: str
+    agents: list[str]
 
 
 class PpoParams(PpoSettings):
-    roles: dict[str, Learner] = Field(description="role -> where its adapter goes; one train_ppo@<role> stage each")
+    roles: dict[str, PpoLearner] = Field(description="role -> its adapter folder and trained agents; one train_ppo@<role> "
+                                         "stage each")
 
     def at(self, role: str) -> PpoRole:
         return _at(self, PpoRole, role)
@@ -806,6 +810,12 @@ class Params(_Strict):
                 if kind in (Learning.PI, Learning.PROMPT) and self.roles[role].evaluation is not Evaluation.DECISION:
                     raise ValueError(f"{kind.value}.roles.{role}: learns against the label, so roles.{role}.evaluation "
                                      "must be decision")
+        for role, learner in self.ppo.roles.items():
+            if self.roles[role].evaluation is Evaluation.DECISION:  # its decision is read at one token, not a JSON answer
+                raise ValueError(f"ppo.roles.{role}: roles.{role} decides (evaluation: decision); its decision is learned "
+                                 "from the label by pi, on the one decision path it is served by")
+            if stray := sorted(set(learner.agents) - set(self.roles[role].agents)):
+                raise ValueError(f"ppo.roles.{role}.agents: {stray} are not agents of roles.{role} ({self.roles[role].agents})")
         for name in self.evaluate.only or []:
             if name not in self.promote.roles:
                 raise ValueError(f"evaluate.only: {name!r} is not a registered role ({list(self.promote.roles)})")

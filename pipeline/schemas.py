@@ -135,3 +135,8 @@ class EvidenceCall(StructuredOutput):
 
     tool: Literal["search_literature", "lookup_gene", "lookup_protein"]
     query: str = Field(max_length=80)
+
+
+def named(name: str) -> type[StructuredOutput] | None:
+    """The schema a traced call was decoded under (an LLM span records its class name), or None."""
+    return next((c for c in StructuredOutput.__subclasses__() if c.__name__ == name), None)

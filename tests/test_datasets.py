@@ -16,9 +16,11 @@ from tests.conftest import set_param
 SYSTEM = {"role": "system", "content": "You are a geneticist."}
 
 
-def llm(agent: str, model: str, output: str, attempt: int = 1, parsed: bool = True, user: str = "go") -> dict:
+def llm(agent: str, model: str, output: str, attempt: int = 1, parsed: bool = True, user: str = "go",
+        schema: str | None = "Hypothesis") -> dict:
     return {"kind": "llm", "name": agent, "data": {"agent": agent, "logical_model": model, "messages": [SYSTEM, {"role": "user", "content": user}],
-                                                   "output": output, "ok": True, "attempt": attempt, "parsed": parsed}}
+                                                   "output": output, "ok": True, "attempt": attempt, "parsed": parsed,
+                                                   "schema": schema}}
 
 
 def trace(task: str, k: int, reward: float | None, status: str = "ok", decision: bool = True) -> dict:
@@ -26,8 +28,10 @@ def trace(task: str, k: int, reward: float | None, status: str = "ok", decision:
              llm("geneticist", "junior_researcher", "{bad", attempt=1, parsed=False, user="hyp"),
              llm("geneticist", "junior_researcher", '{"hypothesis": "h"}', attempt=2, user="hyp"),
              llm("neurologist", "junior_researcher", '{"hypothesis": "n"}', user="hyp2"),
-             llm("protocol_designer", "senior_researcher", '{"title": "t"}', user="design"),
-             llm("principal_investigator", "senior_researcher", '{"decision": "GO"}', user="decide")]
+             llm("hypothesis_refiner", "senior_researcher", '{"hypothesis": "r"}', user="refine"),
+             llm("protocol_designer", "senior_researcher", '{"title": "t"}', user="design", schema="Protocol"),
+             llm("peer_reviewer", "review_board", '{"severity": "MINOR"}', user="review", schema="Review"),
+             llm("principal_investigator", "principal_investigator", "GO", user="decide", schema=None)]
     if decision:
         cands = [{"author": "geneticist", "hypothesis": "gene x", "rationale": "r", "evidence_pmids": ["1"]},
                  {"author": "neurologist", "hypothesis": "brain y", "rationale": "r", "evidence_pmids": []}]
@@ -57,7 +61,8 @@ def traced(project: Path) -> Path:
 
 def test_adapters_pick_first_attempt_junior_calls_of_top_rollouts(traced: Path) -> None:
     params = load_params()
-    built = datasets.build(params.rollouts, params.datasets, params.validate_, ["junior_researcher"])
+    built = datasets.build(params.rollouts, params.datasets, params.validate_, ["junior_researcher"],
+                           datasets.rl_agents(params))
     sft = built["sets"]["sft"]
     assert {r["rollout_id"] for r in sft} == {"1-0"}
     # the repaired hypothesis (attempt 2) and the unparsed attempt are out; tool step + first-try hypothesis are in
@@ -69,7 +74,9 @@ def test_adapters_pick_first_attempt_junior_calls_of_top_rollouts(traced: Path) 
     assert drops["sft.rollout_failed"] == 1 and drops["bandit.no_decision_span"] == 1
     assert any("shard-00000.jsonl:5" in e for e in built["drops"].examples["truncated_line"])
     rl = built["sets"]["rl"]
-    assert {r["agent"] for r in rl} == {"protocol_designer", "principal_investigator"} and rl[0]["abstract"] == "abstract 1"
+    # the RL role's trained agents only (ppo.roles.senior_researcher.agents), each with the schema it was decoded under
+    assert {(r["agent"], r["role"], r["schema"]) for r in rl} == {("hypothesis_refiner", "senior_researcher", "Hypothesis")}
+    assert rl[0]["abstract"] == "abstract 1"
     bandit = built["sets"]["bandit"]
     assert len(bandit) == 3 and bandit[0]["logging_pmf"] == pytest.approx([0.05, 0.95])
     assert bandit[0]["actions"][0]["author"] == "geneticist" and bandit[0]["actions"][0]["n_pmids"] == 1

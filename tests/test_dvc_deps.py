@@ -115,4 +115,4 @@ def test_every_stage_depends_on_the_code_it_runs() -> None:
 def test_the_closure_follows_lazy_imports() -> None:
     files = closure("pipeline.stages.train_ppo")
     assert "pipeline/rl/guided.py" in files  # imported inside train_trl
-    assert "pipeline/rewards/senior.py" in files and "pipeline/agents/llm.py" in files
+    assert "pipeline/rewards/completion.py" in files and "pipeline/agents/llm.py" in files

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.config import load_params
-from pipeline.rewards import senior
+from pipeline.rewards import completion
 from pipeline.rl import store
 from pipeline.rl.agent import GatewayClient, final_reward, parse_task
 from pipeline.rl.verl_config import agentlightning_section, overrides
@@ -30,26 +30,26 @@ def params():
 
 def test_parse_grades_schema_validity() -> None:
     ok = '```json\n{"decision": "GO", "rationale": "strong evidence"}\n```'
-    assert senior.parse("principal_investigator", ok)[0] == 1.0
-    validity, obj, why = senior.parse("principal_investigator", '{"decision": "MAYBE", "rationale": "x"}')
+    assert completion.parse("PIDecision", ok)[0] == 1.0
+    validity, obj, why = completion.parse("PIDecision", '{"decision": "MAYBE", "rationale": "x"}')
     assert validity == 0.5 and obj == {"decision": "MAYBE", "rationale": "x"} and "not a valid PIDecision" in why
-    assert senior.parse("protocol_designer", "Here is a protocol: step one...")[0:3:2] == (
+    assert completion.parse("Protocol", "Here is a protocol: step one...")[0:3:2] == (
         0.0, "malformed: no JSON object in the completion (0/5 Protocol fields named)")
-    cut = senior.parse("principal_investigator", '{"decision": "GO", "rati')  # truncated at the token cap
+    cut = completion.parse("PIDecision", '{"decision": "GO", "rati')  # truncated at the token cap
     assert cut[0] == 0.25 and cut[1] is None and cut[2].startswith("malformed") and "1/2 PIDecision fields" in cut[2]
-    assert senior.completion_text([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]) == "ab"
+    assert completion.completion_text([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]) == "ab"
 
 
-def _client(port: int) -> senior.RoleClient:
-    return senior.RoleClient(f"http://127.0.0.1:{port}/v1", "k", json_retries=0, timeout_s=30)
+def _client(port: int) -> completion.RoleClient:
+    return completion.RoleClient(f"http://127.0.0.1:{port}/v1", "k", json_retries=0, timeout_s=30)
 
 
 def test_malformed_completion_scores_low_without_calling_the_judge(params) -> None:
     # port 9 (discard) is never listened on here: any judge call would fail loudly in the reason
-    out = asyncio.run(senior.score(_client(9), params.ppo.reward, params.judge, params.reward, "protocol_designer",
+    out = asyncio.run(completion.score(_client(9), params.ppo.reward, params.judge, params.reward, "protocol_designer", "Protocol",
                                    "no json at all", TASK))
     assert out["value"] == 0.0 and out["judge"] is None and out["reason"].startswith("malformed")
-    out = asyncio.run(senior.score(_client(9), params.ppo.reward, params.judge, params.reward, "principal_investigator",
+    out = asyncio.run(completion.score(_client(9), params.ppo.reward, params.judge, params.reward, "principal_investigator", "PIDecision",
                                    'Sure! {"decision": "GO", "rat', TASK))
     assert out["value"] == pytest.approx(params.ppo.reward.validity * 0.25) and out["judge"] is None
 
@@ -58,9 +58,9 @@ def test_a_gold_only_reward_scores_the_decision_without_a_judge(params) -> None:
     """judge weight 0 (benchmarks/bench_before_after.py): the decision against the label is the whole signal, and
     no judge call is spent (the client points at the discard port: a call would show as a failure reason)."""
     w = params.ppo.reward.model_copy(update={"judge": 0.0})
-    right = asyncio.run(senior.score(_client(9), w, params.judge, params.reward, "principal_investigator",
+    right = asyncio.run(completion.score(_client(9), w, params.judge, params.reward, "principal_investigator", "PIDecision",
                                      '{"decision": "GO", "rationale": "r"}', TASK))  # TASK's label is yes
-    wrong = asyncio.run(senior.score(_client(9), w, params.judge, params.reward, "principal_investigator",
+    wrong = asyncio.run(completion.score(_client(9), w, params.judge, params.reward, "principal_investigator", "PIDecision",
                                      '{"decision": "NO-GO", "rationale": "r"}', TASK))
     assert right["judge"] is None and "judge: weight 0, not called" in right["reason"]
     assert right["value"] == pytest.approx(w.validity + w.alignment) and wrong["value"] == pytest.approx(w.validity)
@@ -72,7 +72,7 @@ def test_judge_failure_and_timeout_are_low_rewards_with_reasons(params) -> None:
     with socket.socket() as s:  # a closed port: the judge call fails
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
-    out = asyncio.run(senior.score(_client(dead), params.ppo.reward, params.judge, params.reward, "principal_investigator",
+    out = asyncio.run(completion.score(_client(dead), params.ppo.reward, params.judge, params.reward, "principal_investigator", "PIDecision",
                                    valid, TASK))
     w = params.ppo.reward
     assert out["judge"] == params.judge.failure_score and "judge call failed" in out["reason"]
@@ -84,8 +84,8 @@ def test_judge_failure_and_timeout_are_low_rewards_with_reasons(params) -> None:
     conns: list[socket.socket] = []
     threading.Thread(target=lambda: conns.append(srv.accept()[0]), daemon=True).start()
     slow = params.model_copy(update={"ppo": params.ppo.model_copy(update={"reward": w.model_copy(update={"timeout_s": 0.5})})})
-    out = asyncio.run(senior.score(_client(srv.getsockname()[1]), slow.ppo.reward, slow.judge, slow.reward,
-                                   "hypothesis_refiner",
+    out = asyncio.run(completion.score(_client(srv.getsockname()[1]), slow.ppo.reward, slow.judge, slow.reward,
+                                   "hypothesis_refiner", "Hypothesis",
                                    '{"hypothesis": "h", "rationale": "r", "evidence_pmids": []}', TASK))
     srv.close()
     assert out["reason"].endswith("judge: judge timed out after 0.5s")

@@ -107,3 +107,48 @@ def test_a_role_that_names_an_agent_twice_or_learns_as_the_instrument_is_refused
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ParamsError, match=r"promote\.roles: derived from roles"):
         load_params(tmp_path / "p.yaml", environ={})
+
+
+def test_a_role_given_a_grpo_policy_by_one_params_entry_trains_on_its_own_agents_prompts(tmp_path: Path) -> None:
+    """``review_board`` learns by GRPO: one entry under ``ppo.roles``. It is then a DVC stage and a mapped DAG task, a
+    registered model with its own gate, and the datasets stage gives its trainer its own agents' prompts, each with the
+    schema the society decoded it under (the grammar GRPO samples with, the schema its reward grades)."""
+    import asyncio
+
+    from pipeline.rewards import completion
+    from pipeline.stages import datasets
+    from tests.test_datasets import trace
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["ppo"]["roles"]["review_board"] = {"out_dir": "models/ppo/review_board", "agents": ["peer_reviewer", "safety_officer"]}
+    root = copy_project(tmp_path / "proj")
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert "train_ppo@review_board" in _dvc_stages(root)
+    dag = _dag_training(root)
+    assert dag["tasks"]["train_ppo"] == ["senior_researcher", "review_board"] and "train_ppo@review_board" in dag["stages"]
+    params = load_params(root / "params.yaml", environ={})
+    assert params.promote.roles["review_board"] == "llm" and params.ppo.at("review_board").agents == ["peer_reviewer",
+                                                                                                          "safety_officer"]
+    assert datasets.rl_agents(params) == {"hypothesis_refiner": "senior_researcher", "peer_reviewer": "review_board",
+                                          "safety_officer": "review_board"}
+
+    from pipeline.traces.adapters import Drops, Trace, rl_prompts
+
+    rows = rl_prompts([Trace.model_validate(trace("1", 0, 0.9))], {"1": {"question": "q?", "contexts": ["a"]}},
+                      datasets.rl_agents(params), Drops())
+    mine = [r for r in rows if r["role"] == "review_board"]
+    assert [(r["agent"], r["schema"]) for r in mine] == [("peer_reviewer", "Review")]
+    review = '{"severity": "MINOR", "issues": ["sample size unstated"], "summary": "sound design"}'
+    graded = asyncio.run(completion.score(None, params.ppo.reward.model_copy(update={"judge": 0.0}), params.judge,  # type: ignore[arg-type]
+                                          params.reward, "peer_reviewer", "Review", review, {"final_decision": "yes"}))
+    assert graded["validity"] == 1.0 and graded["reason"].startswith("valid Review")
+
+    raw["ppo"]["roles"]["review_board"]["agents"] = ["peer_reviewer", "principal_investigator"]
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(Exception, match=r"ppo\.roles\.review_board\.agents: \['principal_investigator'\] are not agents of "
+                                        r"roles\.review_board"):
+        load_params(tmp_path / "p.yaml", environ={})
+    raw["ppo"]["roles"] = {"principal_investigator": {"out_dir": "models/ppo/pi", "agents": ["principal_investigator"]}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(Exception, match=r"ppo\.roles\.principal_investigator: roles\.principal_investigator decides"):
+        load_params(tmp_path / "p.yaml", environ={})

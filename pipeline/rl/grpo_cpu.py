@@ -1,8 +1,8 @@
-"""The CPU trainer of ``train_ppo``: TRL GRPO + PEFT LoRA on the senior prompts, decoded under each agent's schema.
+"""The CPU trainer of ``train_ppo``: TRL GRPO + PEFT LoRA on a role's prompts, each decoded under its call's schema.
 
 Runs in the model plane (``python -m pipeline train-ppo --in-model-plane``). Each prompt's group of
-sampled completions is scored by ``pipeline.rewards.senior`` (schema validity + the judge through
-the proxy + the PI's decision against the label); :func:`signal` says whether the groups carried a
+sampled completions is scored by ``pipeline.rewards.completion`` (schema validity + the judge through
+the proxy + a decision against the label); :func:`signal` says whether the groups carried a
 learning signal (GRPO's advantage is zero inside a group of equal rewards).
 """
 
@@ -23,8 +23,9 @@ from pipeline import timing
 from pipeline.agents.llm import RoleClient
 from pipeline.config import AgentsParams, DatasetsParams, JudgeParams, PpoRole, RewardParams
 from pipeline.io import atomic_dir, write_json, write_text
-from pipeline.rewards.senior import SCHEMAS, completion_text, score
+from pipeline.rewards.completion import completion_text, score
 from pipeline.rl.prompts import load_prompts
+from pipeline.schemas import named
 
 JUDGE_URL_ENV, JUDGE_KEY_ENV = "PPO_JUDGE_BASE_URL", "PPO_JUDGE_KEY"  # the proxy the control plane brought up
 
@@ -54,15 +55,16 @@ def make_reward(agents: AgentsParams, ppo: PpoRole, judge: JudgeParams, reward: 
 
     calls = itertools.count()
 
-    async def senior_reward(prompts: list[Any], completions: list[Any], agent: list[str], label: list[str], question: list[str],
-                            abstract: list[str], task_id: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
+    async def completion_reward(prompts: list[Any], completions: list[Any], agent: list[str], schema: list[str],
+                                label: list[str], question: list[str], abstract: list[str], task_id: list[str],
+                                trainer_state: Any = None, **_: Any) -> list[float]:
         client = RoleClient.for_agents(agents, url, key, ppo.reward.timeout_s, max_tokens=judge.max_tokens)
         try:
             texts = [completion_text(c) for c in completions]
             results = await asyncio.gather(*[
-                score(client, ppo.reward, judge, reward, a, t,
+                score(client, ppo.reward, judge, reward, a, sc, t,
                       {"id": tid, "question": q, "contexts": [ab], "final_decision": lab})
-                for a, t, tid, q, ab, lab in zip(agent, texts, task_id, question, abstract, label, strict=True)])
+                for a, sc, t, tid, q, ab, lab in zip(agent, schema, texts, task_id, question, abstract, label, strict=True)])
         finally:
             await client.aclose()
         step = int(getattr(trainer_state, "global_step", 0) or 0) + 1
@@ -71,7 +73,7 @@ def make_reward(agents: AgentsParams, ppo: PpoRole, judge: JudgeParams, reward: 
                    for i, (tid, r, t) in enumerate(zip(task_id, results, texts, strict=True)))
         return [float(r["value"]) for r in results]
 
-    return senior_reward
+    return completion_reward
 
 
 def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list[dict[str, Any]]], Any]) -> dict[str, Any]:
@@ -86,12 +88,14 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
     from pipeline.rl.guided import GuidedGRPOTrainer, compile_grammars, prompt_key  # noqa: PLC0415 - imports trl (model plane)
 
     rows = load_prompts(datasets, ppo)
-    budget = max(SCHEMAS[a].token_budget() for a in ppo.agents)
+    schemas = {r["schema"]: named(r["schema"]) for r in rows}
+    budget = max(s.token_budget() for s in schemas.values() if s is not None)
     if ppo.max_completion_tokens < budget:
-        raise ValueError(f"ppo.max_completion_tokens={ppo.max_completion_tokens} is below the schema budget of ppo.agents "
-                         f"({budget} tokens): completions would be cut into invalid JSON")
-    agent_of = {prompt_key(r["prompt"]): r["agent"] for r in rows}
-    columns = ("prompt", "agent", "label", "question", "abstract", "task_id")
+        raise ValueError(f"ppo.max_completion_tokens={ppo.max_completion_tokens} is below the schema budget of "
+                         f"ppo.roles.{ppo.role}.agents {ppo.agents} ({budget} tokens): completions would be cut into "
+                         "invalid JSON")
+    schema_of = {prompt_key(r["prompt"]): r["schema"] for r in rows}
+    columns = ("prompt", "agent", "schema", "label", "question", "abstract", "task_id")
     train_ds = Dataset.from_list([{k: (r.get(k) or "") if k != "prompt" else r[k] for k in columns} for r in rows])
     gpu = torch.cuda.is_available()
     with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
@@ -112,10 +116,10 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
                           seed=ppo.seed, data_seed=ppo.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0,
                           disable_tqdm=False, lr_scheduler_type="constant", warmup_steps=0,
                           gradient_checkpointing=ppo.gradient_checkpointing)
-        grammars = compile_grammars(tokenizer, model.config.vocab_size, {a: SCHEMAS[a] for a in ppo.agents})
+        grammars = compile_grammars(tokenizer, model.config.vocab_size, {n: s for n, s in schemas.items() if s is not None})
         trainer = GuidedGRPOTrainer(model=model, reward_funcs=[reward_for(scored)], args=args, train_dataset=train_ds,
                                     processing_class=tokenizer, peft_config=peft, grammars=grammars,
-                                    agent_of=lambda prompt: agent_of[prompt_key(prompt)])
+                                    grammar_of=lambda prompt: schema_of[prompt_key(prompt)])
         t0 = time.perf_counter()
         result = trainer.train()
         seconds = time.perf_counter() - t0

@@ -1,10 +1,10 @@
-"""GRPO on CPU with completions decoded under each senior role's JSON schema (model plane only).
+"""GRPO on CPU with completions decoded under each call's JSON schema (model plane only).
 
-The served society decodes every senior answer under its schema (vLLM guided decoding), so an
+The served society decodes every structured answer under its schema (vLLM guided decoding), so an
 unconstrained completion from HF ``generate`` is a sample from a policy the society never runs: a
 135M model writes prose, the reward parser finds no JSON, every completion of a group scores the
 same and GRPO's advantages are all zero (the trainer "learns" from nothing). Here each row of a
-generation batch gets an xgrammar logits processor compiled from its agent's schema, the same
+generation batch gets an xgrammar logits processor compiled from its call's schema, the same
 grammar engine vLLM uses, so what GRPO samples and updates is the policy the society serves.
 """
 
@@ -27,19 +27,19 @@ def prompt_key(prompt: Any) -> str:
 
 
 def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[BaseModel]]) -> dict[str, Any]:
-    """One compiled JSON-schema grammar per agent, compact JSON (no free whitespace: a small model pads with it)."""
+    """One compiled JSON-schema grammar per schema name, compact JSON (no free whitespace: a small model pads with it)."""
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
     compiler = xgr.GrammarCompiler(info)
-    return {agent: compiler.compile_json_schema(json.dumps(schema.model_json_schema()), any_whitespace=False)
-            for agent, schema in schemas.items()}
+    return {name: compiler.compile_json_schema(json.dumps(schema.model_json_schema()), any_whitespace=False)
+            for name, schema in schemas.items()}
 
 
 class GuidedGRPOTrainer(GRPOTrainer):
-    """TRL's GRPOTrainer whose HF ``generate`` decodes each row under its agent's compiled grammar."""
+    """TRL's GRPOTrainer whose HF ``generate`` decodes each row under its call's compiled grammar."""
 
-    def __init__(self, *args: Any, grammars: dict[str, Any], agent_of: Callable[[Any], str], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, grammars: dict[str, Any], grammar_of: Callable[[Any], str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._grammars, self._agent_of = grammars, agent_of
+        self._grammars, self._grammar_of = grammars, grammar_of
         self._rows: list[Any] = []
         model = self.model
         plain = model.generate
@@ -54,7 +54,7 @@ class GuidedGRPOTrainer(GRPOTrainer):
         model.generate = generate  # the instance TRL unwraps for generation (no DDP/DeepSpeed wrapper on one CPU process)
 
     def _generate(self, prompts: list[Any]) -> Any:
-        self._rows = [self._grammars[self._agent_of(p)] for p in prompts]
+        self._rows = [self._grammars[self._grammar_of(p)] for p in prompts]
         try:
             return super()._generate(prompts)
         finally:

@@ -83,7 +83,7 @@ def train_verl(ppo: PpoRole, serving: ServingParams, gpu: GpuParams, run_id: str
                store.TRACE_DIR_ENV: str(trace_dir), store.RUN_ENV: run_id, "VERL_FILE_LOGGER_PATH": str(ckpt / "metrics.jsonl"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(envs.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         params_file = ["--params", os.environ["PIPELINE_PARAMS"]] if os.environ.get("PIPELINE_PARAMS") else []
-        argv = [envs.model_python(), "-m", "pipeline.rl.verl_main", *params_file]
+        argv = [envs.model_python(), "-m", "pipeline.rl.verl_main", *params_file, "--role", ppo.role]
         t0 = time.perf_counter()
         trainer = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         relaying = threading.Thread(target=relay, args=(trainer.stdout, [gw.key]), daemon=True)

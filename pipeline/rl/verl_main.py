@@ -1,7 +1,7 @@
 """GPU worker entry point of ``train_ppo`` (verl backend): compose the config and call ``run_ppo``.
 
 Started by the control plane with ``AGL_BASE_URL``/``AGL_KEY`` of the gateway it supervises. The
-training "dataset" is the train tasks behind the senior prompts (one rollout of the whole society
+training "dataset" is the train tasks behind the role's RL prompts (one rollout of the whole society
 per task and group member), not the prompts themselves: the agent builds its prompts as it goes.
 The config is :func:`pipeline.rl.verl_config.compose`'s, the same one ``preflight gpu`` prints.
 """
@@ -23,19 +23,21 @@ from pipeline.rl.verl_config import compose, contract
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", default=None)
+    parser.add_argument("--role", required=True, help="the role of ppo.roles being trained")
     args = parser.parse_args()
     from agentlightning.verl import entrypoint  # noqa: PLC0415 - model plane only (imports verl, torch and ray)
 
     params = load_params(args.params)
-    wanted = {r["task_id"] for r in load_prompts(params.datasets, params.ppo)}
+    ppo = params.ppo.at(args.role)
+    wanted = {r["task_id"] for r in load_prompts(params.datasets, ppo)}
     tasks = [t for t in load_tasks(params.validate_, "train", setting=params.data.setting) if t["id"] in wanted]
     cols = task_rows(tasks)
     rows = [{"data_id": d, "task_json": j, "prompt": [{"role": "user", "content": json.loads(j)["question"]}],
              "extra_info": {"index": i}} for i, (d, j) in enumerate(zip(cols["data_id"], cols["task_json"], strict=True))]
     checkpoints = os.environ["PUBMEDQA_RL_CHECKPOINTS"]
-    config = compose(params.ppo, params.mlflow, params.judge, checkpoints, "train_ppo", os.environ["AGL_BASE_URL"],
+    config = compose(ppo, params.mlflow, params.judge, checkpoints, "train_ppo", os.environ["AGL_BASE_URL"],
                      os.environ["AGL_KEY"])
-    broken = contract(params.ppo, params.agents, config)
+    broken = contract(ppo, params.agents, config)
     if broken:
         raise SystemExit("verl config breaks the project's contract:\n  - " + "\n  - ".join(broken))
     Path(checkpoints).mkdir(parents=True, exist_ok=True)

@@ -9,11 +9,11 @@ writes three DVC outputs under ``datasets.out_dir``:
   the base model's own chat template, the same one vLLM applies when serving, and computes the loss
   on the completion only.
 - ``rl/hf/`` (Hugging Face dataset for TRL's GRPO) and ``rl/verl/train.parquet`` (verl's RL dataset
-  columns: ``data_source``, ``prompt``, ``ability``, ``reward_model``, ``extra_info``) for
-  ``senior_researcher``.
+  columns: ``data_source``, ``prompt``, ``ability``, ``reward_model``, ``extra_info``) for each role of ``ppo.roles``,
+  from its trained agents' calls.
 - ``bandit/train.jsonl``: one logged supervisor decision per rollout.
 
-Nothing is written unless all three are non-empty: an empty one fails the stage with the reasons
+Nothing is written unless each one a learner needs is non-empty: an empty one fails the stage with the reasons
 the rows were dropped, and the previous outputs stay as they were.
 """
 
@@ -52,9 +52,10 @@ def _tasks(validate: ValidateParams) -> dict[str, dict[str, Any]]:
 
 
 def build(rollouts: RolloutsParams, datasets: DatasetsParams, validate: ValidateParams,
-          sft_roles: list[str]) -> dict[str, Any]:
+          sft_roles: list[str], rl_agents: dict[str, str]) -> dict[str, Any]:
     """All three datasets in memory, with drop counts; raises EmptyDataset naming why one is empty. One role's empty SFT
-    set is written empty (its trainer records no_signal); no SFT row for any role fails the stage."""
+    set is written empty (its trainer records no_signal); no SFT row for any role fails the stage, as do no RL prompt
+    for ``rl_agents`` (agent -> the role that learns from it by RL) and no bandit row."""
     shards = sorted(Path(rollouts.out_dir).glob("shard-*.jsonl"))
     if not shards:
         raise EmptyDataset(f"{rollouts.out_dir}: no shard-*.jsonl trace files; run the rollouts stage first")
@@ -63,10 +64,11 @@ def build(rollouts: RolloutsParams, datasets: DatasetsParams, validate: Validate
     by_role = {role: adapters.sft_examples(traces, datasets, drops, role) for role in sft_roles}
     sets = {
         "sft": [row for rows in by_role.values() for row in rows],
-        "rl": adapters.rl_prompts(traces, _tasks(validate), datasets, drops),
+        "rl": adapters.rl_prompts(traces, _tasks(validate), rl_agents, drops),
         "bandit": adapters.bandit_examples(traces, drops),
     }
-    empty = [name for name in OUTPUTS if not sets[name] and (name != "sft" or sft_roles)]
+    wanted = {"sft": bool(sft_roles), "rl": bool(rl_agents), "bandit": True}
+    empty = [name for name in OUTPUTS if not sets[name] and wanted[name]]
     if empty:
         lines = []
         for name in empty:
@@ -79,8 +81,14 @@ def build(rollouts: RolloutsParams, datasets: DatasetsParams, validate: Validate
     return {"traces": traces, "sets": sets, "sft": by_role, "drops": drops, "shards": shards}
 
 
+# whole Params: the RL roles are ppo's roles, their agents each role's entry
+def rl_agents(params: Params) -> dict[str, str]:
+    """Agent -> the role that learns from its calls by RL (``ppo.roles.<role>.agents``)."""
+    return {a: role for role in params.learners()[Learning.PPO] for a in params.ppo.at(role).agents}
+
+
 def _verl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"data_source": "pubmedqa_society", "prompt": r["prompt"], "ability": f"senior_researcher/{r['agent']}",
+    return [{"data_source": "pubmedqa_society", "prompt": r["prompt"], "ability": f"{r['role']}/{r['agent']}",
              "reward_model": {"style": "model", "ground_truth": r["label"] or ""},
              "extra_info": {"split": "train", "index": i, "task_id": r["task_id"], "agent": r["agent"],
                             "rollout_id": r["rollout_id"], "question": r["question"], "abstract": r["abstract"]}}
@@ -163,7 +171,7 @@ def _report(result: dict[str, Any], built: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     try:
-        built = build(params.rollouts, params.datasets, params.validate_, params.learners()[Learning.SFT])
+        built = build(params.rollouts, params.datasets, params.validate_, params.learners()[Learning.SFT], rl_agents(params))
     except EmptyDataset as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -178,7 +186,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
         import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow)
 
         mlflow.log_params({"sft.min_reward": params.datasets.sft.min_reward, "sft.top_k": params.datasets.sft.top_k,
-                           "senior_agents": ",".join(params.datasets.senior_agents),
+                           "rl_agents": ",".join(rl_agents(params)),
                            "trace_runs": ",".join(result["trace_runs"])})
         flat = {k: v for k, v in result.items() if isinstance(v, (int, float))}
         flat.update({f"dropped.{k}": v for k, v in result["dropped"].items()})

@@ -1,4 +1,4 @@
-"""Online RL of the senior researchers (``datasets`` RL prompts -> adapter for ``senior_researcher``).
+"""Online RL of a role (``ppo.roles``: ``datasets`` RL prompts of its agents -> an adapter for the role).
 
 One stage, two backends (``ppo.backend``; ``auto`` picks verl when a CUDA device and verl are there):
 
@@ -9,13 +9,14 @@ One stage, two backends (``ppo.backend``; ``auto`` picks verl when a CUDA device
   ``pipeline.rl.verl_config``) updates it with GRPO (``algorithm: grpo``) or PPO with a critic
   (``gae``). This process starts the three, supervises them (any one dying stops the others and
   fails the stage naming it) and stops them. Every rollout lands in the RL trace store.
-- ``trl`` (CPU here): TRL ``GRPOTrainer`` + PEFT LoRA on the senior prompts the society actually
-  sent (``datasets`` -> ``rl/hf``); each prompt's group of sampled completions is scored by
-  ``pipeline.rewards.senior`` (schema validity + the judge through the proxy + PI alignment).
+- ``trl`` (CPU here): TRL ``GRPOTrainer`` + PEFT LoRA on the prompts the society actually sent the role's trained
+  agents (``datasets`` -> ``rl/hf``), each sampled under the schema its call was decoded under; each prompt's group
+  of sampled completions is scored by ``pipeline.rewards.completion`` (schema validity + the judge through the proxy
+  + a decision against the label).
 
 Both leave ``adapter/`` (PEFT, what the vLLM worker hot-loads) under ``ppo.out_dir``, swapped in
 atomically; the control plane logs reward/KL curves, sampled completions and the adapter to MLflow
-and registers it as a ``senior_researcher`` version (``challenger``) with its lineage, so promotion
+and registers it as a version of the role (``challenger``) with its lineage, so promotion
 hot-loads and routes it exactly like the SFT adapter.
 
 The trainers live in ``pipeline.rl.grpo_cpu`` (CPU) and ``pipeline.rl.verl_driver`` (GPU); this module is the

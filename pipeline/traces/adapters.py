@@ -6,8 +6,8 @@ Three views of the same rollouts:
   exact message list it sent and the output it produced, from rollouts that rank in the top
   ``top_k`` of their task group and reach ``min_reward``; only outputs that parsed on the first
   attempt (a repaired answer was shown its own mistake, which the served model never is).
-- **RL prompts** (``senior_researcher``): the first-attempt message lists the refiner, the designer
-  and the PI received, with task id, label and abstract, for GRPO (TRL) and verl.
+- **RL prompts** (each role of ``ppo.roles``): the first-attempt message lists its trained agents received, with the
+  schema the answer was decoded under, task id, label and abstract, for GRPO (TRL) and verl.
 - **Bandit** (``supervisor``): one logged decision per rollout: context and candidate features,
   the chosen index, its logged propensity and the logging distribution, and the final reward.
 
@@ -111,9 +111,9 @@ def sft_examples(traces: list[Trace], datasets: DatasetsParams, drops: Drops, ro
     return out
 
 
-def rl_prompts(traces: list[Trace], tasks: Mapping[str, Mapping[str, Any]], datasets: DatasetsParams,
+def rl_prompts(traces: list[Trace], tasks: Mapping[str, Mapping[str, Any]], agents: Mapping[str, str],
                drops: Drops) -> list[dict[str, Any]]:
-    agents = set(datasets.senior_agents)
+    """The first-attempt structured calls of ``agents`` (agent -> the role that learns from it by RL)."""
     out: list[dict[str, Any]] = []
     for t in traces:
         task = tasks.get(t.task_id)
@@ -121,15 +121,19 @@ def rl_prompts(traces: list[Trace], tasks: Mapping[str, Mapping[str, Any]], data
             drops.add("rl.task_not_in_split", f"rollout {t.rollout_id}: task {t.task_id}")
             continue
         found = False
-        for d in _llm_calls(t, agents=agents):
+        for d in _llm_calls(t, agents=set(agents)):
             if d.get("attempt") != 1:
                 continue  # repairs repeat the same prompt with the model's own mistake appended
+            if not d.get("schema"):  # free text (the PI's decision path): GRPO samples and grades under a schema
+                drops.add("rl.free_text_call", f"rollout {t.rollout_id}: {d.get('agent')}")
+                continue
             found = True
-            out.append({"prompt": d["messages"], "agent": d["agent"], "task_id": t.task_id, "rollout_id": t.rollout_id,
+            out.append({"prompt": d["messages"], "agent": d["agent"], "role": agents[d["agent"]], "schema": d["schema"],
+                        "task_id": t.task_id, "rollout_id": t.rollout_id,
                         "run_id": t.run_id, "label": t.label or task.get("final_decision"), "question": task["question"],
                         "abstract": " ".join(task.get("contexts") or []), "rollout_reward": t.reward})
         if not found:
-            drops.add("rl.no_senior_call", f"rollout {t.rollout_id}: {(t.error or 'seniors never called')[:120]}")
+            drops.add("rl.no_trained_call", f"rollout {t.rollout_id}: {(t.error or 'no trained agent was called')[:120]}")
     return out
 
 
