@@ -51,7 +51,7 @@ from pydantic import ValidationError
 from report import write_report
 
 from pipeline.agents.decision import TOP_LOGPROBS, read
-from pipeline.agents.prompts import NO_PROTOCOL, brief, pi_prompt
+from pipeline.agents.prompts import NO_PROTOCOL, REPOSITORY, brief, pi_prompt
 from pipeline.config import Params, load_params
 from pipeline.data.splits import load_tasks
 from pipeline.envs import model_python, pythonpath
@@ -74,7 +74,7 @@ def p_go(content: list[dict[str, Any]]) -> float | None:
 
 
 def prompt(params: Params, task: dict[str, Any]) -> list[dict[str, str]]:
-    return [{"role": "user", "content": pi_prompt(brief(task, params.agents.context_chars), NO_PROTOCOL, [])}]
+    return [{"role": "user", "content": pi_prompt(REPOSITORY, brief(task, params.agents.context_chars), NO_PROTOCOL, [])}]
 
 
 def rows(params: Params, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -719,6 +719,22 @@ class GpuParams(_Strict):
     reserve: float = Field(ge=0, lt=1, description="share of each device kept free (CUDA context, allocator fragmentation)")
 
 
+def _derived(data: dict[str, Any]) -> dict[tuple[str, str], Any]:
+    """(section, key) -> its value, derived from the raw ``roles`` spec and the kinds' ``roles`` maps."""
+    spec: dict[str, dict[str, Any]] = {r: s for r, s in data["roles"].items() if isinstance(s, dict)}
+    derived: dict[tuple[str, str], Any] = {
+        ("serving", "roles"): list(data["roles"]),
+        ("serving", "inherits"): {r: s["inherits"] for r, s in spec.items() if s.get("inherits")}}
+    registered = {registered_name(kind, role): WAYS[kind].registers for kind, names in learners(data).items() for role in names}
+    order = {name: i for i, name in enumerate(data["roles"])}  # the spec's order; a policy beside its role
+    derived[("promote", "roles")] = dict(sorted(registered.items(), key=lambda kv: (order.get(role_of(kv[0]), -1), kv[0])))
+    derived[("agents", "models")] = {a: r for r, s in spec.items() for a in s.get("agents") or []}
+    derived[("judge", "model")] = derived[("agents", "models")].get("judge", "judge")
+    derived[("evaluate", "role_level")] = [r for r in derived[("promote", "roles")]
+                                           if spec.get(r, {}).get("evaluation") == Evaluation.DECISION.value]
+    return derived
+
+
 class Params(_Strict):
     roles: dict[str, RoleSpec]
     data: DataParams
@@ -753,19 +769,7 @@ class Params(_Strict):
         models: a policy kind registers ``<role>_policy``) and ``evaluate.role_level``. Written by hand they are refused."""
         if not isinstance(data, dict) or not isinstance(data.get("roles"), dict):
             return data
-        spec: dict[str, dict[str, Any]] = {r: s for r, s in data["roles"].items() if isinstance(s, dict)}
-        derived: dict[tuple[str, str], Any] = {("serving", "roles"): list(data["roles"]),
-                   ("serving", "inherits"): {r: s["inherits"] for r, s in spec.items() if s.get("inherits")}}
-        registered: dict[str, str] = {}
-        for kind, names in learners(data).items():
-            for role in names:
-                registered[registered_name(kind, role)] = WAYS[kind].registers
-        order = {name: i for i, name in enumerate(data["roles"])}  # the spec's order; a policy beside its role
-        derived[("promote", "roles")] = dict(sorted(registered.items(), key=lambda kv: (order.get(role_of(kv[0]), -1), kv[0])))
-        derived[("agents", "models")] = {a: r for r, s in spec.items() for a in s.get("agents") or []}
-        derived[("judge", "model")] = derived[("agents", "models")].get("judge", "judge")
-        derived[("evaluate", "role_level")] = [r for r in derived[("promote", "roles")]
-                                               if spec.get(r, {}).get("evaluation") == Evaluation.DECISION.value]
+        derived = _derived(data)
         data = dict(data)
         for (section, key), value in derived.items():
             if not isinstance(data.get(section), dict):
@@ -786,7 +790,7 @@ class Params(_Strict):
 
     @model_validator(mode="after")
     def _one_spec_per_role(self) -> Params:
-        """Every agent answered by one role, every learner and inherited role a role of the spec, the instrument apart."""
+        """Every agent answered by one role, every inherited role a role of the spec, each role's gate within bounds."""
         seen: dict[str, str] = {}
         for role, spec in self.roles.items():
             for agent in spec.agents:
@@ -800,25 +804,32 @@ class Params(_Strict):
             except ValidationError as exc:
                 first = exc.errors()[0]
                 raise ValueError(f"roles.{role}.gate.{first['loc'][0]}: {first['msg']}") from None
+        for name in self.evaluate.only or []:
+            if name not in self.promote.roles:
+                raise ValueError(f"evaluate.only: {name!r} is not a registered role ({list(self.promote.roles)})")
+        return self
+
+    @model_validator(mode="after")
+    def _learners_are_roles_that_can_learn_so(self) -> Params:
+        """Every learner a role of the spec, never the instrument; a kind that learns against the label (pi, prompt)
+        only for a role that decides, and RL (ppo) only for one that does not, on its own agents."""
         for kind, names in self.learners().items():
             for role in names:
                 if role not in self.roles:
                     raise ValueError(f"{kind.value}.roles.{role}: not a role of the spec (roles: {list(self.roles)})")
-                if self.roles[role].evaluation is Evaluation.NONE:
+                evaluation = self.roles[role].evaluation
+                if evaluation is Evaluation.NONE:
                     raise ValueError(f"{kind.value}.roles.{role}: roles.{role} is the instrument (evaluation: none); it "
                                      "does not learn")
-                if kind in (Learning.PI, Learning.PROMPT) and self.roles[role].evaluation is not Evaluation.DECISION:
+                if kind in (Learning.PI, Learning.PROMPT) and evaluation is not Evaluation.DECISION:
                     raise ValueError(f"{kind.value}.roles.{role}: learns against the label, so roles.{role}.evaluation "
                                      "must be decision")
+                if kind is Learning.PPO and evaluation is Evaluation.DECISION:  # read at one token, not a JSON answer
+                    raise ValueError(f"ppo.roles.{role}: roles.{role} decides (evaluation: decision); its decision is "
+                                     "learned from the label by pi, on the one decision path it is served by")
         for role, learner in self.ppo.roles.items():
-            if self.roles[role].evaluation is Evaluation.DECISION:  # its decision is read at one token, not a JSON answer
-                raise ValueError(f"ppo.roles.{role}: roles.{role} decides (evaluation: decision); its decision is learned "
-                                 "from the label by pi, on the one decision path it is served by")
             if stray := sorted(set(learner.agents) - set(self.roles[role].agents)):
                 raise ValueError(f"ppo.roles.{role}.agents: {stray} are not agents of roles.{role} ({self.roles[role].agents})")
-        for name in self.evaluate.only or []:
-            if name not in self.promote.roles:
-                raise ValueError(f"evaluate.only: {name!r} is not a registered role ({list(self.promote.roles)})")
         return self
 
     @model_validator(mode="after")

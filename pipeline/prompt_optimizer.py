@@ -28,7 +28,7 @@ from mlflow.genai.optimize.optimizers import BasePromptOptimizer
 from mlflow.genai.optimize.types import EvaluationResultRecord, PromptOptimizerOutput
 
 from pipeline.agents import decision
-from pipeline.agents.prompts import brief
+from pipeline.agents.prompts import PI, REPOSITORY, brief
 from pipeline.config import PromptRole
 from pipeline.evaluation import role_level
 
@@ -76,7 +76,7 @@ def predictor(url: str, key: str, prompt: Any, role: str, agents: Any, setting: 
 
     def predict(task_id: str, question: str, contexts: list[str], long_answer: str) -> dict[str, Any]:
         task = {"id": task_id, "question": question, "contexts": contexts, "long_answer": long_answer}
-        chat = decision.decision_messages(task, agents, setting, template=prompt.template)
+        chat = decision.decision_messages(task, agents, setting, REPOSITORY.with_text(PI, prompt.template))
         body = decision.request(chat, role, prefix)
         for attempt in range(RETRIES):
             try:

@@ -3,10 +3,11 @@
 Each template of ``pipeline.agents.prompts.TEMPLATES`` is the registered prompt ``society.<name>``. :func:`sync`
 registers the repository's text as a new version whenever it differs from the newest one (a template changed in the
 repo becomes a new version, never an edit of one already used), tags it with its ``sha``, points ``champion`` at the
-first version a prompt gets, and tells ``prompts`` which version each template's text is, so every LLM span names
-it (``prompt_version``). Stages that run the society call it once at start (rollouts, evaluate, report) with the live
-routing table: a routing version may name, per template, a registered version (``prompts:``), whose text the society
-then renders instead of the repository's, after checking it against the digest it was registered with.
+first version a prompt gets, and returns what a society renders as a value (``prompts.Prompts``: each template's text
+and its version, which every LLM span names as ``prompt_version``). Stages that run the society call it once at start
+(rollouts, evaluate, report, train_prompt) with the live routing table and hand the value to the society's client: a
+routing version may name, per template, a registered version (``prompts:``), whose text the society then renders
+instead of the repository's, after checking it against the digest it was registered with.
 """
 
 from __future__ import annotations
@@ -32,20 +33,16 @@ class PromptError(RuntimeError):
     pass
 
 
-def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> dict[str, int]:
-    """Every template registered as it reads now; then the versions the routing ``table`` names (its ``prompts``)
-    become what the society renders. Returns (and records in ``prompts``) template -> the version rendered."""
+def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> prompts.Prompts:
+    """Every template registered as it reads now; returns what a society routed by ``table`` renders: the versions
+    its ``prompts`` name (checked against their pinned digests), the repository's text of every other template."""
     from pipeline import tracking  # noqa: PLC0415 - control plane only
 
     tracking.setup(mlflow_cfg)
-    versions = {template: _repository_version(template, text) for template, text in prompts.TEMPLATES.items()}
-    prompts.ROUTED.clear()
+    rendered = prompts.Prompts(versions={t: _repository_version(t, text) for t, text in prompts.TEMPLATES.items()})
     for template, number in ((table or {}).get("prompts") or {}).items():
-        prompts.ROUTED[template] = _routed_text(template, number, table or {})
-        versions[template] = int(number)
-    prompts.VERSIONS.clear()
-    prompts.VERSIONS.update(versions)
-    return versions
+        rendered = rendered.with_text(template, _routed_text(template, number, table or {}), int(number))
+    return rendered
 
 
 def _repository_version(template: str, text: str) -> int:

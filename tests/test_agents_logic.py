@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from pipeline.agents.graph import Society
+from pipeline.agents.prompts import REPOSITORY
 from pipeline.agents.tools import Toolbox, build_index
 from pipeline.config import load_params
 from pipeline.rewards.judge import alignment, weighted_reward
@@ -126,6 +127,8 @@ def test_tools_offline(tmp_path: Path) -> None:
 class _QuitterClient:
     """A junior model that stops at once whenever the schema lets it ('none'), else searches."""
 
+    prompts = REPOSITORY
+
     def __init__(self) -> None:
         self.schemas: list[str] = []
 
@@ -178,6 +181,8 @@ def test_token_budget_holds_the_longest_answer_the_schema_allows(name: str) -> N
 class _ScriptedClient:
     """A whole society's answers: the safety officer finds a CRITICAL problem in round 0 only, so the graph must
     go back to the refiner once; each reviewer takes a moment, so reviews in flight at once can be counted."""
+
+    prompts = REPOSITORY
 
     def __init__(self) -> None:
         self.agents: list[str] = []
@@ -259,8 +264,8 @@ def test_the_society_pi_decides_on_the_call_role_level_evaluation_and_train_pi_m
     state = asyncio.run(society.compile().ainvoke({"task": task, "review_round": 0}))
     decide, explain = client.pi_calls
     assert decide["continue_from"] == cfg.decision.prefix and decide["top_logprobs"]
-    role_level_call = decision.decision_messages(task, cfg, "reasoning_free")  # what role_level.decide sends
-    society_call = decision.decision_messages(task, cfg, "reasoning_free", state["protocol"], state["reviews"],
+    role_level_call = decision.decision_messages(task, cfg, "reasoning_free", REPOSITORY)  # what role_level.decide sends
+    society_call = decision.decision_messages(task, cfg, "reasoning_free", REPOSITORY, state["protocol"], state["reviews"],
                                               what=decision.DecisionInput.SOCIETY)
     assert (decide["messages"] == role_level_call) is (what == "brief")
     assert "Protocol: none yet" in role_level_call[0]["content"] and "Protocol: {'title'" in society_call[0]["content"]

@@ -725,8 +725,9 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
     pi, params = "principal_investigator", promo["params"]
     short = {"PIPELINE__AGENTS__CONTEXT_CHARS": "200"}  # every PI call one short prefill: the mechanism, not the figure
     # A/A: the rendered text again under a new version
-    current = prompt_registry.sync(params.mlflow, _live(promo))[pi]
-    same = prompt_registry.register(params.mlflow, pi, prompts.text(pi), "it: A/A, the rendered text again")
+    rendered = prompt_registry.sync(params.mlflow, _live(promo))
+    current = rendered.version(pi)
+    same = prompt_registry.register(params.mlflow, pi, rendered.text(pi), "it: A/A, the rendered text again")
     prompt_registry.set_alias(pi, prompt_registry.CHALLENGER, same)
     ev = _cli(promo, "evaluate", **short)
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
@@ -768,8 +769,7 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
     assert again.returncode == 1 and "nothing to roll back" in again.stderr
 
 
-def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_be_served(promo: dict,
-                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_be_served(promo: dict) -> None:
     """#56: the registry's writer could replace a routed prompt version's text (and its `sha` tag) through MLflow's REST
     API, and the society rendered it. A routing version pins each routed prompt's digest: rendering and `route apply`
     refuse another text. `route new` / `route apply` refuse a prompt version that does not exist and a policy no role
@@ -781,10 +781,6 @@ def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_b
     from tests.conftest import mlflow_login
 
     pi, params = "principal_investigator", promo["params"]
-    # sync fills the process's rendered versions (prompts.ROUTED / VERSIONS, #53's process-global state): this test's
-    # syncs stay in this test, later tests of the session render the repository's texts
-    monkeypatch.setattr(prompts, "ROUTED", dict(prompts.ROUTED))
-    monkeypatch.setattr(prompts, "VERSIONS", dict(prompts.VERSIONS))
     text = prompts.TEMPLATES[pi] + " Weigh the strongest finding first."
     new = prompt_registry.register(params.mlflow, pi, text, "it: a prompt to pin")
     number = switch(params.serving, params.mlflow, Line(pi, pi), prompt_registry.load(pi, new), "it: pin a prompt")
@@ -813,7 +809,7 @@ def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_b
     finally:
         set_tag("mlflow.prompt.text", text)
         set_tag("sha", prompts.digest(text))
-    assert prompt_registry.sync(params.mlflow, _live(promo))[pi] == new
+    assert prompt_registry.sync(params.mlflow, _live(promo)).version(pi) == new
     # route new / route apply: what cannot be served is refused before it is written or made live
     before = routing.versions(params.serving)
     missing = _cli(promo, "route", "new", "--prompt", f"{pi}=999")

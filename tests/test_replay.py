@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from pipeline.agents.llm import RoleClient
+from pipeline.agents.prompts import REPOSITORY
 from pipeline.agents.replay import ROLLOUT_ID, CallBook
 from pipeline.agents.rollout import run_rollout
 from pipeline.agents.tools import Toolbox
@@ -154,7 +155,7 @@ def test_a_replaying_candidate_runs_each_task_once_the_champion_has_it_not_after
     tasks = [{**TASK, "id": str(100 + i), "question": f"Do statins reduce mortality ({q})?"} for i, q in enumerate(("slow", "fast-a", "fast-b"))]
     book = CallBook(live=["senior_researcher"])
     champion, senior, junior = society.run_many(params, tasks, [(None, "champion"), (None, "senior"), (None, "junior")], "r",
-                                                score=False, description="schedule", books=[None, book, None],
+                                                REPOSITORY, score=False, description="schedule", books=[None, book, None],
                                                 sources=[None, 0, None])
     assert all(t.status == "ok" for t in (*champion, *senior, *junior)), [t.error for t in (*champion, *senior, *junior)]
 

@@ -13,7 +13,7 @@ from sklearn.metrics import roc_auc_score
 from pipeline.agents.graph import brief
 from pipeline.config import load_params
 from pipeline.data.pubmedqa import normalise_record
-from pipeline.agents import decision
+from pipeline.agents import decision, prompts
 from pipeline.evaluation import role_level
 from pipeline.evaluation.gate import decide
 from pipeline.evaluation.metrics import paired_difference
@@ -138,7 +138,8 @@ def test_the_pi_learns_the_gold_decision_maybe_included_on_the_call_the_society_
         assert target["decision"] == {"yes": "GO", "no": "NO-GO", "maybe": "DEFER"}[task["final_decision"]]
         assert target["rationale"] == task["long_answer"][:params.pi.rationale_chars]
         # the row's prompt is the decision call the society's PI makes on the same brief (no protocol: input brief)
-        assert r["prompt"] == decision.decision_messages(task, params.agents, params.data.setting, protocol={"title": "t"},
+        assert r["prompt"] == decision.decision_messages(task, params.agents, params.data.setting, prompts.REPOSITORY,
+                                                         protocol={"title": "t"},
                                                          reviews=[{"reviewer": "peer_reviewer", "severity": "MINOR",
                                                                    "summary": "s"}])
     assert train_pi.signal(data) is None
@@ -189,46 +190,48 @@ def test_the_rationale_is_the_string_the_model_closed_after_the_fixed_decision()
     assert obj.decision == "DEFER" and len(obj.rationale) == 300 and state["p_go"] == 0.5
 
 
-def test_every_prompt_is_a_named_template_whose_version_follows_its_text(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_prompt_is_a_named_template_whose_version_follows_its_text() -> None:
     from pipeline.agents import prompts
 
+    repo, pi = prompts.REPOSITORY, "principal_investigator"
     task = {"question": "Does X cause Y?", "contexts": ["An abstract."], "long_answer": "It does."}
-    assert decision.decision_messages(task, section("agents"), "reasoning_free")[0]["content"] == prompts.render(
-        "principal_investigator", brief=brief(task, section("agents").context_chars, "reasoning_free"),
-        protocol=prompts.NO_PROTOCOL, reviews="none")
-    before = prompts.sha("principal_investigator")
-    monkeypatch.setitem(prompts.TEMPLATES, "principal_investigator", prompts.TEMPLATES["principal_investigator"] + " Be brief.")
-    assert prompts.sha("principal_investigator") != before and len(before) == 12
+    assert decision.decision_messages(task, section("agents"), "reasoning_free", repo)[0]["content"] == repo.render(
+        pi, brief=brief(task, section("agents").context_chars, "reasoning_free"), protocol=prompts.NO_PROTOCOL,
+        reviews="none")
+    before = repo.sha(pi)
+    edited = repo.with_text(pi, repo.text(pi) + " Be brief.", 7)
+    assert edited.sha(pi) != before and len(before) == 12 and edited.version(pi) == 7
+    assert repo.sha(pi) == before and repo.version(pi) is None  # a value: what another society renders is untouched
+    assert decision.decision_messages(task, section("agents"), "reasoning_free", edited)[0]["content"].endswith("Be brief.")
     with pytest.raises(KeyError, match="needs field 'brief'"):
-        prompts.render("principal_investigator", protocol="p", reviews="none")
+        repo.render(pi, protocol="p", reviews="none")
 
 
 def test_prompt_versions_round_trip_the_prompt_registry(mlflow_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every template is a prompt version in MLflow's Prompt Registry (#43): registered once, a changed text is a new
-    version and the champion alias stays where it was; spans name the version (prompts.VERSIONS)."""
+    version and the champion alias stays where it was; the rendered value names each version (what spans record)."""
     import mlflow.genai
 
     from pipeline import prompt_registry
     from pipeline.agents import prompts
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-    monkeypatch.setattr(prompts, "VERSIONS", {})
     cfg = section("mlflow")
     first = prompt_registry.sync(cfg)
-    assert set(first) == set(prompts.TEMPLATES) and prompts.VERSIONS == first
+    assert set(first.versions) == set(prompts.TEMPLATES) and first.texts == prompts.TEMPLATES
     loaded = mlflow.genai.load_prompt("prompts:/society.principal_investigator@champion", link_to_model=False)
-    assert loaded.template == prompts.TEMPLATES["principal_investigator"] and loaded.tags["sha"] == prompts.sha("principal_investigator")
+    assert loaded.template == prompts.TEMPLATES["principal_investigator"] and loaded.tags["sha"] == first.sha("principal_investigator")
     assert prompt_registry.sync(cfg) == first  # unchanged text: no new version
     monkeypatch.setitem(prompts.TEMPLATES, "principal_investigator", prompts.TEMPLATES["principal_investigator"] + " Be brief.")
     second = prompt_registry.sync(cfg)
     # a new version (an optimizer's versions in between may have taken numbers: the repository alias tracks the text)
-    assert second["principal_investigator"] > first["principal_investigator"]
+    assert second.version("principal_investigator") > first.version("principal_investigator")  # type: ignore[operator]
     assert prompt_registry.load("principal_investigator", "@repository").template.endswith("Be brief.")
     assert prompt_registry.sync(cfg) == second  # the repository's text again: no new version
-    assert {k: v for k, v in second.items() if k != "principal_investigator"} == {k: v for k, v in first.items()
-                                                                                  if k != "principal_investigator"}
+    assert {k: v for k, v in second.versions.items() if k != "principal_investigator"} == {
+        k: v for k, v in first.versions.items() if k != "principal_investigator"}
     champion = mlflow.genai.load_prompt("prompts:/society.principal_investigator@champion", link_to_model=False)
-    assert int(champion.version) == first["principal_investigator"] and not champion.template.endswith("Be brief.")
+    assert int(champion.version) == first.version("principal_investigator") and not champion.template.endswith("Be brief.")
 
 
 def test_a_routed_prompt_version_is_what_the_society_renders(mlflow_server: str, monkeypatch: pytest.MonkeyPatch,
@@ -240,8 +243,6 @@ def test_a_routed_prompt_version_is_what_the_society_renders(mlflow_server: str,
     from pipeline.agents import prompts
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-    monkeypatch.setattr(prompts, "VERSIONS", {})
-    monkeypatch.setattr(prompts, "ROUTED", {})
     cfg = section("mlflow")
     prompt_registry.sync(cfg)
     repo_text = prompts.TEMPLATES["principal_investigator"]
@@ -264,11 +265,12 @@ def test_a_routed_prompt_version_is_what_the_society_renders(mlflow_server: str,
     assert table["prompts"] == {"principal_investigator": version}
     rendered = prompt_registry.sync(cfg, table)
     fields = {"brief": "Q?", "protocol": "P", "reviews": "none"}
-    assert rendered["principal_investigator"] == version == prompts.VERSIONS["principal_investigator"]
-    assert prompts.render("principal_investigator", **fields).endswith("Weigh the conclusion before the protocol.")
-    assert prompts.sha("principal_investigator") == prompts.digest(candidate) != prompts.digest(repo_text)
-    prompt_registry.sync(cfg, routing.load_version(serving, 1))  # a table that routes no prompt: the repository's text
-    assert prompts.render("principal_investigator", **fields) == repo_text.format(**fields)
+    assert rendered.version("principal_investigator") == version
+    assert rendered.render("principal_investigator", **fields).endswith("Weigh the conclusion before the protocol.")
+    assert rendered.sha("principal_investigator") == prompts.digest(candidate) != prompts.digest(repo_text)
+    plain = prompt_registry.sync(cfg, routing.load_version(serving, 1))  # a table that routes no prompt: the repository's
+    assert plain.render("principal_investigator", **fields) == repo_text.format(**fields)
+    assert prompts.REPOSITORY.render("principal_investigator", **fields) == repo_text.format(**fields)  # no global moved
 
 
 def test_a_pi_that_answers_one_decision_everywhere_is_not_promoted_however_often_it_is_right() -> None:

@@ -166,7 +166,7 @@ def _assert_whole_society(trace: dict) -> None:
 
     # every call names the template it was rendered from and that template's version (prompts as data, #42)
     named = {(s["data"]["agent"], s["data"].get("prompt"), s["data"].get("prompt_sha")) for s in trace["spans"] if s["kind"] == "llm"}
-    assert all(p in prompts.TEMPLATES and sha == prompts.sha(p) for _, p, sha in named), named
+    assert all(p in prompts.TEMPLATES and sha == prompts.REPOSITORY.sha(p) for _, p, sha in named), named
     assert {(a, p) for a, p, _ in named} >= {("principal_investigator", "principal_investigator"), ("judge", "judge"),
                                               ("hypothesis_refiner", "refiner"), ("geneticist", "junior.hypothesis")}
     assert any(s["kind"] == "tool" and s["data"]["sender"] in {"geneticist", "pharmacologist", "neurologist"} for s in trace["spans"])

@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pipeline.agents.llm import LLMError, RoleClient
-from pipeline.agents.prompts import NO_PROTOCOL, brief, pi_prompt
+from pipeline.agents.prompts import NO_PROTOCOL, Prompts, brief, pi_prompt
 from pipeline.config import AgentsParams, DecisionInput, DecisionParams
 from pipeline.schemas import Decision, PIDecision
 
@@ -58,15 +58,13 @@ class Answer(BaseModel):
         return {**obj.model_dump(), "p_go": self.p_go, "probs": self.probs}
 
 
-def decision_messages(task: dict[str, Any], agents: AgentsParams, setting: str, protocol: Any = None,
-                      reviews: list[dict[str, Any]] | None = None, template: str | None = None,
-                      what: DecisionInput | None = None) -> list[dict[str, str]]:
-    """The PI's chat for ``task``: the evidence brief, with the society's protocol and reviews when ``what`` (default
-    ``agents.decision.input``) is ``society``; ``template``: a candidate prompt text instead of the routed one."""
+def decision_messages(task: dict[str, Any], agents: AgentsParams, setting: str, prompts: Prompts, protocol: Any = None,
+                      reviews: list[dict[str, Any]] | None = None, what: DecisionInput | None = None) -> list[dict[str, str]]:
+    """The PI's chat for ``task`` rendered from ``prompts`` (the society's, or a candidate's): the evidence brief, with
+    the society's protocol and reviews when ``what`` (default ``agents.decision.input``) is ``society``."""
     if (what or agents.decision.input) == DecisionInput.BRIEF or protocol is None:
         protocol, reviews = NO_PROTOCOL, []
-    return [{"role": "user", "content": pi_prompt(brief(task, agents.context_chars, setting), protocol, reviews or [],
-                                                  template)}]
+    return [{"role": "user", "content": pi_prompt(prompts, brief(task, agents.context_chars, setting), protocol, reviews or [])}]
 
 
 def rationale_prefix(prefix: str, decision: Decision) -> str:

@@ -27,7 +27,7 @@ from langgraph.graph import END, START, StateGraph
 
 from pipeline.agents import decision
 from pipeline.agents.llm import DESIGNER_TOKENS, LLMError, RoleClient
-from pipeline.agents.prompts import SETTINGS, brief, render
+from pipeline.agents.prompts import SETTINGS, brief
 from pipeline.agents.tools import Toolbox, timed_call
 from pipeline.config import AgentsParams, DecisionInput
 from pipeline.schemas import EvidenceCall, Hypothesis, Protocol, Review, StructuredOutput, SupervisorChoice, ToolCall
@@ -87,12 +87,12 @@ class Society:
     def junior(self, name: str):
         async def node(state: SocietyState) -> dict[str, Any]:
             spans: list[dict[str, Any]] = []
-            system = render("junior.system", persona=JUNIORS[name], brief=self._brief(state))
+            system = self._render("junior.system", persona=JUNIORS[name], brief=self._brief(state))
             notes: list[str] = []
             try:
                 for step in range(self.cfg.max_tool_calls):
                     messages = [{"role": "system", "content": system},
-                                {"role": "user", "content": render("junior.step", notes="\n".join(notes) or "none")}]
+                                {"role": "user", "content": self._render("junior.step", notes="\n".join(notes) or "none")}]
                     schema: type[ToolCall | EvidenceCall] = EvidenceCall if step < self.cfg.min_tool_calls else ToolCall
                     call = await self.client.structured(name, self.cfg.models[name], messages, schema, spans, max_tokens=64,
                                                         prompt="junior.step")
@@ -101,7 +101,7 @@ class Society:
                     result = timed_call(self.tools, name, call.tool, call.query, spans)
                     notes.append(f"[{call.tool}({call.query})] {result.text[:600]}")
                 messages = [{"role": "system", "content": system},
-                            {"role": "user", "content": render("junior.hypothesis", notes="\n".join(notes) or "none")}]
+                            {"role": "user", "content": self._render("junior.hypothesis", notes="\n".join(notes) or "none")}]
                 hyp = await self.client.structured(name, self.cfg.models[name], messages, Hypothesis, spans,
                                                    prompt="junior.hypothesis")
             except LLMError as exc:
@@ -129,8 +129,9 @@ class Society:
                           explored=chosen != model_pick, propensity=pmf[chosen], reason="contextual bandit")
         else:
             listing = "\n".join(f"{i}. ({h['author']}) {h['hypothesis']}" for i, h in enumerate(candidates))
-            messages = [{"role": "system", "content": render("supervisor.system")},
-                        {"role": "user", "content": render("supervisor.choice", question=self._question(state), listing=listing)}]
+            messages = [{"role": "system", "content": self._render("supervisor.system")},
+                        {"role": "user", "content": self._render("supervisor.choice", question=self._question(state),
+                                                                  listing=listing)}]
             try:
                 choice = await self.client.structured("supervisor", self.cfg.models["supervisor"], messages,
                                                       SupervisorChoice, spans,
@@ -147,11 +148,15 @@ class Society:
         spans.append({"kind": "decision", "name": "supervisor", "data": logged})
         return {"spans": spans, "selection": {**candidates[chosen], "index": chosen, "propensity": logged["propensity"]}}
 
+    def _render(self, template: str, **fields: Any) -> str:
+        """``template`` as this society renders it: the version its client's prompts carry (the routed one)."""
+        return self.client.prompts.render(template, **fields)
+
     async def _senior(self, agent: str, schema: type[StructuredOutput], template: str, fields: dict[str, Any],
                       key: str, tokens: int | None = None) -> dict[str, Any]:
         spans: list[dict[str, Any]] = []
         try:
-            obj = await self.client.structured(agent, self.cfg.models[agent], [{"role": "user", "content": render(
+            obj = await self.client.structured(agent, self.cfg.models[agent], [{"role": "user", "content": self._render(
                 template, **fields)}], schema, spans, max_tokens=tokens, prompt=template)
         except LLMError as exc:
             return {"spans": spans, "errors": [str(exc)]}
@@ -198,11 +203,11 @@ class Society:
         """The PI decides by the one decision path it is trained and gated on (pipeline/agents/decision.py)."""
         agent, spans = "principal_investigator", list[dict[str, Any]]()
         task, setting = state["task"], state["task"].get("setting", SETTINGS[0])
-        protocol, reviews = state.get("protocol"), state.get("reviews", [])
+        protocol, reviews, prompts = state.get("protocol"), state.get("reviews", []), self.client.prompts
         answer = await decision.ask(
             self.client, agent, self.cfg.models[agent], self.cfg.decision,
-            decision.decision_messages(task, self.cfg, setting, protocol, reviews),
-            decision.decision_messages(task, self.cfg, setting, protocol, reviews, what=DecisionInput.SOCIETY),
+            decision.decision_messages(task, self.cfg, setting, prompts, protocol, reviews),
+            decision.decision_messages(task, self.cfg, setting, prompts, protocol, reviews, what=DecisionInput.SOCIETY),
             spans, prompt=agent)
         if answer.decision is None:
             return {"spans": spans, "errors": [f"{agent}: {answer.error}"]}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from pydantic import ValidationError
 
-from pipeline.agents import prompts
+from pipeline.agents.prompts import REPOSITORY, Prompts
 from pipeline.agents.replay import CallBook, request_key
 from pipeline.digest import served_digest
 from pipeline.schemas import StructuredOutput
@@ -69,8 +69,10 @@ def _float(value: str | None) -> float | None:
 class RoleClient:
     def __init__(self, base_url: str, api_key: str, max_tokens: int = 256, temperature: float = 0.7,
                  json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None, token_ceiling: int = 768,
-                 frequency_penalty: float = 0.0, replay: CallBook | None = None, unavailable_wait_s: float = 0.0) -> None:
+                 frequency_penalty: float = 0.0, replay: CallBook | None = None, unavailable_wait_s: float = 0.0,
+                 prompts: Prompts = REPOSITORY) -> None:
         self.base_url = base_url.rstrip("/")
+        self.prompts = prompts  # what this society renders: the routed versions of its templates (prompt_registry.sync)
         self.replay = replay  # recorded calls of roles not under evaluation, answered from the record (agents.replay)
         self.routing = routing  # an evaluation routing table the proxy should route these calls by (None = the live one)
         self.max_tokens = max_tokens
@@ -132,7 +134,7 @@ class RoleClient:
                                          "max_tokens": body["max_tokens"], "temperature": temp,
                                          "frequency_penalty": penalty, "seed": body.get("seed")}}
         if prompt is not None:  # the template the request was rendered from, and its version
-            span["data"].update(prompt=prompt, prompt_sha=prompts.sha(prompt), prompt_version=prompts.VERSIONS.get(prompt))
+            span["data"].update(prompt=prompt, prompt_sha=self.prompts.sha(prompt), prompt_version=self.prompts.version(prompt))
         span["data"]["request_key"] = key = request_key(agent, body)
         # a call that asks for logprobs (the judge's) runs live: a record keeps no logprobs (they are taken off the span),
         # so a replayed answer would score as if the judge had given no probabilities at all

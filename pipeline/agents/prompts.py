@@ -2,13 +2,16 @@
 
 The graph's nodes, the judge, train_pi's rows and role-level evaluation render the same templates, so a prompt is
 one versionable artifact: each LLM span records the template's name and ``sha`` (the first 12 hex of the sha256 of
-its text), and a later template is a new version of that name. Kept apart from the graph (and its langgraph import)
-because the model plane renders them too.
+its text), and a later template is a new version of that name. What a society renders is a value, :class:`Prompts`
+(the texts, and the Prompt Registry version of each): the repository's (:data:`REPOSITORY`), or the one
+``prompt_registry.sync`` returns for a routing table (the versions it routes), carried by the society's client.
+Kept apart from the graph (and its langgraph import) because the model plane renders them too.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 TEMPLATES: dict[str, str] = {
@@ -38,31 +41,43 @@ TEMPLATES: dict[str, str] = {
 }
 
 
-VERSIONS: dict[str, int] = {}  # template -> its version in MLflow's Prompt Registry, once pipeline.prompt_registry.sync ran
-ROUTED: dict[str, str] = {}  # template -> the text of the version the live routing names (prompt_registry.sync)
-
-
-def text(name: str) -> str:
-    """What the society renders for ``name``: the routed version's text, else the repository's."""
-    return ROUTED.get(name, TEMPLATES[name])
-
-
 def digest(template: str) -> str:
     """A template text's version: the first 12 hex of its sha256."""
     return hashlib.sha256(template.encode()).hexdigest()[:12]
 
 
-def sha(name: str) -> str:
-    """The version of the text the society renders for ``name`` (see :func:`text`)."""
-    return digest(text(name))
+@dataclass(frozen=True)
+class Prompts:
+    """The template texts a society renders, and the Prompt Registry version of each that has one (what spans name)."""
+
+    texts: dict[str, str] = field(default_factory=lambda: dict(TEMPLATES))
+    versions: dict[str, int] = field(default_factory=dict)
+
+    def text(self, name: str) -> str:
+        return self.texts[name]
+
+    def sha(self, name: str) -> str:
+        """The version of the text rendered for ``name``, as its digest."""
+        return digest(self.texts[name])
+
+    def version(self, name: str) -> int | None:
+        return self.versions.get(name)
+
+    def render(self, name: str, **fields: Any) -> str:
+        """The template ``name`` with its fields filled (a missing field raises, naming it)."""
+        try:
+            return self.texts[name].format(**fields)
+        except KeyError as exc:
+            raise KeyError(f"prompt {name!r} needs field {exc.args[0]!r}") from None
+
+    def with_text(self, name: str, text: str, version: int | None = None) -> Prompts:
+        """These prompts with ``name`` rendered from ``text`` (a candidate version's, or an optimizer's proposal)."""
+        versions = {k: v for k, v in self.versions.items() if k != name} | ({name: version} if version is not None else {})
+        return replace(self, texts={**self.texts, name: text}, versions=versions)
 
 
-def render(name: str, **fields: Any) -> str:
-    """The template ``name`` (as routed) with its fields filled (a missing field raises, naming it)."""
-    try:
-        return text(name).format(**fields)
-    except KeyError as exc:
-        raise KeyError(f"prompt {name!r} needs field {exc.args[0]!r}") from None
+REPOSITORY = Prompts()  # the texts above, as pipeline/agents/prompts.py reads now (no registry version known)
+PI = "principal_investigator"  # the template the PI's decision is asked with (pi_prompt)
 
 SETTINGS = ("reasoning_required", "reasoning_free")  # PubMedQA's two settings (data.setting)
 
@@ -83,12 +98,9 @@ def pi_fields(brief_text: str, protocol: Any, reviews: list[dict[str, Any]]) -> 
     return {"brief": brief_text, "protocol": protocol, "reviews": lines or "none"}
 
 
-def pi_prompt(brief_text: str, protocol: Any, reviews: list[dict[str, Any]], template: str | None = None) -> str:
-    """The principal investigator's prompt (benchmarks/bench_before_after.py asks the trained PI the same);
-    ``template``: a candidate text instead of the routed one (a prompt candidate's evaluation)."""
-    if template is None:
-        return render("principal_investigator", **pi_fields(brief_text, protocol, reviews))
-    return template.format(**pi_fields(brief_text, protocol, reviews))
+def pi_prompt(prompts: Prompts, brief_text: str, protocol: Any, reviews: list[dict[str, Any]]) -> str:
+    """The principal investigator's prompt (benchmarks/bench_before_after.py asks the trained PI the same)."""
+    return prompts.render(PI, **pi_fields(brief_text, protocol, reviews))
 
 
 NO_PROTOCOL = "none yet: decide from the question and its abstract"

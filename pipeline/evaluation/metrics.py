@@ -44,25 +44,25 @@ def macro_f1(truth: Sequence[str], preds: Sequence[str]) -> float:
     return float(f1_score(list(truth), list(preds), average="macro")) if truth else float("nan")
 
 
+def _series(records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each figure's values over the records: the reward and its parts, the judge's criteria, cost, decision accuracy."""
+    parts = {f"reward_{p}": [float(r["components"][p]) for r in records if p in (r.get("components") or {})]
+             for p in ("judge", "decision")}  # the final reward's components (pipeline.rewards.judge.final_reward)
+    return {"reward": [float(r["reward"]) for r in records], **parts,
+            **{c: [float(r["scores"].get(c, 0.0)) for r in records] for c in CRITERIA},
+            "success_rate": [float(r["status"] == "ok") for r in records],
+            **{key: [float(r.get(key) or 0) for r in records] for key in ("turns", "tokens", "latency_s")},
+            "decision_accuracy": [float(answer(r["decision"]) == r["label"]) for r in records if r["label"] in ("yes", "no")]}
+
+
 def summarise(records: list[dict[str, Any]], n: int = 1000, ci: float = 0.95, seed: int = 0) -> dict[str, Any]:
     """Means with bootstrap CIs for rewards and criteria; accuracy/macro-F1 on yes/no questions."""
     out: dict[str, Any] = {"tasks": len(records)}
-
-    def stat(name: str, values: list[float]) -> None:
+    for name, values in _series(records).items():
         if values:
             lo, hi = bootstrap_ci(values, n, ci, seed)
             out[name] = {"mean": statistics.fmean(values), "ci_low": lo, "ci_high": hi, "n": len(values)}
-
-    stat("reward", [float(r["reward"]) for r in records])
-    for part in ("judge", "decision"):  # the final reward's components (pipeline.rewards.judge.final_reward)
-        stat(f"reward_{part}", [float(r["components"][part]) for r in records if part in (r.get("components") or {})])
-    for c in CRITERIA:
-        stat(c, [float(r["scores"].get(c, 0.0)) for r in records])
-    stat("success_rate", [float(r["status"] == "ok") for r in records])
-    for key in ("turns", "tokens", "latency_s"):
-        stat(key, [float(r.get(key) or 0) for r in records])
     decided = [r for r in records if r["label"] in ("yes", "no")]
-    stat("decision_accuracy", [float(answer(r["decision"]) == r["label"]) for r in decided])
     out["macro_f1"] = macro_f1([r["label"] for r in decided], [answer(r["decision"]) for r in decided]) if decided else None
     out["maybe"] = _maybe([r["decision"] for r in records if r["label"] == "maybe"])
     return out

@@ -29,7 +29,7 @@ import numpy as np
 
 from pipeline.agents import decision
 from pipeline.agents.llm import RoleClient
-from pipeline.agents.prompts import NO_PROTOCOL
+from pipeline.agents.prompts import NO_PROTOCOL, Prompts
 from pipeline.config import AgentsParams, JudgeParams, RewardParams
 from pipeline.evaluation.metrics import answer, macro_f1, summarise
 from pipeline.rewards.judge import decision_credit, final_reward
@@ -37,18 +37,18 @@ from pipeline.rewards.judge import judge as run_judge
 
 
 async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]], agents: AgentsParams, reward: RewardParams,
-                 setting: str, concurrency: int, timeout_s: float, routing: str | None = None, progress: Any = None,
-                 rationale: bool = False, template: str | None = None) -> list[dict[str, Any]]:
+                 setting: str, concurrency: int, timeout_s: float, prompts: Prompts, routing: str | None = None,
+                 progress: Any = None, rationale: bool = False) -> list[dict[str, Any]]:
     """One record per task (``metrics.summarise``'s fields): the role's served answer through the proxy
     (``decision.ask``, the society's own call; ``rationale``: its rationale too, which :func:`judged` scores), its
-    P(GO) and its decision credit as the reward. ``routing``: an evaluation routing table (None = the live one);
-    ``template``: a candidate prompt."""
+    P(GO) and its decision credit as the reward. ``prompts``: what the society renders (or a candidate prompt's);
+    ``routing``: an evaluation routing table (None = the live one)."""
     sem = asyncio.Semaphore(concurrency)
-    client = RoleClient.for_agents(agents, base_url, key, timeout_s, routing=routing)
+    client = RoleClient.for_agents(agents, base_url, key, timeout_s, routing=routing, prompts=prompts)
 
     async def one(task: dict[str, Any]) -> dict[str, Any]:
         spans: list[dict[str, Any]] = []
-        chat = decision.decision_messages(task, agents, setting, template=template)
+        chat = decision.decision_messages(task, agents, setting, prompts)
         async with sem:
             got = await decision.ask(client, role, role, agents.decision, chat, chat if rationale else None, spans)
         made = got.decision.value if got.decision else None
@@ -67,7 +67,7 @@ async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]]
 
 
 async def judged(base_url: str, key: str, tasks: list[dict[str, Any]], runs: list[list[dict[str, Any]]], agents: AgentsParams,
-                 judge: JudgeParams, reward: RewardParams, concurrency: int, timeout_s: float) -> int:
+                 judge: JudgeParams, reward: RewardParams, concurrency: int, timeout_s: float, prompts: Prompts) -> int:
     """The judge's part of each record's reward, in place: every decided record's decision and rationale judged as the
     society's judge judges a rollout (the live judge, no protocol), its reward the society's final reward; an undecided
     record scores ``judge.failure_score``. Identical answers to a task (across ``runs``) are judged once; returns the
@@ -75,7 +75,7 @@ async def judged(base_url: str, key: str, tasks: list[dict[str, Any]], runs: lis
     by_id = {t["id"]: t for t in tasks}
     answers = {(r["task_id"], r["decision"], r.get("rationale") or "") for run in runs for r in run if r["decision"]}
     sem = asyncio.Semaphore(concurrency)
-    client = RoleClient.for_agents(agents, base_url, key, timeout_s, max_tokens=judge.max_tokens)
+    client = RoleClient.for_agents(agents, base_url, key, timeout_s, max_tokens=judge.max_tokens, prompts=prompts)
 
     async def one(task_id: str, decision: str, why: str) -> tuple[tuple[str, str, str], dict[str, Any]]:
         async with sem:

@@ -16,6 +16,7 @@ from typing import Any
 from rich.progress import Progress
 
 from pipeline.agents.llm import RoleClient
+from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.agents.rollout import run_with_retries, supervisor_policy
 from pipeline.agents.tools import Toolbox
@@ -27,7 +28,7 @@ from pipeline.traces.schema import Trace
 # whole Params: running a society reads six sections (agents, judge, reward, rollouts, evaluate, serving) and the
 # policy's tracking server; the evaluate and report stages are its only callers.
 def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[dict[str, Any] | None, str | None]], run_id: str,
-             score: bool, description: str, books: list[CallBook | None] | None = None,
+             prompts: Prompts, score: bool, description: str, books: list[CallBook | None] | None = None,
              sources: list[int | None] | None = None) -> list[list[Trace]]:
     """For each (routing table, evaluation routing name or None for live): one rollout per task
     (rollout id ``<task>-0``, exploration seed ``evaluate.seed``); traces in task order per society.
@@ -45,7 +46,8 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
 
     async def main(bar: Progress, bar_id: Any) -> list[list[Trace]]:
         sem = asyncio.Semaphore(cfg.concurrency)
-        clients = [RoleClient.for_agents(params.agents, url, key, cfg.timeout_s, routing=routing, replay=replays[i])
+        clients = [RoleClient.for_agents(params.agents, url, key, cfg.timeout_s, routing=routing, replay=replays[i],
+                                         prompts=prompts)
                    for i, (_, routing) in enumerate(societies)]
 
         running: dict[tuple[int, int], asyncio.Task[Trace]] = {}

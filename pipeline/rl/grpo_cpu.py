@@ -15,6 +15,7 @@ import os
 import shutil
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,48 @@ def make_reward(agents: AgentsParams, ppo: PpoRole, judge: JudgeParams, reward: 
     return completion_reward
 
 
+def _prompts(ppo: PpoRole, datasets: DatasetsParams) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The role's prompts and the schemas their calls were decoded under; refuses a completion cap below a budget."""
+    rows = load_prompts(datasets, ppo)
+    schemas = {r["schema"]: schema for r in rows if (schema := named(r["schema"])) is not None}
+    budget = max(s.token_budget() for s in schemas.values())
+    if ppo.max_completion_tokens < budget:
+        raise ValueError(f"ppo.max_completion_tokens={ppo.max_completion_tokens} is below the schema budget of "
+                         f"ppo.roles.{ppo.role}.agents {ppo.agents} ({budget} tokens): completions would be cut into "
+                         "invalid JSON")
+    return rows, schemas
+
+
+def _arguments(ppo: PpoRole, out: Path, gpu: bool) -> Any:
+    from trl import GRPOConfig  # noqa: PLC0415 - model plane only
+
+    # one sequence per forward/backward, gradients accumulated over the step's GRPO batch (verl's actor: micro batch
+    # 1): the activations of 4 sequences of ~1.4k tokens held 16 GB here; generation still batches the whole step
+    return GRPOConfig(output_dir=str(out), max_steps=ppo.max_steps, per_device_train_batch_size=1,
+                      gradient_accumulation_steps=ppo.prompts_per_step * ppo.group_size, num_generations=ppo.group_size,
+                      max_completion_length=ppo.max_completion_tokens, learning_rate=ppo.learning_rate,
+                      beta=ppo.kl_coef, temperature=ppo.temperature, logging_steps=1, save_strategy="no", report_to="none",
+                      seed=ppo.seed, data_seed=ppo.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0,
+                      disable_tqdm=False, lr_scheduler_type="constant", warmup_steps=0,
+                      gradient_checkpointing=ppo.gradient_checkpointing)
+
+
+def _metrics(ppo: PpoRole, prompts: int, scored: list[dict[str, Any]], history: list[dict[str, Any]], steps_done: int,
+             seconds: float, gpu: bool) -> dict[str, Any]:
+    """What the run did: steps and seconds, the reward curve's ends, the signal check, why completions scored as they did."""
+    steps = [h for h in history if "reward" in h]
+    aligned = [r["aligned"] for r in scored if r.get("aligned") is not None]
+    return {"backend": "trl", "algorithm": "grpo", "device": "cuda" if gpu else "cpu", "steps": steps_done,
+            "prompts": prompts, "agents": list(ppo.agents), "decoding": "xgrammar JSON schema", **signal(scored),
+            "train_seconds": round(seconds, 2), "seconds_per_step": round(seconds / max(1, steps_done), 2),
+            "reward_first": steps[0]["reward"] if steps else None, "reward_last": steps[-1]["reward"] if steps else None,
+            "reward_mean": statistics.fmean(r["value"] for r in scored) if scored else None,
+            "kl_last": next((h["kl"] for h in reversed(steps) if "kl" in h), None),
+            "decision_accuracy": sum(a is True for a in aligned) / len(aligned) if aligned else None,
+            "reward_reasons": dict(Counter(r["reason"].split(":")[0] for r in scored)),
+            "base_model": str(Path(ppo.base_model).resolve())}
+
+
 def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list[dict[str, Any]]], Any]) -> dict[str, Any]:
     """Model plane: GRPO + LoRA, adapter saved atomically, metrics returned. ``reward_for(log)`` is the reward function
     (:func:`make_reward` with its sections bound), which records each scored completion in ``log``."""
@@ -83,20 +126,13 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
     from datasets import Dataset  # noqa: PLC0415 - 0.7 s import, only training needs it
     from peft import LoraConfig  # noqa: PLC0415 - model plane only
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
-    from trl import GRPOConfig  # noqa: PLC0415 - model plane only
 
     from pipeline.rl.guided import GuidedGRPOTrainer, compile_grammars, prompt_key  # noqa: PLC0415 - imports trl (model plane)
 
-    rows = load_prompts(datasets, ppo)
-    schemas = {r["schema"]: named(r["schema"]) for r in rows}
-    budget = max(s.token_budget() for s in schemas.values() if s is not None)
-    if ppo.max_completion_tokens < budget:
-        raise ValueError(f"ppo.max_completion_tokens={ppo.max_completion_tokens} is below the schema budget of "
-                         f"ppo.roles.{ppo.role}.agents {ppo.agents} ({budget} tokens): completions would be cut into "
-                         "invalid JSON")
+    rows, schemas = _prompts(ppo, datasets)
     schema_of = {prompt_key(r["prompt"]): r["schema"] for r in rows}
     columns = ("prompt", "agent", "schema", "label", "question", "abstract", "task_id")
-    train_ds = Dataset.from_list([{k: (r.get(k) or "") if k != "prompt" else r[k] for k in columns} for r in rows])
+    train_ds = Dataset.from_list([{k: r[k] if k == "prompt" else (r.get(k) or "") for k in columns} for r in rows])
     gpu = torch.cuda.is_available()
     with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
         model = AutoModelForCausalLM.from_pretrained(ppo.base_model, dtype=torch.bfloat16 if gpu else torch.float32)
@@ -105,20 +141,10 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
     peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
                       task_type="CAUSAL_LM")
     scored: list[dict[str, Any]] = []
-    out = Path(ppo.out_dir)
-    with atomic_dir(out) as tmp:
-        # one sequence per forward/backward, gradients accumulated over the step's GRPO batch (verl's actor: micro batch
-        # 1): the activations of 4 sequences of ~1.4k tokens held 16 GB here; generation still batches the whole step
-        args = GRPOConfig(output_dir=str(tmp / "checkpoints"), max_steps=ppo.max_steps, per_device_train_batch_size=1,
-                          gradient_accumulation_steps=ppo.prompts_per_step * ppo.group_size, num_generations=ppo.group_size,
-                          max_completion_length=ppo.max_completion_tokens, learning_rate=ppo.learning_rate,
-                          beta=ppo.kl_coef, temperature=ppo.temperature, logging_steps=1, save_strategy="no", report_to="none",
-                          seed=ppo.seed, data_seed=ppo.seed, bf16=gpu, use_cpu=not gpu, dataloader_num_workers=0,
-                          disable_tqdm=False, lr_scheduler_type="constant", warmup_steps=0,
-                          gradient_checkpointing=ppo.gradient_checkpointing)
-        grammars = compile_grammars(tokenizer, model.config.vocab_size, {n: s for n, s in schemas.items() if s is not None})
-        trainer = GuidedGRPOTrainer(model=model, reward_funcs=[reward_for(scored)], args=args, train_dataset=train_ds,
-                                    processing_class=tokenizer, peft_config=peft, grammars=grammars,
+    with atomic_dir(Path(ppo.out_dir)) as tmp:
+        trainer = GuidedGRPOTrainer(model=model, reward_funcs=[reward_for(scored)], train_dataset=train_ds,
+                                    args=_arguments(ppo, tmp / "checkpoints", gpu), processing_class=tokenizer, peft_config=peft,
+                                    grammars=compile_grammars(tokenizer, model.config.vocab_size, schemas),
                                     grammar_of=lambda prompt: schema_of[prompt_key(prompt)])
         t0 = time.perf_counter()
         result = trainer.train()
@@ -129,20 +155,6 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
         history = [h for h in trainer.state.log_history if "step" in h]
         write_json(tmp / "log_history.json", history)
         write_text(tmp / "completions.jsonl", "".join(json.dumps(r) + "\n" for r in scored))
-        steps = [h for h in history if "reward" in h]
-        reasons: dict[str, int] = {}
-        for r in scored:
-            key = r["reason"].split(":")[0]
-            reasons[key] = reasons.get(key, 0) + 1
-        metrics = {"backend": "trl", "algorithm": "grpo", "device": "cuda" if gpu else "cpu", "steps": result.global_step,
-                   "prompts": len(rows), "agents": list(ppo.agents), "decoding": "xgrammar JSON schema", **signal(scored),
-                   "train_seconds": round(seconds, 2),
-                   "seconds_per_step": round(seconds / max(1, result.global_step), 2),
-                   "reward_first": steps[0]["reward"] if steps else None, "reward_last": steps[-1]["reward"] if steps else None,
-                   "reward_mean": sum(r["value"] for r in scored) / len(scored) if scored else None,
-                   "kl_last": next((h["kl"] for h in reversed(steps) if "kl" in h), None),
-                   "decision_accuracy": (sum(r["aligned"] is True for r in scored) / n_aligned
-                                         if (n_aligned := sum(r.get("aligned") is not None for r in scored)) else None),
-                   "reward_reasons": reasons, "base_model": str(Path(ppo.base_model).resolve())}
+        metrics = _metrics(ppo, len(rows), scored, history, result.global_step, seconds, gpu)
         write_json(tmp / "train_meta.json", metrics)
     return metrics

@@ -68,16 +68,8 @@ def build(rollouts: RolloutsParams, datasets: DatasetsParams, validate: Validate
         "bandit": adapters.bandit_examples(traces, drops),
     }
     wanted = {"sft": bool(sft_roles), "rl": bool(rl_agents), "bandit": True}
-    empty = [name for name in OUTPUTS if not sets[name] and wanted[name]]
-    if empty:
-        lines = []
-        for name in empty:
-            reasons = {k: v for k, v in drops.counts.items() if k.startswith(f"{name}.") or "." not in k}
-            examples = [e for k in reasons for e in drops.examples[k]]
-            lines.append(f"  - {name}: 0 rows from {len(traces)} traces; dropped {dict(reasons) or 'nothing (no traces)'}"
-                         + "".join(f"\n      {e}" for e in examples[:4]))
-        hint = f" (datasets.sft.min_reward={datasets.sft.min_reward})" if "sft" in empty else ""
-        raise EmptyDataset("empty training set(s) from " + ", ".join(map(str, shards)) + f"{hint}:\n" + "\n".join(lines))
+    if empty := [name for name in OUTPUTS if not sets[name] and wanted[name]]:
+        raise EmptyDataset(_why_empty(empty, shards, traces, drops, datasets))
     return {"traces": traces, "sets": sets, "sft": by_role, "drops": drops, "shards": shards}
 
 
@@ -85,6 +77,19 @@ def build(rollouts: RolloutsParams, datasets: DatasetsParams, validate: Validate
 def rl_agents(params: Params) -> dict[str, str]:
     """Agent -> the role that learns from its calls by RL (``ppo.roles.<role>.agents``)."""
     return {a: role for role in params.learners()[Learning.PPO] for a in params.ppo.at(role).agents}
+
+
+def _why_empty(empty: list[str], shards: list[Path], traces: list[Any], drops: adapters.Drops,
+               datasets: DatasetsParams) -> str:
+    """Each empty set with the reasons its rows were dropped, and a few examples naming the file and line."""
+    lines = []
+    for name in empty:
+        reasons = {k: v for k, v in drops.counts.items() if k.startswith(f"{name}.") or "." not in k}
+        examples = [e for k in reasons for e in drops.examples[k]]
+        lines.append(f"  - {name}: 0 rows from {len(traces)} traces; dropped {dict(reasons) or 'nothing (no traces)'}"
+                     + "".join(f"\n      {e}" for e in examples[:4]))
+    hint = f" (datasets.sft.min_reward={datasets.sft.min_reward})" if "sft" in empty else ""
+    return "empty training set(s) from " + ", ".join(map(str, shards)) + f"{hint}:\n" + "\n".join(lines)
 
 
 def _verl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

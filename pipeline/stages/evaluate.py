@@ -44,9 +44,9 @@ from mlflow.entities import Feedback
 from mlflow.genai.scorers import scorer
 
 from pipeline import metrics_files, prompt_registry, registry, timing, tracking
-from pipeline.agents import prompts
 from pipeline.agents.graph import OPENING_AGENTS
 from pipeline.agents.llm import RoleClient
+from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, PromptParams, ServingParams
 from pipeline.contracts import EvaluationSummary, RoutingTable
@@ -108,11 +108,13 @@ def served_models(serving: ServingParams) -> dict[str, Any]:
 
 # whole Params: the key digests seven of its sections (everything that scores a society).
 def cache_key(params: Params, champions: dict[str, Any], roles: dict[str, str], policies: dict[str, str],
-              tasks: list[dict[str, Any]]) -> str:
+              tasks: list[dict[str, Any]], prompts: Prompts) -> str:
     """Everything that decides a champion's scores: a cached champion evaluation is reused only when all of it is equal
-    (versions and routing targets, whose LoRA names carry their sha256; the served base weights and worker settings;
-    the code of the society, judge and schemas; the agents', judge's, reward's and evaluation's params; the tasks)."""
+    (versions and routing targets, whose LoRA names carry their sha256; the prompt texts the society renders; the
+    served base weights and worker settings; the code of the society, judge and schemas; the agents', judge's,
+    reward's and evaluation's params; the tasks)."""
     doc = {"champions": {k: v.version for k, v in champions.items()},
+           "prompts": {name: prompts.sha(name) for name in sorted(prompts.texts)},
            "champion_sha256": {k: v.tags.get("sha256") for k, v in champions.items()},
            "roles": roles, "policies": policies, "served": served_models(params.serving), "code": code_sha256(),
            "evaluate": params.evaluate.model_dump(exclude={"out_dir", "concurrency"}), "agents": params.agents.model_dump(),
@@ -139,7 +141,8 @@ def _cached(tracking_cfg: MlflowParams, key: str) -> tuple[list[dict[str, Any]],
 
 
 # whole Params: the judge's client reads agents, evaluate and serving; its scores judge and reward.
-def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, Any]], routing_name: str) -> list[Any]:
+def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, Any]], routing_name: str,
+             prompts: Prompts) -> list[Any]:
     """The society's judge and the PubMedQA answer check as MLflow scorers."""
     url, key = proxy.client_settings(params.serving)
 
@@ -154,7 +157,8 @@ def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, 
                     Feedback(name="reward", value=value, rationale=why)]
 
         async def score() -> dict[str, Any]:
-            client = RoleClient.for_agents(params.agents, url, key, params.evaluate.timeout_s, routing=routing_name)
+            client = RoleClient.for_agents(params.agents, url, key, params.evaluate.timeout_s, routing=routing_name,
+                                           prompts=prompts)
             state = {"protocol": t.protocol, "decision": {"decision": t.decision, "rationale": t.rationale}}
             try:
                 return await judge(client, params.judge, params.reward, tasks[t.task_id], state, t.turns, [])
@@ -196,7 +200,7 @@ def _table(serving: ServingParams, tracking_cfg: MlflowParams, name: str, roles:
 
 # whole Params: it builds the judge's scorers (see _scorers).
 def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], tasks: list[dict[str, Any]],
-          tags: dict[str, str]) -> tuple[list[dict[str, Any]], str]:
+          tags: dict[str, str], prompts: Prompts) -> tuple[list[dict[str, Any]], str]:
     """Score one society's rollouts with MLflow's GenAI evaluation as a nested run; returns (records, run id)."""
     by_id = {t.rollout_id: t for t in traces}
     os.environ.setdefault("MLFLOW_GENAI_EVAL_MAX_WORKERS", str(params.evaluate.concurrency))
@@ -205,7 +209,8 @@ def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], t
         ids = log_traces([t.model_dump() for t in traces])
         mlflow.flush_trace_async_logging()  # the traces must be stored before the evaluation reads them back
         data = [{"trace": _stored_trace(tid), "expectations": {"label": t.label}} for tid, t in zip(ids, traces, strict=True)]
-        result = mlflow.genai.evaluate(data=data, scorers=_scorers(params, by_id, {t["id"]: t for t in tasks}, name))
+        result = mlflow.genai.evaluate(data=data, scorers=_scorers(params, by_id, {t["id"]: t for t in tasks}, name,
+                                                                            prompts))
         if result.result_df is None:
             raise RuntimeError(f"mlflow.genai.evaluate returned no result table for {name}")
         rows = {r["request"]["rollout_id"]: r for r in result.result_df.to_dict("records")}
@@ -283,13 +288,14 @@ class Plan:
     policies: dict[str, str]
     key: str
     label: str
+    prompts: Prompts  # what every society of the cycle renders: the live routing's prompt versions
     role_level: list[str] = field(default_factory=list)
     societies: list[Society] = field(default_factory=list)
     unevaluated: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 # whole Params: the plan reads promote, evaluate, validate, data, serving and mlflow
-def plan(params: Params) -> Plan:
+def plan(params: Params, prompts: Prompts) -> Plan:
     with timing.phase(timing.Phase.REGISTRY):
         champions = registry.ensure_baselines(params)
     # the cycle = the challengers under evaluation: each cycle draws its own validation tasks (seeded, reproducible)
@@ -299,19 +305,24 @@ def plan(params: Params) -> Plan:
     rotation = f"{params.evaluate.seed}:{','.join(f'{n}:v{c.version}' for n, c in challengers.items())}"
     tasks = load_tasks(params.validate_, "val", params.evaluate.limit, rotation=rotation, setting=params.data.setting)
     roles, policies = champion_table(params.serving, params.promote, champions)
-    p = Plan(champions, tasks, rotation, roles, policies, cache_key(params, champions, roles, policies, tasks),
-             ",".join(f"{n}:v{v.version}" for n, v in champions.items()),
+    p = Plan(champions, tasks, rotation, roles, policies, cache_key(params, champions, roles, policies, tasks, prompts),
+             ",".join(f"{n}:v{v.version}" for n, v in champions.items()), prompts,
              role_level=[n for n in params.evaluate.role_level if n in evaluated])
     for name in (n for n in evaluated if n not in params.evaluate.role_level):
-        cand = challengers.get(name)
-        if cand is None:
-            print(f"evaluate: {name}: no challenger (champion v{champions[name].version})")
-        elif (why := _too_few(params, name, len(tasks))) is not None:
-            p.unevaluated[name] = {"role": name, "alias": registry.CHALLENGER, "version": cand.version, "reason": why}
-            print(f"evaluate: {name} v{cand.version}: not evaluated: {why}")
-        else:
-            p.societies.append(_candidate(params, p, name, cand))
+        _add_society(params, p, name, challengers.get(name))
     return p
+
+
+# whole Params: the role's gate and its candidate society's deployment (_too_few, _candidate)
+def _add_society(params: Params, p: Plan, name: str, cand: Any) -> None:
+    """A society-level role's challenger into the plan: deployed with its table, or why it is not evaluated."""
+    if cand is None:
+        print(f"evaluate: {name}: no challenger (champion v{p.champions[name].version})")
+    elif (why := _too_few(params, name, len(p.tasks))) is not None:
+        p.unevaluated[name] = {"role": name, "alias": registry.CHALLENGER, "version": cand.version, "reason": why}
+        print(f"evaluate: {name} v{cand.version}: not evaluated: {why}")
+    else:
+        p.societies.append(_candidate(params, p, name, cand))
 
 
 # whole Params: the role's own gate (Params.gate)
@@ -336,12 +347,13 @@ def _candidate(params: Params, p: Plan, name: str, cand: Any) -> Society:
                    table.deployment)
 
 
-def run(params: Params) -> dict[str, Any]:
-    """Plan, then each candidate against its champion (role level, then societies); the summary ``promote`` reads."""
-    p = plan(params)
+def run(params: Params, prompts: Prompts) -> dict[str, Any]:
+    """Plan, then each candidate against its champion (role level, then societies); the summary ``promote`` reads.
+    ``prompts``: what the live routing renders (``prompt_registry.sync``)."""
+    p = plan(params, prompts)
     entries: dict[str, Any] = {}
     for name in p.role_level:
-        entries.update(evaluate_role(params, name, p.champions[name], p.roles, p.policies, p.key, p.label))
+        entries.update(evaluate_role(params, name, p))
     if p.societies:
         entries.update(evaluate_societies(params, p))
     return {"tasks": [t["id"] for t in p.tasks], "task_rotation": p.rotation, "setting": params.data.setting,
@@ -385,11 +397,12 @@ def evaluate_societies(params: Params, p: Plan) -> dict[str, Any]:
         what += " (candidates replay the champion's calls of other roles)"
     societies = [*champion, *p.societies]
     traces = society.run_many(params, p.tasks, [(s.table, s.slug) for s in societies], tracking.pipeline_run_id(),
-                              score=False, description=what, books=books, sources=sources)
+                              p.prompts, score=False, description=what, books=books, sources=sources)
     for s, society_traces in zip(societies, traces, strict=True):
         if s.role is not None and s.target is not None and params.promote.roles[s.role] == "llm":
             check_served(society_traces, s.role, s.version.version, s.target)  # every call of the role: the version
-    scored = {s.slug: score(params, s.slug, s.table, t, p.tasks, s.tags) for s, t in zip(societies, traces, strict=True)}
+    scored = {s.slug: score(params, s.slug, s.table, t, p.tasks, s.tags, p.prompts)
+              for s, t in zip(societies, traces, strict=True)}
     champion_records, champion_run = scored[champion[0].slug] if champion else (cached[0], "cached")  # type: ignore[index]
     champion_cost = society_cost(traces[0] if champion else cached[1])  # type: ignore[index]
     cfg = params.evaluate
@@ -438,13 +451,14 @@ def evidence_tags(mine: dict[str, Any], champ: dict[str, Any], diff: dict[str, A
 
 @dataclass
 class RoleRun:
-    """One side of a role-level pair: the champion, a candidate model version, or a candidate prompt version (``text``:
-    what the champion's weights render instead of the routed template)."""
+    """One side of a role-level pair: the champion, a candidate model version, or a candidate prompt version (``prompt``:
+    the template whose candidate text the champion's weights render instead of the routed one)."""
 
     alias: str
     version: Any
     target: str
-    text: str | None = None
+    prompts: Prompts
+    prompt: str | None = None
     records: list[dict[str, Any]] = field(default_factory=list)
     table: str = ""
     seconds: float = 0.0
@@ -453,12 +467,12 @@ class RoleRun:
 
 
 # whole Params: the role's requests read agents, reward, data, pi, serving and evaluate
-def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str], policies: dict[str, str], key: str,
-                  label: str) -> dict[str, Any]:
+def evaluate_role(params: Params, name: str, p: Plan) -> dict[str, Any]:
     """Each candidate of ``name`` (its ``challenger``, an A/A ``aa`` version, a ``challenger`` prompt) against the
     champion on the role's own decision, every validation question (pipeline/evaluation/role_level.py); summary entries
     keyed by role (``@aa``, ``@prompt``)."""
-    runs = _role_runs(params, name, champion, roles)
+    champion, roles = p.champions[name], p.roles
+    runs = _role_runs(params, name, champion, roles, p.prompts)
     if len(runs) == 1:
         print(f"evaluate: {name}: no challenger (champion v{champion.version})")
         return {}
@@ -466,27 +480,28 @@ def evaluate_role(params: Params, name: str, champion: Any, roles: dict[str, str
     tasks = load_tasks(params.validate_, "val", None, setting=params.data.setting)  # every question: one prefill each
     url, api_key = proxy.client_settings(params.serving)
     for r in runs:
-        slug = _slug(f"{name}-{r.alias}-v{r.version.version}-{key[:8]}")
-        r.table = json.dumps(_table(params.serving, params.mlflow, slug, {**roles, name: r.target}, policies))
+        slug = _slug(f"{name}-{r.alias}-v{r.version.version}-{p.key[:8]}")
+        r.table = json.dumps(_table(params.serving, params.mlflow, slug, {**roles, name: r.target}, p.policies))
         t0 = time.perf_counter()
         r.records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward,
-                                                  params.data.setting, cfg.role_concurrency, cfg.timeout_s, slug,
-                                                  rationale=cfg.role_judge, template=r.text))
+                                                  params.data.setting, cfg.role_concurrency, cfg.timeout_s, r.prompts,
+                                                  slug, rationale=cfg.role_judge))
         r.seconds = time.perf_counter() - t0
     judge_calls = 0
     if cfg.role_judge:
         t0 = time.perf_counter()
         judge_calls = asyncio.run(role_level.judged(url, api_key, tasks, [r.records for r in runs], params.agents,
-                                                    params.judge, params.reward, cfg.role_concurrency, cfg.timeout_s))
+                                                    params.judge, params.reward, cfg.role_concurrency, cfg.timeout_s,
+                                                    p.prompts))
         print(f"evaluate: {name}: the judge scored {judge_calls} distinct answers in {time.perf_counter() - t0:.0f} s")
     for r in runs:  # the figures once the judge's part of the reward is in the records
         _log_role_run(params, name, r)
     cost = {"calls_per_task": 1, "tasks": len(tasks), "judge_calls": judge_calls}
-    return dict(_role_entry(params, name, champion, runs[0], r, roles[name], label, cost) for r in runs[1:])
+    return dict(_role_entry(params, name, champion, runs[0], r, roles[name], p.label, cost) for r in runs[1:])
 
 
 # whole Params: register_aa's five sections
-def _role_runs(params: Params, name: str, champion: Any, roles: dict[str, str]) -> list[RoleRun]:
+def _role_runs(params: Params, name: str, champion: Any, roles: dict[str, str], prompts: Prompts) -> list[RoleRun]:
     """The champion first, then each candidate (deployed): ``challenger`` and ``aa`` versions, a ``challenger`` prompt.
     The A/A version is registered here once a challenger was trained."""
     challenger = registry.by_alias(name, registry.CHALLENGER)
@@ -494,13 +509,15 @@ def _role_runs(params: Params, name: str, champion: Any, roles: dict[str, str]) 
             and registry.by_alias(name, registry.AA) is None:
         aa = registry.register_aa(params, name)
         print(f"evaluate: {name}: A/A candidate v{aa.version} (champion v{champion.version} again)")
-    runs = [RoleRun("champion", champion, roles[name])]
-    runs += [RoleRun(alias, c, deploy.deploy(params.serving, name, c, roles.get(name)))
+    runs = [RoleRun("champion", champion, roles[name], prompts)]
+    runs += [RoleRun(alias, c, deploy.deploy(params.serving, name, c, roles.get(name)), prompts)
              for alias in (registry.CHALLENGER, registry.AA)
              if (c := registry.by_alias(name, alias)) is not None and c.version != champion.version]
-    if (prompt := prompt_candidate(params.prompt, name)) is not None:
+    if (prompt := prompt_candidate(params.prompt, name, prompts)) is not None:
         # the champion's weights under the candidate prompt: the pair differs in its prompt alone
-        runs.append(RoleRun(PROMPT_ALIAS, prompt, roles[name], str(prompt.template)))
+        template = params.prompt.at(name).template
+        runs.append(RoleRun(PROMPT_ALIAS, prompt, roles[name], prompts.with_text(template, str(prompt.template),
+                                                                                 int(prompt.version)), template))
     return runs
 
 
@@ -538,14 +555,14 @@ def _role_entry(params: Params, name: str, champion: Any, champ: RoleRun, r: Rol
     key = name if r.alias == registry.CHALLENGER else f"{name}@{r.alias}"
     figures = (f"reward {r.metrics['reward']['mean']:.3f} vs {{}} {champ.metrics['reward']['mean']:.3f}; paired diff "
                f"{diff['mean']:+.3f} (n={diff['n']}, sign-flip p={diff['p_value']:.4f}")
-    if r.text is None:
+    if r.prompt is None:
         registry.set_tags(name, r.version.version, evidence_tags(r.metrics, champ.metrics, diff, r.run_id, champ.run_id,
                                                                  champion.version))
         print(f"evaluate: {name} {r.alias} v{r.version.version} {figures.format('champion')}; McNemar "
               f"p={diff['decision']['p_value']:.4f}, b={diff['decision'].get('b')}, c={diff['decision'].get('c')})")
         return key, entry
-    template = params.prompt.at(name).template
-    rendered = str(prompts.VERSIONS[template])
+    template = r.prompt
+    rendered = str(champ.prompts.version(template))
     entry.update(artifact="prompt", template=template, model_version=champion.version)
     entry["champion"]["version"], entry["candidate"]["version"] = rendered, str(r.version.version)
     prompt_registry.set_tags(template, r.version.version, {
@@ -556,14 +573,14 @@ def _role_entry(params: Params, name: str, champion: Any, champ: RoleRun, r: Rol
     return key, entry
 
 
-def prompt_candidate(prompt: PromptParams, name: str) -> Any | None:
-    """The role's ``challenger`` prompt version when it is not the version the society renders (prompt_registry.sync
-    ran at the stage's start); None otherwise. An identical text under a new version is a candidate: the gate refuses it."""
+def prompt_candidate(prompt: PromptParams, name: str, prompts: Prompts) -> Any | None:
+    """The role's ``challenger`` prompt version when it is not the version the society renders (``prompts``); None
+    otherwise. An identical text under a new version is a candidate: the gate refuses it."""
     if name not in prompt.roles:
         return None
     template = prompt.roles[name].template
     cand = prompt_registry.load(template, f"@{prompt_registry.CHALLENGER}")
-    current = prompts.VERSIONS.get(template)
+    current = prompts.version(template)
     if cand is None or current is None or int(cand.version) == int(current):
         return None
     return cand
@@ -600,10 +617,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)
-    prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions, named in spans
+    rendered = prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions
     with tracking.stage_run("evaluate", params.mlflow):
         try:
-            summary = run(params)
+            summary = run(params, rendered)
         finally:
             routing.drop_evals()  # the candidates' tables end with their evaluation
         plot(summary)

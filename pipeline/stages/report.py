@@ -31,6 +31,7 @@ import mlflow
 from pipeline import metrics_files, prompt_registry, tracking
 from pipeline.agents import decision
 from pipeline.agents.llm import RoleClient
+from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, Params
 from pipeline.contracts import PromotionReport
@@ -54,7 +55,7 @@ def _previous_champion(role: str) -> str | None:
 
 
 # whole Params: the role's requests read agents, reward, data, pi, serving, evaluate and report
-def role_level_report(params: Params, role: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def role_level_report(params: Params, role: str, prompts: Prompts) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``role``'s champion on its own decision over the test split (report.role_limit questions), and, when this cycle
     promoted it, the champion it replaced on the same questions: exact McNemar on the yes/no questions, both AUCs."""
     from pipeline import registry  # noqa: PLC0415 - control plane registry; only this report needs it here
@@ -62,20 +63,16 @@ def role_level_report(params: Params, role: str) -> tuple[dict[str, Any], list[d
     tasks = load_tasks(params.validate_, "test", params.report.role_limit, setting=params.data.setting)
     url, key = proxy.client_settings(params.serving)
     cfg = params.evaluate
-    live = routing.active(params.serving) or {}
-    scored: dict[str, Any] = {}
     before = _previous_champion(role)
-    for which, version in (("after", None), ("before", before)):
-        if which == "before" and version is None:
-            continue
-        table = None
-        if version is not None:  # the replaced champion, reached through an evaluation table (the live one is untouched)
-            where = deploy.deploy(params.serving, role, registry.get_version(role, version), live["roles"].get(role))
-            table = f"test-{role}-v{version}"
-            routing.write_eval(params.serving, table, {**live["roles"], role: where}, live.get("policies"))
+    tables: dict[str, str | None] = {"after": None}
+    if before is not None:  # the replaced champion, reached through an evaluation table (the live one is untouched)
+        tables["before"] = _replaced_table(params, role, before, routing.active(params.serving) or {},
+                                           f"test-{role}-v{before}")
+    scored: dict[str, Any] = {}
+    for which, table in tables.items():
         t0 = time.perf_counter()
         records = asyncio.run(role_level.decide(url, key, role, tasks, params.agents, params.reward, params.data.setting,
-                                                cfg.role_concurrency, cfg.timeout_s, table))
+                                                cfg.role_concurrency, cfg.timeout_s, prompts, table))
         scored[which] = {"records": records, "seconds": time.perf_counter() - t0,
                          "metrics": role_level.metrics(records, params.data.setting, cfg.bootstrap, cfg.ci, cfg.seed)}
     champion = registry.by_alias(role, registry.CHAMPION)
@@ -84,22 +81,30 @@ def role_level_report(params: Params, role: str) -> tuple[dict[str, Any], list[d
                            **{w: s["metrics"] for w, s in scored.items()},
                            "seconds": {w: s["seconds"] for w, s in scored.items()}}
     if "before" in scored:
-        a = {r["task_id"]: r for r in scored["after"]["records"]}
-        b = {r["task_id"]: r for r in scored["before"]["records"]}
-        yes_no = [t for t in sorted(a) if a[t]["label"] in ("yes", "no")]
-        right = lambda r: answer(r["decision"]) == r["label"]  # noqa: E731
-        test = mcnemar_exact([right(a[t]) for t in yes_no], [right(b[t]) for t in yes_no], "greater")
-        out.update(mcnemar_p=test["p_value"], mcnemar={**test, "alternative": "after better than before", "n": len(yes_no)})
+        out.update(_after_better(scored["after"]["records"], scored["before"]["records"]))
+    print(_role_line(role, out, params.data.setting))
+    return out, scored["after"]["records"]
+
+
+def _after_better(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> dict[str, Any]:
+    """Exact McNemar on the yes/no questions both answered: is the new champion right more often than the one it replaced?"""
+    a, b = ({r["task_id"]: r for r in records} for records in (after, before))
+    yes_no = [t for t in sorted(a) if a[t]["label"] in ("yes", "no")]
+    right = lambda r: answer(r["decision"]) == r["label"]  # noqa: E731
+    test = mcnemar_exact([right(a[t]) for t in yes_no], [right(b[t]) for t in yes_no], "greater")
+    return {"mcnemar_p": test["p_value"], "mcnemar": {**test, "alternative": "after better than before", "n": len(yes_no)}}
+
+
+def _role_line(role: str, out: dict[str, Any], setting: str) -> str:
     after = out["after"]
-    line = (f"report: {role} v{out['champion']} on {len(tasks)} test questions ({params.data.setting}): official accuracy "
+    line = (f"report: {role} v{out['champion']} on {out['questions']} test questions ({setting}): official accuracy "
             f"{after['official']['accuracy']:.3f}, macro-F1 {after['official']['macro_f1']:.3f}; yes/no accuracy "
             f"{after['yes_no']['accuracy']:.3f} [{after['yes_no']['ci_low']:.3f}, {after['yes_no']['ci_high']:.3f}] "
             f"(n={after['yes_no']['n']}, majority {after['yes_no']['majority']:.3f}), AUC {after['auc']['value']}")
     if "before" in out:
-        line += (f"; before (v{before}): yes/no accuracy {out['before']['yes_no']['accuracy']:.3f}, AUC "
+        line += (f"; before (v{out['previous_champion']}): yes/no accuracy {out['before']['yes_no']['accuracy']:.3f}, AUC "
                  f"{out['before']['auc']['value']}; exact McNemar (after > before) p={out['mcnemar_p']:.2e}")
-    print(line)
-    return out, scored["after"]["records"]
+    return line
 
 
 # whole Params: deploying a version reads serving and the registry's tracking settings
@@ -202,7 +207,8 @@ def _effect(rows: list[tuple[str | None, str | None, str | None]]) -> dict[str, 
 
 
 # whole Params: running the society reads six sections (see evaluation.society.run_many)
-def society_report(params: Params, role: str | None, role_records: list[dict[str, Any]] | None) -> dict[str, Any]:
+def society_report(params: Params, role: str | None, role_records: list[dict[str, Any]] | None,
+                   prompts: Prompts) -> dict[str, Any]:
     """The society as served on ``report.limit`` test questions, and, when this cycle promoted ``role``, the society
     with the champion it replaced on the same questions. The second society replays the first's calls of every other
     role (the same upstream answers: the PI is the last to speak), so before/after costs one society pass plus the
@@ -219,7 +225,7 @@ def society_report(params: Params, role: str | None, role_records: list[dict[str
         books.append(CallBook([role]))
         sources.append(0)
     t0 = time.perf_counter()
-    traces = society.run_many(params, tasks, societies, tracking.pipeline_run_id(), score=True,
+    traces = society.run_many(params, tasks, societies, tracking.pipeline_run_id(), prompts, score=True,
                               description="report: the society on the test split" + (" (after, before)" if before else ""),
                               books=books, sources=sources)
     seconds = time.perf_counter() - t0
@@ -243,17 +249,18 @@ def _line(which: str, m: dict[str, Any]) -> str:
             f"{m['yes_no']['ci_high']:.3f}] (n={m['yes_no']['n']}); failed {m['failures']['n']}/{m['questions']}")
 
 
-def run(params: Params) -> dict[str, Any]:
-    """The role-level readout on the test split (every decision role), then the society as served; PubMedQA's files
-    from the figure ``report.predictions`` names, both figures logged under names that cannot be confused."""
+def run(params: Params, prompts: Prompts) -> dict[str, Any]:
+    """The role-level readout on the test split (every decision role), then the society as served (rendering
+    ``prompts``, the live routing's); PubMedQA's files from the figure ``report.predictions`` names, both figures logged
+    under names that cannot be confused."""
     role_results: dict[str, Any] = {}
     role_records: dict[str, list[dict[str, Any]]] = {}
     decision_roles = [r for r in params.evaluate.role_level if r in params.promote.roles]
     if params.report.role_level:
         for role in decision_roles:
-            role_results[role], role_records[role] = role_level_report(params, role)
+            role_results[role], role_records[role] = role_level_report(params, role, prompts)
     pi = decision_roles[0] if decision_roles else None
-    served = society_report(params, pi, role_records.get(pi) if pi else None)
+    served = society_report(params, pi, role_records.get(pi) if pi else None, prompts)
     records, after, traces = served.pop("records"), served["after"], served.pop("traces")
     rows = next(iter(role_records.values())) if params.report.predictions == "role_level" and role_records else None
     predictions, truth, official = _official(traces, records, rows)
@@ -321,10 +328,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)
-    prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions, named in spans
+    rendered = prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions
     with tracking.stage_run("report", params.mlflow):
         try:
-            result = run(params)
+            result = run(params, rendered)
         finally:
             routing.drop_evals()  # the replaced champion's tables end with the report
     write_json(METRICS_FILE, result)

@@ -22,7 +22,7 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from rich.progress import Progress
 
 from pipeline import metrics_files, prompt_registry, tracking
 from pipeline.agents.llm import RoleClient
+from pipeline.agents.prompts import REPOSITORY, Prompts
 from pipeline.agents.rollout import run_with_retries, supervisor_policy
 from pipeline.agents.tools import Toolbox
 from pipeline.config import AgentsParams, JudgeParams, Params, RewardParams, RolloutsParams, ValidateParams
@@ -73,10 +74,12 @@ def read_journal(path: Path) -> dict[str, str]:
 
 
 def journal_key(agents: AgentsParams, judge: JudgeParams, reward: RewardParams, rollouts: RolloutsParams, shard: int,
-                version: Any, tasks: list[dict[str, Any]]) -> str:
+                version: Any, tasks: list[dict[str, Any]], prompts: Prompts) -> str:
     """What a journal's rollouts were produced under: a crashed run's rollouts may be resumed only by a run
-    with the same society, judge, reward, sampling, routing version and tasks (not e.g. after a promotion)."""
+    with the same society, prompt texts, judge, reward, sampling, routing version and tasks (not e.g. after a
+    promotion)."""
     doc = {"agents": agents.model_dump(), "judge": judge.model_dump(), "reward": reward.model_dump(),
+           "prompts": {name: prompts.sha(name) for name in sorted(prompts.texts)},
            "rollouts": rollouts.model_dump(include={"seed", "samples_per_task", "shards", "limit", "llm_base_url"}),
            "routing_version": version, "shard": shard, "tasks": [str(t["id"]) for t in tasks],
            "setting": tasks[0].get("setting") if tasks else None}
@@ -128,22 +131,23 @@ def shard_lock(journal: Path) -> Iterator[None]:
 
 
 # whole Params: a shard reads the split, the society, judge and reward, the rollouts settings and the live routing (serving)
-async def run_shard(params: Params, shard: int, run_id: str, progress: Any = None) -> list[dict[str, Any]]:
+async def run_shard(params: Params, shard: int, run_id: str, prompts: Prompts, progress: Any = None) -> list[dict[str, Any]]:
+    """A shard's rollouts, the society rendering ``prompts``, journalled so a crashed run resumes where it stopped."""
     tasks = shard_tasks(params.rollouts, params.validate_, shard, params.data.setting)
     journal = journal_path(params.rollouts, shard)
     journal.parent.mkdir(parents=True, exist_ok=True)
     with shard_lock(journal):
-        return await _run_shard(params, shard, run_id, tasks, journal, progress)
+        return await _run_shard(params, shard, run_id, tasks, journal, prompts, progress)
 
 
 # whole Params: run_shard's sections (it is run_shard's body, under the shard's lock)
 async def _run_shard(params: Params, shard: int, run_id: str, tasks: list[dict[str, Any]], journal: Path,
-                     progress: Any) -> list[dict[str, Any]]:
+                     prompts: Prompts, progress: Any) -> list[dict[str, Any]]:
     base_url, key, version = routing.society_endpoint(params.rollouts, params.serving)
-    key_doc = journal_key(params.agents, params.judge, params.reward, params.rollouts, shard, version, tasks)
+    key_doc = journal_key(params.agents, params.judge, params.reward, params.rollouts, shard, version, tasks, prompts)
     done = open_journal(journal, key_doc)  # a finished shard rerun starts fresh: no journal
     cfg = params.rollouts
-    client = RoleClient.for_agents(params.agents, base_url, key, cfg.timeout_s)
+    client = RoleClient.for_agents(params.agents, base_url, key, cfg.timeout_s, prompts=prompts)
     tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
     table = routing.active(params.serving) if not params.rollouts.llm_base_url else None
     policy = supervisor_policy(params.agents, params.mlflow, table)
@@ -184,16 +188,20 @@ REWARD_PARTS = ("novelty", "feasibility", "impact", "clarity", "groundedness", "
                 "reward_decision")
 
 
+def _mean(values: Iterable[float]) -> float:
+    """The mean, 0 for none (a metric MLflow and DVC keep numeric)."""
+    listed = list(values)
+    return statistics.fmean(listed) if listed else 0.0
+
+
 def summarise(traces: list[dict[str, Any]]) -> dict[str, float]:
+    """The pass's figures: success rate, mean turns, tokens and latency of every rollout, mean reward parts of the ok."""
     ok = [t for t in traces if t["status"] == "ok"]
-    out: dict[str, float] = {"rollouts": len(traces), "success_rate": len(ok) / len(traces) if traces else 0.0}
-    for key in ("turns", "tokens", "latency_s"):
-        out[f"mean_{key}"] = statistics.fmean(t[key] for t in traces) if traces else 0.0
-    rewards = [t["reward"] for t in ok if t["reward"] is not None]
-    out["mean_reward"] = statistics.fmean(rewards) if rewards else 0.0
-    parts = {c: [t["rewards"][c] for t in ok if c in t["rewards"]] for c in REWARD_PARTS}
-    out.update({f"mean_{c}": statistics.fmean(vals) for c, vals in parts.items() if vals})
-    out["maybe_labels"] = sum(1 for t in traces if t.get("label") == "maybe")
+    out: dict[str, float] = {"rollouts": len(traces), "success_rate": _mean(float(t["status"] == "ok") for t in traces)}
+    out.update({f"mean_{key}": _mean(t[key] for t in traces) for key in ("turns", "tokens", "latency_s")})
+    out["mean_reward"] = _mean(t["reward"] for t in ok if t["reward"] is not None)
+    out.update({f"mean_{c}": _mean(vals) for c in REWARD_PARTS if (vals := [t["rewards"][c] for t in ok if c in t["rewards"]])})
+    out["maybe_labels"] = sum(t.get("label") == "maybe" for t in traces)
     return out
 
 
@@ -211,16 +219,17 @@ class _ShardBar:
 
 
 # whole Params: run_shard's sections
-def run(params: Params, shards: list[int], run_id: str) -> dict[str, Any]:
+def run(params: Params, shards: list[int], run_id: str, prompts: Prompts = REPOSITORY) -> dict[str, Any]:
     """Every shard at once in one event loop, as the DAG's mapped shard tasks run side by side: the engine batches
-    across them (one after another, a default cycle's 4 rollouts had 2 in flight and took twice as long)."""
+    across them (one after another, a default cycle's 4 rollouts had 2 in flight and took twice as long). The society
+    renders ``prompts`` (the live routing's; without MLflow, the repository's)."""
     results: dict[str, Any] = {}
     all_traces: list[dict[str, Any]] = []
     with Progress(transient=False) as bar:
         bars = {s: _ShardBar(bar, bar.add_task(f"rollouts shard {s}", total=None)) for s in shards}
 
         async def every() -> list[list[dict[str, Any]]]:
-            return list(await asyncio.gather(*(run_shard(params, s, run_id, bars[s]) for s in shards)))
+            return list(await asyncio.gather(*(run_shard(params, s, run_id, prompts, bars[s]) for s in shards)))
 
         for shard, traces in zip(shards, asyncio.run(every()), strict=True):
             results[f"shard_{shard}"] = summarise(traces)
@@ -259,8 +268,8 @@ def _tracked(params: Params, shard: int | None, shards: list[int], run_id: str) 
 
         from pipeline.traces.mlflow_traces import log_traces  # noqa: PLC0415 - imports mlflow, as above
 
-        prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions, named in spans
-        results = run(params, shards, run_id)
+        rendered = prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions
+        results = run(params, shards, run_id, rendered)
         for scope, metrics in results.items():
             mlflow.log_metrics({f"{scope}.{k}": float(v) for k, v in metrics.items()})
         for s in shards:

@@ -24,6 +24,7 @@ from typing import Any
 
 from pipeline import timing, tracking, training
 from pipeline.agents.decision import decision_messages, target
+from pipeline.agents.prompts import REPOSITORY
 from pipeline.config import DecisionInput, Params, PiRole
 from pipeline.data.splits import load_tasks
 from pipeline.io import atomic_dir, write_text
@@ -47,7 +48,8 @@ def rows(tasks: list[dict[str, Any]], params: Params) -> list[dict[str, Any]]:
         if task["final_decision"] not in GOLD:
             continue
         answer = target(task["final_decision"], (task.get("long_answer") or "")[:params.pi.rationale_chars])
-        brief_only = decision_messages(task, params.agents, params.data.setting, what=DecisionInput.BRIEF)
+        # the repository's PI template: a DVC stage's rows follow its code, not the live routing (docs/training.md)
+        brief_only = decision_messages(task, params.agents, params.data.setting, REPOSITORY, what=DecisionInput.BRIEF)
         row = {"prompt": brief_only,
                # the served JSON layout (agents.decision.prefix's): loss_on answer trains what the society reads
                "completion": [{"role": "assistant", "content": answer}],

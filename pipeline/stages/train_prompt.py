@@ -40,9 +40,8 @@ def run(params: Params, role: str) -> dict[str, Any]:
 
     cfg = params.prompt.at(role)
     stack.ensure(params.serving, params.mlflow)
-    versions = prompt_registry.sync(params.mlflow, routing.active(params.serving))
-    base = versions[cfg.template]
-    current = prompt_registry.load(cfg.template, base)
+    base = prompt_registry.sync(params.mlflow, routing.active(params.serving)).version(cfg.template)
+    current = prompt_registry.load(cfg.template, base) if base is not None else None
     if current is None:
         raise RuntimeError(f"prompt {cfg.template} v{base}: not in the Prompt Registry")
     pool, dev = split(_tasks(params.validate_, params.data.setting), cfg.dev_questions, cfg.seed)
