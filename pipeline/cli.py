@@ -18,6 +18,7 @@ from pipeline.data.sources import SourceError
 from pipeline.learning import WAYS
 from pipeline.promotion import PromotionError
 from pipeline.prompt_registry import PromptError
+from pipeline.services import mlflow_server
 from pipeline.services.process import ServiceError
 
 # command -> (module, one-line help)
@@ -30,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("pipeline.serving.proxy", "start/stop the role-routing LiteLLM proxy"),
     "build-index": ("pipeline.stages.build_index", "BM25 literature index over the PubMedQA corpus"),
     "rollouts": ("pipeline.stages.rollouts", "run the research society over train shards, write traces"),
-    "datasets": ("pipeline.stages.datasets", "traces -> SFT chat data, senior RL prompts, supervisor bandit logs"),
+    "datasets": ("pipeline.stages.datasets", "traces -> SFT chat data, RL prompts, supervisor bandit logs"),
     # one per kind of learning (pipeline/learning.py), each with --role ROLE of its <kind>.roles
     **{k.command: (f"pipeline.stages.{k.stage}", f"{w.doc} (--role: a role of {k.value}.roles)") for k, w in WAYS.items()},
     "register-aa": ("pipeline.stages.register_aa", "register a role's champion again as an A/A candidate (alias aa)"),
@@ -48,6 +49,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "preflight": ("pipeline.preflight",
                   "check a GPU profile before a GPU job (verl config, GPU memory, routing, packages); no GPU needed"),
 }
+
+
+def tracks(module: object, args: argparse.Namespace) -> bool:
+    """Does this command talk to the tracking server? Not with ``--no-mlflow``, not in the model plane (no MLflow
+    there), not the commands that start or are services themselves (a module's ``TRACKING = False``)."""
+    return (getattr(module, "TRACKING", True) and not getattr(args, "no_mlflow", False)
+            and not getattr(args, "in_model_plane", False))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.params_path = path
     tracking.CONTEXT["data.setting"] = params.data.setting
     try:
+        if tracks(module, args):  # the entry point starts the tracking server; library calls only connect to it
+            mlflow_server.ensure(params.mlflow)
         return int(module.main(args, params) or 0)
     except (ServiceError, SourceError, PromotionError, PromptError) as exc:  # a service, an input or a registry refused
         print(f"error: {exc}", file=sys.stderr)

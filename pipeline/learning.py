@@ -39,12 +39,16 @@ class Way:
     pool: bool
     timeout_h: int
     doc: str
+    gpu_packages: tuple[str, ...] = ()  # what its stage imports on a GPU worker (`preflight gpu --imports` checks them)
 
 
+_SFT_PACKAGES = ("torch", "transformers", "peft", "trl", "unsloth")
 WAYS: dict[Learning, Way] = {
-    Learning.SFT: Way("llm", "datasets", True, True, 6, "LoRA SFT on the role's calls in the best traces (TRL; unsloth on GPU)"),
-    Learning.PI: Way("llm", "validate", True, True, 6, "LoRA SFT on the gold decision of the train split"),
-    Learning.PPO: Way("llm", "datasets", True, True, 12, "online RL (TRL GRPO on CPU; verl via Agent Lightning on GPU)"),
+    Learning.SFT: Way("llm", "datasets", True, True, 6, "LoRA SFT on the role's calls in the best traces (TRL; unsloth on GPU)",
+                      _SFT_PACKAGES),
+    Learning.PI: Way("llm", "validate", True, True, 6, "LoRA SFT on the gold decision of the train split", _SFT_PACKAGES),
+    Learning.PPO: Way("llm", "datasets", True, True, 12, "online RL (TRL GRPO on CPU; verl via Agent Lightning on GPU)",
+                      ("torch", "vllm", "ray", "verl", "agentlightning", "peft")),
     Learning.BANDIT: Way("policy", "datasets", False, False, 2, "Vowpal Wabbit contextual bandit + off-policy evaluation"),
     Learning.PROMPT: Way("llm", "validate", True, False, 2, "few-shot demonstrations through mlflow.genai.optimize_prompts"),
 }

@@ -43,16 +43,16 @@ from pipeline.config import (
     SftParams,
 )
 from pipeline.envs import REPO_ROOT, model_python
-from pipeline.learning import Learning
+from pipeline.learning import WAYS, Learning
 from pipeline.rl import verl_config
 from pipeline.serving import routing
 
+TRACKING = False  # python -m pipeline: checks a profile offline; the CLI starts no tracking server for it
+
 GPU_LOCK = REPO_ROOT / "requirements" / "gpu.lock.txt"
-STAGE_PACKAGES: dict[str, tuple[str, ...]] = {  # import name -> distribution name is the same for all of these
-    "serving": ("vllm",),
-    "train_sft": ("torch", "transformers", "peft", "trl", "unsloth"),
-    "train_ppo": ("torch", "vllm", "ray", "verl", "agentlightning", "peft"),
-}
+# import name -> distribution name is the same for all of these; a kind of learning says its own (pipeline/learning.py)
+STAGE_PACKAGES: dict[str, tuple[str, ...]] = {"serving": ("vllm",),
+                                              **{k.stage: w.gpu_packages for k, w in WAYS.items() if w.gpu_packages}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

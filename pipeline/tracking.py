@@ -38,7 +38,8 @@ PRESIGNED_ENV = ("MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD", "MLFLOW_ENABLE_PROXY_
 
 
 def setup(mlflow: MlflowParams) -> str:
-    """Point the MLflow client at the tracking server (starting the local one) and the experiment.
+    """Point the MLflow client at the tracking server and the experiment. It starts nothing: the command's entry point
+    started the local server (``pipeline/cli.py``); a server that is not up is a one-line error.
 
     Also decides how this process moves artifacts (``mlflow.presigned_urls``). A server that proxies an S3 store
     advertises presigned downloads (MLflow >= 3.17; uploads from 500 MB), and its clients then GET the store directly.
@@ -54,7 +55,7 @@ def setup(mlflow: MlflowParams) -> str:
                        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(mlflow.request_retries),
                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"})
     with timing.phase(timing.Phase.TRACKING):
-        uri = mlflow_server.ensure(mlflow)
+        uri = mlflow_server.connect(mlflow)
         set_tracking_uri(uri)
         set_experiment(mlflow.experiment)
     return uri

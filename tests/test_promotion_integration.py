@@ -74,6 +74,7 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
         validate.run(params)
         build_index.run(params)
         routing.apply(params.serving, params.mlflow, 1)
+        mlflow_server.ensure(params.mlflow)  # what the CLI does before a command that tracks
         uri = tracking.setup(params.mlflow)
         worker.up(params.serving, params.serving.workers[1])
         yield {"root": root, "params": params, "uri": uri}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,26 @@ def test_setup_sets_the_presigned_switches_mlflow_reads(presigned: bool, tmp_pat
     params = load_params()
     tracking.setup(params.mlflow.model_copy(update={"presigned_urls": presigned}))
     assert all(s.is_set() and s.get() is presigned for s in switches)
+
+
+def test_setting_up_tracking_starts_no_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """#53: services are started by entry points (the CLI before a command that tracks), never by a library call:
+    pointing the client at a local server that is not up is a one-line error naming it, and nothing is started."""
+    from pipeline.services.process import ServiceError, free_port, port_is_free
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    port = free_port()
+    cfg = load_params().mlflow.model_copy(update={"tracking_uri": None, "port": port, "home": str(tmp_path / "mlflow")})
+    with pytest.raises(ServiceError, match=rf"the local MLflow server http://127\.0\.0\.1:{port} is not running"):
+        tracking.setup(cfg)
+    assert port_is_free("127.0.0.1", port) and not (tmp_path / "mlflow").exists()
+    from pipeline import cli
+
+    assert cli.tracks(type("M", (), {})(), argparse.Namespace()) and not cli.tracks(
+        type("M", (), {})(), argparse.Namespace(no_mlflow=True))
+    from pipeline.serving import worker
+
+    assert not cli.tracks(worker, argparse.Namespace())  # a vLLM worker process starts no tracking server
 
 
 @pytest.mark.parametrize("server", ["hung", "dead"])

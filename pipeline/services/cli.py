@@ -14,6 +14,8 @@ from pipeline.services import airflow_server, mlflow_server
 from pipeline.services.process import Service, http_ok, stop
 from pipeline.serving import proxy, routing, stack
 
+TRACKING = False  # python -m pipeline: starts the services itself; the CLI starts no tracking server for it
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["up", "down", "status"])
@@ -47,6 +49,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
 
 def _serving(action: str, serving: ServingParams, mlflow: MlflowParams) -> int:
     if action == "up":
+        mlflow_server.ensure(mlflow)  # the stack checks what is served against the registry's journal
         url, _ = stack.ensure(serving, mlflow)
         live = routing.active(serving)
         print(f"serving: proxy {url} (key: {serving.proxy.key_file} or $LITELLM_MASTER_KEY), "

@@ -20,6 +20,8 @@ from pipeline.config import Params
 from pipeline.envs import REPO_ROOT, pythonpath
 from pipeline.services import buckets, mlflow_users
 
+TRACKING = False  # python -m pipeline: the production stack's own steps; the CLI starts no tracking server for it
+
 PROD_STACK_SCRIPT = REPO_ROOT / "infra" / "local" / "prod_stack.py"
 STACK_ACTIONS = ("up", "down", "status", "dag-run")
 

@@ -16,7 +16,7 @@ import httpx
 
 from pipeline.config import MlflowParams
 from pipeline.services.mlflow_users import MLFLOW_ADMIN, MLFLOW_USERS, provision_mlflow_users
-from pipeline.services.process import Service, ServiceError, claim, probe_http, start, stop
+from pipeline.services.process import Service, ServiceError, claim, http_ok, probe_http, start, stop
 from pipeline.serving import keys
 
 CLIENT_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")  # what MLflow's clients authenticate with
@@ -80,6 +80,20 @@ def _describe(uri: str) -> str:
     except httpx.HTTPError:
         pass
     return probe_http(uri)
+
+
+def connect(mlflow: MlflowParams) -> str:
+    """The tracking URI of a server that is already up, this process logged in to it; never starts one. A library call
+    (setting up tracking, registering, syncing prompts) connects; entry points start (:func:`ensure`): the CLI before a
+    command that tracks, ``services start``, the DAG's tasks through the CLI."""
+    uri = tracking_uri(mlflow)
+    if uri != local_uri(mlflow):
+        return uri
+    if not http_ok(f"{uri}/health"):
+        raise ServiceError(f"the local MLflow server {uri} is not running: commands that track start it "
+                           "(python -m pipeline <command>), or start it with `python -m pipeline services start`")
+    login(mlflow)
+    return uri
 
 
 def ensure(mlflow: MlflowParams) -> str:

@@ -31,6 +31,8 @@ from pipeline.serving.worker import KEY_ENV as WORKER_KEY_ENV
 from pipeline.serving.worker import api_key as worker_key
 from pipeline.serving.worker import served_name
 
+TRACKING = False  # python -m pipeline: the proxy process; the CLI starts no tracking server for it
+
 KEY_ENV = "LITELLM_MASTER_KEY"
 
 

@@ -26,6 +26,8 @@ from pipeline.services.process import Service, ServiceError, claim, http_ok, pro
 from pipeline.serving import adapter_store, keys, vllm_guard
 from pipeline.serving.vllm_guard import KEY_ENV  # the variable vLLM and the guard read: one spelling
 
+TRACKING = False  # python -m pipeline: a vLLM worker process; the CLI starts no tracking server for it
+
 
 def service(serving: ServingParams, worker: WorkerParams) -> Service:
     return Service(f"vllm-{worker.name}", Path(serving.home).resolve())
