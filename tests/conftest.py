@@ -81,29 +81,57 @@ def mlflow_login(user: str = "writer") -> dict[str, str]:
             "MLFLOW_TRACKING_PASSWORD": password(load_params(ROOT / "params.yaml").mlflow, user)}
 
 
+_MLFLOW: dict[str, Any] = {}  # the session's tracking server: started once, early when the learning cycle runs
+
+
+def session_tracking_server(home: Path) -> str:
+    """The session's MLflow server (SQLite + local artifacts, MLflow's basic-auth app) started by the project's code,
+    once: by the first test that needs it, or at collection when the learning cycle starts in the background."""
+    if not _MLFLOW:
+        from pipeline.services import mlflow_server as server
+
+        params = load_params(ROOT / "params.yaml", environ={"PIPELINE__MLFLOW__PORT": str(free_port()),
+                                                             "PIPELINE__MLFLOW__HOME": str(home)})
+        saved = os.environ.pop("MLFLOW_TRACKING_URI", None)
+        _MLFLOW.update(uri=server.ensure(params.mlflow), params=params.mlflow, home=home, saved=saved)
+    return str(_MLFLOW["uri"])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The learning cycle (tests/test_learning_loop.py: one small `make run`, the suite's longest wait) starts as soon
+    as the tests are collected and runs beside the modules before it, on the cores they leave idle (#54)."""
+    if session.config.option.collectonly or not SOURCE.exists():
+        return
+    if any(item.path.name == "test_learning_loop.py" for item in session.items):
+        from tests import test_learning_loop
+
+        factory = session.config._tmp_path_factory  # type: ignore[attr-defined]  # pytest's own, as tmp_path_factory
+        test_learning_loop.start(session_tracking_server(factory.mktemp("mlflow")), factory.mktemp("cycle"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A session that ends before the cycle's tests (interrupted, -x) stops it; then the tracking server."""
+    from tests import test_learning_loop
+
+    test_learning_loop.stop()
+    if _MLFLOW:
+        from pipeline.services import mlflow_server as server
+
+        server.down(_MLFLOW["params"])
+        if _MLFLOW["saved"] is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = _MLFLOW["saved"]
+        _MLFLOW.clear()
+
+
 @pytest.fixture(scope="session")
 def mlflow_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("mlflow")
+    return Path(_MLFLOW["home"]) if _MLFLOW else tmp_path_factory.mktemp("mlflow")
 
 
 @pytest.fixture(scope="session")
-def mlflow_server(mlflow_home: Path) -> Iterator[str]:
-    """A real MLflow tracking server (SQLite + local artifacts, MLflow's basic-auth app) started by the project's code."""
-    from pipeline.config import load_params
-    from pipeline.services import mlflow_server as server
-    from pipeline.services.process import free_port
-
-    home = mlflow_home
-    env = {"PIPELINE__MLFLOW__PORT": str(free_port()), "PIPELINE__MLFLOW__HOME": str(home)}
-    params = load_params(ROOT / "params.yaml", environ=env)
-    saved = os.environ.pop("MLFLOW_TRACKING_URI", None)
-    uri = server.ensure(params.mlflow)
-    try:
-        yield uri
-    finally:
-        server.down(params.mlflow)
-        if saved is not None:
-            os.environ["MLFLOW_TRACKING_URI"] = saved
+def mlflow_server(mlflow_home: Path) -> str:
+    """The session's MLflow server (see :func:`session_tracking_server`); stopped when the session finishes."""
+    return session_tracking_server(mlflow_home)
 
 
 @contextlib.contextmanager

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -61,9 +63,13 @@ def cycle_env(mlflow_uri: str, run_id: str, **extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Iterator[dict]:
-    root = tmp_path_factory.mktemp("cycle")
+_RUNNING: dict[str, Any] = {}  # the cycle started in the background (tests/conftest.py starts it at collection)
+
+
+def start(mlflow_uri: str, root: Path) -> None:
+    """Start the cycle (`make run`'s script in a fresh copy of the project) in the background, once."""
+    if _RUNNING:
+        return
     (root / "shared").symlink_to(ROOT.parent / "shared")
     clone = copy_project(root / "proj")
     # the cycle's params are environment overrides, which DVC cannot see: the committed lock says nothing about this
@@ -72,13 +78,45 @@ def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Itera
     run_id = f"loop-{uuid.uuid4().hex[:6]}"
     serving = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}, dtype: float32}}]",
                "PIPELINE__SERVING__PROXY__PORT": str(free_port())}
-    env = cycle_env(mlflow_server, run_id, **serving)
-    proc = subprocess.run(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, capture_output=True, text=True)
-    (root / "make-run.log").write_text(proc.stdout + proc.stderr)  # stage wall times at the end of stdout
+    env = cycle_env(mlflow_uri, run_id, **serving)
+    out, err = open(root / "make-run.out", "w"), open(root / "make-run.err", "w")  # noqa: SIM115 - closed in _finished
+    proc = subprocess.Popen(["bash", "scripts/run_pipeline.sh"], cwd=clone, env=env, stdout=out, stderr=err,
+                            start_new_session=True)
+    _RUNNING.update(root=root, clone=clone, env=env, run_id=run_id, mlflow=mlflow_uri, proc=proc, files=(out, err))
+
+
+def _finished() -> subprocess.CompletedProcess[str]:
+    """The cycle's exit status and output, once it has ended."""
+    code = _RUNNING["proc"].wait()
+    for f in _RUNNING["files"]:
+        f.close()
+    root = _RUNNING["root"]
+    return subprocess.CompletedProcess(["bash", "scripts/run_pipeline.sh"], code, (root / "make-run.out").read_text(),
+                                       (root / "make-run.err").read_text())  # stage wall times at the end of stdout
+
+
+def stop() -> None:
+    """The cycle stopped (if it still runs) and its serving plane down; nothing when it never started."""
+    if not _RUNNING:
+        return
+    proc = _RUNNING["proc"]
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    subprocess.run([sys.executable, "-m", "pipeline", "services", "down", "serving"], cwd=_RUNNING["clone"],
+                   env=_RUNNING["env"], capture_output=True)
+    _RUNNING.clear()
+
+
+@pytest.fixture(scope="module")
+def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Iterator[dict]:
+    start(mlflow_server, tmp_path_factory.mktemp("cycle"))  # already running unless this module was not collected first
+    proc = _finished()
     try:
-        yield {"clone": clone, "env": env, "run_id": run_id, "proc": proc, "mlflow": mlflow_server}
+        yield {"clone": _RUNNING["clone"], "env": _RUNNING["env"], "run_id": _RUNNING["run_id"], "proc": proc,
+               "mlflow": mlflow_server}
     finally:
-        subprocess.run([sys.executable, "-m", "pipeline", "services", "down", "serving"], cwd=clone, env=env, capture_output=True)
+        stop()
 
 
 def _pipeline(cycle: dict, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
