@@ -18,8 +18,11 @@ from pipeline.data.sources import SourceError
 from pipeline.learning import WAYS
 from pipeline.promotion import PromotionError
 from pipeline.prompt_registry import PromptError
+from pipeline.registry import RegistryError
 from pipeline.services import mlflow_server
 from pipeline.services.process import ServiceError
+from pipeline.serving.routing import RoutingError
+from pipeline.versions import VersionError
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -86,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if tracks(module, args):  # the entry point starts the tracking server; library calls only connect to it
             mlflow_server.ensure(params.mlflow)
         return int(module.main(args, params) or 0)
-    except (ServiceError, SourceError, PromotionError, PromptError) as exc:  # a service, an input or a registry refused
+    # a service, an input, the registry, a version or a routing table refused: one line naming it, never a traceback
+    except (ServiceError, SourceError, PromotionError, PromptError, RegistryError, VersionError, RoutingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:

@@ -27,9 +27,6 @@ TEST_IDS = PUBMEDQA / "test_ground_truth.json"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # the learning cycle's tests last: its `make run` starts in the background at collection (pytest_collection_finish)
-    # and runs beside every other module instead of being waited for halfway through the suite
-    items.sort(key=lambda item: item.path.name == "test_learning_loop.py")
     if not SOURCE.exists():
         skip = pytest.mark.skip(reason=f"PubMedQA not found at {SOURCE} (set PUBMEDQA_DIR)")
         for item in items:

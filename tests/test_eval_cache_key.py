@@ -42,3 +42,19 @@ def test_served_weights_and_worker_settings_are_part_of_the_key(tmp_path: Path) 
     assert evaluate.served_models(params.serving)["base"]["model_md5"] != served["base"]["model_md5"]
     longer = load_params(ROOT / "params.yaml", environ={"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: '{model}', port: 8100, max_model_len: 4096}}]"})
     assert evaluate.served_models(longer.serving)["base"] != evaluate.served_models(params.serving)["base"]
+
+
+def test_the_rendered_prompt_texts_are_part_of_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """#53: a champion evaluation cached while one PI prompt version was routed is not reused once another is (the key
+    digests every text the society renders, routed or the repository's)."""
+    from pipeline.agents.prompts import PI, REPOSITORY
+
+    monkeypatch.setattr(evaluate, "dvc_md5", lambda path: "md5")  # the split and index files: not what this checks
+    params = load_params(ROOT / "params.yaml", environ={})
+
+    def key(prompts: object) -> str:
+        return evaluate.cache_key(params, {}, {"principal_investigator": "base"}, {}, [{"id": "1"}], prompts)  # type: ignore[arg-type]
+
+    routed = REPOSITORY.with_text(PI, REPOSITORY.text(PI) + " Weigh the conclusion first.", 3)
+    assert key(REPOSITORY) == key(REPOSITORY) != key(routed)
+    assert key(REPOSITORY.with_text(PI, REPOSITORY.text(PI), 3)) == key(REPOSITORY)  # the same text under a version number
