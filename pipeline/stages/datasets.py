@@ -175,8 +175,9 @@ def _report(result: dict[str, Any], built: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
+    agents = rl_agents(params)
     try:
-        built = build(params.rollouts, params.datasets, params.validate_, params.learners()[Learning.SFT], rl_agents(params))
+        built = build(params.rollouts, params.datasets, params.validate_, params.learners()[Learning.SFT], agents)
     except EmptyDataset as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -191,7 +192,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
         import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow)
 
         mlflow.log_params({"sft.min_reward": params.datasets.sft.min_reward, "sft.top_k": params.datasets.sft.top_k,
-                           "rl_agents": ",".join(rl_agents(params)),
+                           "rl_agents": ",".join(agents),
                            "trace_runs": ",".join(result["trace_runs"])})
         flat = {k: v for k, v in result.items() if isinstance(v, (int, float))}
         flat.update({f"dropped.{k}": v for k, v in result["dropped"].items()})

@@ -497,7 +497,7 @@ def evaluate_role(params: Params, name: str, p: Plan) -> dict[str, Any]:
     for r in runs:  # the figures once the judge's part of the reward is in the records
         _log_role_run(params, name, r)
     cost = {"calls_per_task": 1, "tasks": len(tasks), "judge_calls": judge_calls}
-    return dict(_role_entry(params, name, champion, runs[0], r, roles[name], p.label, cost) for r in runs[1:])
+    return dict(_role_entry(cfg, name, champion, runs[0], r, roles[name], p.label, cost) for r in runs[1:])
 
 
 # whole Params: register_aa's five sections
@@ -539,12 +539,11 @@ def _log_role_run(params: Params, name: str, r: RoleRun) -> None:
           f"(n={m['yes_no']['n']}), AUC {m['auc']['value']}")
 
 
-# whole Params: a prompt pair's template (prompt.roles)
-def _role_entry(params: Params, name: str, champion: Any, champ: RoleRun, r: RoleRun, target: str, label: str,
+def _role_entry(evaluate: EvaluateParams, name: str, champion: Any, champ: RoleRun, r: RoleRun, target: str, label: str,
                 cost: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The summary entry of candidate ``r`` against ``champ`` (keyed ``name``, ``name@aa``, ``name@prompt``), and its
     evidence as tags on the version (a prompt pair: the prompt versions compared, both answered by the champion model)."""
-    cfg = params.evaluate
+    cfg = evaluate
     diff = paired_difference(r.records, champ.records, cfg.bootstrap, cfg.ci, cfg.seed)
     entry: dict[str, Any] = {
         "role": name, "alias": r.alias, "level": "role",
