@@ -539,11 +539,10 @@ def _log_role_run(params: Params, name: str, r: RoleRun) -> None:
           f"(n={m['yes_no']['n']}), AUC {m['auc']['value']}")
 
 
-def _role_entry(evaluate: EvaluateParams, name: str, champion: Any, champ: RoleRun, r: RoleRun, target: str, label: str,
+def _role_entry(cfg: EvaluateParams, name: str, champion: Any, champ: RoleRun, r: RoleRun, target: str, label: str,
                 cost: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The summary entry of candidate ``r`` against ``champ`` (keyed ``name``, ``name@aa``, ``name@prompt``), and its
     evidence as tags on the version (a prompt pair: the prompt versions compared, both answered by the champion model)."""
-    cfg = evaluate
     diff = paired_difference(r.records, champ.records, cfg.bootstrap, cfg.ci, cfg.seed)
     entry: dict[str, Any] = {
         "role": name, "alias": r.alias, "level": "role",
