@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -276,8 +277,10 @@ def serving_stack(serving_models: Path, tmp_path_factory: pytest.TempPathFactory
         "PIPELINE__SERVING__PROXY__KEY_FILE": str(home / "secrets" / "key"),
         "PIPELINE__SERVING__WORKER_DEFAULTS__KEY_FILE": str(home / "secrets" / "worker_key"),
         "PIPELINE__SERVING__LIVE_FILE": str(home / "live-routing.json")})  # never the repository's tracked file
-    worker.up(p.serving, p.serving.workers[0])  # the "offline" worker is deliberately not started
-    proxy.up(p.serving)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # side by side, as stack.ensure starts them
+        proxy_up = pool.submit(proxy.up, p.serving)
+        worker.up(p.serving, p.serving.workers[0])  # the "offline" worker is deliberately not started
+        proxy_up.result()
     try:
         yield p
     finally:

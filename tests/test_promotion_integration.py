@@ -14,12 +14,16 @@ first. The slot is emptied for the routing-failure test, where "offline" must be
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pytest
@@ -69,16 +73,19 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
     env_keys = [k for k in os.environ if k.startswith("PIPELINE__")]
     saved_env = {k: os.environ.pop(k) for k in env_keys}
     params = load_params(root / "params.yaml")
+    pool = ThreadPoolExecutor(max_workers=1)
     try:
+        offline = pool.submit(worker.up, params.serving, params.serving.workers[1])  # starts beside the stages below
         ingest.run(params)
         validate.run(params)
         build_index.run(params)
         routing.apply(params.serving, params.mlflow, 1)
         mlflow_server.ensure(params.mlflow)  # what the CLI does before a command that tracks
         uri = tracking.setup(params.mlflow)
-        worker.up(params.serving, params.serving.workers[1])
+        offline.result()
         yield {"root": root, "params": params, "uri": uri}
     finally:
+        pool.shutdown()
         worker.down(params.serving, params.serving.workers[1])
         routing.apply(params.serving, params.mlflow, 1)
         mlflow_server.down(params.mlflow)
@@ -88,10 +95,38 @@ def promo(serving_stack: Params, serving_models: Path, tmp_path_factory: pytest.
             os.environ["MLFLOW_TRACKING_URI"] = saved_uri
 
 
+def _env(promo: dict, **extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}, "PYTHONPATH": str(ROOT),
+            "MLFLOW_TRACKING_URI": promo["uri"], "PIPELINE_RUN_ID": "promotion-it", **extra}
+
+
 def _cli(promo: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}, "PYTHONPATH": str(ROOT),
-           "MLFLOW_TRACKING_URI": promo["uri"], "PIPELINE_RUN_ID": "promotion-it", **extra}
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=promo["root"], env=env, capture_output=True, text=True)
+    """``python -m pipeline ARGS`` as a user runs it, in this process: the same entry point, parser, params from the
+    environment and one-line errors, without a new interpreter's ~3 s of imports (MLflow's 1.6) for each of this
+    module's ~40 calls (#54). A claim about the process itself (killed mid-switch, its tracking server gone) is
+    :func:`_process`'s."""
+    import mlflow
+
+    from pipeline import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with (mock.patch.dict(os.environ, _env(promo, **extra), clear=True), contextlib.redirect_stdout(out),
+          contextlib.redirect_stderr(err)):
+        try:
+            rc = cli.main(list(args))
+        except SystemExit as exc:  # argparse's refusals
+            rc = exc.code if isinstance(exc.code, int) else 2
+        finally:
+            while mlflow.active_run() is not None:  # a process's exit would have ended it
+                mlflow.end_run("FAILED")
+            mlflow.set_tracking_uri(promo["uri"])
+    return subprocess.CompletedProcess(["python", "-m", "pipeline", *args], rc, out.getvalue(), err.getvalue())
+
+
+def _process(promo: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    """``python -m pipeline ARGS`` in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=promo["root"], env=_env(promo, **extra),
+                          capture_output=True, text=True)
 
 
 def _register(promo: dict, deployment: str, role: str = "junior_researcher") -> str:
@@ -308,7 +343,7 @@ def test_better_candidate_is_promoted_then_rolled_back(promo: dict) -> None:
     from pipeline.services.process import free_port
 
     before, started = _live(promo), time.monotonic()
-    gone = _cli(promo, "promote", MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}",
+    gone = _process(promo, "promote", MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}",
                 PIPELINE__MLFLOW__REQUEST_TIMEOUT_S="2", **gate)
     lines = gone.stderr.strip().splitlines()
     assert gone.returncode == 1 and len(lines) == 1 and "did not answer" in lines[0], gone.stdout[-2000:] + gone.stderr
@@ -335,7 +370,7 @@ def test_promote_killed_after_each_step_then_rerun_leaves_alias_routing_and_tags
         won["roles"]["junior_researcher"]["candidate"]["version"] = version
         summary_path.write_text(json.dumps(won))
         gate = {"PIPELINE__PROMOTE__REQUIRE_SIGNIFICANCE": "false", "PIPELINE__PROMOTE__MIN_TASKS": "2"}
-        killed = _cli(promo, "promote", PIPELINE_FAILPOINT=f"switch.{step}", **gate)
+        killed = _process(promo, "promote", PIPELINE_FAILPOINT=f"switch.{step}", **gate)
         assert killed.returncode == -9, (step, killed.stdout[-2000:], killed.stderr[-2000:])
         assert intent_file(promo["params"].serving).exists()
         rerun = _cli(promo, "promote", **gate)
