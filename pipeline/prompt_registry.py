@@ -39,7 +39,13 @@ def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> promp
     from pipeline import tracking  # noqa: PLC0415 - control plane only
 
     tracking.setup(mlflow_cfg)
-    rendered = prompts.Prompts(versions={t: _repository_version(t, text) for t, text in prompts.TEMPLATES.items()})
+    return routed(table, prompts.Prompts(versions={t: _repository_version(t, text) for t, text in prompts.TEMPLATES.items()}))
+
+
+def routed(table: dict[str, Any] | None, rendered: prompts.Prompts = prompts.REPOSITORY) -> prompts.Prompts:
+    """``rendered`` with every template the routing ``table`` names replaced by that version's checked text. It only
+    reads, so the RL trainer's rollout workers (a process a rollout, many at once) render what the society is routed
+    to without registering anything; the tracking client must be set up."""
     for template, number in ((table or {}).get("prompts") or {}).items():
         rendered = rendered.with_text(template, _routed_text(template, number, table or {}), int(number))
     return rendered

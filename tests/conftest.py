@@ -27,16 +27,7 @@ SOURCE = PUBMEDQA / "ori_pqal.json"
 TEST_IDS = PUBMEDQA / "test_ground_truth.json"
 
 
-# Modules that leave a core idle (service start-ups, one-request waits: 35-65% idle in a sampled .ci/run) run before the
-# learning cycle's module, beside its `make run` in the background, which fills that core. Not the promotion module:
-# its societies keep both cores busy, and beside the cycle it lost more than the cycle's wait (#54).
-BESIDE_THE_CYCLE = ("test_rollouts_integration.py", "test_serving_integration.py", "test_vllm_gpu_lora_routes.py",
-                    "test_verl_checkpoint.py", "test_vllm_gpu_argv.py", "test_tracking.py", "test_validate.py",
-                    "test_role_level.py", "test_sft_signal.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name >= "test_learning_loop.py" and item.path.name not in BESIDE_THE_CYCLE)
     if not SOURCE.exists():
         skip = pytest.mark.skip(reason=f"PubMedQA not found at {SOURCE} (set PUBMEDQA_DIR)")
         for item in items:

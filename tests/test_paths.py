@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
@@ -52,8 +53,9 @@ def test_sidecar_never_leaves_its_adapter_dir_on_hostile_keys(s3, tmp_path: Path
     dest.mkdir(parents=True)
     canary = tmp_path / "synced" / "keep.txt"
     canary.write_text("outside the adapter dir")
-    store = "s3://models/adapters/base"
-    put = lambda key, body=b"{}": s3.put_object(Bucket="models", Key=f"adapters/base/{key}", Body=body)  # noqa: E731
+    prefix = f"adapters/{uuid.uuid4().hex}"  # moto keeps its buckets per process: another test's adapters stay out of it
+    store = f"s3://models/{prefix}"
+    put = lambda key, body=b"{}": s3.put_object(Bucket="models", Key=f"{prefix}/{key}", Body=body)  # noqa: E731
     # the attack of issue 26: a marker "inside" an adapter that rmtree's the parent, and a file key that writes outside
     put("../_COMPLETE", b"")  # adapter name '..': the old sidecar rmtree'd <adapter_dir>/.. (the canary's folder)
     put("evil/../_COMPLETE", b"")
@@ -66,7 +68,7 @@ def test_sidecar_never_leaves_its_adapter_dir_on_hostile_keys(s3, tmp_path: Path
     put("good/weights.safetensors", b"w")
     put("good/_COMPLETE", b"")
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="models")["Contents"]]
-    assert "adapters/base/../_COMPLETE" in keys  # the S3 API keeps the hostile key as written
+    assert f"{prefix}/../_COMPLETE" in keys  # the S3 API keeps the hostile key as written
     assert adapter_store.sync(store, dest) == ["good"]
     assert sorted(p.name for p in dest.iterdir()) == ["good"]  # no half adapter, no temp folder left behind
     assert canary.read_text() == "outside the adapter dir"
@@ -78,8 +80,9 @@ def test_sidecar_never_leaves_its_adapter_dir_on_hostile_keys(s3, tmp_path: Path
 def test_materialize_s3_source_refuses_keys_outside_its_prefix_folder(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from pipeline.stages.materialize_model import _download_s3
 
-    s3.put_object(Bucket="models", Key="base/config.json", Body=b"{}")
-    s3.put_object(Bucket="models", Key="base/../../../escape.txt", Body=b"x")
+    prefix = uuid.uuid4().hex
+    s3.put_object(Bucket="models", Key=f"{prefix}/config.json", Body=b"{}")
+    s3.put_object(Bucket="models", Key=f"{prefix}/../../../escape.txt", Body=b"x")
     with pytest.raises(UnsafePathError):
-        _download_s3("s3://models/base", tmp_path / "dl")
+        _download_s3(f"s3://models/{prefix}", tmp_path / "dl")
     assert not (tmp_path / "escape.txt").exists() and not (tmp_path.parent / "escape.txt").exists()

@@ -785,6 +785,9 @@ def test_an_identical_prompt_is_refused_a_switched_one_is_rendered_and_rolled_ba
     number = switch(params.serving, params.mlflow, Line(pi, pi), prompt_registry.load(pi, new), "it: switch the PI's prompt")
     assert _live(promo)["version"] == number and _live(promo)["prompts"] == {pi: new}
     assert str(prompt_registry.load(pi, f"@{prompt_registry.CHAMPION}").version) == str(new)
+    # the RL trainer's rollout workers render it too, reading only (pipeline/rl/agent.py)
+    rl = prompt_registry.routed(_live(promo))
+    assert (rl.text(pi), rl.version(pi), rl.text("judge")) == (text, new, prompts.TEMPLATES["judge"])
     ro = _cli(promo, "rollouts", PIPELINE__ROLLOUTS__LIMIT="1", PIPELINE__ROLLOUTS__SAMPLES_PER_TASK="1",
               PIPELINE__ROLLOUTS__SHARDS="1", PIPELINE__ROLLOUTS__MAX_FAILURE_RATE="1.0", **short)
     assert ro.returncode == 0, ro.stdout[-3000:] + ro.stderr[-3000:]

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from pipeline import prompt_registry, tracking
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.rollout import run_with_retries, supervisor_policy
 from pipeline.agents.tools import Toolbox
@@ -90,10 +91,15 @@ class SocietyAgent:
         cfg = params.rollouts
         # the role train_ppo@<role> trains (its driver says so), else every role that learns by RL (ppo.roles)
         trained = (os.environ[ROLE_ENV],) if os.environ.get(ROLE_ENV) else tuple(params.learners()[Learning.PPO])
-        client = GatewayClient.for_agents(params.agents, base_url, proxy_key, cfg.timeout_s,
-                                          gateway_url=os.environ["AGL_OPENAI_BASE_URL"], gateway_key=key, trained=trained)
-        tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
         table = routing.active(params.serving) if not params.rollouts.llm_base_url else None
+        if (table or {}).get("prompts"):
+            tracking.setup(params.mlflow)
+        # the routed prompt versions, as the rollouts stage renders them: a policy trained on other prompts than the
+        # society serves would be gated on prompts it never saw
+        client = GatewayClient.for_agents(params.agents, base_url, proxy_key, cfg.timeout_s,
+                                          prompts=prompt_registry.routed(table), gateway_url=os.environ["AGL_OPENAI_BASE_URL"],
+                                          gateway_key=key, trained=trained)
+        tools = Toolbox(cfg.index_dir, params.agents.search_top_k)
         policy = supervisor_policy(params.agents, params.mlflow, table)
         ids = {"run_id": os.environ.get(RUN_ENV, "agl"), "shard": 0, "task_id": str(task["id"]), "rollout_id": rollout_id}
         try:
