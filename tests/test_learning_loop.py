@@ -109,12 +109,8 @@ def stop() -> None:
 
 
 @pytest.fixture(scope="module")
-def cycle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Iterator[dict]:
+def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Iterator[dict]:
     start(mlflow_server, tmp_path_factory.mktemp("cycle"))  # already running unless this module was not collected first
-    if any("serving_stack" in item.fixturenames for item in request.session.items):
-        # the session's serving stack (later modules') boots while the cycle runs: on the cores the cycle leaves idle,
-        # not after it (#54)
-        request.getfixturevalue("serving_stack")
     proc = _finished()
     try:
         yield {"clone": _RUNNING["clone"], "env": _RUNNING["env"], "run_id": _RUNNING["run_id"], "proc": proc,
