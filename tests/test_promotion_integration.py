@@ -110,8 +110,8 @@ def _cli(promo: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
     from pipeline import cli
 
     out, err = io.StringIO(), io.StringIO()
-    with (mock.patch.dict(os.environ, _env(promo, **extra), clear=True), contextlib.redirect_stdout(out),
-          contextlib.redirect_stderr(err)):
+    with (mock.patch.dict(os.environ, _env(promo, **extra), clear=True), contextlib.chdir(promo["root"]),
+          contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)):
         try:
             rc = cli.main(list(args))
         except SystemExit as exc:  # argparse's refusals
