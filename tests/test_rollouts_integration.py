@@ -82,6 +82,7 @@ def test_killed_shard_resumes_without_duplicates(ready: Path, serving_models: Pa
 def test_endpoint_down_records_failures_and_threshold_decides(ready: Path) -> None:
     set_param(ready, "rollouts.limit", 2)
     set_param(ready, "rollouts.llm_base_url", f"http://127.0.0.1:{free_port()}/v1")  # nothing listens there
+    set_param(ready, "agents.transport_backoff_s", 0.05)  # still retried (agents.transport_retries), without the waits
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")}, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "pipeline", "rollouts", "--no-mlflow"]
     set_param(ready, "rollouts.max_failure_rate", 1.0)

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound=StructuredOutput)
 
-TRANSPORT_RETRIES = 2  # a connection error is retried this often (with backoff) before the call fails
 DESIGNER_TOKENS = 4  # the protocol designer's cap, in agents.max_tokens: a protocol is the society's longest answer
 
 
@@ -70,7 +69,7 @@ class RoleClient:
     def __init__(self, base_url: str, api_key: str, max_tokens: int = 256, temperature: float = 0.7,
                  json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None, token_ceiling: int = 768,
                  frequency_penalty: float = 0.0, replay: CallBook | None = None, unavailable_wait_s: float = 0.0,
-                 prompts: Prompts = REPOSITORY) -> None:
+                 prompts: Prompts = REPOSITORY, transport_retries: int = 2, transport_backoff_s: float = 2.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.prompts = prompts  # what this society renders: the routed versions of its templates (prompt_registry.sync)
         self.replay = replay  # recorded calls of roles not under evaluation, answered from the record (agents.replay)
@@ -81,6 +80,8 @@ class RoleClient:
         self.token_ceiling = token_ceiling
         self.frequency_penalty = frequency_penalty
         self.unavailable_wait_s = unavailable_wait_s
+        self.transport_retries = transport_retries
+        self.transport_backoff_s = transport_backoff_s
         self._http = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
 
     @classmethod
@@ -89,7 +90,8 @@ class RoleClient:
         """A client sized by ``params.agents`` (every stage that runs the society or its judge builds one)."""
         return cls(base_url, api_key, max_tokens or agents.max_tokens, agents.temperature, agents.json_retries, timeout_s,
                    routing=routing, token_ceiling=agents.token_ceiling, frequency_penalty=agents.frequency_penalty,
-                   unavailable_wait_s=agents.unavailable_wait_s, **kwargs)
+                   unavailable_wait_s=agents.unavailable_wait_s, transport_retries=agents.transport_retries,
+                   transport_backoff_s=agents.transport_backoff_s, **kwargs)
 
     def endpoint(self, model: str) -> tuple[str, dict[str, str] | None]:
         """(base URL, extra headers) a call for ``model`` goes to: the proxy for every role here; the RL
@@ -169,7 +171,8 @@ class RoleClient:
         return output
 
     async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None) -> httpx.Response:
-        """The request, again after each 503 (a deployment down or restarting) for at most ``unavailable_wait_s``."""
+        """The request, again after each 503 (a deployment down or restarting) for at most ``unavailable_wait_s``, and
+        after a dropped connection ``transport_retries`` times (waits doubling from ``transport_backoff_s``)."""
         deadline = time.monotonic() + self.unavailable_wait_s
         failures = 0
         while True:
@@ -177,9 +180,9 @@ class RoleClient:
                 resp = await self._http.post(url, json=body, headers=headers)
             except httpx.TransportError:  # a dropped connection is retried a bounded number of times, then raised
                 failures += 1
-                if failures > TRANSPORT_RETRIES:
+                if failures > self.transport_retries:
                     raise
-                await asyncio.sleep(2 ** failures)
+                await asyncio.sleep(self.transport_backoff_s * 2 ** (failures - 1))
                 continue
             left = deadline - time.monotonic()
             if resp.status_code != 503 or left <= 0:
