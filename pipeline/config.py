@@ -291,7 +291,8 @@ class AgentsParams(_Strict):
                                       "proxy), retrying after each Retry-After; 0 fails at the first")
     transport_retries: int = Field(ge=0, le=5, description="retries of a call whose connection failed (nothing listening, "
                                    "dropped) before the call fails")
-    transport_backoff_s: float = Field(ge=0.0, description="the wait before the first of those retries, doubled before each next one")
+    transport_backoff_s: float = Field(ge=0.0, description="the wait before the first of those retries, doubled before "
+                                       "each next one")
     epsilon: float = Field(ge=0.0, le=1.0, description="supervisor exploration rate (bandit logging policy)")
     search_top_k: int
     concurrent_reviews: bool = Field(description="the peer reviewer and the safety officer review each protocol at the same time "
