@@ -27,19 +27,7 @@ SOURCE = PUBMEDQA / "ori_pqal.json"
 TEST_IDS = PUBMEDQA / "test_ground_truth.json"
 
 
-def _phase(item: pytest.Item) -> int:
-    """0: tests that neither serve a model nor use the session's tracking server run first, beside the learning cycle's
-    background `make run` (they fill the cores its single-threaded steps leave idle, #54); 1: the cycle's own tests;
-    2: the rest, after it. A vLLM engine keeps both cores busy for each request (beside the cycle both slow down by more
-    than they overlap), and the cycle registers its versions and prompts in the session's tracking server (a test that
-    registers, counts versions or moves an alias there beside it would race the cycle's gate)."""
-    if item.path.name == "test_learning_loop.py":
-        return 1
-    return 2 if item.get_closest_marker("engine") or "mlflow_server" in item.fixturenames else 0
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=_phase)  # stable: alphabetical by module within a phase, as collected
     if not SOURCE.exists():
         skip = pytest.mark.skip(reason=f"PubMedQA not found at {SOURCE} (set PUBMEDQA_DIR)")
         for item in items:

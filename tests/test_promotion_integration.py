@@ -33,7 +33,7 @@ from pipeline.config import Params, load_params
 from pipeline.versions import Line
 from tests.conftest import PUBMEDQA, ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+pytestmark = pytest.mark.slow
 
 # 40 of the 500 non-test questions for validation (the default: 100): a role-level evaluation asks each of them, and
 # 40 clear promote.min_tasks (25) as 100 do

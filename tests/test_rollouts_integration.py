@@ -17,7 +17,6 @@ from pipeline.stages import build_index, ingest, validate
 from pipeline.services.process import free_port
 from tests.conftest import ROOT, set_param
 
-pytestmark = pytest.mark.engine
 NINE_ROLES = {"geneticist", "pharmacologist", "neurologist", "supervisor", "hypothesis_refiner", "protocol_designer",
               "peer_reviewer", "safety_officer", "principal_investigator"}
 SMALL = {"agents.max_review_rounds": 0, "agents.max_tool_calls": 1, "agents.max_tokens": 160, "rollouts.shards": 1,

@@ -17,7 +17,7 @@ from pipeline.digest import artifact_sha256
 from pipeline.schemas import Protocol, Review
 from pipeline.serving import deploy, proxy, routing, worker
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
