@@ -332,3 +332,36 @@ def test_a_role_naming_an_agent_the_graph_does_not_have_is_refused() -> None:
     models = {**section("agents").models, "principal_investgator": "principal_investigator"}
     with pytest.raises(ValueError, match=r"agents \['principal_investgator'\] are not agents of the graph"):
         Society(client=None, tools=None, cfg=section("agents", models=models), rng=random.Random(0))  # type: ignore[arg-type]
+
+
+def test_a_dropped_connection_is_retried_as_often_as_params_say_then_the_call_fails() -> None:
+    """agents.transport_retries bounds the retries of a call whose connection failed; a connection that comes back
+    within them answers the call."""
+    import asyncio
+
+    import httpx
+
+    from pipeline.agents.llm import LLMError, RoleClient
+
+    attempts: list[int] = []
+
+    def down_for(n: int):
+        def answer(request: httpx.Request) -> httpx.Response:
+            attempts.append(1)
+            if len(attempts) <= n:
+                raise httpx.ConnectError("nothing listens", request=request)
+            return httpx.Response(200, json={"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}], "usage": {}})
+        return answer
+
+    agents = load_params(ROOT / "params.yaml", environ={}).agents.model_copy(update={"transport_retries": 1, "transport_backoff_s": 0.0})
+    messages = [{"role": "user", "content": "q"}]
+    for down, answered in ((1, True), (2, False)):
+        attempts.clear()
+        client = RoleClient.for_agents(agents, "http://proxy/v1", "k", 30)
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(down_for(down)))
+        if answered:
+            assert asyncio.run(client.chat("junior_1", "junior_researcher", messages, [])) == "ok"
+        else:
+            with pytest.raises(LLMError, match="ConnectError"):
+                asyncio.run(client.chat("junior_1", "junior_researcher", messages, []))
+        assert len(attempts) == 2  # the call and its one retry
