@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 VAL_QUESTIONS = 40
 SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1}, "rollouts": {"retries": 0},
          "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}, "split": {"val_fraction": VAL_QUESTIONS / 500},
-         "validate": {"split_rows": {"train": {"min": 460, "max": 460}, "val": {"min": VAL_QUESTIONS, "max": VAL_QUESTIONS}}}}
+         "validate": {"split_rows": {"train": {"min": 500 - VAL_QUESTIONS, "max": 500 - VAL_QUESTIONS}, "val": {"min": VAL_QUESTIONS, "max": VAL_QUESTIONS}}}}
 BROKEN_CONTEXT = 96  # tokens: > the routing check's prompt + 4, < any junior call's max_tokens alone
 
 
