@@ -227,13 +227,20 @@ get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "
 
 @pytest.fixture(scope="session")
 def serving_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Materialise base + test models and a LoRA adapter through the project's stage."""
+    """Base + test models materialised by the project's stage (the learning cycle's, when it ran it) and a LoRA adapter."""
     root = tmp_path_factory.mktemp("models")
-    env_params = {"PIPELINE__MODELS__BASE__OUT_DIR": str(root / "base"), "PIPELINE__MODELS__TEST__OUT_DIR": str(root / "tiny")}
-    # run from the scratch folder: the stage's metrics file must not land in the checkout's reports/
-    # (a changed DVC metric there would make the next `dvc repro` re-materialise the model)
-    subprocess.run([sys.executable, "-m", "pipeline", "--params", str(ROOT / "params.yaml"), "materialize-model", "--no-mlflow"],
-                   cwd=root, check=True, env={**_clean_env(), **env_params}, capture_output=True)
+    from tests import test_learning_loop
+
+    made = test_learning_loop.materialized(load_params(ROOT / "params.yaml", environ={}).models)
+    if made is not None:  # the learning cycle's stage already made them from the same params: the same bytes (#54)
+        shutil.copytree(made["base"], root / "base")
+        shutil.copytree(made["test"], root / "tiny")
+    else:
+        env_params = {"PIPELINE__MODELS__BASE__OUT_DIR": str(root / "base"), "PIPELINE__MODELS__TEST__OUT_DIR": str(root / "tiny")}
+        # run from the scratch folder: the stage's metrics file must not land in the checkout's reports/
+        # (a changed DVC metric there would make the next `dvc repro` re-materialise the model)
+        subprocess.run([sys.executable, "-m", "pipeline", "--params", str(ROOT / "params.yaml"), "materialize-model", "--no-mlflow"],
+                       cwd=root, check=True, env={**_clean_env(), **env_params}, capture_output=True)
     subprocess.run([model_python(), "-c", ADAPTER, str(root / "base"), str(root / "adapter-a")], check=True, capture_output=True)
     return root
 

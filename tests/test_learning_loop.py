@@ -38,6 +38,9 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          "PIPELINE__REPORT__LIMIT": "1", "PIPELINE__PPO__PROMPTS_PER_STEP": "1", "PIPELINE__PI__SFT__MAX_STEPS": "1",
          "PIPELINE__REPORT__ROLE_LIMIT": "4", "PIPELINE__PROMPT__DEV_QUESTIONS": "4", "PIPELINE__PROMPT__CANDIDATES": "1",
          "PIPELINE__PROMPT__DEMOS": "2",
+         # a sixth of the abstract each junior and PI prompt carries: the cycle's claims are its mechanism, not how
+         # well its agents read (#54: the prompt's prefill is most of a CPU call's time)
+         "PIPELINE__AGENTS__CONTEXT_CHARS": "200",
          # the signal checks measure a few of the training rows (their mechanism: tests/test_sft_signal.py); the PI's
          # held-out slice shrinks to a few rows: nothing here reads the PI's figures, only that its stage ran
          "PIPELINE__SFT__FIT_ROWS": "4", "PIPELINE__PI__SFT__FIT_ROWS": "2", "PIPELINE__PI__SFT__EVAL_FRACTION": "0.01",
@@ -64,6 +67,21 @@ def cycle_env(mlflow_uri: str, run_id: str, **extra: str) -> dict[str, str]:
 
 
 _RUNNING: dict[str, Any] = {}  # the cycle started in the background (tests/conftest.py starts it at collection)
+_CLONE: list[Path] = []  # where it ran, kept after it stopped
+
+
+def materialized(models: Any) -> dict[str, Path] | None:
+    """The cycle's base and test models once its materialize_model stage has written both (each folder is written whole,
+    ``atomic_dir``) from ``models`` (params.models: the cycle's overrides leave that section alone), else None."""
+    if not _CLONE:
+        return None
+    made = {"base": _CLONE[0] / models.base.out_dir, "test": _CLONE[0] / models.test.out_dir}
+    try:
+        meta = json.loads((made["base"] / "materialized.json").read_text())
+    except (OSError, ValueError):
+        return None
+    same = (meta.get("source"), meta.get("dtype")) == (models.base.source, models.base.dtype)
+    return made if same and (made["test"] / "materialized.json").exists() else None
 
 
 def start(mlflow_uri: str, root: Path) -> None:
@@ -72,6 +90,7 @@ def start(mlflow_uri: str, root: Path) -> None:
         return
     (root / "shared").symlink_to(ROOT.parent / "shared")
     clone = copy_project(root / "proj")
+    _CLONE[:] = [clone]
     # the cycle's params are environment overrides, which DVC cannot see: the committed lock says nothing about this
     # run (a lock as fresh as the code would skip train_prompt, whose deps the overrides do not touch), so none is used
     (clone / "dvc.lock").unlink()

@@ -60,15 +60,18 @@ def _gguf_file(spec: str) -> Path:
 
 
 def _load_gguf(path: Path, dtype: Any) -> tuple[Any, Any]:
+    """The GGUF's tensors dequantised straight into a plain (unquantised) model of its config: one tensor pass, no
+    quantised model built first (each metadata parse of the file costs seconds on a small CPU, #54)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415 - model plane only
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype="float32")
-    missing, unexpected = plain.load_state_dict(quantised.state_dict(), strict=False)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=plain)["tensors"]
+    missing, unexpected = plain.load_state_dict(tensors, strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:
         raise RuntimeError(f"{path}: GGUF weights do not match the config (missing {missing}, unexpected {unexpected})")
     plain.tie_weights()
