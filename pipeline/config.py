@@ -312,6 +312,7 @@ class JudgeParams(_Strict):
     model: str = Field(description="derived: the logical model the judge's calls go to (the role whose agents name it)")
     weights: JudgeWeights
     max_tokens: int
+    abstract_chars: int = Field(gt=0, description="chars of the task's abstract the judge scores the protocol against")
     failure_score: float
     temperature: float = Field(ge=0.0, description="the judge's own sampling temperature, apart from the agents': 0 makes "
                                "the instrument deterministic, so score differences come from the protocols, "

@@ -38,9 +38,9 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          "PIPELINE__REPORT__LIMIT": "1", "PIPELINE__PPO__PROMPTS_PER_STEP": "1", "PIPELINE__PI__SFT__MAX_STEPS": "1",
          "PIPELINE__REPORT__ROLE_LIMIT": "4", "PIPELINE__PROMPT__DEV_QUESTIONS": "4", "PIPELINE__PROMPT__CANDIDATES": "1",
          "PIPELINE__PROMPT__DEMOS": "2",
-         # a sixth of the abstract each junior and PI prompt carries: the cycle's claims are its mechanism, not how
-         # well its agents read (#54: the prompt's prefill is most of a CPU call's time)
-         "PIPELINE__AGENTS__CONTEXT_CHARS": "200",
+         # a sixth of the abstract in each junior and PI prompt, a quarter of the judge's: the cycle's claims are its
+         # mechanism, not how well its agents read (#54: the prompt's prefill is most of a CPU call's time)
+         "PIPELINE__AGENTS__CONTEXT_CHARS": "200", "PIPELINE__JUDGE__ABSTRACT_CHARS": "400",
          # the signal checks measure a few of the training rows (their mechanism: tests/test_sft_signal.py); the PI's
          # held-out slice shrinks to a few rows: nothing here reads the PI's figures, only that its stage ran
          "PIPELINE__SFT__FIT_ROWS": "4", "PIPELINE__PI__SFT__FIT_ROWS": "2", "PIPELINE__PI__SFT__EVAL_FRACTION": "0.01",

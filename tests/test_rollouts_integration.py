@@ -19,7 +19,8 @@ from tests.conftest import ROOT, set_param
 
 NINE_ROLES = {"geneticist", "pharmacologist", "neurologist", "supervisor", "hypothesis_refiner", "protocol_designer",
               "peer_reviewer", "safety_officer", "principal_investigator"}
-SMALL = {"agents.max_review_rounds": 0, "agents.max_tool_calls": 1, "agents.max_tokens": 160, "rollouts.shards": 1,
+SMALL = {"agents.max_review_rounds": 0, "agents.max_tool_calls": 1, "agents.max_tokens": 160, "agents.context_chars": 200,
+         "judge.abstract_chars": 400, "rollouts.shards": 1,
          "rollouts.concurrency": 1, "rollouts.retries": 0, "rollouts.samples_per_task": 1}
 
 

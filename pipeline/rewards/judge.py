@@ -101,10 +101,10 @@ def expected_scores(tokens: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def prompt(task: dict[str, Any], state: dict[str, Any], llm_calls: int, prompts: Prompts) -> str:
+def prompt(task: dict[str, Any], state: dict[str, Any], llm_calls: int, prompts: Prompts, abstract_chars: int) -> str:
     """The judge's request for a rollout, rendered from ``prompts`` (the judging society's)."""
     decision = state.get("decision") or {}
-    abstract = " ".join(task.get("contexts") or [])[:1800]
+    abstract = " ".join(task.get("contexts") or [])[:abstract_chars]
     return prompts.render("judge", question=as_data("question", task["question"]), abstract=as_data("abstract", abstract),
                           protocol=as_data("protocol", state.get("protocol")),
                           decision=as_data("decision", decision.get("decision")),
@@ -115,7 +115,7 @@ async def judge(client: RoleClient, cfg: JudgeParams, reward_cfg: RewardParams, 
                 llm_calls: int, spans: list[dict[str, Any]]) -> dict[str, Any]:
     """Score the rollout; appends one reward span per criterion and the ``final`` span with its ``components``."""
     try:
-        messages = [{"role": "user", "content": prompt(task, state, llm_calls, client.prompts)}]
+        messages = [{"role": "user", "content": prompt(task, state, llm_calls, client.prompts, cfg.abstract_chars)}]
         scores = await client.structured("judge", cfg.model, messages, JudgeScores, spans, max_tokens=cfg.max_tokens,
                                          frequency_penalty=cfg.frequency_penalty, temperature=cfg.temperature,
                                          top_logprobs=TOP_LOGPROBS, prompt="judge")
