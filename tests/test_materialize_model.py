@@ -1,5 +1,6 @@
 """Fast checks of model materialisation's source resolution (no torch; the real conversion is
-exercised by the session fixture ``serving_models`` and ``test_serving_integration``)."""
+exercised by the learning cycle's stage, whose folders the session fixture ``serving_models`` serves, or by that
+fixture itself when the cycle does not run)."""
 
 from __future__ import annotations
 
