@@ -39,7 +39,8 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          "PIPELINE__REPORT__ROLE_LIMIT": "4", "PIPELINE__PROMPT__DEV_QUESTIONS": "4", "PIPELINE__PROMPT__CANDIDATES": "1",
          "PIPELINE__PROMPT__DEMOS": "2",
          # a sixth of the abstract in each junior and PI prompt, a quarter of the judge's: the cycle's claims are its
-         # mechanism, not how well its agents read (#54: the prompt's prefill is most of a CPU call's time)
+         # mechanism, not how well its agents read (#54: fewer tokens to prefill in every call; its rollouts themselves
+         # are decode-bound, docs/benchmarks.md)
          "PIPELINE__AGENTS__CONTEXT_CHARS": "200", "PIPELINE__JUDGE__ABSTRACT_CHARS": "400",
          # the signal checks measure a few of the training rows (their mechanism: tests/test_sft_signal.py); the PI's
          # held-out slice shrinks to a few rows: nothing here reads the PI's figures, only that its stage ran
