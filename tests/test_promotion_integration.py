@@ -38,7 +38,8 @@ pytestmark = pytest.mark.slow
 # 40 of the 500 non-test questions for validation (the default: 100): a role-level evaluation asks each of them, and
 # 40 clear promote.min_tasks (25) as 100 do
 VAL_QUESTIONS = 40
-SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1, "context_chars": 200}, "judge": {"abstract_chars": 400}, "rollouts": {"retries": 0},
+SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1, "context_chars": 200},
+         "judge": {"abstract_chars": 400}, "rollouts": {"retries": 0},
          "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}, "split": {"val_fraction": VAL_QUESTIONS / 500},
          "validate": {"split_rows": {"train": {"min": 500 - VAL_QUESTIONS, "max": 500 - VAL_QUESTIONS}, "val": {"min": VAL_QUESTIONS, "max": VAL_QUESTIONS}}}}
 BROKEN_CONTEXT = 96  # tokens: > the routing check's prompt + 4, < any junior call's max_tokens alone
