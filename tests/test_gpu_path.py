@@ -26,7 +26,7 @@ from pipeline.agents.llm import senior_completion_ceiling
 from pipeline.config import load_params
 from pipeline.rl import verl_config, verl_driver
 from pipeline.serving.worker import command
-from pipeline.stages import materialize_model, train_ppo, train_sft
+from pipeline.stages import materialize_model, train_sft
 from tests.conftest import ROOT
 
 GPU_PROFILE = ROOT / "params" / "gpu.yaml"

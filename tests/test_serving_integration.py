@@ -205,7 +205,6 @@ def test_adapter_published_to_s3_reaches_the_worker_through_its_sidecar(params: 
     import mlflow
     from moto.server import ThreadedMotoServer
 
-    from pipeline import registry
     from pipeline.services import buckets
     from pipeline.services.process import free_port
     from tests.conftest import ROOT
@@ -292,8 +291,6 @@ def test_promoted_adapter_survives_a_worker_restart(params: Params, serving_mode
     from types import SimpleNamespace
 
     import mlflow
-
-    from pipeline import registry
 
     mlflow.set_tracking_uri(mlflow_server)
     with mlflow.start_run(run_name="restart-adapter") as run:
