@@ -123,7 +123,8 @@ def _register(mlflow_server: str, model_file: Path, **pyfunc_kwargs) -> tuple[st
     from pipeline.learning import Learning, registered_name
     from pipeline.stages.train_bandit import log_model
 
-    name = registered_name(Learning.BANDIT, "supervisor")  # supervisor_policy
+    # its own registered model: the learning cycle shares this server, and its gate reads supervisor_policy's versions
+    name = f"{registered_name(Learning.BANDIT, 'supervisor')}-bandit-test"
     mlflow.set_tracking_uri(mlflow_server)
     mlflow.set_experiment("bandit-test")
     with mlflow.start_run() as run:
