@@ -36,15 +36,15 @@ from pipeline.config import DecisionInput, Params, load_params
 from pipeline.data.splits import load_tasks
 from pipeline.schemas import ANSWER, Decision
 
-SPLITS = ("val", "test")
+SPLITS = "val,test"  # the bias is fitted on val and applied to test when both are read
 GRID = np.round(np.arange(-3.0, 3.01, 0.1), 1)  # log-bias of NO-GO and DEFER against GO
 
 
-def offline(adapter: str) -> list[dict[str, Any]]:
+def offline(adapter: str, splits: str) -> list[dict[str, Any]]:
     """Each task's decision probabilities read from base + ``adapter``, in a model-plane child (torch, transformers)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        subprocess.run([envs.model_python(), __file__, "--read", adapter, "--to", str(out)], check=True,
+        subprocess.run([envs.model_python(), __file__, "--read", adapter, "--to", str(out), "--splits", splits], check=True,
                        env={**os.environ, "PYTHONPATH": envs.pythonpath()})
         return list(json.loads(out.read_text()))
 
@@ -73,17 +73,29 @@ def read_adapter(params: Params, adapter: str, tasks: dict[str, list[dict[str, A
 
 
 def served(params: Params, url: str, model: str, tasks: dict[str, list[dict[str, Any]]], key: str | None) -> list[dict[str, Any]]:
-    """The same decision requests through a vLLM worker's OpenAI API (one retry-free call each, 300 s timeout)."""
+    """The same decision requests through a vLLM worker's OpenAI API (300 s timeout, three tries on a transport error
+    or a 5xx)."""
     import httpx  # noqa: PLC0415
 
     async def run() -> list[dict[str, Any]]:
         sem = asyncio.Semaphore(8)
         async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {key}"} if key else {}) as client:
+            async def post(body: dict[str, Any]) -> httpx.Response:
+                for attempt in range(3):
+                    try:
+                        resp = await client.post(f"{url}/v1/chat/completions", json=body)
+                        if resp.status_code < 500 or attempt == 2:
+                            resp.raise_for_status()
+                            return resp
+                    except httpx.TransportError:
+                        if attempt == 2:
+                            raise
+                    await asyncio.sleep(2 ** attempt)
+                raise AssertionError("unreachable")
+
             async def one(split: str, t: dict[str, Any]) -> dict[str, Any]:
                 async with sem:
-                    resp = await client.post(f"{url}/v1/chat/completions",
-                                             json=request(messages(params, t), model, params.agents.decision.prefix))
-                resp.raise_for_status()
+                    resp = await post(request(messages(params, t), model, params.agents.decision.prefix))
                 return {"split": split, "id": t["id"], "label": t["final_decision"], "probs": read_completion(resp.json())[2]}
             return list(await asyncio.gather(*(one(s, t) for s, items in tasks.items() for t in items)))
     return asyncio.run(run())
@@ -129,11 +141,13 @@ def main() -> None:
     ap.add_argument("--adapter", action="append", default=[], help="NAME=PATH of a PI LoRA adapter folder")
     ap.add_argument("--served", action="append", default=[], help="NAME=URL/MODEL: the adapter NAME as a vLLM worker serves it")
     ap.add_argument("--out", default="docs/benchmarks-pi-readout.md")
+    ap.add_argument("--splits", default=SPLITS, help="comma-separated splits to read (default: val,test)")
     ap.add_argument("--read", help=argparse.SUPPRESS)  # the model-plane child: this adapter's rows to --to
     ap.add_argument("--to", help=argparse.SUPPRESS)
     args = ap.parse_args()
     params = load_params()
-    tasks = {s: load_tasks(params.validate_, s, setting=params.data.setting) for s in SPLITS}
+    splits = args.splits.split(",")
+    tasks = {s: load_tasks(params.validate_, s, setting=params.data.setting) for s in splits}
     if args.read:
         Path(args.to).write_text(json.dumps(read_adapter(params, args.read, tasks)))
         return
@@ -144,7 +158,7 @@ def main() -> None:
     from pipeline.evaluation.significance import mcnemar_exact  # noqa: PLC0415 - control plane
 
     adapters = dict(a.split("=", 1) for a in args.adapter)
-    rows = {name: offline(path) for name, path in adapters.items()}
+    rows = {name: offline(path, args.splits) for name, path in adapters.items()}
     lines = [f"# The PI's decision, read in the model plane ({params.data.setting})", "",
              f"`benchmarks/bench_pi_readout.py`, base model `{params.pi.at('principal_investigator').sft.base_model}`, "
              "LoRA adapters as named; every figure on the whole split (n beside it); yes/no accuracy with its exact 95% "
@@ -154,9 +168,10 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|"]
     doc: dict[str, Any] = {"setting": params.data.setting, "adapters": adapters, "results": {}}
     for name, rs in rows.items():
-        by = {s: [r for r in rs if r["split"] == s] for s in SPLITS}
-        cells = [("val", "none", (0.0, 0.0)), ("test", "none", (0.0, 0.0))]
-        cells += [("test", f"fit on val for {obj}", fitted(by["val"], obj)) for obj in ("accuracy", "macro_f1")]
+        by = {s: [r for r in rs if r["split"] == s] for s in splits}
+        cells = [(s, "none", (0.0, 0.0)) for s in splits]
+        if {"val", "test"} <= set(splits):
+            cells += [("test", f"fit on val for {obj}", fitted(by["val"], obj)) for obj in ("accuracy", "macro_f1")]
         for split, how, bias in cells:
             f = figures(by[split], bias)
             doc["results"][f"{name}/{split}/{how}"] = {k: v for k, v in f.items() if k != "right"}
@@ -166,7 +181,7 @@ def main() -> None:
                          + f" | {f['yes_no']['accuracy']:.3f} [{cp[0]:.3f}, {cp[1]:.3f}] (n={f['yes_no']['n']}) | "
                          f"{c['yes']} / {c['no']} / {c['maybe']} |")
     names = list(rows)
-    if len(names) > 1:
+    if len(names) > 1 and "test" in splits:
         lines += ["", "| test, no bias | exact McNemar (all 500, right vs wrong) b / c | p (two-sided) |", "|---|---|---|"]
         for a, b in itertools.combinations(names, 2):
             m = mcnemar_exact(*(figures([r for r in rows[x] if r["split"] == "test"])["right"] for x in (a, b)))
@@ -178,11 +193,13 @@ def main() -> None:
         from pipeline.serving.worker import api_key  # noqa: PLC0415
 
         got = served(params, url, model, tasks, api_key(params.serving.workers[0]))
-        live = {(r["split"], r["id"]): decide(r["probs"]) for r in got}
-        same = sum(decide(r["probs"]) == live[(r["split"], r["id"])] for r in rows[name])
-        doc["results"][f"served/{name}"] = {"agree": same, "n": len(live)}
+        live = {(r["split"], r["id"]): r["probs"] for r in got}
+        same = sum(decide(r["probs"]) == decide(live[(r["split"], r["id"])]) for r in rows[name])
+        gap = max(abs(r["probs"].get(d.value, 0.0) - live[(r["split"], r["id"])].get(d.value, 0.0))
+                  for r in rows[name] for d in Decision)
+        doc["results"][f"served/{name}"] = {"agree": same, "n": len(live), "max_probability_gap": gap}
         lines += ["", f"Served readout of `{name}` through `{url}` ({model}): the same decision on "
-                      f"**{same} of {len(live)}** questions."]
+                      f"**{same} of {len(live)}** questions; each decision's probability within {gap:.1e}."]
     publish(args.out, lines, doc)
 
 
