@@ -200,7 +200,7 @@ def main() -> None:
         doc["results"][f"served/{name}"] = {"agree": same, "n": len(live), "max_probability_gap": gap}
         lines += ["", f"Served readout of `{name}` through `{url}` ({model}): the same decision on "
                       f"**{same} of {len(live)}** questions; each decision's probability within {gap:.1e}."]
-    publish(args.out, lines, doc)
+    publish(args.out, [*lines, ""], doc)
 
 
 if __name__ == "__main__":
