@@ -8,10 +8,10 @@ Each adapter's decision is read in the model plane as the society reads it (``pi
 messages on the evidence brief, the answer continued from ``agents.decision.prefix``, the decision from the 20 most
 probable first tokens, :func:`decision.read`), with transformers in float32 (a child under the model-plane
 interpreter), on the validation and the official test split: a sweep of trained adapters costs minutes instead of a
-``make learn`` each. ``--served`` sends the same requests to a vLLM worker serving that adapter and reports how often
-the two readouts agree (the cheaper readout is only evidence while they do). A per-decision log-bias fitted on the
-validation split (grid, for accuracy or for macro-F1) is applied to the test split: what calibration that travels
-with a version could add.
+``make learn`` each. ``--served`` asks a vLLM worker serving that adapter by the society's own call
+(``decision.ask``) and reports how often the two readouts agree (the cheaper readout is only evidence while they
+do). A per-decision log-bias fitted on the validation split (grid, for accuracy or for macro-F1) is applied to the
+test split: what calibration that travels with a version could add.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from typing import Any
 import numpy as np
 
 from pipeline import envs
-from pipeline.agents.decision import TOP_LOGPROBS, decision_messages, read, read_completion, request
+from pipeline.agents.decision import TOP_LOGPROBS, ask, decision_messages, read
 from pipeline.agents.prompts import REPOSITORY
 from pipeline.config import DecisionInput, Params, load_params
 from pipeline.data.splits import load_tasks
-from pipeline.schemas import ANSWER, Decision
+from pipeline.schemas import Decision
 
+ROLE = "principal_investigator"  # the role whose decision is read (its adapters, its call)
 SPLITS = "val,test"  # the bias is fitted on val and applied to test when both are read
 GRID = np.round(np.arange(-3.0, 3.01, 0.1), 1)  # log-bias of NO-GO and DEFER against GO
 
@@ -55,7 +56,7 @@ def read_adapter(params: Params, adapter: str, tasks: dict[str, list[dict[str, A
     from peft import PeftModel  # noqa: PLC0415 - model plane only
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
-    base = params.pi.at("principal_investigator").sft.base_model
+    base = params.pi.at(ROLE).sft.base_model
     tok = AutoTokenizer.from_pretrained(base)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
     out = []
@@ -73,31 +74,24 @@ def read_adapter(params: Params, adapter: str, tasks: dict[str, list[dict[str, A
 
 
 def served(params: Params, url: str, model: str, tasks: dict[str, list[dict[str, Any]]], key: str | None) -> list[dict[str, Any]]:
-    """The same decision requests through a vLLM worker's OpenAI API (300 s timeout, three tries on a transport error
-    or a 5xx)."""
-    import httpx  # noqa: PLC0415
+    """The same decision asked of a vLLM worker by the society's own call (``decision.ask`` through a ``RoleClient``:
+    its timeout and bounded retries); a refused call stops the benchmark, naming the question."""
+    from pipeline.agents.llm import RoleClient  # noqa: PLC0415
 
     async def run() -> list[dict[str, Any]]:
         sem = asyncio.Semaphore(8)
-        async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {key}"} if key else {}) as client:
-            async def post(body: dict[str, Any]) -> httpx.Response:
-                for attempt in range(3):
-                    try:
-                        resp = await client.post(f"{url}/v1/chat/completions", json=body)
-                        if resp.status_code < 500 or attempt == 2:
-                            resp.raise_for_status()
-                            return resp
-                    except httpx.TransportError:
-                        if attempt == 2:
-                            raise
-                    await asyncio.sleep(2 ** attempt)
-                raise AssertionError("unreachable")
+        client = RoleClient.for_agents(params.agents, f"{url}/v1", key or "", timeout_s=300)
 
-            async def one(split: str, t: dict[str, Any]) -> dict[str, Any]:
-                async with sem:
-                    resp = await post(request(messages(params, t), model, params.agents.decision.prefix))
-                return {"split": split, "id": t["id"], "label": t["final_decision"], "probs": read_completion(resp.json())[2]}
+        async def one(split: str, t: dict[str, Any]) -> dict[str, Any]:
+            async with sem:
+                got = await ask(client, ROLE, model, params.agents.decision, messages(params, t), None, [])
+            if got.error:
+                raise SystemExit(f"error: {url} ({model}), {split} question {t['id']}: {got.error}")
+            return {"split": split, "id": t["id"], "label": t["final_decision"], "probs": got.probs}
+        try:
             return list(await asyncio.gather(*(one(s, t) for s, items in tasks.items() for t in items)))
+        finally:
+            await client.aclose()
     return asyncio.run(run())
 
 
@@ -106,16 +100,20 @@ def messages(params: Params, task: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def decide(probs: dict[str, float], bias: tuple[float, float] = (0.0, 0.0)) -> str:
-    """The PubMedQA answer of the most probable decision after adding ``bias`` (NO-GO, DEFER) to the log-probabilities."""
+    """The PubMedQA answer of the most probable decision after adding ``bias`` (NO-GO, DEFER) to the log-probabilities
+    (no decision: ``maybe``, as PubMedQA's format writes it)."""
+    from pipeline.evaluation.metrics import answer  # noqa: PLC0415 - control plane (sklearn)
+
     if not probs:
-        return "maybe"  # no decision: PubMedQA's format writes maybe
+        return answer(None)
     shift = {Decision.GO.value: 0.0, Decision.NO_GO.value: bias[0], Decision.DEFER.value: bias[1]}
-    return ANSWER[max(shift, key=lambda d: math.log(max(probs.get(d, 0.0), 1e-12)) + shift[d])]
+    return answer(max(shift, key=lambda d: math.log(max(probs.get(d, 0.0), 1e-12)) + shift[d]))
 
 
 def figures(rows: list[dict[str, Any]], bias: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
     from sklearn.metrics import f1_score  # noqa: PLC0415 - control plane (PubMedQA's evaluation.py uses it)
 
+    from pipeline.evaluation.metrics import macro_f1  # noqa: PLC0415 - control plane (sklearn)
     from pipeline.evaluation.role_level import clopper_pearson  # noqa: PLC0415 - control plane (scipy)
 
     truth, preds = [r["label"] for r in rows], [decide(r["probs"], bias) for r in rows]
@@ -124,7 +122,7 @@ def figures(rows: list[dict[str, Any]], bias: tuple[float, float] = (0.0, 0.0)) 
     per_class = dict(zip(("yes", "no", "maybe"), f1_score(truth, preds, labels=["yes", "no", "maybe"], average=None,
                                                           zero_division=0).tolist(), strict=True))
     return {"n": len(rows), "accuracy": float(np.mean([t == p for t, p in zip(truth, preds, strict=True)])),
-            "macro_f1": float(f1_score(truth, preds, average="macro")),
+            "macro_f1": macro_f1(truth, preds),
             "yes_no": {"n": len(yn), "accuracy": right / max(len(yn), 1), "ci": clopper_pearson(right, len(yn))},
             "f1_binary": per_class, "answered": {c: preds.count(c) for c in ("yes", "no", "maybe")}, "bias": bias,
             "right": [t == p for t, p in zip(truth, preds, strict=True)]}
@@ -160,7 +158,7 @@ def main() -> None:
     adapters = dict(a.split("=", 1) for a in args.adapter)
     rows = {name: offline(path, args.splits) for name, path in adapters.items()}
     lines = [f"# The PI's decision, read in the model plane ({params.data.setting})", "",
-             f"`benchmarks/bench_pi_readout.py`, base model `{params.pi.at('principal_investigator').sft.base_model}`, "
+             f"`benchmarks/bench_pi_readout.py`, base model `{params.pi.at(ROLE).sft.base_model}`, "
              "LoRA adapters as named; every figure on the whole split (n beside it); yes/no accuracy with its exact 95% "
              "interval.", "",
              "| adapter | split | bias (NO-GO, DEFER) | n | official acc. | macro-F1 | F1 yes / no / maybe "
