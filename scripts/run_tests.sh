@@ -9,10 +9,6 @@ cd "$(dirname "$0")/.."
 # mypy's incremental cache lives beside the cached venvs, outside the checkout: a fresh clone (CI) checks in seconds
 # instead of ~1.5 min; mypy itself invalidates it on a change of code, options or mypy version.
 MYPY_CACHE_DIR="${MYPY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pubmedqa-society/mypy}" .venv/control/bin/mypy
-# The suite runs its services beside its own tests, so on two cores a CPU vLLM worker's OpenMP team (one thread bound
-# to each core) stalls at its barriers whenever a test process holds one of them: 2.5-3x slower decoding beside two busy
-# processes than one thread bound to core 0, which loses 0.7x only when nothing else runs (docs/benchmarks.md, #54).
-if [ "$(nproc)" -le 2 ]; then export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0}"; fi
 # `make test` (and CI) leave out the e2e marker (whole-loop runs through Airflow, the prod stack, a killed shard):
 # `make test-all` adds it.
 exec .venv/control/bin/python -m pytest -m "${PYTEST_MARKERS:-(slow or not slow) and not e2e}" -p no:cacheprovider --durations=15 "$@"

@@ -134,9 +134,6 @@ def environment(serving: ServingParams, worker: WorkerParams) -> dict[str, str]:
         "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapter_cache(serving)),
         "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
-        # the host's own choice, as the reserved CPUs: vLLM's "auto" binds an OpenMP thread to every core, which is the
-        # fastest alone; a host whose cores other processes share may bind fewer (scripts/run_tests.sh, docs/serving.md)
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
     }
     if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
         settings["CUDA_VISIBLE_DEVICES"] = str(worker.device)
