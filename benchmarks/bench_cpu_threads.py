@@ -59,7 +59,7 @@ def boot(bind: str, port: int, key: str) -> subprocess.Popen:
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    proc.kill()
+    os.killpg(proc.pid, 9)  # the worker's engine processes too
     raise SystemExit(f"worker (bind {bind}) not healthy in 600 s: {log}")
 
 
