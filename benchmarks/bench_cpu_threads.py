@@ -3,31 +3,33 @@ should bind fewer OpenMP threads than vLLM's "auto", one per core).
 
     PYTHONPATH=. .venv/control/bin/python benchmarks/bench_cpu_threads.py [--binds auto 0] [--out docs/benchmarks-cpu-threads.md]
 
-Starts the first worker of params.yaml (its own argv and environment, ``pipeline.serving.worker``; materialise the
-model first) once per ``VLLM_CPU_OMP_THREADS_BIND`` value, and measures generated tokens/s (fixed length, ignore_eos)
-at concurrency 1 and 6 with nothing else running, beside one and two busy Python processes (what a test process or
-the proxy is) and beside a two-thread torch loop (what a trainer is). Prints each figure and its ratio to ``auto``.
+Starts the first worker of params.yaml (``worker.up``: its own argv, environment and key; materialise the model
+first) under a name and port of its own, once per ``VLLM_CPU_OMP_THREADS_BIND`` value, and measures generated tokens/s
+(fixed length, ignore_eos) at concurrency 1 and 6 with nothing else running, beside one and two busy Python processes
+(what a test process or the proxy is) and beside a two-thread torch loop (what a trainer is). Prints each figure and its
+ratio to ``auto``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import platform
-import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from unittest import mock
 
-import httpx
 from bench_serving import throughput
 from report import publish
 
 from pipeline.config import load_params
-from pipeline.envs import model_python, pythonpath
+from pipeline.envs import model_python
 from pipeline.services.process import free_port
 from pipeline.serving import worker as worker_mod
 
@@ -38,36 +40,26 @@ NEIGHBOURS = {"none": [], "1 busy process": [(sys.executable, BUSY)], "2 busy pr
               "torch, 2 threads": [(model_python(), TORCH)]}
 
 
-def boot(bind: str, port: int, key: str) -> subprocess.Popen:
+@contextlib.contextmanager
+def serving(bind: str) -> Iterator[tuple[str, dict[str, str], str]]:
+    """The first worker of params.yaml under a name and port of its own (a live ``base`` worker is left alone), started
+    by the project's ``worker.up`` (its argv, environment, key and health wait) with ``bind`` in the environment it
+    passes on; yields its chat URL, headers and model name, and stops it with ``worker.down``."""
     params = load_params()
-    w = params.serving.workers[0].model_copy(update={"port": port})
-    env = {**os.environ, **worker_mod.environment(params.serving, w), "VLLM_CPU_OMP_THREADS_BIND": bind,
-           "VLLM_API_KEY": key, "PYTHONPATH": pythonpath()}  # as worker.up starts it (the guard is imported from here)
-    log = Path(params.serving.home) / f"bench-cpu-threads-{bind}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    worker_mod.adapter_cache(params.serving).mkdir(parents=True, exist_ok=True)  # vLLM's resolver needs it, as in up
-    with log.open("w") as out:  # the worker's own log, named when it does not come up
-        proc = subprocess.Popen(worker_mod.command(w, model_python()), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"worker (bind {bind}) exited with {proc.returncode}: {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    os.killpg(proc.pid, 9)  # the worker's engine processes too
-    raise SystemExit(f"worker (bind {bind}) not healthy in 600 s: {log}")
+    w = params.serving.workers[0].model_copy(update={"name": "bench-cpu-threads", "port": free_port()})
+    with mock.patch.dict(os.environ, {"VLLM_CPU_OMP_THREADS_BIND": bind}):
+        worker_mod.up(params.serving, w)
+    try:
+        yield f"{worker_mod.base_url(w)}/v1/chat/completions", worker_mod.headers(w), worker_mod.served_name(w)
+    finally:
+        worker_mod.down(params.serving, w)
 
 
-def measure(port: int, key: str, model: str, neighbours: list[tuple[str, str]], max_tokens: int) -> dict[str, float]:
+def measure(url: str, headers: dict[str, str], model: str, neighbours: list[tuple[str, str]],
+            max_tokens: int) -> dict[str, float]:
     procs = [subprocess.Popen([python, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "2"}) for python, code in neighbours]
     try:
         time.sleep(2 if procs else 0)  # the neighbours past their imports
-        url, headers = f"http://127.0.0.1:{port}/v1/chat/completions", {"Authorization": f"Bearer {key}"}
         return {f"c{c}": asyncio.run(throughput(url, model, headers, c, c, max_tokens)) for c in (1, 6)}
     finally:
         for p in procs:
@@ -81,19 +73,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default="docs/benchmarks-cpu-threads.md")
     args = parser.parse_args()
-    model = worker_mod.served_name(load_params().serving.workers[0])
-    key, figures = secrets.token_urlsafe(16), {}
+    figures = {}
     for bind in args.binds:
-        port = free_port()
-        proc = boot(bind, port, key)
-        try:
-            measure(port, key, model, [], 16)  # warm-up
+        with serving(bind) as (url, headers, model):
+            measure(url, headers, model, [], 16)  # warm-up
             for name, neighbours in NEIGHBOURS.items():
-                figures[(bind, name)] = measure(port, key, model, neighbours, args.max_tokens)
+                figures[(bind, name)] = measure(url, headers, model, neighbours, args.max_tokens)
                 print(bind, name, {k: round(v, 1) for k, v in figures[(bind, name)].items()}, flush=True)
-        finally:
-            os.killpg(proc.pid, 15)
-            proc.wait(60)
     ref = args.binds[0]
     lines = [f"# A CPU vLLM worker beside busy neighbours, per OpenMP binding (`{Path(__file__).name}`)", "",
              f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()}, {os.cpu_count()} CPUs: the first "
