@@ -256,10 +256,8 @@ def _unswitched_prompts(switched: set[str]) -> list[str]:
     """A template no switch touched keeps the champion its first registration got, a version of the repository's text;
     an alias moved elsewhere was moved outside promote/rollback (rollback would read it)."""
     found = []
-    for template in prompts.TEMPLATES:
-        if template in switched:
-            continue
-        champion = prompt_registry.load(template, f"@{prompt_registry.CHAMPION}")
+    unswitched = [t for t in prompts.TEMPLATES if t not in switched]
+    for template, champion in prompt_registry.aliased(prompt_registry.CHAMPION, unswitched).items():
         if champion is not None and champion.tags.get("source") != prompt_registry.SOURCE:
             found.append(f"prompt {template}: the Prompt Registry's champion is v{champion.version}, an optimizer's "
                          "version no promotion made champion (promotion journal): the alias was moved outside "

@@ -12,6 +12,7 @@ instead of the repository's, after checking it against the digest it was registe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from pipeline.agents import prompts
@@ -39,7 +40,9 @@ def sync(mlflow_cfg: MlflowParams, table: dict[str, Any] | None = None) -> promp
     from pipeline import tracking  # noqa: PLC0415 - control plane only
 
     tracking.setup(mlflow_cfg)
-    return routed(table, prompts.Prompts(versions={t: _repository_version(t, text) for t, text in prompts.TEMPLATES.items()}))
+    held = _held()
+    versions = {t: _repository_version(t, text, held.get(registered_name(t))) for t, text in prompts.TEMPLATES.items()}
+    return routed(table, prompts.Prompts(versions=versions))
 
 
 def routed(table: dict[str, Any] | None, rendered: prompts.Prompts = prompts.REPOSITORY) -> prompts.Prompts:
@@ -51,24 +54,68 @@ def routed(table: dict[str, Any] | None, rendered: prompts.Prompts = prompts.REP
     return rendered
 
 
-def _repository_version(template: str, text: str) -> int:
-    """The version holding the repository's ``text`` of ``template``: a new one when the text changed (a template
-    changed in the repo is a new version, never an edit of one already used); the first version is the champion."""
+def _repository_version(template: str, text: str, held: Any | None) -> int:
+    """The version holding the repository's ``text`` of ``template`` (``held``: its prompt as :func:`_held` read it): a
+    new one when the text changed (a template changed in the repo is a new version, never an edit of one already
+    used); the first version is the champion."""
     import mlflow.genai  # noqa: PLC0415 - control plane only; 1 s import
 
     name = registered_name(template)
-    latest = (mlflow.genai.load_prompt(f"prompts:/{name}@{REPOSITORY}", allow_missing=True, **FRESH)
-              or mlflow.genai.load_prompt(f"prompts:/{name}@latest", allow_missing=True, **FRESH))
-    if latest is None or latest.template != text:
+    aliases = dict(held.aliases) if held is not None else {}
+    number = aliases.get(REPOSITORY) or (_newest(held).version if held is not None and held.latest_versions else None)
+    current = _version(template, held, number) if number is not None else None
+    if current is None or current.template != text:
         sha = prompts.digest(text)
-        latest = mlflow.genai.register_prompt(name, text, commit_message=f"pipeline/agents/prompts.py at sha {sha}",
-                                              tags={"sha": sha, "source": SOURCE})
-    if latest.aliases is None or REPOSITORY not in latest.aliases:
-        mlflow.genai.set_prompt_alias(name, REPOSITORY, latest.version)
+        current = mlflow.genai.register_prompt(name, text, commit_message=f"pipeline/agents/prompts.py at sha {sha}",
+                                               tags={"sha": sha, "source": SOURCE})
+    version = int(current.version)
+    if aliases.get(REPOSITORY) != str(version):
+        mlflow.genai.set_prompt_alias(name, REPOSITORY, version)
     # the first version is the champion; later only promotion and rollback move it (their journal records it)
-    if mlflow.genai.load_prompt(f"prompts:/{name}@{CHAMPION}", allow_missing=True, **FRESH) is None:
-        mlflow.genai.set_prompt_alias(name, CHAMPION, latest.version)
-    return int(latest.version)
+    if CHAMPION not in aliases:
+        mlflow.genai.set_prompt_alias(name, CHAMPION, version)
+    return version
+
+
+def _held() -> dict[str, Any]:
+    """Every society prompt as the registry holds it now, read in one request: name -> its registered model (its
+    aliases, its newest version with text and tags). MLflow's ``load_prompt`` makes four or five requests a version,
+    which made each stage's :func:`sync` and each serving check ~150 requests (seconds on a busy host, #54)."""
+    from mlflow import MlflowClient  # noqa: PLC0415 - control plane only
+    from mlflow.prompt.constants import IS_PROMPT_TAG_KEY  # noqa: PLC0415
+
+    client, held, token = MlflowClient(), {}, None
+    while True:
+        page = client.search_registered_models(filter_string=f"tags.`{IS_PROMPT_TAG_KEY}` = 'true' AND name LIKE "
+                                               f"'{PREFIX}%'", max_results=1000, page_token=token)
+        held.update({m.name: m for m in page})
+        if not (token := page.token):
+            return held
+
+
+def _newest(held: Any) -> Any:
+    return max(held.latest_versions, key=lambda v: int(v.version))
+
+
+def _version(template: str, held: Any | None, number: int | str) -> Any | None:
+    """Version ``number`` of ``template``: from ``held`` when it is the newest there (no request), else the registry's."""
+    if held is not None and held.latest_versions and str(_newest(held).version) == str(number):
+        from mlflow.prompt.registry_utils import model_version_to_prompt_version  # noqa: PLC0415 - control plane only
+
+        return model_version_to_prompt_version(_newest(held))
+    return load(template, int(number))
+
+
+def aliased(alias: str, templates: Iterable[str]) -> dict[str, Any | None]:
+    """Each of ``templates``' version under ``alias`` (None where there is none), read as :func:`_held` reads: one
+    request, and one more for each such version that is not its prompt's newest."""
+    held = _held()
+    found: dict[str, Any | None] = {}
+    for template in templates:
+        model = held.get(registered_name(template))
+        number = model.aliases.get(alias) if model is not None else None
+        found[template] = _version(template, model, number) if number is not None else None
+    return found
 
 
 def _routed_text(template: str, number: int, table: dict[str, Any]) -> str:
