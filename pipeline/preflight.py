@@ -158,8 +158,9 @@ def check_packages(ppo: PpoSettings, imports: bool) -> str:
 
 # whole Params: the role's PPO settings and the mlflow, judge and agents sections the verl config composes from
 def _verl_checks(params: Params, role: str, print_config: bool) -> list[tuple[str, Callable[[], str]]]:
-    config = functools.cache(lambda: compose(params.ppo.at(role), params.mlflow, params.judge))  # one for both checks
-    return [(f"verl config ({role})", lambda: check_verl(params.ppo, params.mlflow, params.agents, config(), print_config)),
+    ppo = params.ppo.at(role)  # the settings the config is composed from are the ones its contract is checked against
+    config = functools.cache(lambda: compose(ppo, params.mlflow, params.judge))  # one for both checks
+    return [(f"verl config ({role})", lambda: check_verl(ppo, params.mlflow, params.agents, config(), print_config)),
             (f"verl validation ({role})", lambda: check_verl_validation(config()))]
 
 
