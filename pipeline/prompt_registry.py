@@ -61,8 +61,8 @@ def _repository_version(template: str, text: str, held: Any | None) -> int:
     import mlflow.genai  # noqa: PLC0415 - control plane only; 1 s import
 
     name = registered_name(template)
-    aliases = dict(held.aliases) if held is not None else {}
-    number = aliases.get(REPOSITORY) or (_newest(held).version if held is not None and held.latest_versions else None)
+    aliases, newest = (dict(held.aliases) if held is not None else {}), _newest(held)
+    number = aliases.get(REPOSITORY) or (newest.version if newest is not None else None)
     current = _version(template, held, number) if number is not None else None
     if current is None or current.template != text:
         sha = prompts.digest(text)
@@ -93,16 +93,18 @@ def _held() -> dict[str, Any]:
             return held
 
 
-def _newest(held: Any) -> Any:
-    return max(held.latest_versions, key=lambda v: int(v.version))
+def _newest(held: Any | None) -> Any | None:
+    """The newest version of a prompt :func:`_held` read (None: no such prompt, or no version yet)."""
+    return max(held.latest_versions, key=lambda v: int(v.version)) if held is not None and held.latest_versions else None
 
 
 def _version(template: str, held: Any | None, number: int | str) -> Any | None:
     """Version ``number`` of ``template``: from ``held`` when it is the newest there (no request), else the registry's."""
-    if held is not None and held.latest_versions and str(_newest(held).version) == str(number):
+    newest = _newest(held)
+    if newest is not None and str(newest.version) == str(number):
         from mlflow.prompt.registry_utils import model_version_to_prompt_version  # noqa: PLC0415 - control plane only
 
-        return model_version_to_prompt_version(_newest(held))
+        return model_version_to_prompt_version(newest)
     return load(template, int(number))
 
 
