@@ -51,19 +51,21 @@ def offline(adapter: str, splits: str) -> list[dict[str, Any]]:
 
 
 def read_adapter(params: Params, adapter: str, tasks: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Model plane: each task's decision probabilities read from base + ``adapter`` in transformers (float32)."""
+    """Model plane: each task's decision probabilities read from base + ``adapter`` in transformers (float32, on
+    CUDA when there is a device)."""
     import torch  # noqa: PLC0415 - model plane only
     from peft import PeftModel  # noqa: PLC0415 - model plane only
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
     base = params.pi.at(ROLE).sft.base_model
     tok = AutoTokenizer.from_pretrained(base)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the same float32 read, on a GPU where there is one
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).to(device).eval()
     out = []
     for split, items in tasks.items():
         for t in items:
             text = tok.apply_chat_template(messages(params, t), tokenize=False, add_generation_prompt=True)
-            ids = tok(text + params.agents.decision.prefix, return_tensors="pt")
+            ids = tok(text + params.agents.decision.prefix, return_tensors="pt").to(device)
             with torch.no_grad():
                 top = torch.topk(torch.log_softmax(model(**ids).logits[0, -1], -1), TOP_LOGPROBS)
             alts = zip(top.values.tolist(), top.indices.tolist(), strict=True)
