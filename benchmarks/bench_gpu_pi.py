@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _p(p: float) -> str:
-    return f"{p:.3g}" if p > 0 else "< 1e-300 (the binomial tail underflows a double)"
+    return f"{p:.3g}" if p > 0 else "< 1e-300 (below a double's range)"
 
 
 def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:

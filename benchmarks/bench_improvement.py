@@ -35,7 +35,7 @@ def _read(path: str) -> Any:
 
 
 def _p(p: float) -> str:
-    return f"= {p:.2e}" if p > 0 else "< 1e-300 (the binomial tail underflows a double)"
+    return f"= {p:.2e}" if p > 0 else "< 1e-300 (below a double's range)"
 
 
 def _fmt(m: dict[str, Any]) -> list[str]:

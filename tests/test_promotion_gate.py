@@ -124,6 +124,20 @@ def test_mcnemar_exact_matches_scipy_binomtest() -> None:
             assert got == pytest.approx(ref, abs=1e-12), (a, b, alt)
 
 
+def test_mcnemar_exact_keeps_a_tiny_p_value_where_the_candidate_wins_by_far() -> None:
+    """Two PIs of one recipe on the 500 test questions (docs/benchmarks-gpu-pi.md): 171 right only for one, 29 only for
+    the other. The p-value is ~2e-25, not 0.0 (1 - P(X <= 170) cancels in floating point)."""
+    from scipy.stats import binomtest
+
+    from pipeline.evaluation.significance import mcnemar_exact
+
+    a, b = [True] * 171 + [False] * 29 + [True] * 300, [False] * 171 + [True] * 29 + [True] * 300
+    for alt in ("two-sided", "greater"):
+        got = mcnemar_exact(a, b, alt)["p_value"]
+        assert got > 0.0
+        assert got == pytest.approx(binomtest(171, 200, 0.5, alternative=alt).pvalue, rel=1e-9)
+
+
 def test_holm_matches_closed_testing_with_bonferroni() -> None:
     """Holm's adjusted p of H_i is the largest Bonferroni p over every intersection of hypotheses that contains H_i
     (closed testing): checked by enumerating the intersections."""
