@@ -85,10 +85,12 @@ def _params(name: str, work: Path, smoke: bool = False) -> Any:
 
 def _materialize(params: Any, gguf: Path, work: Path) -> dict[str, Any]:
     """The served base model from the same GGUF, as ``materialize_model`` makes it; its weights' digest."""
+    import torch  # noqa: PLC0415 - model plane only
+
     from pipeline.stages import materialize_model  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    model, tokenizer = materialize_model._load_gguf(gguf, getattr(__import__("torch"), params.models.base.dtype))
+    model, tokenizer = materialize_model._load_gguf(gguf, getattr(torch, params.models.base.dtype))
     meta = materialize_model._save(model, tokenizer, str(work / "base"),
                                    {"source": str(gguf), "dtype": params.models.base.dtype,
                                     "parameters": int(sum(p.numel() for p in model.parameters()))})
