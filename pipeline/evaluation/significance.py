@@ -76,7 +76,7 @@ def mcnemar_exact(candidate_right: Sequence[bool], champion_right: Sequence[bool
     if m == 0:
         p = 1.0
     # the upper tail as the lower tail of c (Binomial(m, 1/2) is symmetric): 1 - P(X <= b - 1) cancels to 0.0 once the
-    # tail is below a double's epsilon (b = 171, c = 29 gave p = 0 where it is 2e-25)
+    # tail is below a double's epsilon (b = 171, c = 29 gave p = 0 where the two-sided p is 1.1e-25)
     elif alternative == "greater":  # candidate better: b large
         p = _binom_cdf(c, m)
     elif alternative == "less":
