@@ -193,20 +193,21 @@ def run(args: argparse.Namespace) -> None:
             entry["traceback"] = traceback.format_exc()[-4000:]
             print(f"{name}: FAILED {entry['error']}", flush=True)
         save()
-    done = {n: c for n, c in doc["configs"].items() if "val" in c}
-    if done:
-        chosen = max(done, key=lambda n: done[n]["val"]["accuracy"] + done[n]["val"]["macro_f1"])
+    if (chosen := _chosen(doc["configs"])) is not None:
         doc["chosen_on_val"] = chosen
         for name in dict.fromkeys([chosen, "learn", *args.keep.split(",")]):
-            if name in done:
-                done[name]["packed"] = _pack(Path(done[name]["adapter"]), to / f"adapter-{name}.tar.gz")
+            if "val" in doc["configs"].get(name, {}):
+                c = doc["configs"][name]
+                c["packed"] = _pack(Path(c["adapter"]), to / f"adapter-{name}.tar.gz")
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     save()
     print(f"done in {doc['seconds']} s; chosen on validation: {doc.get('chosen_on_val')}", flush=True)
 
 
-def _p(p: float) -> str:
-    return f"{p:.3g}" if p > 0 else "< 1e-300 (below a double's range)"
+def _chosen(configs: dict[str, Any]) -> str | None:
+    """The configuration chosen on validation: the highest official accuracy + macro-F1 (first in order on a tie)."""
+    done = {n: c for n, c in configs.items() if "val" in c}
+    return max(done, key=lambda n: done[n]["val"]["accuracy"] + done[n]["val"]["macro_f1"]) if done else None
 
 
 def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,15 +222,13 @@ def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for name, c in r["configs"].items():
             if "rows" in c or name not in configs:
                 configs[name] = c
-    done = {n: c for n, c in configs.items() if "val" in c}
-    chosen = max(done, key=lambda n: done[n]["val"]["accuracy"] + done[n]["val"]["macro_f1"]) if done else None
-    return {**first, "configs": configs, "chosen_on_val": chosen, "seconds": sum(r.get("seconds", 0) for r in runs)}
+    return {**first, "configs": configs, "chosen_on_val": _chosen(configs), "seconds": sum(r.get("seconds", 0) for r in runs)}
 
 
 def report(args: argparse.Namespace) -> None:
     """The markdown table (validation and test per configuration, the chosen one's test beside the learn default's)."""
     import bench_pi_readout  # noqa: PLC0415
-    from report import publish  # noqa: PLC0415 - control plane
+    from report import p_text, publish  # noqa: PLC0415 - control plane
 
     from pipeline.evaluation.significance import mcnemar_exact  # noqa: PLC0415 - control plane
 
@@ -261,10 +260,9 @@ def report(args: argparse.Namespace) -> None:
         out["configs"][name] = {"overrides": c["overrides"], "train": t, "read_seconds": c["read_seconds"]}
         for split in ("val", "test"):
             f = bench_pi_readout.figures([r for r in c["rows"] if r["split"] == split])
+            was_right = f.pop("right")
             if split == "test":
-                right[name] = f.pop("right")
-            else:
-                f.pop("right")
+                right[name] = was_right
             out["configs"][name][split] = f
             cp, a = f["yes_no"]["ci"], f["answered"]
             label = f"**{name}** (chosen)" if name == doc.get("chosen_on_val") and split == "val" else name
@@ -279,12 +277,12 @@ def report(args: argparse.Namespace) -> None:
         m = mcnemar_exact(right[chosen], right["learn"])
         out["mcnemar_test_chosen_vs_learn"] = m
         lines += ["", f"Test split, chosen on validation (`{chosen}`) against the learn default, exact McNemar on all 500 "
-                      f"(right vs wrong): b = {m['b']}, c = {m['c']}, p = {_p(m['p_value'])} (two-sided)."]
+                      f"(right vs wrong): b = {m['b']}, c = {m['c']}, p {p_text(m['p_value'])} (two-sided)."]
     if {"learn", "learn-seed1"} <= set(right):
         m = mcnemar_exact(right["learn"], right["learn-seed1"])
         out["mcnemar_test_seed"] = m
         lines += ["", f"The same recipe, two seeds, test split, exact McNemar on all 500 (right vs wrong): b = {m['b']}, "
-                      f"c = {m['c']}, p = {_p(m['p_value'])} (two-sided)."]
+                      f"c = {m['c']}, p {p_text(m['p_value'])} (two-sided)."]
     for spec in args.agree:  # the same adapter read on this host's model plane: does the device's readout carry over?
         name, adapter = spec.split("=", 1)
         here = {(r["split"], r["id"]): r["probs"] for r in bench_pi_readout.offline(adapter, "val,test")}

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from report import publish
+from report import p_text, publish
 
 PI = "principal_investigator"
 # PubMedQA (Jin et al. 2019) and its leaderboard, reasoning-required, accuracy on the 500 test questions
@@ -32,10 +32,6 @@ LITERATURE = [("majority class (yes)", 0.552), ("single human", 0.780), ("BioGPT
 def _read(path: str) -> Any:
     p = Path(path)
     return json.loads(p.read_text()) if p.exists() else None
-
-
-def _p(p: float) -> str:
-    return f"= {p:.2e}" if p > 0 else "< 1e-300 (below a double's range)"
 
 
 def _fmt(m: dict[str, Any]) -> list[str]:
@@ -154,7 +150,7 @@ def lines(doc: dict[str, Any]) -> list[str]:
         if "mcnemar" in test:
             m = test["mcnemar"]
             out += ["", f"Exact McNemar, after better than before, on the {m['n']} yes/no questions: b = {m['b']} (only after "
-                    f"right), c = {m['c']} (only before right), **p {_p(m['p_value'])}**."]
+                    f"right), c = {m['c']} (only before right), **p {p_text(m['p_value'])}**."]
         out += ["", "`maybe` is answered by DEFER (a third decision learned from the gold like the others): the official "
                 "three-class metric counts it.", ""]
     if doc.get("society"):

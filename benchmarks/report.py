@@ -11,6 +11,11 @@ from pipeline.io import write_json, write_text
 NOTES = "## Notes"
 
 
+def p_text(p: float) -> str:
+    """An exact p-value as a report writes it: ``= 4.10e-45``; 0.0 only below a double's range."""
+    return f"= {p:.2e}" if p > 0 else "< 1e-300 (below a double's range)"
+
+
 def write_report(out: str | Path, lines: list[str]) -> None:
     out = Path(out)
     notes = out.read_text().partition(NOTES)[2] if out.exists() else ""

@@ -126,7 +126,7 @@ def test_mcnemar_exact_matches_scipy_binomtest() -> None:
 
 def test_mcnemar_exact_keeps_a_tiny_p_value_where_the_candidate_wins_by_far() -> None:
     """Two PIs of one recipe on the 500 test questions (docs/benchmarks-gpu-pi.md): 171 right only for one, 29 only for
-    the other. The p-value is ~2e-25, not 0.0 (1 - P(X <= 170) cancels in floating point)."""
+    the other. The two-sided p-value is ~1e-25, not 0.0 (1 - P(X <= 170) cancels in floating point)."""
     from scipy.stats import binomtest
 
     from pipeline.evaluation.significance import mcnemar_exact

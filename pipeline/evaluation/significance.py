@@ -75,9 +75,9 @@ def mcnemar_exact(candidate_right: Sequence[bool], champion_right: Sequence[bool
     m = b + c
     if m == 0:
         p = 1.0
-    # the upper tail as the lower tail of c (Binomial(m, 1/2) is symmetric): 1 - P(X <= b - 1) cancels to 0.0 once the
-    # tail is below a double's epsilon (b = 171, c = 29 gave p = 0 where the two-sided p is 1.1e-25)
     elif alternative == "greater":  # candidate better: b large
+        # P(X >= b) as P(X <= c) (Binomial(m, 1/2) is symmetric): 1 - P(X <= b - 1) cancels to 0.0 once the tail is
+        # below a double's epsilon (b = 171, c = 29 gave p = 0 where the two-sided p is 1.1e-25)
         p = _binom_cdf(c, m)
     elif alternative == "less":
         p = _binom_cdf(b, m)
