@@ -53,9 +53,11 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     return out, time.perf_counter() - t0, host_cpu_s() - c0
 
 
-def one(env: dict[str, str], max_tokens: int) -> dict[str, Any]:
+def one(name: str, env: dict[str, str], max_tokens: int) -> dict[str, Any]:
     params = load_params()
-    w = params.serving.workers[0].model_copy(update={"name": "bench-worker-process", "port": free_port()})
+    # a name per setting: a worker's identity does not hold this environment, so a leftover one must not be reused
+    slug = "".join(c if c.isalnum() else "-" for c in name)
+    w = params.serving.workers[0].model_copy(update={"name": f"bench-{slug}", "port": free_port()})
     with mock.patch.dict(os.environ, env):  # worker.up passes its environment on
         _, boot_s, boot_cpu = timed(lambda: worker_mod.up(params.serving, w))
     url, headers, model = (f"{worker_mod.base_url(w)}/v1/chat/completions", worker_mod.headers(w),
@@ -85,7 +87,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETTINGS}
     for _ in range(args.repeats):  # alternated, so a drift of the host's speed falls on every setting
         for name, setting in SETTINGS.items():
-            runs[name].append(one(setting, args.max_tokens))
+            runs[name].append(one(name, setting, args.max_tokens))
             print(name, {k: round(v, 3) for k, v in runs[name][-1].items()}, flush=True)
     keys = ["boot_s", "boot_cpu_s", *[f"c{n}" for n in IN_FLIGHT], *[f"cpu_per_token_c{n}" for n in IN_FLIGHT]]
     med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
