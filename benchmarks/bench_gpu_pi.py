@@ -121,13 +121,14 @@ def _train(params: Any) -> dict[str, Any]:
 
 
 def _selection_score(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Official accuracy and macro-F1 of the validation rows, as PubMedQA's ``evaluation.py`` computes them (sklearn's
-    ``f1_score(average="macro")``: the labels present in truth or predictions, an empty class scoring 0), without
-    sklearn, which the model plane lacks; ``report`` recomputes both with sklearn."""
-    from pipeline.schemas import ANSWER  # noqa: PLC0415
+    """Official accuracy and macro-F1 of the validation rows (each decided by ``bench_pi_readout.decide``, as
+    ``report`` decides them), as PubMedQA's ``evaluation.py`` computes them (sklearn's ``f1_score(average="macro")``:
+    the labels present in truth or predictions, an empty class scoring 0), without sklearn, which the model plane
+    lacks; ``report`` recomputes both with sklearn."""
+    from bench_pi_readout import decide  # noqa: PLC0415 - a sibling, on the path once this file runs
 
     truth = [r["label"] for r in rows]
-    preds = [ANSWER.get(max(r["probs"], key=r["probs"].get), "maybe") if r["probs"] else "maybe" for r in rows]
+    preds = [decide(r["probs"]) for r in rows]
     f1 = []
     for c in sorted(set(truth) | set(preds)):
         pairs = list(zip(truth, preds, strict=True))

@@ -34,6 +34,7 @@ from pipeline.agents.decision import TOP_LOGPROBS, ask, decision_messages, read
 from pipeline.agents.prompts import REPOSITORY
 from pipeline.config import DecisionInput, Params, load_params
 from pipeline.data.splits import load_tasks
+from pipeline.evaluation.metrics import answer
 from pipeline.schemas import Decision
 
 ROLE = "principal_investigator"  # the role whose decision is read (its adapters, its call)
@@ -104,8 +105,6 @@ def messages(params: Params, task: dict[str, Any]) -> list[dict[str, str]]:
 def decide(probs: dict[str, float], bias: tuple[float, float] = (0.0, 0.0)) -> str:
     """The PubMedQA answer of the most probable decision after adding ``bias`` (NO-GO, DEFER) to the log-probabilities
     (no decision: ``maybe``, as PubMedQA's format writes it)."""
-    from pipeline.evaluation.metrics import answer  # noqa: PLC0415 - control plane (sklearn)
-
     if not probs:
         return answer(None)
     shift = {Decision.GO.value: 0.0, Decision.NO_GO.value: bias[0], Decision.DEFER.value: bias[1]}

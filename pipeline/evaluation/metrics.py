@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sklearn.metrics import f1_score
 
 from pipeline.evaluation.significance import EXACT_MAX, mcnemar_exact, sign_flip
 from pipeline.schemas import ANSWER
@@ -41,6 +40,8 @@ def bootstrap_ci(values: Sequence[float], n: int = 1000, ci: float = 0.95, seed:
 
 def macro_f1(truth: Sequence[str], preds: Sequence[str]) -> float:
     """sklearn's macro-F1 (labels = those in truth or predictions), as PubMedQA's evaluation.py computes it."""
+    from sklearn.metrics import f1_score  # noqa: PLC0415 - here only: the model plane reads answer() and has no sklearn
+
     return float(f1_score(list(truth), list(preds), average="macro")) if truth else float("nan")
 
 
