@@ -495,7 +495,8 @@ class PpoSettings(_Strict):
                                        "role's trained agents (a cut completion is invalid JSON)")
     learning_rate: float = Field(gt=0)
     kl_coef: float = Field(ge=0, description="KL penalty to the base policy (GRPO beta / verl kl_loss_coef)")
-    temperature: float = Field(gt=0)
+    temperature: float = Field(gt=0, description="the rollouts' sampling temperature: verl's rollout and the Agent "
+                               "Lightning gateway's training requests (its own default is 1)")
     full_finetune: bool = Field(description="GPU only: train all weights instead of a LoRA adapter")
     gradient_checkpointing: bool = Field(description="TRL GRPO and verl's actor: recompute activations in the backward pass; "
                                          "saves memory, costs a quarter more a step (CPU, 135M: 7.3 vs 5.5 s)")

@@ -72,7 +72,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)
     policy = params.serving.workers[0]
     tasks = load_tasks(params.validate_, "train", args.tasks, setting=params.data.setting)
-    with running(params.ppo.agl, params.serving, worker.served_name(policy), trace_dir=args.trace_dir,
+    with running(params.ppo.agl, params.serving, worker.served_name(policy), params.ppo.temperature, trace_dir=args.trace_dir,
                  upstream_key=worker.api_key(policy)) as gw:
         completed = collect(params.ppo.agl, gw, tasks, args.n, [f"{worker.base_url(policy)}/v1"], trace_dir=args.trace_dir)
         gw.check()

@@ -86,13 +86,15 @@ def controller_overrides(agl: AglParams, url: str) -> list[str]:
 
 
 @contextmanager
-def running(agl: AglParams, serving: ServingParams, model_name: str, run_id: str = "agl", python: str | None = None,
-            trace_dir: str | Path | None = None, upstream_key: str | None = None,
+def running(agl: AglParams, serving: ServingParams, model_name: str, temperature: float, run_id: str = "agl",
+            python: str | None = None, trace_dir: str | Path | None = None, upstream_key: str | None = None,
             trained: str | None = None) -> Iterator[Gateway]:
     """agl-server + agl-controller (``ppo.agl.runner``) up for the block; both stopped after, whatever happened.
     ``upstream_key``: what the policy server registered with the gateway requires (a local vLLM worker's key); the
     gateway sends it on every forwarded call (``pipeline.rl.agl_server``), agents never see it. ``trained``: the role
-    whose calls the rollouts send to the gateway (None: every role of ``ppo.roles``, pipeline/rl/agent.py)."""
+    whose calls the rollouts send to the gateway (None: every role of ``ppo.roles``, pipeline/rl/agent.py).
+    ``temperature``: what the gateway samples training rollouts at (``ppo.temperature``, the temperature verl's actor
+    computes their log-probabilities at); Agent Lightning's own default (1) would hold whatever the params say."""
     home = Path(serving.home).resolve() / "agl"
     if agl.runner == "k8s":  # the Service behind advertise_url forwards to this port: no fallback
         if not port_is_free(agl.host, agl.port):
@@ -116,7 +118,8 @@ def running(agl: AglParams, serving: ServingParams, model_name: str, run_id: str
     try:
         gw.procs["agl-server"] = _spawn(home, "agl-server", [python, "-m", "pipeline.rl.agl_server", f"host={agl.host}",
                                                             f"port={port}", "key=${oc.env:AGL_KEY}",
-                                                            f"default_proxy.model_name={model_name}", *hydra], server_env)
+                                                            f"default_proxy.model_name={model_name}",
+                                                            f"default_proxy.train.temperature={temperature}", *hydra], server_env)
         deadline = time.monotonic() + agl.startup_timeout_s
         while not http_ok(f"{url}/healthz"):
             gw.check()

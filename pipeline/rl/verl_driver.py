@@ -78,7 +78,8 @@ def train_verl(ppo: PpoRole, serving: ServingParams, gpu: GpuParams, run_id: str
     shutil.rmtree(ckpt, ignore_errors=True)  # a previous run's global_step_N must never become this run's adapter
     ckpt.mkdir(parents=True)
     trace_dir = Path(ppo.agl.trace_dir).resolve()
-    with gateway.running(ppo.agl, serving, policy_name, run_id=run_id, trace_dir=trace_dir, trained=ppo.role) as gw:
+    with gateway.running(ppo.agl, serving, policy_name, ppo.temperature, run_id=run_id, trace_dir=trace_dir,
+                         trained=ppo.role) as gw:
         env = {**os.environ, "AGL_BASE_URL": gw.url, "AGL_KEY": gw.key, "PUBMEDQA_RL_CHECKPOINTS": str(ckpt),
                store.TRACE_DIR_ENV: str(trace_dir), store.RUN_ENV: run_id, "VERL_FILE_LOGGER_PATH": str(ckpt / "metrics.jsonl"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(envs.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
