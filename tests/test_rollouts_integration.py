@@ -115,7 +115,7 @@ def test_agent_lightning_collects_triplets_and_keeps_finished_rollouts_when_the_
     from pipeline.services.process import ServiceError
 
     routing.apply(serving_stack.serving, serving_stack.mlflow, 1)
-    # exploration at the agents' own temperature: at verl's default 1.0 SmolLM2 pads the protocol's free JSON
+    # exploration at the agents' own temperature: at params.yaml's 1.0 SmolLM2 pads the protocol's free JSON
     # whitespace to the 768-token cap three times over (a fresh-clone suite run: both rollouts failed at the designer),
     # so a whole society would be a coin flip; the gateway samples at ppo.temperature, checked on its requests below
     set_param(ready, "ppo.temperature", load_params().agents.temperature)
