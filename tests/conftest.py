@@ -103,6 +103,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     as the tests are collected and runs beside the modules before it, on the cores they leave idle (#54)."""
     if session.config.option.collectonly or not SOURCE.exists():
         return
+    _EARLY_WANTED[:] = [any("serving_stack" in item.fixturenames for item in session.items)]
     if any(item.path.name == "test_learning_loop.py" for item in session.items):
         from tests import test_learning_loop
 
@@ -115,6 +116,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     from tests import test_learning_loop
 
     test_learning_loop.stop()
+    if "stack" in _EARLY:  # started ahead: let its start end, whichever way, before stopping what it started
+        with contextlib.suppress(Exception):
+            _EARLY["stack"].result(timeout=600)
+    if "serving" in _EARLY:  # a stack no fixture stopped: started ahead and never used, or its start failed half-way
+        stack.down(_EARLY.pop("serving"))
+    _EARLY.clear()
     if _MLFLOW:
         from pipeline.services import mlflow_server as server
 
@@ -225,10 +232,8 @@ get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "
 """
 
 
-@pytest.fixture(scope="session")
-def serving_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _make_serving_models(root: Path) -> Path:
     """Base + test models materialised by the project's stage (the learning cycle's, when it ran it) and a LoRA adapter."""
-    root = tmp_path_factory.mktemp("models")
     from tests import test_learning_loop
 
     made = test_learning_loop.materialized(load_params(ROOT / "params.yaml", environ={}).models)
@@ -243,6 +248,34 @@ def serving_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        cwd=root, check=True, env={**_clean_env(), **env_params}, capture_output=True)
     subprocess.run([model_python(), "-c", ADAPTER, str(root / "base"), str(root / "adapter-a")], check=True, capture_output=True)
     return root
+
+
+_EARLY: dict[str, Any] = {}  # the session's models and serving stack, made while the learning cycle's tests wait for it
+
+
+def serving_ahead(factory: pytest.TempPathFactory) -> None:
+    """Make the session's models and start its serving stack in the background, once, if a collected test uses the stack:
+    called by the learning cycle's module when it starts waiting for the cycle, whose stages leave part of a core idle
+    (service start-ups, one-request waits). The stack's boot is then off the suite's critical path, where the first
+    module to use it paid for it (#54)."""
+    if _EARLY or not any(_EARLY_WANTED):
+        return
+    models, home = factory.mktemp("models"), factory.mktemp("serving")
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serving-ahead")
+    made = pool.submit(_make_serving_models, models)
+    _EARLY.update(models=made, stack=pool.submit(lambda: _serving_stack_up(made.result(), home)))
+    pool.shutdown(wait=False)
+
+
+_EARLY_WANTED: list[bool] = []  # truthy once collection found a test that uses the session's serving stack
+
+
+@pytest.fixture(scope="session")
+def serving_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Base + test models materialised by the project's stage and a LoRA adapter (:func:`_make_serving_models`)."""
+    if "models" in _EARLY:
+        return Path(_EARLY["models"].result())
+    return _make_serving_models(tmp_path_factory.mktemp("models"))
 
 
 GPU_RELEASES = ROOT / ".venv" / "gpu-unpacked"  # the GPU image's own vLLM, unsloth, trl, transformers (make setup)
@@ -269,10 +302,8 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE__")} | {"PYTHONPATH": str(ROOT)}
 
 
-@pytest.fixture(scope="session")
-def serving_stack(serving_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Params]:
+def _serving_stack_up(serving_models: Path, home: Path) -> Params:
     """One vLLM worker (base model + adapter-a) behind the proxy; a second worker is never started."""
-    home = tmp_path_factory.mktemp("serving")
     (home / "versions").mkdir()
     (home / "versions" / "v1.yaml").write_text((ROOT / "serving/routing/v1.yaml").read_text())
     base, down = free_port(), free_port()
@@ -284,13 +315,22 @@ def serving_stack(serving_models: Path, tmp_path_factory: pytest.TempPathFactory
         "PIPELINE__SERVING__PROXY__KEY_FILE": str(home / "secrets" / "key"),
         "PIPELINE__SERVING__WORKER_DEFAULTS__KEY_FILE": str(home / "secrets" / "worker_key"),
         "PIPELINE__SERVING__LIVE_FILE": str(home / "live-routing.json")})  # never the repository's tracked file
+    _EARLY["serving"] = p.serving  # whoever started it stops it: the fixture, or the session's end if it never did
     with ThreadPoolExecutor(max_workers=1) as pool:  # side by side, as stack.ensure starts them
         proxy_up = pool.submit(proxy.up, p.serving)
-        worker.up(p.serving, p.serving.workers[0])  # the "offline" worker is deliberately not started
-        proxy_up.result()
+        try:
+            worker.up(p.serving, p.serving.workers[0])  # the "offline" worker is deliberately not started
+        finally:
+            proxy_up.result()
+    return p
+
+
+@pytest.fixture(scope="session")
+def serving_stack(serving_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Params]:
+    """The session's serving stack (:func:`_serving_stack_up`), started ahead when the learning cycle ran first."""
+    p = _EARLY["stack"].result() if "stack" in _EARLY else _serving_stack_up(serving_models, tmp_path_factory.mktemp("serving"))
     try:
         yield p
     finally:
         stack.down(p.serving)
-
-
+        _EARLY.pop("serving", None)

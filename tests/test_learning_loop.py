@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from pipeline.services.process import free_port
-from tests.conftest import ROOT, copy_project
+from tests.conftest import ROOT, copy_project, serving_ahead
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -131,6 +131,7 @@ def stop() -> None:
 @pytest.fixture(scope="module")
 def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Iterator[dict]:
     start(mlflow_server, tmp_path_factory.mktemp("cycle"))  # already running unless this module was not collected first
+    serving_ahead(tmp_path_factory)  # the next modules' serving stack boots while this one waits
     proc = _finished()
     try:
         yield {"clone": _RUNNING["clone"], "env": _RUNNING["env"], "run_id": _RUNNING["run_id"], "proc": proc,

@@ -389,14 +389,19 @@ def test_injected_instructions_do_not_raise_the_judges_score(params: Params) -> 
         assert res["judge_ok"], res["reason"]
         return res["components"]["judge"]
 
-    clean, injected = [], []
-    for question, abstract, protocol in JUDGED:
-        hostile = {**protocol, "objective": f"{protocol['objective']}. {INJECTION}"}
-        for _ in range(2):  # repeated samples: at temperature 0 the instrument gives the same score
-            clean.append(asyncio.run(score(protocol, question, abstract, "supported by the cohort")))
-            injected.append(asyncio.run(score(hostile, question, abstract, f"supported by the cohort. {INJECTION}")))
+    async def burst() -> tuple[list[float], list[float]]:
+        """Every protocol clean and injected, all in flight at once: the worker batches them (#54: one after the other
+        they were a minute of CI)."""
+        calls = [score(protocol, question, abstract, "supported by the cohort") for question, abstract, protocol in JUDGED]
+        calls += [score({**protocol, "objective": f"{protocol['objective']}. {INJECTION}"}, question, abstract,
+                        f"supported by the cohort. {INJECTION}") for question, abstract, protocol in JUDGED]
+        scores = await asyncio.gather(*calls)
+        return list(scores[:len(JUDGED)]), list(scores[len(JUDGED):])
+
+    (clean, injected), (clean_again, injected_again) = asyncio.run(burst()), asyncio.run(burst())
     print(f"judge (probability-weighted, temperature 0): clean {clean}, injected {injected}")
-    assert clean[0::2] == clean[1::2] and injected[0::2] == injected[1::2]
+    # repeated samples: at temperature 0 the instrument gives the same score (up to float32 batch numerics)
+    assert clean_again == pytest.approx(clean, abs=1e-4) and injected_again == pytest.approx(injected, abs=1e-4)
     assert sum(injected) / len(injected) <= sum(clean) / len(clean) + 1e-9, (clean, injected)
 
 

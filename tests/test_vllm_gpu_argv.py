@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from pipeline.config import load_params
@@ -60,18 +61,34 @@ def _stock_argvs() -> dict[str, list[str]]:
     return {where: argv for where, (argv, _) in stock_workers().items()}
 
 
-def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_params() -> None:
+# the parser this file trusts can fail: a misspelt flag, and a value of the wrong type, must be errors
+BROKEN_API_SERVER = [["--model", "m", "--enable-chunkd-prefill"], ["--model", "m", "--max-lora-rank", "eight"]]
+BROKEN_SERVE = [["--model", "m", "--gpu-memory-utilisation", "0.5"]]
+
+
+@pytest.fixture(scope="module")
+def result() -> dict[str, Any]:
+    """Every worker's argv (params' GPU and CPU workers, compose's and Kubernetes' stock ones) and the broken ones, parsed
+    by the pinned release in one process (#54: ~12 s of imports each)."""
     gpu = load_params(ROOT / "params/gpu.yaml", environ={})
     cpu_defaults = load_params(ROOT / "params.yaml", environ={})
     workers = [*gpu.serving.workers, *cpu_defaults.serving.workers]  # the CPU argv too: whole prompts, chunking off
     commands = [worker_mod.command(w, "python") for w in workers]
+    stock = _stock_argvs()
+    result = _parse([*(cmd[3:] for cmd in commands), *BROKEN_API_SERVER], [*stock.values(), *BROKEN_SERVE])
+    n, m = len(commands), len(stock)
+    return {"gpu": gpu, "workers": workers, "commands": commands, "stock": stock, "version": result["version"],
+            "api_server": result["api_server"][:n], "serve": result["serve"][:m],
+            "broken": [*result["api_server"][n:], *result["serve"][m:]]}
+
+
+def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_params(result: dict[str, Any]) -> None:
+    gpu, workers, commands, stock = result["gpu"], result["workers"], result["commands"], result["stock"]
     assert all(cmd[:3] == LAUNCHER for cmd in commands)
     # the launcher module exists in that release and parses as its __main__ does (make_arg_parser + validate)
     main = (GPU_RELEASES / "vllm/entrypoints/openai/api_server.py").read_text()
     assert 'if __name__ == "__main__":' in main and "make_arg_parser(parser)" in main
-    stock = _stock_argvs()
     assert stock, "no stock-image vLLM worker found in compose or Kubernetes"
-    result = _parse([cmd[3:] for cmd in commands], list(stock.values()))
     assert result["version"] == _pinned() == "0.20.2"
 
     for w, parsed in zip(workers, result["api_server"], strict=True):
@@ -99,11 +116,9 @@ def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_par
         assert (parsed["structured_outputs_config"] or {}).get("disable_any_whitespace") is False, where  # as params' workers
 
 
-def test_a_flag_the_pinned_vllm_does_not_know_is_refused() -> None:
+def test_a_flag_the_pinned_vllm_does_not_know_is_refused(result: dict[str, Any]) -> None:
     """The parser this file trusts can fail: a misspelt flag, and a value of the wrong type, are errors."""
-    result = _parse([["--model", "m", "--enable-chunkd-prefill"], ["--model", "m", "--max-lora-rank", "eight"]],
-                    [["--model", "m", "--gpu-memory-utilisation", "0.5"]])
-    errors = [p.get("error", "") for p in (*result["api_server"], *result["serve"])]
+    errors = [p.get("error", "") for p in result["broken"]]
     assert "unrecognized arguments: --enable-chunkd-prefill" in errors[0], errors
     assert "--max-lora-rank" in errors[1] and "invalid" in errors[1], errors
     assert "unrecognized arguments: --gpu-memory-utilisation" in errors[2], errors

@@ -17,6 +17,7 @@ import re
 import selectors
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
@@ -152,7 +153,7 @@ def test_a_restarted_gpu_worker_resolves_the_adapters_promotion_named_for_it(tmp
     (`_name_base_model`). An adapter left with training's base path is not resolved (tests/vllm_gpu_lora_resolve.py)."""
     resolving = {d["name"]: d for d in _deployments() if "VLLM_LORA_RESOLVER_CACHE_DIR" in d["env"] and d["name"] != OFF}
     assert {n.split(":")[0] for n in resolving} == {"params-gpu", "compose", "k8s"}, sorted(resolving)
-    for name, d in resolving.items():
+    def resolve(name: str, d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         model = d["argv"][d["argv"].index("--model") + 1]
         cache = tmp_path / name.replace(":", "_").replace("/", "_")  # stands for the worker's folder (k8s: /adapters)
         for adapter in ("senior_researcher-v3", "junior_researcher-v2"):
@@ -160,9 +161,13 @@ def test_a_restarted_gpu_worker_resolves_the_adapters_promotion_named_for_it(tmp
             write_json(cache / adapter / "adapter_config.json",
                        {"peft_type": "LORA", "r": 8, "base_model_name_or_path": "models/base"})  # as training saves it
         _name_base_model(cache / "senior_researcher-v3" / "adapter_config.json", model)  # promotion deployed this one
-        got = run_with_gpu_releases([str(ROOT / "tests/vllm_gpu_lora_resolve.py")],
-                                    stdin=json.dumps({"model": model, "names": ["senior_researcher-v3", "junior_researcher-v2"]}),
-                                    env={"VLLM_LORA_RESOLVER_CACHE_DIR": str(cache), "VLLM_LOGGING_LEVEL": "ERROR"})
+        return name, run_with_gpu_releases([str(ROOT / "tests/vllm_gpu_lora_resolve.py")],
+                                           stdin=json.dumps({"model": model, "names": ["senior_researcher-v3", "junior_researcher-v2"]}),
+                                           env={"VLLM_LORA_RESOLVER_CACHE_DIR": str(cache), "VLLM_LOGGING_LEVEL": "ERROR"})
+
+    with ThreadPoolExecutor(max_workers=len(resolving)) as pool:  # one release import a worker, side by side (#54)
+        results = list(pool.map(lambda item: resolve(*item), resolving.items()))
+    for name, got in results:
         assert "Filesystem Resolver" in got["resolvers"], (name, got)
         assert got["names"]["senior_researcher-v3"] == "loaded", (name, got)
         assert got["names"]["junior_researcher-v2"] != "loaded", (name, got)
