@@ -75,11 +75,11 @@ def result() -> dict[str, Any]:
     workers = [*gpu.serving.workers, *cpu_defaults.serving.workers]  # the CPU argv too: whole prompts, chunking off
     commands = [worker_mod.command(w, "python") for w in workers]
     stock = _stock_argvs()
-    result = _parse([*(cmd[3:] for cmd in commands), *BROKEN_API_SERVER], [*stock.values(), *BROKEN_SERVE])
+    out = _parse([*(cmd[3:] for cmd in commands), *BROKEN_API_SERVER], [*stock.values(), *BROKEN_SERVE])
     n, m = len(commands), len(stock)
-    return {"gpu": gpu, "workers": workers, "commands": commands, "stock": stock, "version": result["version"],
-            "api_server": result["api_server"][:n], "serve": result["serve"][:m],
-            "broken": [*result["api_server"][n:], *result["serve"][m:]]}
+    return {"gpu": gpu, "workers": workers, "commands": commands, "stock": stock, "version": out["version"],
+            "api_server": out["api_server"][:n], "serve": out["serve"][:m],
+            "broken": [*out["api_server"][n:], *out["serve"][m:]]}
 
 
 def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_params(result: dict[str, Any]) -> None:

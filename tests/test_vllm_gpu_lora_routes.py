@@ -153,6 +153,7 @@ def test_a_restarted_gpu_worker_resolves_the_adapters_promotion_named_for_it(tmp
     (`_name_base_model`). An adapter left with training's base path is not resolved (tests/vllm_gpu_lora_resolve.py)."""
     resolving = {d["name"]: d for d in _deployments() if "VLLM_LORA_RESOLVER_CACHE_DIR" in d["env"] and d["name"] != OFF}
     assert {n.split(":")[0] for n in resolving} == {"params-gpu", "compose", "k8s"}, sorted(resolving)
+
     def resolve(name: str, d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         model = d["argv"][d["argv"].index("--model") + 1]
         cache = tmp_path / name.replace(":", "_").replace("/", "_")  # stands for the worker's folder (k8s: /adapters)
