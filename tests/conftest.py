@@ -103,7 +103,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     as the tests are collected and runs beside the modules before it, on the cores they leave idle (#54)."""
     if session.config.option.collectonly or not SOURCE.exists():
         return
-    _EARLY_WANTED[:] = [any("serving_stack" in item.fixturenames for item in session.items)]
     if any(item.path.name == "test_learning_loop.py" for item in session.items):
         from tests import test_learning_loop
 
@@ -253,21 +252,18 @@ def _make_serving_models(root: Path) -> Path:
 _EARLY: dict[str, Any] = {}  # the session's models and serving stack, made while the learning cycle's tests wait for it
 
 
-def serving_ahead(factory: pytest.TempPathFactory) -> None:
-    """Make the session's models and start its serving stack in the background, once, if a collected test uses the stack:
+def serving_ahead(factory: pytest.TempPathFactory, session: pytest.Session) -> None:
+    """Make the session's models and start its serving stack in the background, once, if a test of ``session`` uses it:
     called by the learning cycle's module when it starts waiting for the cycle, whose stages leave part of a core idle
     (service start-ups, one-request waits). The stack's boot is then off the suite's critical path, where the first
     module to use it paid for it (#54)."""
-    if _EARLY or not any(_EARLY_WANTED):
+    if _EARLY or not any("serving_stack" in item.fixturenames for item in session.items):
         return
     models, home = factory.mktemp("models"), factory.mktemp("serving")
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serving-ahead")
     made = pool.submit(_make_serving_models, models)
     _EARLY.update(models=made, stack=pool.submit(lambda: _serving_stack_up(made.result(), home)))
     pool.shutdown(wait=False)
-
-
-_EARLY_WANTED: list[bool] = []  # truthy once collection found a test that uses the session's serving stack
 
 
 @pytest.fixture(scope="session")

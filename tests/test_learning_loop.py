@@ -129,9 +129,9 @@ def stop() -> None:
 
 
 @pytest.fixture(scope="module")
-def cycle(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Iterator[dict]:
+def cycle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> Iterator[dict]:
     start(mlflow_server, tmp_path_factory.mktemp("cycle"))  # already running unless this module was not collected first
-    serving_ahead(tmp_path_factory)  # the next modules' serving stack boots while this one waits
+    serving_ahead(tmp_path_factory, request.session)  # the next modules' serving stack boots while this one waits
     proc = _finished()
     try:
         yield {"clone": _RUNNING["clone"], "env": _RUNNING["env"], "run_id": _RUNNING["run_id"], "proc": proc,

@@ -120,23 +120,23 @@ def test_without_replay_two_whole_runs_differ_by_sampling(tmp_path: Path) -> Non
     assert [c["output"] for c in _calls(a, "junior_researcher")] != [c["output"] for c in _calls(b, "junior_researcher")]
 
 
-def test_a_replaying_candidate_runs_each_task_once_the_champion_has_it_not_after_the_whole_champion(
+def test_a_replaying_candidate_runs_each_task_beside_the_champion_and_every_shared_request_is_sent_once(
         tmp_path: Path, monkeypatch: Any) -> None:
-    """evaluate's schedule (one event loop): a senior candidate starts a task as soon as the champion's rollout of that
-    task is recorded, replaying its juniors; a junior candidate (nothing of the champion's before its calls) starts at
-    once. One slow question (its calls take longer) must not hold back the candidates' other questions."""
+    """evaluate's schedule (one event loop): a senior candidate runs each task beside the champion's rollout of it, not
+    after it; each junior and supervisor request the two share is sent once, by whichever asked first, and the other
+    waits for that draw. A junior candidate (nothing of the champion's before its calls) runs whole, at once."""
     import time
 
     from pipeline.evaluation import society
     from pipeline.serving import proxy
 
-    log: list[tuple[float, str, str]] = []  # (time, society, question) of every request the model received
+    log: list[tuple[float, str, str, str]] = []  # (time, society, question, logical model) of every request received
     model = SamplingModel()
 
     async def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         question = {"100-0": "slow", "101-0": "fast-a", "102-0": "fast-b"}[ROLLOUT_ID.get() or ""]  # the rollout this call is in
-        log.append((time.perf_counter(), body["metadata"]["routing"], question))
+        log.append((time.perf_counter(), body["metadata"]["routing"], question, body["model"]))
         await asyncio.sleep(0.15 if question == "slow" else 0.01)
         return model(request)
 
@@ -151,24 +151,29 @@ def test_a_replaying_candidate_runs_each_task_once_the_champion_has_it_not_after
     monkeypatch.setattr(proxy, "client_settings", lambda serving: ("http://proxy.invalid/v1", "k"))
     params = load_params(ROOT / "params.yaml")
     params = params.model_copy(update={"rollouts": params.rollouts.model_copy(update={"index_dir": str(tmp_path / "no-index")}),
-                                       "evaluate": params.evaluate.model_copy(update={"concurrency": 8})})
+                                       "evaluate": params.evaluate.model_copy(update={"concurrency": 9})})
     tasks = [{**TASK, "id": str(100 + i), "question": f"Do statins reduce mortality ({q})?"} for i, q in enumerate(("slow", "fast-a", "fast-b"))]
-    book = CallBook(live=["senior_researcher"])
+    shared = CallBook()
+    book = shared.sharing(live=["senior_researcher"])
     champion, senior, junior = society.run_many(params, tasks, [(None, "champion"), (None, "senior"), (None, "junior")], "r",
-                                                REPOSITORY, score=False, description="schedule", books=[None, book, None],
-                                                sources=[None, 0, None])
+                                                REPOSITORY, score=False, description="schedule", books=[shared, book, None])
     assert all(t.status == "ok" for t in (*champion, *senior, *junior)), [t.error for t in (*champion, *senior, *junior)]
 
-    def times(who: str, question: str | None = None) -> list[float]:
-        return [t for t, s, q in log if s == who and (question is None or q == question)]
+    def times(who: str, question: str) -> list[float]:
+        return [t for t, s, q, _ in log if s == who and q == question]
 
-    for q in ("slow", "fast-a", "fast-b"):  # each task: the candidate only after the champion's rollout of it
-        assert min(times("senior", q)) > max(times("champion", q)), q
-    assert min(times("senior", "fast-a")) < max(times("champion", "slow"))  # not after the whole champion society
-    assert min(times("junior")) < min(max(times("champion", q)) for q in ("slow", "fast-a", "fast-b"))  # at once
-    # the senior candidate's juniors came from the record, task by task
-    assert book.replayed > 0 and all(c.get("replayed") for t in senior for c in _calls(t, "junior_researcher"))
-    assert not any(c.get("replayed") for t in junior for c in _calls(t))
+    for q in ("slow", "fast-a", "fast-b"):  # each task: the candidate's own calls while the champion's rollout of it runs
+        assert min(times("senior", q)) < max(times("champion", q)), q
+    # the shared calls: the same answers, each request sent once between the two societies
+    before = ["junior_researcher", "supervisor"]
+    for c, s in zip(champion, senior, strict=True):  # (the juniors answer side by side: compared by request, not order)
+        assert {x["request_key"]: x["output"] for x in _calls(s, *before)} == {x["request_key"]: x["output"] for x in _calls(c, *before)}
+    sent = Counter(m for _, s, _, m in log if s in ("champion", "senior") and m in before)
+    drawn = Counter(x["logical_model"] for t in champion for x in _calls(t, *before))
+    assert sent == drawn, (sent, drawn)
+    assert book.replayed + shared.replayed == sum(drawn.values())
+    assert not any(c.get("replayed") for t in senior for c in _calls(t, "senior_researcher"))  # its own role: always sent
+    assert not any(c.get("replayed") for t in junior for c in _calls(t))  # no book: whole
 
 
 def test_a_retried_rollout_is_answered_from_the_start_of_the_record_again(tmp_path: Path) -> None:

@@ -129,7 +129,6 @@ class RoleClient:
             body["response_format"] = response_format
         if self.routing:
             body["metadata"] = {"routing": self.routing}
-        t0 = time.perf_counter()
         # the request as sent (messages, caps, schema name below): benchmarks/bench_rollouts.py replays traces from these
         span: dict[str, Any] = {"kind": "llm", "name": agent,
                                 "data": {"agent": agent, "logical_model": model, "messages": messages,
@@ -140,10 +139,23 @@ class RoleClient:
         span["data"]["request_key"] = key = request_key(agent, body)
         # a call that asks for logprobs (the judge's) runs live: a record keeps no logprobs (they are taken off the span),
         # so a replayed answer would score as if the judge had given no probabilities at all
-        if self.replay is not None and not top_logprobs and (recorded := self.replay.take(model, key)) is not None:
-            span["data"].update(ok=True, replayed=True, latency_s=0.0, **recorded)
-            spans.append(span)
-            return recorded["output"] or ""
+        claim = None
+        if self.replay is not None and not top_logprobs:
+            recorded, claim = await self.replay.draw(model, key)
+            if recorded is not None:
+                span["data"].update(ok=True, replayed=True, latency_s=0.0, **recorded)
+                spans.append(span)
+                return recorded["output"] or ""
+        try:
+            return await self._send(agent, model, body, span, spans, bool(top_logprobs))
+        finally:
+            if claim is not None:  # the draw others sharing this book wait for (replay.CallBook.sharing)
+                claim.settle(span["data"])
+
+    async def _send(self, agent: str, model: str, body: dict[str, Any], span: dict[str, Any], spans: list[dict[str, Any]],
+                    logprobs: bool) -> str:
+        """The request sent to the model; its answer (or failure) recorded on ``span``, which joins ``spans``."""
+        t0 = time.perf_counter()
         base_url, headers = self.endpoint(model)
         try:
             resp = await self._post(f"{base_url}/chat/completions", body, headers)
@@ -165,7 +177,7 @@ class RoleClient:
                             # the weights that answered: a LoRA deployment's name carries its verified sha256 prefix
                             digest=served_digest(resp.headers.get("x-litellm-model-group")),
                             proxy_overhead_ms=_float(resp.headers.get("x-litellm-overhead-duration-ms")))
-        if top_logprobs:  # taken off the span by whoever asked (pipeline.rewards.judge), so traces stay small
+        if logprobs:  # taken off the span by whoever asked (pipeline.rewards.judge), so traces stay small
             span["data"]["logprobs"] = (payload["choices"][0].get("logprobs") or {}).get("content") or []
         spans.append(span)
         return output

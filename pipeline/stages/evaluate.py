@@ -363,22 +363,20 @@ def run(params: Params, prompts: Prompts) -> dict[str, Any]:
 
 
 # whole Params: evaluate, promote and agents
-def _replay(params: Params, p: Plan, champion_traces: list[Trace] | None) -> tuple[list[Any], list[int | None]]:
-    """Each society's call book: the champion's (first, when it runs) none; a candidate's its role's calls live, every
-    other call that repeats the champion's answered from the champion's record (a cached run's traces, or the champion
-    society running beside it: source 0)."""
-    books: list[CallBook | None] = [None] if champion_traces is None else []
-    sources: list[int | None] = [None] if champion_traces is None else []
+def _replay(params: Params, p: Plan, champion_traces: list[Trace] | None) -> list[CallBook | None]:
+    """Each society's call book: a candidate's answers its role's calls live and every other call that repeats the
+    champion's from the champion's draw (a cached run's traces, or the champion society running beside it, whose book
+    comes first then and shares its draws)."""
+    champion = CallBook.from_traces(champion_traces or [])
+    books: list[CallBook | None] = []
     for s in p.societies:
         llm = params.promote.roles[str(s.role)] == "llm"
         if not params.evaluate.replay or (llm and s.role in {params.agents.models[a] for a in OPENING_AGENTS}):
             books.append(None)  # the juniors' calls open every rollout: nothing of the champion's comes before them
-            sources.append(None)
             continue
-        live = [str(s.role)] if llm else []
-        books.append(CallBook.from_traces(champion_traces, live) if champion_traces is not None else CallBook(live))
-        sources.append(None if champion_traces is not None else 0)
-    return books, sources
+        books.append(champion.sharing([str(s.role)] if llm else []))
+    shared = champion if any(b is not None for b in books) else None
+    return books if champion_traces is not None else [shared, *books]
 
 
 # whole Params: the societies run with agents, serving and evaluate, and are scored by the judge (see score)
@@ -391,13 +389,13 @@ def evaluate_societies(params: Params, p: Plan) -> dict[str, Any]:
         slug = _slug(f"champion-{p.key[:12]}")
         champion = [Society(slug, _table(params.serving, params.mlflow, slug, p.roles, p.policies),
                             {"eval.key": p.key, "eval.role": "champion", "eval.champions": p.label})]
-    books, sources = _replay(params, p, cached[1] if cached else None)
+    books = _replay(params, p, cached[1] if cached else None)
     what = f"evaluate {'the champion and ' if champion else ''}{len(p.societies)} candidate societies x {len(p.tasks)} tasks"
     if params.evaluate.replay:
         what += " (candidates replay the champion's calls of other roles)"
     societies = [*champion, *p.societies]
     traces = society.run_many(params, p.tasks, [(s.table, s.slug) for s in societies], tracking.pipeline_run_id(),
-                              p.prompts, score=False, description=what, books=books, sources=sources)
+                              p.prompts, score=False, description=what, books=books)
     for s, society_traces in zip(societies, traces, strict=True):
         if s.role is not None and s.target is not None and params.promote.roles[s.role] == "llm":
             check_served(society_traces, s.role, s.version.version, s.target)  # every call of the role: the version

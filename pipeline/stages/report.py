@@ -217,17 +217,15 @@ def society_report(params: Params, role: str | None, role_records: list[dict[str
     live = routing.active(params.serving)
     societies: list[tuple[dict[str, Any] | None, str | None]] = [(live, None)]
     books: list[CallBook | None] = [None]
-    sources: list[int | None] = [None]
     before = _previous_champion(role) if role else None
     if role and before is not None and live is not None:
         name = _replaced_table(params, role, before, live, f"test-society-{role}-v{before}")
         societies.append(({**live, "version": f"eval:{name}"}, name))
-        books.append(CallBook([role]))
-        sources.append(0)
+        books = [shared := CallBook(), shared.sharing([role])]  # the PI speaks last: the before society shares the rest
     t0 = time.perf_counter()
     traces = society.run_many(params, tasks, societies, tracking.pipeline_run_id(), prompts, score=True,
                               description="report: the society on the test split" + (" (after, before)" if before else ""),
-                              books=books, sources=sources)
+                              books=books)
     seconds = time.perf_counter() - t0
     after, after_records = _society_figures(traces[0], params.evaluate)
     out: dict[str, Any] = {"questions": len(tasks), "after": after, "records": after_records, "traces": traces[0],
