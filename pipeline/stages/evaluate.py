@@ -45,7 +45,6 @@ from mlflow.genai.scorers import scorer
 
 from pipeline import metrics_files, prompt_registry, registry, timing, tracking
 from pipeline.agents.graph import OPENING_AGENTS
-from pipeline.agents.llm import RoleClient
 from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, PromptParams, ServingParams
@@ -60,7 +59,6 @@ from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.learning import PROMPT_ALIAS, role_of
 from pipeline.lineage import dvc_md5
 from pipeline.plots import png
-from pipeline.rewards.judge import final_reward, judge
 from pipeline.serving import deploy, proxy, routing, stack
 from pipeline.traces.mlflow_traces import log_traces
 from pipeline.traces.schema import Trace
@@ -141,34 +139,20 @@ def _cached(tracking_cfg: MlflowParams, key: str) -> tuple[list[dict[str, Any]],
 
 
 # whole Params: the judge's client reads agents, evaluate and serving; its scores judge and reward.
-def _scorers(params: Params, traces: dict[str, Any], tasks: dict[str, dict[str, Any]], routing_name: str,
-             prompts: Prompts) -> list[Any]:
-    """The society's judge and the PubMedQA answer check as MLflow scorers."""
-    url, key = proxy.client_settings(params.serving)
+def _scorers(params: Params, traces: dict[str, Any]) -> list[Any]:
+    """The society's judge and the PubMedQA answer check as MLflow scorers. The judge scored each rollout as it ended
+    (``run_many(score=True)``: its calls batch with the societies still running); the scorer reads its scores off the
+    trace, as the report does."""
 
     @scorer(name="society_judge")
     def society_judge(inputs: dict[str, Any]) -> list[Feedback]:
         t = traces[inputs["rollout_id"]]
-        if t.status != "ok":
-            why = f"rollout failed: {t.error}"
-            value, parts = final_reward(params.judge.failure_score, t.decision, t.label, params.reward)
-            return [*(Feedback(name=c, value=params.judge.failure_score, rationale=why) for c in CRITERIA),
-                    *(Feedback(name=f"reward_{k}", value=v, rationale=why) for k, v in parts.items()),
-                    Feedback(name="reward", value=value, rationale=why)]
-
-        async def score() -> dict[str, Any]:
-            client = RoleClient.for_agents(params.agents, url, key, params.evaluate.timeout_s, routing=routing_name,
-                                           prompts=prompts)
-            state = {"protocol": t.protocol, "decision": {"decision": t.decision, "rationale": t.rationale}}
-            try:
-                return await judge(client, params.judge, params.reward, tasks[t.task_id], state, t.turns, [])
-            finally:
-                await client.aclose()
-
-        result = asyncio.run(score())
-        return [*(Feedback(name=c, value=result["scores"][c], rationale=result["reason"]) for c in CRITERIA),
-                *(Feedback(name=f"reward_{k}", value=v, rationale=result["reason"]) for k, v in result["components"].items()),
-                Feedback(name="reward", value=result["reward"], rationale=result["reason"])]
+        rewards = {s.name: s.data for s in t.spans if s.kind == "reward"}
+        final = rewards["final"]  # a failed rollout's too: the failure score with its decision credit
+        reason = (rewards.get(f"judge.{CRITERIA[0]}") or final)["reason"]
+        return [*(Feedback(name=c, value=t.rewards.get(c, params.judge.failure_score), rationale=reason) for c in CRITERIA),
+                *(Feedback(name=f"reward_{k}", value=v, rationale=reason) for k, v in final["components"].items()),
+                Feedback(name="reward", value=final["value"], rationale=reason)]
 
     @scorer(name="pubmedqa_answer")
     def pubmedqa_answer(inputs: dict[str, Any]) -> Feedback:
@@ -199,8 +183,8 @@ def _table(serving: ServingParams, tracking_cfg: MlflowParams, name: str, roles:
 
 
 # whole Params: it builds the judge's scorers (see _scorers).
-def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], tasks: list[dict[str, Any]],
-          tags: dict[str, str], prompts: Prompts) -> tuple[list[dict[str, Any]], str]:
+def score(params: Params, name: str, table: dict[str, Any], traces: list[Any],
+          tags: dict[str, str]) -> tuple[list[dict[str, Any]], str]:
     """Score one society's rollouts with MLflow's GenAI evaluation as a nested run; returns (records, run id)."""
     by_id = {t.rollout_id: t for t in traces}
     os.environ.setdefault("MLFLOW_GENAI_EVAL_MAX_WORKERS", str(params.evaluate.concurrency))
@@ -209,8 +193,7 @@ def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], t
         ids = log_traces([t.model_dump() for t in traces])
         mlflow.flush_trace_async_logging()  # the traces must be stored before the evaluation reads them back
         data = [{"trace": _stored_trace(tid), "expectations": {"label": t.label}} for tid, t in zip(ids, traces, strict=True)]
-        result = mlflow.genai.evaluate(data=data, scorers=_scorers(params, by_id, {t["id"]: t for t in tasks}, name,
-                                                                            prompts))
+        result = mlflow.genai.evaluate(data=data, scorers=_scorers(params, by_id))
         if result.result_df is None:
             raise RuntimeError(f"mlflow.genai.evaluate returned no result table for {name}")
         rows = {r["request"]["rollout_id"]: r for r in result.result_df.to_dict("records")}
@@ -233,7 +216,7 @@ def score(params: Params, name: str, table: dict[str, Any], traces: list[Any], t
 def society_cost(traces: list[Any]) -> dict[str, Any]:
     """What one society's evaluation cost: LLM calls sent to a model and answered from the record, per task, and the
     rollouts' summed wall time (a replayed call takes none). docs/benchmarks-learning.md compares replayed and whole."""
-    llm = [s for t in traces for s in t.spans if s.kind == "llm"]
+    llm = [s for t in traces for s in t.spans if s.kind == "llm" and s.name != "judge"]  # the society's, not its judge's
     replayed = sum(1 for s in llm if s.data.get("replayed"))
     n = max(len(traces), 1)
     return {"tasks": len(traces), "live_calls_per_task": (len(llm) - replayed) / n, "replayed_calls_per_task": replayed / n,
@@ -395,11 +378,11 @@ def evaluate_societies(params: Params, p: Plan) -> dict[str, Any]:
         what += " (candidates replay the champion's calls of other roles)"
     societies = [*champion, *p.societies]
     traces = society.run_many(params, p.tasks, [(s.table, s.slug) for s in societies], tracking.pipeline_run_id(),
-                              p.prompts, score=False, description=what, books=books)
+                              p.prompts, score=True, description=what, books=books)
     for s, society_traces in zip(societies, traces, strict=True):
         if s.role is not None and s.target is not None and params.promote.roles[s.role] == "llm":
             check_served(society_traces, s.role, s.version.version, s.target)  # every call of the role: the version
-    scored = {s.slug: score(params, s.slug, s.table, t, p.tasks, s.tags, p.prompts)
+    scored = {s.slug: score(params, s.slug, s.table, t, s.tags)
               for s, t in zip(societies, traces, strict=True)}
     champion_records, champion_run = scored[champion[0].slug] if champion else (cached[0], "cached")  # type: ignore[index]
     champion_cost = society_cost(traces[0] if champion else cached[1])  # type: ignore[index]
