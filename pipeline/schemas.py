@@ -22,17 +22,35 @@ class StructuredOutput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     @classmethod
-    def token_budget(cls) -> int:
+    def token_budget(cls, text_scale: float = 1.0) -> int:
         """Completion tokens that always hold a complete answer. Guided decoding bounds every string
         (maxLength) and list (maxItems), so the JSON ends within this; a lower cap cuts it into invalid
         JSON that no repair attempt fixes (CI saw three juniors of one rollout fail that way). Counted at
         2 characters a token (URL-like text from a small model is that dense), plus JSON punctuation."""
-        return _budget(cls.model_json_schema()) + 8
+        return _budget(cls.json_schema(text_scale)) + 8
 
     @classmethod
-    def response_format(cls) -> dict[str, Any]:
+    def json_schema(cls, text_scale: float = 1.0) -> dict[str, Any]:
+        """The schema guided decoding enforces: every string's maxLength times ``text_scale`` (agents.text_scale;
+        validation keeps the full lengths, so a shorter answer is always valid)."""
+        return _scaled(cls.model_json_schema(), text_scale) if text_scale != 1.0 else cls.model_json_schema()
+
+    @classmethod
+    def response_format(cls, text_scale: float = 1.0) -> dict[str, Any]:
         """OpenAI ``response_format`` for this schema (strict JSON schema)."""
-        return {"type": "json_schema", "json_schema": {"name": cls.__name__, "schema": cls.model_json_schema(), "strict": True}}
+        schema = cls.json_schema(text_scale)
+        return {"type": "json_schema", "json_schema": {"name": cls.__name__, "schema": schema, "strict": True}}
+
+
+def _scaled(node: Any, scale: float) -> Any:
+    if isinstance(node, list):
+        return [_scaled(n, scale) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _scaled(v, scale) for k, v in node.items()}
+    if out.get("type") == "string" and "maxLength" in out:
+        out["maxLength"] = max(1, round(out["maxLength"] * scale))
+    return out
 
 
 def _budget(node: dict[str, Any]) -> int:

@@ -71,6 +71,17 @@ def set_param(root: Path, dotted: str, value: object) -> None:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def over_length(schema: Any, scale: float, answer: dict[str, Any]) -> list[str]:
+    """The fields of a structured ``answer`` longer than ``schema``'s strings allow at agents.text_scale ``scale``."""
+    limits = schema.json_schema(scale)["properties"]
+    over = []
+    for field, value in answer.items():
+        bound = limits[field].get("maxLength") or limits[field].get("items", {}).get("maxLength")
+        if bound is not None and any(len(v) > bound for v in (value if isinstance(value, list) else [value])):
+            over.append(field)
+    return over
+
+
 def mlflow_login(user: str = "writer") -> dict[str, str]:
     """The environment a process outside the pipeline's own setup logs in to a local server with (basic auth, #44):
     the reader for what only looks, the writer for what logs and registers."""

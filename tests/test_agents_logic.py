@@ -153,14 +153,17 @@ def test_junior_looks_up_evidence_before_it_may_stop(tmp_path: Path, min_calls: 
     assert out["hypotheses"][0]["author"] == "geneticist"
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.5])
 @pytest.mark.parametrize("name", ["Hypothesis", "EvidenceCall", "ToolCall", "SupervisorChoice", "Review", "PIDecision", "JudgeScores"])
-def test_token_budget_holds_the_longest_answer_the_schema_allows(name: str) -> None:
+def test_token_budget_holds_the_longest_answer_the_schema_allows(name: str, scale: float) -> None:
     """Every string at its maxLength, every list at its maxItems, pretty-printed as a model writes it:
-    at 2 characters a token it fits the budget, so a cap of token_budget() never truncates the JSON."""
+    at 2 characters a token it fits the budget, so a cap of token_budget() never truncates the JSON. With
+    agents.text_scale below 1 the schema sent to guided decoding has shorter strings, and so a smaller budget."""
     from pipeline import schemas
 
     cls = getattr(schemas, name)
-    schema = cls.model_json_schema()
+    schema = cls.json_schema(scale)
+    assert cls.response_format(scale)["json_schema"]["schema"] == schema
 
     def longest(node: dict):
         if "enum" in node:
@@ -175,7 +178,9 @@ def test_token_budget_holds_the_longest_answer_the_schema_allows(name: str) -> N
     doc = {k: longest(v) for k, v in schema["properties"].items()}
     text = json.dumps(doc, indent=2)
     cls.model_validate_json(text)
-    assert len(text) / 2 <= cls.token_budget(), (len(text), cls.token_budget())
+    assert len(text) / 2 <= cls.token_budget(scale), (len(text), cls.token_budget(scale))
+    if scale < 1:  # every schema has free text: a shorter answer, a smaller cap
+        assert cls.token_budget(scale) < cls.token_budget()
 
 
 class _ScriptedClient:

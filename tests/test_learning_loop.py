@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from pipeline.services.process import free_port
-from tests.conftest import ROOT, copy_project, serving_ahead
+from tests.conftest import ROOT, copy_project, over_length, serving_ahead
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -31,6 +31,7 @@ BIN = Path(sys.executable).parent
 # sized to prove the mechanism: one task x 2 samples (shard 1 is empty), no review loop-back, one tool step
 # (its short ToolCall JSON is what SmolLM2 reliably gets right first time: SFT rows even when a hypothesis
 # needs a repair), a few SFT and GRPO steps
+TEXT_SCALE = 0.5
 CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160", "PIPELINE__ROLLOUTS__SAMPLES_PER_TASK": "2", "PIPELINE__AGENTS__MAX_REVIEW_ROUNDS": "0",
          "PIPELINE__AGENTS__MAX_TOOL_CALLS": "1", "PIPELINE__ROLLOUTS__MAX_FAILURE_RATE": "1.0",
          "PIPELINE__DATASETS__SFT__MIN_REWARD": "0.0", "PIPELINE__SFT__MAX_STEPS": "4", "PIPELINE__BANDIT__FOLDS": "2",
@@ -42,6 +43,9 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          # mechanism, not how well its agents read (#54: fewer tokens to prefill in every call; its rollouts themselves
          # are decode-bound, docs/benchmarks.md)
          "PIPELINE__AGENTS__CONTEXT_CHARS": "200", "PIPELINE__JUDGE__ABSTRACT_CHARS": "400",
+         # every structured answer's strings at half their maxLength: a third fewer tokens decoded on a society's critical
+         # path (#54; its calls decode one token at a time, docs/benchmarks.md)
+         "PIPELINE__AGENTS__TEXT_SCALE": str(TEXT_SCALE),
          # the signal checks measure a few of the training rows (their mechanism: tests/test_sft_signal.py); the PI's
          # held-out slice shrinks to a few rows: nothing here reads the PI's figures, only that its stage ran
          "PIPELINE__SFT__FIT_ROWS": "4", "PIPELINE__PI__SFT__FIT_ROWS": "2", "PIPELINE__PI__SFT__EVAL_FRACTION": "0.01",
@@ -199,6 +203,11 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
 
     models = load_params(clone / "params.yaml", environ=cycle["env"]).agents.models
     assert all(c["logical_model"] == models[c["agent"]] for c in calls), {(c["agent"], c["logical_model"]) for c in calls}
+    # each structured answer was decoded under the cycle's agents.text_scale: its strings within the shortened lengths
+    from pipeline.schemas import named
+
+    parsed = [(named(c["schema"]), json.loads(c["output"])) for c in calls if c.get("parsed")]
+    assert parsed and not [(s.__name__, over_length(s, TEXT_SCALE, a)) for s, a in parsed if over_length(s, TEXT_SCALE, a)]
     for t in shard:  # a finished rollout reached the PI
         assert t["status"] != "ok" or "principal_investigator" in {s["data"]["logical_model"] for s in t["spans"] if s["kind"] == "llm"}
     for out in ("sft/junior_researcher/train.jsonl", "rl/verl/train.parquet", "rl/hf/dataset_info.json", "bandit/train.jsonl"):

@@ -38,7 +38,8 @@ pytestmark = pytest.mark.slow
 # 25 of the 500 non-test questions for validation (the default: 100): a role-level evaluation asks each of them (three
 # versions at once in the PI's test), and 25 is promote.min_tasks, the fewest the default gate decides on (#54)
 VAL_QUESTIONS = 25
-SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1, "context_chars": 200},
+SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1, "context_chars": 200,
+                    "text_scale": 0.5},  # structured answers' strings at half length: fewer tokens a society (#54)
          "judge": {"abstract_chars": 400}, "rollouts": {"retries": 0},
          "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}, "split": {"val_fraction": VAL_QUESTIONS / 500},
          "validate": {"split_rows": {"train": {"min": 500 - VAL_QUESTIONS, "max": 500 - VAL_QUESTIONS}, "val": {"min": VAL_QUESTIONS, "max": VAL_QUESTIONS}}}}
@@ -731,7 +732,8 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_proxy_a
     # is refused by its own rule, even when the figure beside it says it is better: the reward of its summary entry is
     # raised above the champion's here, as a readout apart from the served answer used to show it
     failing = _register(promo, "offline", pi)
-    ev = _cli(promo, "evaluate", PIPELINE__AGENTS__CONTEXT_CHARS="200", PIPELINE__EVALUATE__ONLY=f"[{pi}]")
+    ev = _cli(promo, "evaluate", PIPELINE__AGENTS__CONTEXT_CHARS="200", PIPELINE__EVALUATE__ONLY=f"[{pi}]",
+              PIPELINE__AGENTS__DECISION__RATIONALE_TOKENS="8")
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     summary_path = promo["root"] / "data/evaluation/summary.json"
     summary = json.loads(summary_path.read_text())

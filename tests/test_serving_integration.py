@@ -16,6 +16,7 @@ from pipeline.config import Params
 from pipeline.digest import artifact_sha256
 from pipeline.schemas import Protocol, Review
 from pipeline.serving import deploy, proxy, routing, worker
+from tests.conftest import over_length
 
 pytestmark = pytest.mark.slow
 
@@ -122,13 +123,15 @@ def test_an_upstream_named_by_the_client_is_refused_and_never_called(params: Par
             trap.accept()  # nobody connected
 
 
-@pytest.mark.parametrize("schema", [Review, Protocol], ids=["review", "protocol"])
-def test_guided_json_validates(params: Params, schema) -> None:
-    resp = _chat(params, "review_board", max_tokens=1024, temperature=0.0, response_format=schema.response_format(),
+@pytest.mark.parametrize(("schema", "scale"), [(Review, 1.0), (Protocol, 1.0), (Protocol, 0.25)], ids=["review", "protocol", "protocol-short"])
+def test_guided_json_validates(params: Params, schema, scale: float) -> None:
+    """The worker's grammar holds the answer to the schema; at agents.text_scale < 1 to its shorter strings."""
+    resp = _chat(params, "review_board", max_tokens=1024, temperature=0.0, response_format=schema.response_format(scale),
                  messages=[{"role": "system", "content": "Answer with JSON only."},
                            {"role": "user", "content": "Protocol: give statins to 200 older adults for 2 years; measure dementia incidence."}])
     assert resp.status_code == 200, resp.text
-    schema.model_validate_json(resp.json()["choices"][0]["message"]["content"])
+    answer = schema.model_validate_json(resp.json()["choices"][0]["message"]["content"])
+    assert not over_length(schema, scale, answer.model_dump()), answer
 
 
 def test_token_ids_come_back(params: Params) -> None:

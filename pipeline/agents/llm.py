@@ -69,7 +69,8 @@ class RoleClient:
     def __init__(self, base_url: str, api_key: str, max_tokens: int = 256, temperature: float = 0.7,
                  json_retries: int = 2, timeout_s: float = 300.0, routing: str | None = None, token_ceiling: int = 768,
                  frequency_penalty: float = 0.0, replay: CallBook | None = None, unavailable_wait_s: float = 0.0,
-                 prompts: Prompts = REPOSITORY, transport_retries: int = 2, transport_backoff_s: float = 2.0) -> None:
+                 prompts: Prompts = REPOSITORY, transport_retries: int = 2, transport_backoff_s: float = 2.0,
+                 text_scale: float = 1.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.prompts = prompts  # what this society renders: the routed versions of its templates (prompt_registry.sync)
         self.replay = replay  # recorded calls of roles not under evaluation, answered from the record (agents.replay)
@@ -82,6 +83,7 @@ class RoleClient:
         self.unavailable_wait_s = unavailable_wait_s
         self.transport_retries = transport_retries
         self.transport_backoff_s = transport_backoff_s
+        self.text_scale = text_scale  # of every structured answer's string lengths (agents.text_scale)
         self._http = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
 
     @classmethod
@@ -91,7 +93,7 @@ class RoleClient:
         return cls(base_url, api_key, max_tokens or agents.max_tokens, agents.temperature, agents.json_retries, timeout_s,
                    routing=routing, token_ceiling=agents.token_ceiling, frequency_penalty=agents.frequency_penalty,
                    unavailable_wait_s=agents.unavailable_wait_s, transport_retries=agents.transport_retries,
-                   transport_backoff_s=agents.transport_backoff_s, **kwargs)
+                   transport_backoff_s=agents.transport_backoff_s, text_scale=agents.text_scale, **kwargs)
 
     def endpoint(self, model: str) -> tuple[str, dict[str, str] | None]:
         """(base URL, extra headers) a call for ``model`` goes to: the proxy for every role here; the RL
@@ -213,11 +215,11 @@ class RoleClient:
 
         The cap is raised to the schema's token budget (at most ``token_ceiling``, which keeps prompt +
         completion inside the worker's context): a cap below it truncates a valid answer into invalid JSON."""
-        history = list(messages)
-        cap = max(max_tokens or self.max_tokens, min(schema.token_budget(), self.token_ceiling))
+        history, grammar = list(messages), schema.response_format(self.text_scale)
+        cap = max(max_tokens or self.max_tokens, min(schema.token_budget(self.text_scale), self.token_ceiling))
         for attempt in range(self.json_retries + 1):
-            text = await self.chat(agent, model, history, spans, schema.response_format(), cap, frequency_penalty, temperature,
-                                   top_logprobs, prompt)
+            text = await self.chat(agent, model, history, spans, grammar, cap, frequency_penalty, temperature, top_logprobs,
+                                   prompt)
             call = spans[-1]["data"]  # the llm span chat() just recorded: the datasets stage reads these two fields
             call.update(attempt=attempt + 1, parsed=False, schema=schema.__name__)
             try:
