@@ -38,3 +38,21 @@ def test_a_judged_rollout_is_recorded_with_its_judges_scores_and_a_timed_out_one
     assert got["reward"] == (pytest.approx(fail), "rollout failed: timed out after 600s")
     assert all(got[c][0] == params.judge.failure_score for c in CRITERIA)
     assert {k: got[f"reward_{k}"][0] for k in fail_parts} == pytest.approx(fail_parts)
+
+
+def test_the_test_report_counts_a_failed_rollouts_reward_as_evaluation_does() -> None:
+    """A rollout that failed after its PI decided (the protocol missing) earns the failure score with its decision credit
+    in `evaluate`; the test report's society figure counts the same reward for it, not 0 (#57: one reading)."""
+    from pipeline.stages import report
+
+    params = load_params(ROOT / "params.yaml", environ={})
+    ids = {"run_id": "r", "shard": 0, "task_id": "1", "label": "yes"}
+    value, parts = final_reward(params.judge.failure_score, "GO", "yes", params.reward)
+    final = final_span(value, parts, "rollout failed, not judged: society produced no protocol/decision")
+    failed = Trace(**ids, rollout_id="1-0", status="failed", error="no protocol", decision="GO",
+                   spans=[Span(kind=final["kind"], name=final["name"], data=final["data"])])
+    timed_out = Trace(**ids, rollout_id="1-1", status="failed", error="timed out after 600s")
+    assert value > 0  # the decision's credit: what a reader of `t.reward or 0.0` lost
+    _, records = report._society_figures([failed, timed_out], params)
+    assert [r["reward"] for r in records] == pytest.approx([_scores(params, t)["reward"][0] for t in (failed, timed_out)])
+    assert records[0]["reward"] == pytest.approx(value)

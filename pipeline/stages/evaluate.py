@@ -59,7 +59,6 @@ from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.learning import PROMPT_ALIAS, role_of
 from pipeline.lineage import dvc_md5
 from pipeline.plots import png
-from pipeline.rewards.judge import final_reward
 from pipeline.serving import deploy, proxy, routing, stack
 from pipeline.traces.mlflow_traces import log_traces
 from pipeline.traces.schema import Trace
@@ -139,7 +138,7 @@ def _cached(tracking_cfg: MlflowParams, key: str) -> tuple[list[dict[str, Any]],
     return docs["records"], [Trace.model_validate(t) for t in docs["traces"]]
 
 
-# whole Params: a rollout that left no judgement is scored by judge.failure_score and the reward's weights
+# whole Params: a rollout that left no judgement is scored as society.reward_of reads it
 def _scorers(params: Params, traces: dict[str, Any]) -> list[Any]:
     """The society's judge and the PubMedQA answer check as MLflow scorers. The judge scored each rollout as it ended
     (``run_many(score=True)``: its calls batch with the societies still running); the scorer reads its scores off the
@@ -148,12 +147,9 @@ def _scorers(params: Params, traces: dict[str, Any]) -> list[Any]:
     @scorer(name="society_judge")
     def society_judge(inputs: dict[str, Any]) -> list[Feedback]:
         t = traces[inputs["rollout_id"]]
-        rewards = {s.name: s.data for s in t.spans if s.kind == "reward"}
-        final = rewards.get("final")  # a failed rollout's too: the failure score with its decision credit
-        if final is None:  # a rollout that timed out left no spans
-            value, parts = final_reward(params.judge.failure_score, t.decision, t.label, params.reward)
-            final = {"value": value, "components": parts, "reason": f"rollout failed: {t.error}"}
-        reason = (rewards.get(f"judge.{CRITERIA[0]}") or final)["reason"]
+        final = society.reward_of(t, params)
+        judged = next((s.data for s in t.spans if s.kind == "reward" and s.name == f"judge.{CRITERIA[0]}"), None)
+        reason = (judged or final)["reason"]
         return [*(Feedback(name=c, value=t.rewards.get(c, params.judge.failure_score), rationale=reason) for c in CRITERIA),
                 *(Feedback(name=f"reward_{k}", value=v, rationale=reason) for k, v in final["components"].items()),
                 Feedback(name="reward", value=final["value"], rationale=reason)]
