@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 # versions at once in the PI's test), and 25 is promote.min_tasks, the fewest the default gate decides on (#54)
 VAL_QUESTIONS = 25
 SMALL = {"agents": {"max_review_rounds": 0, "max_tool_calls": 0, "max_tokens": 128, "json_retries": 1, "context_chars": 200,
-                    "text_scale": 0.5},  # structured answers' strings at half length: fewer tokens a society (#54)
+                    "text_scale": 0.4, "decision": {"rationale_tokens": 16}},  # shorter answers: fewer tokens a society (#54)
          "judge": {"abstract_chars": 400}, "rollouts": {"retries": 0},
          "evaluate": {"limit": 2, "bootstrap": 200}, "report": {"limit": 2}, "split": {"val_fraction": VAL_QUESTIONS / 500},
          "validate": {"split_rows": {"train": {"min": 500 - VAL_QUESTIONS, "max": 500 - VAL_QUESTIONS}, "val": {"min": VAL_QUESTIONS, "max": VAL_QUESTIONS}}}}

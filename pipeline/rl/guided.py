@@ -15,10 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import xgrammar as xgr
-from pydantic import BaseModel
 from transformers import LogitsProcessorList
 from trl import GRPOTrainer
 from xgrammar.contrib.hf import LogitsProcessor
+
+from pipeline.schemas import StructuredOutput
 
 
 def prompt_key(prompt: Any) -> str:
@@ -26,11 +27,13 @@ def prompt_key(prompt: Any) -> str:
     return json.dumps(prompt, sort_keys=True, default=str)
 
 
-def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[BaseModel]]) -> dict[str, Any]:
-    """One compiled JSON-schema grammar per schema name, compact JSON (no free whitespace: a small model pads with it)."""
+def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[StructuredOutput]],
+                     text_scale: float = 1.0) -> dict[str, Any]:
+    """One compiled JSON-schema grammar per schema name, compact JSON (no free whitespace: a small model pads with it),
+    its strings as long as the society's calls allow (``agents.text_scale``)."""
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
     compiler = xgr.GrammarCompiler(info)
-    return {name: compiler.compile_json_schema(json.dumps(schema.model_json_schema()), any_whitespace=False)
+    return {name: compiler.compile_json_schema(json.dumps(schema.json_schema(text_scale)), any_whitespace=False)
             for name, schema in schemas.items()}
 
 
