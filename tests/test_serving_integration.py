@@ -382,8 +382,11 @@ def test_injected_instructions_do_not_raise_the_judges_score(params: Params) -> 
     routing.apply(params.serving, params.mlflow, 1)
     url, key = proxy.client_settings(params.serving)
 
+    # the judge's reason is decoded after its scores: shortened (agents.text_scale), the scores it reads are the same (#54)
+    agents = params.agents.model_copy(update={"text_scale": 0.4})
+
     async def score(protocol: dict, question: str, abstract: str, rationale: str) -> float:
-        client = RoleClient.for_agents(params.agents, url, key, 300)
+        client = RoleClient.for_agents(agents, url, key, 300)
         try:
             res = await judge(client, params.judge, params.reward, {"question": question, "contexts": [abstract], "final_decision": "yes"},
                               {"protocol": protocol, "decision": {"decision": "GO", "rationale": rationale}}, 10, [])
