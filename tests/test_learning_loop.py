@@ -43,8 +43,8 @@ CYCLE = {"PIPELINE__ROLLOUTS__LIMIT": "1", "PIPELINE__AGENTS__MAX_TOKENS": "160"
          # mechanism, not how well its agents read (#54: fewer tokens to prefill in every call; its rollouts themselves
          # are decode-bound, docs/benchmarks.md)
          "PIPELINE__AGENTS__CONTEXT_CHARS": "200", "PIPELINE__JUDGE__ABSTRACT_CHARS": "400",
-         # every structured answer's strings at 40% of their maxLength, the PI's rationale at 16 tokens: a third fewer
-         # tokens decoded on a society's critical path (#54; its calls decode one token at a time, docs/benchmarks.md)
+         # every structured answer's strings at 40% of their maxLength, the PI's rationale at 16 tokens: fewer tokens
+         # decoded on a society's critical path (#54; its calls decode one token at a time, docs/benchmarks.md)
          "PIPELINE__AGENTS__TEXT_SCALE": str(TEXT_SCALE), "PIPELINE__AGENTS__DECISION__RATIONALE_TOKENS": "16",
          # the signal checks measure a few of the training rows (their mechanism: tests/test_sft_signal.py); the PI's
          # held-out slice shrinks to a few rows: nothing here reads the PI's figures, only that its stage ran
