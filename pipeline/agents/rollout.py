@@ -31,6 +31,14 @@ def supervisor_policy(agents: AgentsParams, mlflow: MlflowParams, table: dict[st
     return load_policy(uri, mlflow)
 
 
+def failed_span(judge_cfg: JudgeParams, reward: RewardParams, decision: str | None, label: str | None,
+                error: str | None) -> dict[str, Any]:
+    """The ``final`` reward span of a scored rollout that failed: the failure score with its decision credit, what its
+    reward would be made of (it trains nothing: status failed); evaluation and the test report read it as any other."""
+    value, components = final_reward(judge_cfg.failure_score, decision, label, reward)
+    return final_span(value, components, f"rollout failed, not judged: {error}"[:500])
+
+
 async def run_with_retries(agents: AgentsParams, judge_cfg: JudgeParams, reward: RewardParams, client: RoleClient, tools: Toolbox,
                            task: dict[str, Any], ids: dict[str, Any], seed: int, routing_version: Any, policy: Any,
                            timeout_s: float, retries: int, score: bool = True) -> Trace:
@@ -40,8 +48,11 @@ async def run_with_retries(agents: AgentsParams, judge_cfg: JudgeParams, reward:
         try:
             rollout = run_rollout(agents, judge_cfg, reward, client, tools, task, ids, seed, routing_version, policy, score)
             trace = await asyncio.wait_for(rollout, timeout_s)
-        except TimeoutError:
-            trace = Trace(**ids, status="failed", error=f"timed out after {timeout_s:.0f}s")
+        except TimeoutError:  # nothing of the society is left but its task: it decided nothing, and scores as a failure
+            error = f"timed out after {timeout_s:.0f}s"
+            spans = [Span(seq=0, **failed_span(judge_cfg, reward, None, task.get("final_decision"), error))] if score else []
+            trace = Trace(**ids, status="failed", error=error, routing_version=routing_version,
+                          label=task.get("final_decision"), spans=spans)
         trace.attempts = attempt + 1
         if trace.status == "ok":
             break
@@ -75,9 +86,8 @@ async def run_rollout(agents: AgentsParams, judge_cfg: JudgeParams, reward: Rewa
     decision = (state.get("decision") or {}).get("decision")
     if error is None and score:
         result = await judge(client, judge_cfg, reward, task, state, llm_calls, spans)
-    elif score:  # a failed rollout still says what its reward would be made of (it trains nothing: status failed)
-        value, components = final_reward(judge_cfg.failure_score, decision, task.get("final_decision"), reward)
-        spans.append(final_span(value, components, f"rollout failed, not judged: {error}"[:500]))
+    elif score:
+        spans.append(failed_span(judge_cfg, reward, decision, task.get("final_decision"), error))
     align = alignment(decision, task.get("final_decision"))
     rewards = {**result.get("scores", {}), **{f"reward_{k}": v for k, v in result.get("components", {}).items()},
                **({"aligned": float(align["aligned"])} if align["aligned"] is not None else {})}

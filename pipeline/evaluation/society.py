@@ -22,7 +22,6 @@ from pipeline.agents.replay import CallBook
 from pipeline.agents.rollout import run_with_retries, supervisor_policy
 from pipeline.agents.tools import Toolbox
 from pipeline.config import Params
-from pipeline.rewards.judge import final_reward
 from pipeline.serving import proxy
 from pipeline.traces.schema import Trace
 
@@ -67,14 +66,3 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
     with Progress(transient=False) as bar:
         return asyncio.run(main(bar, bar.add_task(description, total=len(tasks) * len(societies))))
 
-
-# whole Params: a failed rollout's reward reads the judge's failure score and the reward's weights
-def reward_of(trace: Trace, params: Params) -> dict[str, Any]:
-    """What a scored rollout earned: its ``final`` span's value, components and reason (judged, or a failed rollout's
-    failure score with its decision credit); a rollout that timed out left no spans and gets the failure score with its
-    decision credit. The one reading of a society's reward: evaluation's scorer and the test report's records."""
-    final = next((s.data for s in trace.spans if s.kind == "reward" and s.name == "final"), None)
-    if final is None:
-        value, components = final_reward(params.judge.failure_score, trace.decision, trace.label, params.reward)
-        final = {"value": value, "components": components, "reason": f"rollout failed: {trace.error}"}
-    return final

@@ -138,7 +138,7 @@ def _cached(tracking_cfg: MlflowParams, key: str) -> tuple[list[dict[str, Any]],
     return docs["records"], [Trace.model_validate(t) for t in docs["traces"]]
 
 
-# whole Params: a rollout that left no judgement is scored as society.reward_of reads it
+# whole Params: a criterion a failed rollout has no score for takes the judge's failure score
 def _scorers(params: Params, traces: dict[str, Any]) -> list[Any]:
     """The society's judge and the PubMedQA answer check as MLflow scorers. The judge scored each rollout as it ended
     (``run_many(score=True)``: its calls batch with the societies still running); the scorer reads its scores off the
@@ -147,7 +147,7 @@ def _scorers(params: Params, traces: dict[str, Any]) -> list[Any]:
     @scorer(name="society_judge")
     def society_judge(inputs: dict[str, Any]) -> list[Feedback]:
         t = traces[inputs["rollout_id"]]
-        final = society.reward_of(t, params)
+        final = t.final()
         judged = next((s.data for s in t.spans if s.kind == "reward" and s.name == f"judge.{CRITERIA[0]}"), None)
         reason = (judged or final)["reason"]
         return [*(Feedback(name=c, value=t.rewards.get(c, params.judge.failure_score), rationale=reason) for c in CRITERIA),

@@ -117,16 +117,15 @@ def _replaced_table(params: Params, role: str, version: str, live: dict[str, Any
     return name
 
 
-# whole Params: the figures read evaluate's settings, a failed rollout's reward the judge's and the reward's
-def _society_figures(traces: list[Trace], params: Params) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _society_figures(traces: list[Trace], evaluate: EvaluateParams) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """What one society served on the test questions: PubMedQA's official figures (a failure answers maybe), yes/no
     accuracy with its exact interval (a failure decides nothing: it counts wrong), the failure rate beside it; each
     rollout's reward as evaluation reads it (a failed one: the failure score with its decision credit)."""
     records: list[dict[str, Any]] = [
                {"task_id": t.task_id, "label": t.label, "decision": t.decision, "status": t.status, "error": t.error,
-                "reward": society.reward_of(t, params)["value"], "scores": t.rewards,
+                "reward": t.final()["value"], "scores": t.rewards,
                 "turns": t.turns, "tokens": t.tokens, "latency_s": t.latency_s} for t in traces]
-    cfg = params.evaluate
+    cfg = evaluate
     yes_no = [r for r in records if r["label"] in ("yes", "no")]
     right = sum(answer(r["decision"]) == r["label"] for r in yes_no)
     lo, hi = role_level.clopper_pearson(right, len(yes_no), cfg.ci) if yes_no else (float("nan"), float("nan"))
@@ -229,13 +228,13 @@ def society_report(params: Params, role: str | None, role_records: list[dict[str
                               description="report: the society on the test split" + (" (after, before)" if before else ""),
                               books=books)
     seconds = time.perf_counter() - t0
-    after, after_records = _society_figures(traces[0], params)
+    after, after_records = _society_figures(traces[0], params.evaluate)
     out: dict[str, Any] = {"questions": len(tasks), "after": after, "records": after_records, "traces": traces[0],
                            "agreement_with_role_level": _agreement(after_records, role_records),
                            "cost": {"seconds": seconds, "societies": len(societies),
                                     "seconds_per_question": seconds / max(len(tasks), 1)}}
     if len(traces) > 1:
-        out["before"], before_records = _society_figures(traces[1], params)
+        out["before"], before_records = _society_figures(traces[1], params.evaluate)
         out["before_version"] = before
         out["after_vs_before"] = _paired(after_records, before_records, params.evaluate)
     if role:

@@ -41,3 +41,11 @@ class Trace(BaseModel):
     attempts: int = 1
     spans: list[Span] = Field(default_factory=list)
 
+    def final(self) -> dict[str, Any]:
+        """What a scored rollout earned: its ``final`` reward span's value, components and reason (judged, or a failed
+        rollout's failure score with its decision credit, ``agents.rollout.failed_span``). The one reading of a
+        society's reward: evaluation's scorer and the test report's records."""
+        found = next((s.data for s in self.spans if s.kind == "reward" and s.name == "final"), None)
+        if found is None:
+            raise ValueError(f"rollout {self.rollout_id}: no final reward span (it was run unscored)")
+        return found
