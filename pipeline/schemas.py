@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 # Every string is bounded, list items included: guided decoding enforces maxLength, and a small
 # model at low temperature can otherwise repeat inside one string until max_tokens cuts the JSON.
 Item = Annotated[str, StringConstraints(max_length=160)]
-Pmid = Annotated[str, StringConstraints(max_length=12)]
+# An identifier keeps its length at any agents.text_scale: a PMID cut to 5 of its 8 digits names another paper.
+KEEP_LENGTH = "x-keep-length"
+Pmid = Annotated[str, StringConstraints(max_length=12), Field(json_schema_extra={KEEP_LENGTH: True})]
 
 
 class StructuredOutput(BaseModel):
@@ -32,8 +34,8 @@ class StructuredOutput(BaseModel):
     @classmethod
     def json_schema(cls, text_scale: float = 1.0) -> dict[str, Any]:
         """The schema guided decoding enforces: every string's maxLength times ``text_scale`` (agents.text_scale;
-        validation keeps the full lengths, so a shorter answer is always valid)."""
-        return _scaled(cls.model_json_schema(), text_scale) if text_scale != 1.0 else cls.model_json_schema()
+        validation keeps the full lengths, so a shorter answer is always valid); an identifier keeps its own."""
+        return _scaled(cls.model_json_schema(), text_scale)
 
     @classmethod
     def response_format(cls, text_scale: float = 1.0) -> dict[str, Any]:
@@ -47,8 +49,8 @@ def _scaled(node: Any, scale: float) -> Any:
         return [_scaled(n, scale) for n in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _scaled(v, scale) for k, v in node.items()}
-    if out.get("type") == "string" and "maxLength" in out:
+    out = {k: _scaled(v, scale) for k, v in node.items() if k != KEEP_LENGTH}
+    if out.get("type") == "string" and "maxLength" in out and not node.get(KEEP_LENGTH):
         out["maxLength"] = max(1, round(out["maxLength"] * scale))
     return out
 

@@ -183,6 +183,18 @@ def test_token_budget_holds_the_longest_answer_the_schema_allows(name: str, scal
         assert cls.token_budget(scale) < cls.token_budget()
 
 
+def test_a_shorter_text_scale_shortens_free_text_but_never_an_identifier() -> None:
+    """At agents.text_scale 0.25 a hypothesis is a quarter as long, and its evidence PMIDs still hold 8 digits (a PMID
+    cut to 5 names another paper); the marker that keeps them is not sent to the grammar."""
+    from pipeline.schemas import Hypothesis
+
+    full, short = Hypothesis.json_schema(), Hypothesis.json_schema(0.25)
+    assert short["properties"]["hypothesis"]["maxLength"] == full["properties"]["hypothesis"]["maxLength"] // 4
+    assert short["properties"]["evidence_pmids"]["items"]["maxLength"] == 12
+    Hypothesis.model_validate({"hypothesis": "h", "rationale": "r", "evidence_pmids": ["25735444"]})
+    assert "x-keep-length" not in json.dumps(full) + json.dumps(short)
+
+
 class _ScriptedClient:
     """A whole society's answers: the safety officer finds a CRITICAL problem in round 0 only, so the graph must
     go back to the refiner once; each reviewer takes a moment, so reviews in flight at once can be counted."""
