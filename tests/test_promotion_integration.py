@@ -15,6 +15,7 @@ first. The slot is emptied for the routing-failure test, where "offline" must be
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -173,6 +174,7 @@ def _swap_evidence(promo: dict, version: str) -> None:
     entry["difference"] = {**d, "mean": -d["mean"], "ci_low": -d["ci_high"], "ci_high": -d["ci_low"]}
     summary["roles"] = {"junior_researcher": entry}  # the A/A senior of the first test was decided there
     path.write_text(json.dumps(summary))
+    promo["win"] = copy.deepcopy(entry)  # the routing-failure test's evidence, at the module's end
 
 
 def _champion(name: str) -> str:
@@ -589,37 +591,6 @@ def _browse_approval(url: str, password: str, path: str, artifacts: Path) -> Non
     assert (artifacts / "airflow-approval.png").stat().st_size > 10_000
 
 
-def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None:
-    """The candidate won on evidence but its backend is down when it is routed in (the "offline"
-    slot, stopped now; the proxy still routes to it)."""
-    import mlflow
-
-    from pipeline import registry
-    from pipeline.serving import worker
-    from pipeline.stages.promote import PromotionError, promote_all, switch
-
-    switch(promo["params"].serving, promo["params"].mlflow, Line("junior_researcher"),
-           registry.get_version("junior_researcher", "3"), "it: base champion again")
-    worker.down(promo["params"].serving, promo["params"].serving.workers[1])
-    version = _register(promo, "offline")
-    summary_path = promo["root"] / "data/evaluation/summary.json"
-    summary = json.loads(summary_path.read_text())
-    summary["roles"]["junior_researcher"]["candidate"]["version"] = version
-    summary["roles"]["junior_researcher"]["champion"]["version"] = _champion("junior_researcher")
-    summary_path.write_text(json.dumps(summary))  # the last evaluation's evidence (a win), now for this version
-    p = promo["params"]  # the evidence is test 2's (2 tasks): the gain decides, as there
-    params = p.model_copy(update={"promote": p.promote.model_copy(update={"require_significance": False, "min_tasks": 2})})
-    before, champion = _live(promo), _champion("junior_researcher")
-    with mlflow.start_run(run_name="it-promote-offline"), pytest.raises(PromotionError, match="offline") as err:
-        promote_all(params.evaluate, params.promote, params.serving, params.mlflow)
-    assert "failed verification" in str(err.value) and f"version {before['version']} stays live" in str(err.value)
-    assert _champion("junior_researcher") == champion and _live(promo)["version"] == before["version"]
-    from mlflow import MlflowClient
-
-    assert MlflowClient().get_model_version("junior_researcher", version).tags["promotion.decision"] == "failed"
-    assert json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]["junior_researcher"]["status"] == "failed"
-
-
 def test_compare_checkpoints_notebook_renders(promo: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     import nbformat
     from nbclient import NotebookClient
@@ -645,12 +616,10 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_proxy_a
     from mlflow import MlflowClient
 
     from pipeline import registry
-    from pipeline.serving import worker
     from pipeline.stages.promote import switch
 
     pi = "principal_investigator"
     params = promo["params"]
-    worker.up(params.serving, params.serving.workers[1])  # the previous test stopped it
     broken = _register(promo, "offline", pi)
     switch(params.serving, params.mlflow, Line(pi), registry.get_version(pi, broken), "it: a PI that cannot answer")
     assert _served(promo, pi) == "offline" and _champion(pi) == broken
@@ -961,3 +930,36 @@ def test_an_adapter_and_a_prompt_are_promoted_and_rolled_back_through_one_switch
 
 def _adapter_folder(promo: dict) -> Path:
     return Path(promo["params"].serving.workers[0].lora_modules["adapter-a"])
+
+
+def test_routing_failure_leaves_alias_and_routing_unchanged(promo: dict) -> None:
+    """The candidate won on evidence but its backend is down when it is routed in (the "offline" slot, stopped now;
+    the proxy still routes to it). The module's last test: every `evaluate` and `promote` before it ensures the serving
+    plane, which would boot the slot again (~25 s)."""
+    import mlflow
+
+    from pipeline import registry
+    from pipeline.serving import worker
+    from pipeline.stages.promote import PromotionError, promote_all, switch
+
+    switch(promo["params"].serving, promo["params"].mlflow, Line("junior_researcher"),
+           registry.get_version("junior_researcher", "3"), "it: base champion again")
+    worker.down(promo["params"].serving, promo["params"].serving.workers[1])
+    version = _register(promo, "offline")
+    summary_path = promo["root"] / "data/evaluation/summary.json"
+    summary = json.loads(summary_path.read_text())  # the last evaluation's, after every rollback of the junior
+    win = copy.deepcopy(promo["win"])  # the second test's evidence (a win), now for this version
+    win["candidate"]["version"], win["champion"]["version"] = version, _champion("junior_researcher")
+    summary["roles"] = {"junior_researcher": win}
+    summary_path.write_text(json.dumps(summary))
+    p = promo["params"]  # the evidence is test 2's (2 tasks): the gain decides, as there
+    params = p.model_copy(update={"promote": p.promote.model_copy(update={"require_significance": False, "min_tasks": 2})})
+    before, champion = _live(promo), _champion("junior_researcher")
+    with mlflow.start_run(run_name="it-promote-offline"), pytest.raises(PromotionError, match="offline") as err:
+        promote_all(params.evaluate, params.promote, params.serving, params.mlflow)
+    assert "failed verification" in str(err.value) and f"version {before['version']} stays live" in str(err.value)
+    assert _champion("junior_researcher") == champion and _live(promo)["version"] == before["version"]
+    from mlflow import MlflowClient
+
+    assert MlflowClient().get_model_version("junior_researcher", version).tags["promotion.decision"] == "failed"
+    assert json.loads((promo["root"] / "reports/promotion.json").read_text())["decisions"]["junior_researcher"]["status"] == "failed"
