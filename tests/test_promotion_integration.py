@@ -9,7 +9,8 @@ stack's spare worker slot ("offline", which the proxy already knows) with a cont
 worse for sure: guided decoding lets them write a valid hypothesis and the SmolLM2 judge's noise
 decides (CI runs saw a random-weight junior win by +0.74 and a random-weight champion score 0.93).
 Stopping the worker during `evaluate` does not work either: the stage brings the serving plane up
-first. The slot is emptied for the routing-failure test, where "offline" must be down.
+first. The slot is emptied for the routing-failure test, where "offline" must be down: the module's last test, so
+nothing boots the worker again. The tests run in file order and build on each other's registry and evidence.
 """
 
 from __future__ import annotations
