@@ -65,4 +65,3 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
 
     with Progress(transient=False) as bar:
         return asyncio.run(main(bar, bar.add_task(description, total=len(tasks) * len(societies))))
-

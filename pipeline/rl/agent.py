@@ -72,8 +72,7 @@ def final_reward(trace: Any, failure_score: float) -> tuple[float, str]:
         return failure_score, f"rollout failed: {trace.error}"
     if trace.reward is None:
         return failure_score, "not judged"
-    judge_reason = next((s.data.get("reason") for s in trace.spans if s.kind == "reward" and s.name == "final"), "")
-    return float(trace.reward), f"judge: {judge_reason}"[:300]
+    return float(trace.reward), f"judge: {trace.final()['reason']}"[:300]
 
 
 class SocietyAgent:
