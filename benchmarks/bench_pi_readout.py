@@ -112,7 +112,7 @@ def decide(probs: dict[str, float], bias: tuple[float, float] = (0.0, 0.0)) -> s
 
 
 def figures(rows: list[dict[str, Any]], bias: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
-    from sklearn.metrics import f1_score  # noqa: PLC0415 - control plane (PubMedQA's evaluation.py uses it)
+    from sklearn.metrics import f1_score, roc_auc_score  # noqa: PLC0415 - control plane (PubMedQA's evaluation.py uses it)
 
     from pipeline.evaluation.metrics import macro_f1  # noqa: PLC0415 - control plane (sklearn)
     from pipeline.evaluation.role_level import clopper_pearson  # noqa: PLC0415 - control plane (scipy)
@@ -122,7 +122,12 @@ def figures(rows: list[dict[str, Any]], bias: tuple[float, float] = (0.0, 0.0)) 
     right = sum(t == p for t, p in yn)
     per_class = dict(zip(("yes", "no", "maybe"), f1_score(truth, preds, labels=["yes", "no", "maybe"], average=None,
                                                           zero_division=0).tolist(), strict=True))
-    return {"n": len(rows), "accuracy": float(np.mean([t == p for t, p in zip(truth, preds, strict=True)])),
+    # ranking apart from calibration: P(GO) against NO-GO on the yes/no questions (a bias moves the decisions, not this)
+    go = [(r["label"] == "yes", r["probs"].get("GO", 0.0), r["probs"].get("NO-GO", 0.0))
+          for r in rows if r["label"] in ("yes", "no") and r["probs"]]
+    ranked = [(y, g / max(g + n, 1e-12)) for y, g, n in go]
+    auc = float(roc_auc_score(*zip(*ranked, strict=True))) if len({y for y, _ in ranked}) == 2 else None
+    return {"n": len(rows), "auc": auc, "accuracy": float(np.mean([t == p for t, p in zip(truth, preds, strict=True)])),
             "macro_f1": macro_f1(truth, preds),
             "yes_no": {"n": len(yn), "accuracy": right / max(len(yn), 1), "ci": clopper_pearson(right, len(yn))},
             "f1_binary": per_class, "answered": {c: preds.count(c) for c in ("yes", "no", "maybe")}, "bias": bias,
@@ -163,8 +168,8 @@ def main() -> None:
              "LoRA adapters as named; every figure on the whole split (n beside it); yes/no accuracy with its exact 95% "
              "interval.", "",
              "| adapter | split | bias (NO-GO, DEFER) | n | official acc. | macro-F1 | F1 yes / no / maybe "
-             "| yes/no acc. [95% CP] | answered yes / no / maybe |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| yes/no acc. [95% CP] | AUC of P(GO) | answered yes / no / maybe |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     doc: dict[str, Any] = {"setting": params.data.setting, "adapters": adapters, "results": {}}
     for name, rs in rows.items():
         by = {s: [r for r in rs if r["split"] == s] for s in splits}
@@ -178,7 +183,7 @@ def main() -> None:
             lines.append(f"| {name} | {split} | {how} {bias} | {f['n']} | {f['accuracy']:.3f} | {f['macro_f1']:.3f} | "
                          + " / ".join(f"{f['f1_binary'][k]:.3f}" for k in ("yes", "no", "maybe"))
                          + f" | {f['yes_no']['accuracy']:.3f} [{cp[0]:.3f}, {cp[1]:.3f}] (n={f['yes_no']['n']}) | "
-                         f"{c['yes']} / {c['no']} / {c['maybe']} |")
+                         + (f"{f['auc']:.3f}" if f["auc"] is not None else "-") + f" | {c['yes']} / {c['no']} / {c['maybe']} |")
     names = list(rows)
     if len(names) > 1 and "test" in splits:
         lines += ["", "| test, no bias | exact McNemar (all 500, right vs wrong) b / c | p (two-sided) |", "|---|---|---|"]

@@ -395,6 +395,9 @@ class SftSettings(_Strict):
     batch_size: int = Field(ge=1)
     grad_accum: int = Field(ge=1)
     learning_rate: float = Field(gt=0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        description="the learning rate over the steps (transformers' lr_scheduler_type): constant, or decayed to 0")
+    warmup_ratio: float = Field(ge=0.0, lt=1.0, description="share of max_steps the learning rate warms up over")
     max_length: int = Field(ge=64)
     eval_fraction: float = Field(gt=0.0, lt=1.0, description="held-out slice of the SFT data for eval loss")
     seed: int
