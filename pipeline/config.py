@@ -642,7 +642,8 @@ class PiParams(_Strict):
     rationale_chars: int = Field(ge=0, le=300, description="loss_on answer: characters of the paper's long answer kept as "
                                  "the target's rationale (in reasoning_free the long answer is in the prompt)")
     loss_on: Literal["decision_token", "answer"] = Field(
-        description="decision_token: the loss on the decision alone, after the served prefix (decision_prefix); "
+        description="decision_token: the loss on the decision's first token alone (the one it is read from), after "
+                    "the served prefix (agents.decision.prefix); "
                     "answer: on the whole PIDecision JSON with its rationale")
     oversample: dict[Literal["yes", "no", "maybe"], Annotated[int, Field(ge=1, le=10)]] = Field(
         description="label -> how often each train row of it is repeated: a class rare in PQA-L (maybe, 11%) is "

@@ -215,6 +215,13 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     assert (clone / "models/sft/junior_researcher/adapter/adapter_config.json").exists()
     assert (clone / "models/sft/junior_researcher/merged/config.json").exists()
     assert (clone / "models/bandit/policy.vw").exists()
+    # the PI's rows end at the decision's first token as the served tokenizer splits it: the token its decision is read from
+    from pipeline.agents import decision
+    from pipeline.schemas import Decision
+
+    pi_rows = [json.loads(line) for line in (clone / "data/datasets/pi/train.decision.jsonl").read_text().splitlines()]
+    assert pi_rows and {r["completion"] for r in pi_rows} <= {"GO", "NO", "DEF"}, {r["completion"] for r in pi_rows}
+    assert all(decision.read([{"token": r["completion"], "logprob": 0.0}])[0] == Decision.for_label(r["label"]) for r in pi_rows)
 
     children = _children(cycle)
     assert set(children) == {"ingest", "validate", "materialize_model", "build_index", "rollouts", "datasets",

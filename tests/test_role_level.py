@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -158,12 +159,21 @@ def test_a_routing_version_from_before_the_pi_had_its_own_model_routes_it_as_the
 
 
 class _Template:
-    """The chat template's part the decision rows rely on: the prompt rendered, ready for the assistant's answer."""
+    """The tokenizer's part the decision rows rely on: the prompt rendered, ready for the assistant's answer, and a
+    split into tokens (here: runs of letters, each other character alone)."""
 
     @staticmethod
     def apply_chat_template(messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
         assert not tokenize and add_generation_prompt
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    @staticmethod
+    def __call__(text: str) -> dict:
+        return {"input_ids": re.findall(r"[A-Za-z]+|.", text, flags=re.S)}  # the pieces stand for their ids
+
+    @staticmethod
+    def decode(ids: list[str]) -> str:
+        return "".join(ids)
 
 
 def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefix(pubmedqa) -> None:
@@ -175,7 +185,9 @@ def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefi
     assert len(rows) == len(chat) and params.pi.loss_on == "decision_token"
     for row, src in zip(rows, chat, strict=True):
         assert row["prompt"].endswith("<assistant>" + prefix)
-        assert row["completion"] == {"yes": 'GO"', "no": 'NO-GO"', "maybe": 'DEFER"'}[src["label"]]
+        # the decision's first token, the one the served PI is read from: NO-GO's `-GO` decides nothing
+        assert row["completion"] == {"yes": "GO", "no": "NO", "maybe": "DEFER"}[src["label"]]
+        assert decision.read([{"token": row["completion"], "logprob": 0.0}])[0] == Decision.for_label(src["label"])
         assert row["task_id"] == src["task_id"] and row["rollout_id"] == src["rollout_id"]
 
 

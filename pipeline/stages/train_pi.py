@@ -58,16 +58,25 @@ def rows(tasks: list[dict[str, Any]], params: Params) -> list[dict[str, Any]]:
     return out
 
 
+def decision_token(tokenizer: Any, prefix: str, decision: str) -> str:
+    """The decision's first token after ``prefix``, as ``tokenizer`` splits the two together: the one token the served
+    PI is read from (``decision.ask``: one token at the decision position)."""
+    cut = len(tokenizer(prefix)["input_ids"])
+    return str(tokenizer.decode(tokenizer(prefix + decision)["input_ids"][cut:cut + 1]))
+
+
 def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> list[dict[str, Any]]:
     """``pi.loss_on: decision_token``: each chat row as text, the prompt rendered with the served chat template and
-    followed by what the served model writes before the decision (``agents.decision.prefix``), the completion the decision
-    itself. The loss then falls on the decision, not on JSON the model already writes (in the whole answer the
-    decision is 1 token of ~13, and one pass learned only the label prior: P(GO) 0.60-0.62 for yes, no and maybe)."""
+    followed by what the served model writes before the decision (``agents.decision.prefix``), the completion the
+    decision's first token, the one the served PI is read from. The loss then falls on the decision, not on JSON the
+    model already writes (in the whole answer the decision is 1 token of ~13, and one pass learned only the label prior:
+    P(GO) 0.60-0.62 for yes, no and maybe), nor on the rest of its spelling (``-GO"`` after ``NO``: two thirds of the
+    loss on tokens that decide nothing, and the recipe a lottery over its seed; docs/training.md)."""
     out = []
     for r in data:
         prompt = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
         decision = json.loads(r["completion"][0]["content"])["decision"]
-        out.append({**r, "prompt": prompt + prefix, "completion": f'{decision}"'})
+        out.append({**r, "prompt": prompt + prefix, "completion": decision_token(tokenizer, prefix, decision)})
     return out
 
 
