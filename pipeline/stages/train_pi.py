@@ -61,8 +61,11 @@ def rows(tasks: list[dict[str, Any]], params: Params) -> list[dict[str, Any]]:
 def decision_token(tokenizer: Any, prefix: str, decision: str) -> str:
     """The decision's first token after ``prefix``, as ``tokenizer`` splits the two together: the one token the served
     PI is read from (``decision.ask``: one token at the decision position)."""
-    cut = len(tokenizer(prefix)["input_ids"])
-    return str(tokenizer.decode(tokenizer(prefix + decision)["input_ids"][cut:cut + 1]))
+    before, ids = tokenizer(prefix)["input_ids"], tokenizer(prefix + decision)["input_ids"]
+    if list(ids[:len(before)]) != list(before):  # the decision merged into the prefix's last token: no position to train
+        raise ValueError(f"agents.decision.prefix {prefix!r}: the tokenizer merges its end with {decision!r}, so the "
+                         "decision has no token of its own after it")
+    return str(tokenizer.decode(ids[len(before):len(before) + 1]))
 
 
 def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> list[dict[str, Any]]:
