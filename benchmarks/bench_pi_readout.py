@@ -112,22 +112,20 @@ def decide(probs: dict[str, float], bias: tuple[float, float] = (0.0, 0.0)) -> s
 
 
 def figures(rows: list[dict[str, Any]], bias: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
-    from sklearn.metrics import f1_score, roc_auc_score  # noqa: PLC0415 - control plane (PubMedQA's evaluation.py uses it)
+    from sklearn.metrics import f1_score  # noqa: PLC0415 - control plane (PubMedQA's evaluation.py uses it)
 
     from pipeline.evaluation.metrics import macro_f1  # noqa: PLC0415 - control plane (sklearn)
-    from pipeline.evaluation.role_level import clopper_pearson  # noqa: PLC0415 - control plane (scipy)
+    from pipeline.evaluation.role_level import auc, clopper_pearson  # noqa: PLC0415 - control plane (scipy)
 
     truth, preds = [r["label"] for r in rows], [decide(r["probs"], bias) for r in rows]
     yn = [(t, p) for t, p in zip(truth, preds, strict=True) if t in ("yes", "no")]
     right = sum(t == p for t, p in yn)
     per_class = dict(zip(("yes", "no", "maybe"), f1_score(truth, preds, labels=["yes", "no", "maybe"], average=None,
                                                           zero_division=0).tolist(), strict=True))
-    # ranking apart from calibration: P(GO) against NO-GO on the yes/no questions (a bias moves the decisions, not this)
-    go = [(r["label"] == "yes", r["probs"].get("GO", 0.0), r["probs"].get("NO-GO", 0.0))
-          for r in rows if r["label"] in ("yes", "no") and r["probs"]]
-    ranked = [(y, g / max(g + n, 1e-12)) for y, g, n in go]
-    auc = float(roc_auc_score(*zip(*ranked, strict=True))) if len({y for y, _ in ranked}) == 2 else None
-    return {"n": len(rows), "auc": auc, "accuracy": float(np.mean([t == p for t, p in zip(truth, preds, strict=True)])),
+    # ranking apart from calibration: P(GO) against NO-GO, as decision.read gives it (a bias moves the decisions, not this)
+    go = [{"label": r["label"], "p_go": r["probs"]["GO"] / (r["probs"]["GO"] + r["probs"]["NO-GO"])}
+          for r in rows if r["probs"] and r["probs"]["GO"] + r["probs"]["NO-GO"] > 0]
+    return {"n": len(rows), "auc": auc(go), "accuracy": float(np.mean([t == p for t, p in zip(truth, preds, strict=True)])),
             "macro_f1": macro_f1(truth, preds),
             "yes_no": {"n": len(yn), "accuracy": right / max(len(yn), 1), "ci": clopper_pearson(right, len(yn))},
             "f1_binary": per_class, "answered": {c: preds.count(c) for c in ("yes", "no", "maybe")}, "bias": bias,

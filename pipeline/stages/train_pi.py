@@ -75,11 +75,11 @@ def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> li
     model already writes (in the whole answer the decision is 1 token of ~13, and one pass learned only the label prior:
     P(GO) 0.60-0.62 for yes, no and maybe), nor on the rest of its spelling (``-GO"`` after ``NO``: two thirds of the
     loss on tokens that decide nothing, and the recipe a lottery over its seed; docs/training.md)."""
+    first = {d.value: decision_token(tokenizer, prefix, d.value) for d in Decision}  # three, not one a row
     out = []
     for r in data:
         prompt = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
-        decision = json.loads(r["completion"][0]["content"])["decision"]
-        out.append({**r, "prompt": prompt + prefix, "completion": decision_token(tokenizer, prefix, decision)})
+        out.append({**r, "prompt": prompt + prefix, "completion": first[json.loads(r["completion"][0]["content"])["decision"]]})
     return out
 
 
