@@ -90,3 +90,8 @@ def test_sft_eval_slice_holds_out_whole_rollouts() -> None:
     single = [{"rollout_id": "1-0", "i": i} for i in range(5)]
     train, evals = train_sft.split(single, cfg)
     assert len(evals) == 1 and len(train) == 4
+    # a row repeated to weigh it in training (train_pi's pi.oversample) is held out with its copies, and counted once
+    weighted = [{"rollout_id": f"{q}-0", "label": "maybe" if q % 2 else "yes"} for q in range(40) for _ in range(1 + 2 * (q % 2))]
+    train, evals = train_sft.split(weighted, cfg.model_copy(update={"eval_fraction": 0.25}))
+    assert not {r["rollout_id"] for r in train} & {r["rollout_id"] for r in evals}
+    assert len(evals) == len({r["rollout_id"] for r in evals}) > 1 and {r["label"] for r in evals} == {"yes", "maybe"}

@@ -65,9 +65,14 @@ def split(rows: list[dict[str, Any]], sft: SftRole) -> tuple[list[dict[str, Any]
         idx = list(range(len(rows)))
         random.Random(sft.seed).shuffle(idx)
         keep = set(idx[:n_eval])
-        evals = [rows[i] for i in sorted(keep)]
-        return [rows[i] for i in range(len(rows)) if i not in keep], evals
-    return [r for r in rows if r["rollout_id"] not in held], evals
+        return [rows[i] for i in range(len(rows)) if i not in keep], _once([rows[i] for i in sorted(keep)])
+    return [r for r in rows if r["rollout_id"] not in held], _once(evals)
+
+
+def _once(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each distinct row once. A row repeated to weigh it in training (``pi.oversample``) is held out with its copies, and
+    counted once there, so the held-out loss is measured on the data's own mix of labels, not on the training weights."""
+    return list({json.dumps(r, sort_keys=True): r for r in rows}.values())
 
 
 def pick_backend(sft: SftRole) -> tuple[str, str | None]:
