@@ -188,9 +188,9 @@ def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefi
         # the decision's first token, the one the served PI is read from: NO-GO's `-GO` decides nothing
         assert row["completion"] == {"yes": "GO", "no": "NO", "maybe": "DEFER"}[src["label"]]
         assert decision.read([{"token": row["completion"], "logprob": 0.0}])[0] == Decision.for_label(src["label"])
+        assert row["task_id"] == src["task_id"] and row["rollout_id"] == src["rollout_id"]
     with pytest.raises(ValueError, match="merges its end"):  # a prefix the decision would merge into: no token to train
         train_pi.decision_token(_Template(), '"decision": "x', "GO")
-        assert row["task_id"] == src["task_id"] and row["rollout_id"] == src["rollout_id"]
 
 
 def test_the_rationale_is_the_string_the_model_closed_after_the_fixed_decision() -> None:
