@@ -121,14 +121,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         test_learning_loop.start(session_tracking_server(factory.mktemp("mlflow")), factory.mktemp("cycle"))
 
 
-def side_session_go() -> None:
-    """Let `make test`'s side session (the modules marked side, scripts/run_tests.sh) start: it waits for the file
-    ``SIDE_SESSION_GO`` names, so that it runs beside the modules after the learning cycle (17-70 % of the cores idle)
-    instead of slowing the cycle, the suite's longest wait (#54)."""
-    if go := os.environ.get("SIDE_SESSION_GO"):
-        Path(go).touch()
-
-
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A session that ends before the cycle's tests (interrupted, -x) stops it; then the tracking server."""
     from tests import test_learning_loop

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from pipeline.services.process import free_port
-from tests.conftest import ROOT, copy_project, over_length, serving_ahead, side_session_go
+from tests.conftest import ROOT, copy_project, over_length, serving_ahead
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -137,7 +137,6 @@ def cycle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     start(mlflow_server, tmp_path_factory.mktemp("cycle"))  # already running unless this module was not collected first
     serving_ahead(tmp_path_factory, request.session)  # the next modules' serving stack boots while this one waits
     proc = _finished()
-    side_session_go()  # the cycle's cores are free: `make test`'s side session starts on them
     try:
         yield {"clone": _RUNNING["clone"], "env": _RUNNING["env"], "run_id": _RUNNING["run_id"], "proc": proc,
                "mlflow": mlflow_server}
