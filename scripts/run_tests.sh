@@ -15,22 +15,18 @@ MARKERS="${PYTEST_MARKERS:-(slow or not slow) and not e2e}"
 PYTEST=(.venv/control/bin/python -m pytest -p no:cacheprovider --durations=15)
 [ $# -eq 0 ] || exec "${PYTEST[@]}" -m "$MARKERS" "$@"  # a chosen selection: one session, as asked
 # Two sessions (#54): the modules marked `side` (no service the suite shares, nothing written in the checkout) run in
-# a second pytest beside the first, at a low CPU priority, so they take the cores the first leaves idle (its waits on
-# services, its single-threaded modules) and yield to its learning cycle and serving stack, the suite's critical path.
-# Its own session, its scheduler group niced: with autogroup (Linux's default) `nice` alone only ranks processes of
-# one session, and the cycle's services run in sessions of their own (measured: a plain `nice` side session slowed
-# the cycle 363 -> 644 s).
+# a second pytest beside the first at nice 10, so they take the cores the first leaves idle (its waits on services,
+# its single-threaded modules) and yield to its learning cycle and serving stack, the suite's critical path.
 side_log=$(mktemp -t side-session.XXXXXX)
 echo "run_tests: the modules marked side run beside this session, their output in $side_log (printed at the end)"
-setsid --wait bash -c 'echo 10 >/proc/self/autogroup 2>/dev/null || true; exec nice -n 10 "$@"' side \
-  "${PYTEST[@]}" -m "($MARKERS) and side" >"$side_log" 2>&1 &
+nice -n 10 "${PYTEST[@]}" -m "($MARKERS) and side" >"$side_log" 2>&1 &
 side=$!
-trap 'kill -- "-$side" 2>/dev/null || true' EXIT  # its session's process group: pytest and what it started
+trap 'kill "$side" 2>/dev/null || true' EXIT
 main_rc=0
 "${PYTEST[@]}" -m "($MARKERS) and not side" || main_rc=$?
 side_rc=0
 wait "$side" || side_rc=$?
-echo "=== the side session (the modules marked side, nice 10) ==="
+echo "=== the side session (modules marked side, nice 10) ==="
 cat "$side_log" && rm -f "$side_log"
 [ "$side_rc" -ne 5 ] || side_rc=0  # pytest's "no tests selected": a marker expression that leaves none beside
 [ "$main_rc" -ne 0 ] && exit "$main_rc"
