@@ -17,8 +17,6 @@ from pipeline.rewards.judge import alignment, weighted_reward
 from pipeline.stages.rollouts import read_journal, summarise
 from tests.conftest import ROOT, SOURCE, section
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 
 def _society(**cfg) -> Society:
     return Society(client=None, tools=None, cfg=section("agents", **cfg), rng=random.Random(0))  # type: ignore[arg-type]

@@ -17,8 +17,6 @@ import pytest
 from pipeline.agents.gene_ontology import KnowledgeError, build_gene_table, resolve
 from pipeline.agents.tools import Toolbox, build_index
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 GENES = [  # _id, entrez, symbol, name, aliases, uniprot
     (1, "7157", "TP53", "tumor protein p53", ["P53", "LFS1"], ["A0A087WT22", "P04637"]),
     (2, "3630", "INS", "insulin", ["IDDM2"], ["P01308"]),

@@ -29,8 +29,6 @@ from pipeline.serving.worker import command
 from pipeline.stages import materialize_model, train_sft
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 GPU_PROFILE = ROOT / "params" / "gpu.yaml"
 
 

@@ -13,8 +13,6 @@ from pipeline.config import load_params
 from pipeline.stages import ingest, validate
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 # compare_checkpoints reads evaluated versions from MLflow: executed in test_promotion_integration.py
 NOTEBOOKS = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb") if p.name != "compare_checkpoints.ipynb")
 

@@ -12,8 +12,6 @@ from pipeline.evaluation.metrics import answer, bootstrap_ci, macro_f1, paired_d
 from pipeline.evaluation.significance import sign_flip
 from tests.conftest import section
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 
 def _records(rewards: list[float], decisions: list[str | None] | None = None, labels: list[str] | None = None,
              ok: list[bool] | None = None) -> list[dict]:

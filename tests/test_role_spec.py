@@ -18,8 +18,6 @@ import yaml
 from pipeline.config import load_params
 from tests.conftest import ROOT, copy_project
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 ROLE = "safety_officer"
 
 

@@ -16,13 +16,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 from pipeline.config import SftParams, load_params
 from pipeline.stages.train_sft import UNSLOTH_MERGED, trainer_args, unsloth_load_kwargs, unsloth_peft_kwargs
 from tests.conftest import GPU_RELEASES, run_with_gpu_releases
-
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
 
 ROOT = Path(__file__).resolve().parent.parent
 UNSLOTH = GPU_RELEASES / "unsloth"

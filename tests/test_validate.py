@@ -12,8 +12,6 @@ from pipeline.config import load_params
 from pipeline.stages import ingest, validate
 from tests.conftest import ROOT, TEST_IDS, set_param
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 
 def _corrupt_source(tmp_path: Path, pubmedqa: dict) -> tuple[Path, dict[str, str]]:
     test_ids = set(json.loads(TEST_IDS.read_text()))

@@ -35,8 +35,6 @@ from pipeline.envs import model_python
 from pipeline.rl.checkpoint import ADAPTER_FILES, TRACKER, adapter_from_checkpoint, latest_checkpoint
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 BUILD = r"""
 import json, sys
 from pathlib import Path

@@ -23,8 +23,6 @@ from pipeline.serving import worker as worker_mod
 from tests.conftest import GPU_RELEASES, run_with_gpu_releases
 from tests.test_infra import _interpolate, _objects
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 STOCK_GUARD = "vllm_guard.KeyOnEveryPath"

@@ -37,8 +37,6 @@ from tests.conftest import gpu_releases_env, run_with_gpu_releases
 from tests.test_infra import _interpolate
 from tests.test_vllm_gpu_argv import stock_workers
 
-pytestmark = pytest.mark.side  # no service the suite shares, nothing written in the checkout: `make test` runs it beside
-
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "gpu-contract-test-key"
 SWITCH = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -70,10 +68,10 @@ def gpu_apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[st
     proc.stdin.flush()
     ready = selectors.DefaultSelector()
     ready.register(proc.stdout, selectors.EVENT_READ)
-    line = proc.stdout.readline() if ready.select(timeout=300) else ""  # its ports, once every app answers (a niced side session)
+    line = proc.stdout.readline() if ready.select(timeout=180) else ""  # its ports, once every app answers
     if not line:
         proc.kill()
-        pytest.fail(f"the 0.20.2 apps did not start within 300 s: {log.read_text()[-4000:]}")
+        pytest.fail(f"the 0.20.2 apps did not start within 180 s: {log.read_text()[-4000:]}")
     try:
         yield {d["name"]: d for d in deployments}, json.loads(line)
     finally:
