@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,7 +46,3 @@ def run_in_model_plane(argv: Sequence[str]) -> int:
     """Re-run ``python -m pipeline <argv>`` under the model-plane interpreter (streams output)."""
     env = {**os.environ, "PYTHONPATH": pythonpath()}
     return subprocess.call([model_python(), "-m", "pipeline", *argv], env=env)
-
-
-def this_python() -> str:
-    return sys.executable
