@@ -1,4 +1,4 @@
-"""Rollouts for real: the society on SmolLM2 through the proxy (slow), and with the endpoint down."""
+"""Rollouts for real: the society on SmolLM2 through the proxy (e2e), and with the endpoint down."""
 
 from __future__ import annotations
 
