@@ -56,6 +56,19 @@ def test_what_a_service_writes_is_its_owners_only(tmp_path: Path) -> None:
         stop(svc)
 
 
+def test_a_home_another_user_must_traverse_keeps_its_mode_through_start(tmp_path: Path) -> None:
+    """The prod stack as root gives its home 0711 so that the `postgres` user reaches its data folder: `start` of any
+    of its services must not take that back (it did, and Postgres could not open its data folder)."""
+    home = tmp_path / "stack"
+    home.mkdir(mode=0o711)
+    svc = Service("traversed", home, home_mode=0o711)
+    start(svc, ["bash", "-c", "touch ready; sleep 300"], lambda: (home / "ready").exists(), timeout_s=10, cwd=home)
+    try:
+        assert home.stat().st_mode & 0o777 == 0o711 and svc.log_file.stat().st_mode & 0o777 == 0o600
+    finally:
+        stop(svc)
+
+
 def test_what_a_killed_service_left_running_is_stopped_by_its_group_and_mark(tmp_path: Path) -> None:
     """A SIGKILLed vLLM worker leaves its engine process running (#44): `stop` (and so `up`, which stops first, and
     `services down`) finds it by the recorded process group and the owner mark in its environment, not by name."""

@@ -150,6 +150,16 @@ def test_secrets_configs_and_logs_are_private(tmp_path: Path, monkeypatch: pytes
     assert not list(home.rglob("*.tmp"))
 
 
+def test_as_root_every_service_keeps_the_home_traversable_for_postgres(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As root the home is 0711 (Postgres runs as its own user below it) and every service the stack starts in it asks
+    `start` for that mode, not its 0700 default; as another user 0700."""
+    for root, mode in ((True, 0o711), (False, 0o700)):
+        cfg, rec, _ = _bring_up(tmp_path / str(root), monkeypatch, root)
+        assert _mode(prod_stack._home(cfg)) == mode
+        homes = {s["service"].home_mode for s in rec.started.values() if s["service"].home == prod_stack._home(cfg)}
+        assert homes == {mode}, (root, homes)
+
+
 def test_pg_hba_asks_every_connection_for_a_scram_password() -> None:
     text = prod_stack.pg_hba_conf()
     rules = [line.split() for line in text.splitlines() if line.strip() and not line.startswith("#")]

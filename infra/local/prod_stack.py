@@ -100,10 +100,14 @@ def _private_dir(path: Path, mode: int = 0o700) -> Path:
     return path
 
 
-def _home_dir(prod_stack: ProdStackParams) -> Path:
+def _home_mode() -> int:
     """The stack's home: 0700; as root 0711, so that the ``postgres`` user can traverse it to its data folder
     (it still cannot list it, and every file in it is 0600)."""
-    return _private_dir(_home(prod_stack), 0o711 if _is_root() else 0o700)
+    return 0o711 if _is_root() else 0o700
+
+
+def _home_dir(prod_stack: ProdStackParams) -> Path:
+    return _private_dir(_home(prod_stack), _home_mode())
 
 
 def write_private(path: Path, text: str, keep_existing: bool = False) -> Path:
@@ -139,7 +143,7 @@ def _secret(prod_stack: ProdStackParams, name: str, make: Any = lambda: secrets.
 def _service(prod_stack: ProdStackParams, name: str) -> Service:
     """The stack's service ``name``, its log (the child's stdout and stderr, which ``process.start`` appends
     to) created 0600 first: service logs may carry connection strings and tracebacks with secrets."""
-    service = Service(name, _home_dir(prod_stack))
+    service = Service(name, _home_dir(prod_stack), _home_mode())  # `start` keeps the home at this mode
     fd = os.open(service.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.close(fd)
     service.log_file.chmod(0o600)

@@ -37,6 +37,7 @@ class ServiceError(RuntimeError):
 class Service:
     name: str
     home: Path
+    home_mode: int = 0o700  # logs, databases and caches: its owner's only (0o711 where another user must traverse it)
 
     @property
     def pid_file(self) -> Path:
@@ -222,7 +223,7 @@ def start(
     that do not speak HTTP (Postgres, Redis, a Celery worker).
     """
     service.home.mkdir(parents=True, exist_ok=True)
-    service.home.chmod(0o700)  # logs, databases and caches of a service: its owner's only
+    service.home.chmod(service.home_mode)
     identity = identity or {"cmd": list(cmd)}
     ready: Callable[[], bool] = ((lambda: http_ok(health_url, headers=health_headers)) if isinstance(health_url, str)
                                  else health_url)
