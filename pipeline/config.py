@@ -720,6 +720,8 @@ class ProdStackParams(_Strict):
     s3_port: int = Field(description="S3-compatible server (moto here; MinIO/S3 in infra/)")
     mlflow_port: int
     airflow_port: int
+    mlflow_auth_cache_ttl_s: int = Field(ge=0, description="MLflow's auth_cache_ttl_seconds on the stack's server "
+                                         "(infra/mlflow-auth.ini for compose): a checked password trusted this long")
     buckets: list[str] = Field(description="created by the boto3 bootstrap (python -m pipeline prod buckets)")
     dvc_remote: str = Field(description="the DVC remote a project uses on this stack")
     workers: dict[str, int] = Field(description="Celery worker per queue -> its concurrency")

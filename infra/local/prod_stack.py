@@ -488,7 +488,7 @@ def mlflow_auth_ini(prod_stack: ProdStackParams) -> str:
         "[mlflow]", "default_permission = READ",
         f"database_uri = postgresql://airflow@{prod_stack.host}:{prod_stack.postgres_port}/mlflow_auth",
         f"admin_username = {MLFLOW_ADMIN}", "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
-        "grant_default_workspace_access = false", ""])
+        "grant_default_workspace_access = false", f"auth_cache_ttl_seconds = {prod_stack.mlflow_auth_cache_ttl_s}", ""])
 
 
 def mlflow_argv(prod_stack: ProdStackParams) -> list[str]:
