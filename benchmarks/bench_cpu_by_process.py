@@ -49,13 +49,14 @@ class Sampler:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 rest = stat[stat.rindex(")") + 2:].split()
                 cpu = (int(rest[11]) + int(rest[12])) / self.tick
+                name = stat[stat.index("(") + 1:stat.rindex(")")]
                 if pid in self.seen:
                     self.seen[pid][1] = cpu
-                    if "multiprocessing.spawn" in self.seen[pid][2]:  # vLLM names its children after they start
-                        self.seen[pid][2] = _cmdline(pid)
+                    # an exec (run_tests.sh's pytest) or a title set after start (vLLM's children) renames a process
+                    if name != self.seen[pid][3] or "multiprocessing.spawn" in self.seen[pid][2]:
+                        self.seen[pid][2:] = [_cmdline(pid) or name, name]
                     continue
                 cmd = _cmdline(pid)
-                name = stat[stat.index("(") + 1:stat.rindex(")")]
                 started = int(rest[19]) / self.tick
                 self.seen[pid] = [0.0 if started > self.t0 else cpu, cpu, cmd or name, name]
             except (OSError, ValueError, IndexError):  # gone between listdir and read
