@@ -5,8 +5,10 @@
 # was at a fixed instant (--exclude-newer), so a later re-resolution gives the same answer.
 #
 #   scripts/lock_gpu.sh               write requirements/gpu.lock.txt (`make lock-gpu`)
-#   scripts/lock_gpu.sh --check       re-resolve into a temp file and diff it against the committed lock:
-#                                     exit 0 current, 1 stale (diff printed), 2 uv failed (e.g. no index)
+#   scripts/lock_gpu.sh --check       re-resolve into a copy of the committed lock (its pins preferred, as
+#                                     `make lock-gpu` prefers them) and diff: exit 0 current, 1 stale (diff
+#                                     printed: gpu.in or the overrides changed what the lock must hold), 2 uv
+#                                     failed (e.g. no index)
 #   scripts/lock_gpu.sh --pip-check   in the image, after installing the lock: `pip check`, failing on any
 #                                     broken requirement other than those gpu.overrides.txt breaks on purpose
 #                                     (its `pip-check-allows:` tags)
@@ -75,6 +77,9 @@ case "${1:-}" in
     --check)
         tmp="$(mktemp -d)"
         trap 'rm -rf "$tmp"' EXIT
+        # Start from the committed lock, as `make lock-gpu` does (uv prefers an output file's pins): the check asks
+        # "would re-locking change it?", so a release the index publishes late under an earlier date cannot fail it.
+        cp "$ROOT/$LOCK" "$tmp/gpu.lock.txt"
         compile "$tmp/gpu.lock.txt" || exit 2
         if diff -u "$ROOT/$LOCK" "$tmp/gpu.lock.txt"; then
             echo "lock_gpu.sh: $LOCK is current"

@@ -1,7 +1,8 @@
 """The GPU worker image's lock (requirements/gpu.in + gpu.overrides.txt -> gpu.lock.txt, scripts/lock_gpu.sh).
 
 Offline: the pins users rely on, every override explained, gpu.in / pyproject's `gpu` extra / the lock agree,
-the Dockerfile installs exactly the lock and pip-checks it. Online: a re-resolution gives the committed lock
+the Dockerfile installs exactly the lock and pip-checks it. Online: re-locking (the committed pins preferred, as
+`make lock-gpu` prefers them) gives the committed lock, and a gpu.in the lock no longer satisfies fails that check
 (skipped, saying why, when the package index cannot be reached). The re-resolution took 9-14 s here, cold or
 warm uv cache, so it stays in the default suite.
 """
@@ -174,15 +175,34 @@ def _unreachable(index: str) -> str | None:
         return f"{index} unreachable: {e}"
 
 
-def test_lock_is_what_gpu_in_resolves_to() -> None:
-    """`scripts/lock_gpu.sh --check`: re-resolve with uv (fixed --exclude-newer, so the answer does not drift) and diff."""
+def _check(script: Path) -> subprocess.CompletedProcess[str]:
+    """`<script> --check`, skipping (saying why) when there is no uv or no package index."""
     uv = _uv()
     if uv is None:
         pytest.skip("no uv next to this interpreter, as a module or on PATH: `make setup` (the control venv pins uv)")
     reason = _unreachable(_index_url())
     if reason:
         pytest.skip(f"cannot re-resolve the GPU lock: {reason}")
-    done = subprocess.run(["bash", str(SCRIPT), "--check"], check=False, env={**os.environ, "UV": " ".join(uv)}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(["bash", str(script), "--check"], check=False, env={**os.environ, "UV": " ".join(uv)}, capture_output=True, text=True, timeout=300)
     if done.returncode == 2 and re.search(r"error sending request|dns error|timed out|Connect", done.stderr):
         pytest.skip(f"the package index went away mid-resolution: {done.stderr.strip().splitlines()[-1]}")
+    return done
+
+
+def test_lock_is_what_gpu_in_resolves_to() -> None:
+    """`scripts/lock_gpu.sh --check`: would `make lock-gpu` (the committed pins preferred) change the lock?"""
+    done = _check(SCRIPT)
     assert done.returncode == 0, f"{LOCK.name} is stale or does not resolve (run `make lock-gpu`):\n{done.stdout}\n{done.stderr}"
+
+
+def test_check_fails_when_gpu_in_asks_for_what_the_lock_does_not_hold(tmp_path: Path) -> None:
+    """The pins are only preferences: a gpu.in the lock no longer satisfies makes the check fail, naming the change."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / SCRIPT.name)
+    shutil.copytree(REQ, tmp_path / "requirements")
+    pinned = _lock()[canonicalize_name("ml-dtypes")]
+    with (tmp_path / "requirements" / IN.name).open("a") as f:
+        f.write(f"ml-dtypes<{pinned}\n")  # an older release: present on any index that served the lock
+    done = _check(tmp_path / "scripts" / SCRIPT.name)
+    assert done.returncode == 1, f"exit {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    assert f"-ml-dtypes=={pinned}" in done.stdout and "is stale" in done.stderr
