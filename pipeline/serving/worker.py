@@ -134,6 +134,8 @@ def environment(serving: ServingParams, worker: WorkerParams) -> dict[str, str]:
         "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapter_cache(serving)),
         "VLLM_CPU_KVCACHE_SPACE": str(worker.kv_cache_gib),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+        # off, vllm-cpu forces its multiprocess executor even for one worker (vllm/platforms/cpu.py)
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if worker.inline_model else "1",
     }
     if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
         settings["CUDA_VISIBLE_DEVICES"] = str(worker.device)
