@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bench_rollouts import group_cpu  # the CPU of a worker's whole process group
 
 from pipeline.config import load_params
 from pipeline.envs import model_python, pythonpath
@@ -59,19 +60,6 @@ def prompts(source: Path, n: int) -> list[list[dict[str, str]]]:
     rows = list(json.loads(source.read_text()).values())[:n]
     return [[{"role": "user", "content": f"Question: {r['QUESTION']}\nContext: {' '.join(r['CONTEXTS'])}\n"
               "Propose one testable hypothesis and how to test it."}] for r in rows]
-
-
-def group_cpu(pgid: int) -> float:
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in (d for d in os.listdir("/proc") if d.isdigit()):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            rest = stat[stat.rindex(")") + 2:].split()
-            if int(rest[2]) == pgid:
-                total += (int(rest[11]) + int(rest[12])) / tick
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
 
 
 async def load(url: str, key: str, model: str, msgs: list[list[dict[str, str]]], concurrency: int, max_tokens: int) -> dict:
