@@ -30,23 +30,25 @@ PROMPT = [{"role": "user", "content": "Summarise what is known about statins and
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int,
-               messages: list[dict[str, str]]) -> tuple[int, float]:
+               messages: list[dict[str, str]], body: dict | None = None) -> tuple[int, float]:
     t0 = time.perf_counter()
     resp = await client.post(url, json={"model": model, "messages": messages, "max_tokens": max_tokens,
-                                        "ignore_eos": True, "temperature": 0.7})
+                                        "ignore_eos": True, "temperature": 0.7, **(body or {})})
     resp.raise_for_status()
     return resp.json()["usage"]["completion_tokens"], time.perf_counter() - t0
 
 
 async def throughput(url: str, model: str, headers: dict, concurrency: int, requests: int, max_tokens: int,
-                     messages: Callable[[int], list[dict[str, str]]] = lambda i: PROMPT, timeout_s: float = 600) -> float:
+                     messages: Callable[[int], list[dict[str, str]]] = lambda i: PROMPT, timeout_s: float = 600,
+                     body: dict | None = None) -> float:
     """Generated tokens/s over ``requests`` chat requests of fixed output length (``messages(i)`` is request i's
-    conversation), ``concurrency`` in flight; ``timeout_s`` per request, the worker's own queueing included."""
+    conversation), ``concurrency`` in flight; ``timeout_s`` per request, the worker's own queueing included; ``body``
+    adds to or overrides each request's fields (e.g. a ``response_format``)."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as client:
         async def bounded(i: int) -> tuple[int, float]:
             async with sem:
-                return await _one(client, url, model, max_tokens, messages(i))
+                return await _one(client, url, model, max_tokens, messages(i), body)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*[bounded(i) for i in range(requests)])

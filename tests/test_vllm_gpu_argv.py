@@ -105,9 +105,9 @@ def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_par
         if w.lora_target_modules is not None:
             assert parsed["lora_target_modules"] == list(w.lora_target_modules)
         assert [m["name"] for m in parsed["lora_modules"]] == list(w.lora_modules or {})
-        # compact JSON only where params ask for it (serving.worker_defaults.compact_json)
+        # the backend params name, compact JSON only where params ask for it (serving.worker_defaults)
         so = parsed["structured_outputs_config"] or {}
-        assert so.get("disable_any_whitespace", False) is w.compact_json and (not w.compact_json or so["backend"] == "xgrammar")
+        assert (so.get("backend"), so.get("disable_any_whitespace", False)) == (w.structured_backend, w.compact_json)
     assert any(w.chunked_prefill and w.gpu_memory_utilization for w in gpu.serving.workers)  # the GPU profile's own
 
     for (where, argv), parsed in zip(stock.items(), result["serve"], strict=True):

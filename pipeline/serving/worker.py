@@ -49,7 +49,6 @@ def served_name(worker: WorkerParams) -> str:
 GUARD = f"{vllm_guard.__name__}.{vllm_guard.KeyOnEveryPath.__name__}"  # what vLLM's --middleware imports
 
 
-COMPACT_JSON = '{"backend": "xgrammar", "disable_any_whitespace": true}'  # vLLM refuses it under backend auto
 
 
 def command(worker: WorkerParams, python: str) -> list[str]:
@@ -69,8 +68,9 @@ def command(worker: WorkerParams, python: str) -> list[str]:
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(worker.max_model_len)]
     if worker.gpu_memory_utilization is not None:  # a GPU worker takes its planned share, not vLLM's ~0.9 default
         cmd += ["--gpu-memory-utilization", str(worker.gpu_memory_utilization)]
-    if worker.compact_json:  # the grammar writes every structural token (what train_pi trains the decision after)
-        cmd += ["--structured-outputs-config", COMPACT_JSON]
+    # compact_json: the grammar writes every structural token (what train_pi trains the decision after)
+    cmd += ["--structured-outputs-config", json.dumps({"backend": worker.structured_backend,
+                                                       "disable_any_whitespace": worker.compact_json})]
     if worker.lora_modules:
         cmd += ["--lora-modules", *[f"{name}={Path(path).resolve()}" for name, path in worker.lora_modules.items()]]
     return cmd
