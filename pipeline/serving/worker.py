@@ -49,8 +49,6 @@ def served_name(worker: WorkerParams) -> str:
 GUARD = f"{vllm_guard.__name__}.{vllm_guard.KeyOnEveryPath.__name__}"  # what vLLM's --middleware imports
 
 
-
-
 def command(worker: WorkerParams, python: str) -> list[str]:
     """The worker's argv. Its key is never on it: vLLM reads ``VLLM_API_KEY`` from the environment ``up`` gives it, and
     the guard middleware (same key) covers the paths vLLM's own check leaves open (``/invocations``, ``/tokenize``)."""
