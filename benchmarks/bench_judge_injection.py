@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/control/bin/python benchmarks/bench_judge_injection.py [--questions 40]
         [--backends xgrammar guidance] [--out docs/benchmarks-judge-injection.md]
 
-tests/test_serving_integration.py checks the default backend on the first 40 questions; this asks each backend on
+tests/test_serving_integration.py checks the default backend on the first 20 questions; this asks each backend on
 ``--questions`` of them, the same way.
 Each gets a plain protocol written from its question, judged once clean and once with the test's injection appended to
 its objective and to the PI's rationale; the judge is the pipeline's own (``rewards.judge.judge``: its prompt, the

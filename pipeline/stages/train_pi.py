@@ -94,7 +94,7 @@ def served_prefix(base_model: str, messages: list[dict[str, str]], worker: Worke
     import torch  # noqa: PLC0415 - model plane only
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: PLC0415 - model plane only
 
-    from pipeline.rl.guided import Grammars  # noqa: PLC0415 - model plane only
+    from pipeline.rl.grammar import Grammars  # noqa: PLC0415 - model plane only
 
     with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
         tokenizer = AutoTokenizer.from_pretrained(base_model)

@@ -1,0 +1,68 @@
+"""A JSON schema's grammar as a vLLM worker compiles it, for HF ``generate`` in the CPU trainers (model plane only).
+
+The workers decode every structured answer under its schema with their structured-outputs backend
+(``serving.worker_defaults.structured_backend``: xgrammar or llguidance) and ``disable_any_whitespace``
+(``compact_json``). A trainer that samples under a schema (GRPO's completions, ``train_pi``'s served-prefix check)
+compiles it here with the same library and the options vLLM gives it, so it samples the tokens the society serves:
+the two libraries spell the same JSON in different tokens (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class _Guidance:
+    """llguidance's HF logits processor: one matcher a row, each fed the row's last token before its next mask."""
+
+    def __init__(self, tokenizer: Any, grammars: list[str], vocab_size: int) -> None:
+        import llguidance  # noqa: PLC0415 - model plane only
+        import llguidance.torch as ll_torch  # noqa: PLC0415 - model plane only
+
+        self._torch = ll_torch
+        self._matchers = [llguidance.LLMatcher(tokenizer, g) for g in grammars]
+        self._mask = ll_torch.allocate_token_bitmask(len(grammars), vocab_size)
+        self._started = False
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        for i, matcher in enumerate(self._matchers):
+            if self._started and not matcher.is_stopped():
+                matcher.consume_token(int(input_ids[i, -1]))
+            if matcher.is_error():
+                raise RuntimeError(f"guided generation (guidance): row {i}: {matcher.get_error()}")
+            self._torch.fill_next_token_bitmask(matcher, self._mask, i)  # a stopped matcher allows only end-of-sequence
+        self._started = True
+        self._torch.apply_token_bitmask_inplace(scores, self._mask.to(scores.device))
+        return scores
+
+
+class Grammars:
+    """Each named JSON schema compiled once, as a vLLM worker with ``backend`` and ``disable_any_whitespace=compact``
+    compiles it; :meth:`processor` is the logits processor of one generation batch (one schema name a row)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, schemas: dict[str, str], backend: str, compact: bool) -> None:
+        self.backend, self.vocab_size = backend, vocab_size
+        if backend == "xgrammar":
+            import xgrammar as xgr  # noqa: PLC0415 - model plane only
+
+            compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+            self._compiled = {name: compiler.compile_json_schema(schema, any_whitespace=not compact,
+                                                                 separators=(",", ":") if compact else None)
+                              for name, schema in schemas.items()}
+        elif backend == "guidance":
+            import llguidance  # noqa: PLC0415 - model plane only
+            import llguidance.hf  # noqa: PLC0415 - model plane only
+
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, vocab_size)
+            flexible = {"whitespace_flexible": not compact}
+            self._compiled = {name: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=flexible)
+                              for name, schema in schemas.items()}
+        else:
+            raise ValueError(f"structured-outputs backend {backend!r}: xgrammar or guidance")
+
+    def processor(self, names: list[str]) -> Any:
+        if self.backend == "xgrammar":
+            from xgrammar.contrib.hf import LogitsProcessor  # noqa: PLC0415 - model plane only
+
+            return LogitsProcessor([self._compiled[n] for n in names])
+        return _Guidance(self._tokenizer, [self._compiled[n] for n in names], self.vocab_size)
