@@ -110,6 +110,16 @@ def test_seeded_calls_need_cpu_workers_that_prefill_whole_prompts(tmp_path: Path
     assert gpu.agents.seeded_calls and all(w.chunked_prefill for w in gpu.serving.workers)
 
 
+@pytest.mark.parametrize(("field", "other"), [("structured_backend", "guidance"), ("compact_json", True)])
+def test_workers_that_decode_json_differently_are_refused(tmp_path: Path, field: str, other: object) -> None:
+    """Adapters move between workers on promotion and the trainers sample under the workers' grammar: one decoding."""
+    def mutate(p: dict) -> None:
+        p["serving"]["workers"].append({"name": "second", "model": "models/base", "port": 8101, field: other})
+
+    with pytest.raises(ParamsError, match=rf"serving\.workers: {field} differs between workers"):
+        load_params(_write(tmp_path, mutate), environ={})
+
+
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n"
 
 
