@@ -126,6 +126,9 @@ class ModelsParams(_Strict):
     test: TestModelParams
 
 
+StructuredBackend = Literal["xgrammar", "guidance"]  # vLLM's structured-outputs backends a worker may run
+
+
 class WorkerParams(_Strict):
     name: str
     model: str
@@ -161,7 +164,7 @@ class WorkerParams(_Strict):
     compact_json: bool = Field(description="structured outputs without free whitespace (vLLM's disable_any_whitespace): "
                                "the grammar, not the model, writes every structural token, so an adapter trained on "
                                "what follows a key sees exactly that context when served (every worker must agree)")
-    structured_backend: Literal["xgrammar", "guidance"] = Field(
+    structured_backend: StructuredBackend = Field(
         description="vLLM's structured-outputs backend (--structured-outputs-config): the library that turns a "
                     "response_format's JSON schema into each step's allowed tokens; on a CPU worker it shares the cores "
                     "with the model (docs/serving.md: guidance is faster there); the CPU trainers that sample under a schema "

@@ -92,7 +92,8 @@ def test_what_a_killed_service_left_running_is_stopped_by_its_group_and_mark(tmp
     assert not stop(svc)  # nothing left, nothing else touched
 
 
-def _supervised(tmp_path: Path, restarts: int, script: str = "sleep 300 &\necho $! > {tmp}/engine-child.pid\nwait\n",
+def _supervised(tmp_path: Path, restarts: int,
+                script: str = "sleep 300 &\necho $! > {tmp}/.engine-child.pid && mv {tmp}/.engine-child.pid {tmp}/engine-child.pid\nwait\n",
                 min_uptime_s: float = 0.0) -> tuple[Service, int, Path]:
     """An engine that leaves a child behind when killed (as vLLM's API server leaves its EngineCore), supervised."""
     import sys

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.config import StructuredBackend
+
 
 class _Guidance:
     """llguidance's HF logits processor: one matcher a row, each fed the row's last token before its next mask."""
@@ -40,7 +42,8 @@ class Grammars:
     """Each named JSON schema compiled once, as a vLLM worker with ``backend`` and ``disable_any_whitespace=compact``
     compiles it; :meth:`processor` is the logits processor of one generation batch (one schema name a row)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, schemas: dict[str, str], backend: str, compact: bool) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, schemas: dict[str, str], backend: StructuredBackend,
+                 compact: bool) -> None:
         self.backend, self.vocab_size = backend, vocab_size
         if backend == "xgrammar":
             import xgrammar as xgr  # noqa: PLC0415 - model plane only

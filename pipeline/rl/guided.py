@@ -18,6 +18,7 @@ from typing import Any
 from transformers import LogitsProcessorList
 from trl import GRPOTrainer
 
+from pipeline.config import StructuredBackend
 from pipeline.rl.grammar import Grammars
 from pipeline.schemas import StructuredOutput
 
@@ -27,7 +28,7 @@ def prompt_key(prompt: Any) -> str:
     return json.dumps(prompt, sort_keys=True, default=str)
 
 
-def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[StructuredOutput]], backend: str,
+def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[StructuredOutput]], backend: StructuredBackend,
                      text_scale: float = 1.0) -> Grammars:
     """Every schema's grammar, compact JSON (no free whitespace: a small model pads with it), its strings as long as
     the society's calls allow (``agents.text_scale``)."""

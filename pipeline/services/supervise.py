@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.io import write_text
+
 
 def _others_in_group(pgid: int) -> list[int]:
     me = os.getpid()
@@ -94,7 +96,7 @@ def supervise(cmd: list[str], restarts: int, backoff_s: float, cap_s: float, win
         child = subprocess.Popen(cmd, preexec_fn=die_with_me)  # noqa: PLW1509 - prctl needs the child, before exec
         started = time.monotonic()
         if child_pid_file is not None:
-            child_pid_file.write_text(str(child.pid))
+            write_text(child_pid_file, str(child.pid))  # whole or not at all: readers poll it while it changes
         rc = child.wait()
         if stopping:
             break
