@@ -200,6 +200,9 @@ class RestartParams(_Strict):
                                 "not restarted (a CPU vLLM answers ~40 s after its start)")
 
 
+SERVING_WIDE = {"compact_json", "structured_backend"}  # worker_defaults only: how every worker decodes JSON
+
+
 class ServingParams(_Strict):
     home: str
     worker_defaults: dict[str, Any] = Field(description="WorkerParams values every worker takes unless its entry sets them")
@@ -221,6 +224,11 @@ class ServingParams(_Strict):
         """Each worker entry over ``worker_defaults``: entries stay short (a ConfigMap, an env override) and every value
         still comes from the params file."""
         if isinstance(data, dict) and isinstance(data.get("worker_defaults"), dict) and isinstance(data.get("workers"), list):
+            for w in data["workers"]:
+                if isinstance(w, dict) and (own := SERVING_WIDE & w.keys()):
+                    raise ValueError(f"serving.workers[{w.get('name')}]: {sorted(own)} only in serving.worker_defaults: "
+                                     "every worker decodes structured outputs one way (adapters move between workers, "
+                                     "the trainers sample under that grammar, DVC tracks the defaults)")
             data = {**data, "workers": [{**data["worker_defaults"], **w} if isinstance(w, dict) else w for w in data["workers"]]}
         return data
 
@@ -874,15 +882,6 @@ class Params(_Strict):
                 if w.lora_target_modules is not None and (missing := set(lora.target_modules) - set(w.lora_target_modules)):
                     raise ValueError(f"{where}: {sorted(missing)} have no LoRA path in "
                                      f"lora_target_modules {w.lora_target_modules}")
-        return self
-
-    @model_validator(mode="after")
-    def _one_json_format(self) -> Params:
-        """Adapters move between workers on promotion: every worker decodes structured outputs the same way."""
-        for field in ("compact_json", "structured_backend"):
-            if len({getattr(w, field) for w in self.serving.workers}) > 1:
-                raise ValueError(f"serving.workers: {field} differs between workers; an adapter trained against one JSON "
-                                 "decoding would be served under another")
         return self
 
     @model_validator(mode="after")

@@ -111,12 +111,13 @@ def test_seeded_calls_need_cpu_workers_that_prefill_whole_prompts(tmp_path: Path
 
 
 @pytest.mark.parametrize(("field", "other"), [("structured_backend", "guidance"), ("compact_json", True)])
-def test_workers_that_decode_json_differently_are_refused(tmp_path: Path, field: str, other: object) -> None:
-    """Adapters move between workers on promotion and the trainers sample under the workers' grammar: one decoding."""
+def test_a_worker_of_its_own_json_decoding_is_refused(tmp_path: Path, field: str, other: object) -> None:
+    """Adapters move between workers on promotion and the trainers sample under the workers' grammar: one decoding,
+    set once in ``serving.worker_defaults`` (what DVC tracks for the trainers)."""
     def mutate(p: dict) -> None:
         p["serving"]["workers"].append({"name": "second", "model": "models/base", "port": 8101, field: other})
 
-    with pytest.raises(ParamsError, match=rf"serving\.workers: {field} differs between workers"):
+    with pytest.raises(ParamsError, match=rf"serving\.workers\[second\]: \['{field}'\] only in serving\.worker_defaults"):
         load_params(_write(tmp_path, mutate), environ={})
 
 

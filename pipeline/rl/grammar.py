@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import StructuredBackend
+from pipeline import timing
+from pipeline.config import StructuredBackend, WorkerParams
 
 
 class _Guidance:
@@ -69,3 +70,20 @@ class Grammars:
 
             return LogitsProcessor([self._compiled[n] for n in names])
         return _Guidance(self._tokenizer, [self._compiled[n] for n in names], self.vocab_size)
+
+
+def greedy(folder: str, messages: list[dict[str, str]], schema: str, worker: WorkerParams, max_new_tokens: int) -> str:
+    """What the model at ``folder`` answers ``messages`` under ``schema``, greedy, decoded as ``worker`` decodes it (its
+    backend, ``compact_json``): the worker's temperature-0 answer, token for token (tests/test_serving_integration.py)."""
+    import torch  # noqa: PLC0415 - model plane only
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: PLC0415 - model plane only
+
+    with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    grammars = Grammars(tokenizer, model.config.vocab_size, {"s": schema}, worker.structured_backend, worker.compact_json)
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
+                         logits_processor=LogitsProcessorList([grammars.processor(["s"])]))
+    return str(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline import timing, tracking, training
+from pipeline import tracking, training
 from pipeline.agents.decision import decision_messages, target
 from pipeline.agents.prompts import REPOSITORY
 from pipeline.config import DecisionInput, Params, PiRole, WorkerParams
@@ -91,20 +91,9 @@ def served_prefix(base_model: str, messages: list[dict[str, str]], worker: Worke
     the workers decode it (their structured-outputs backend; ``compact_json``: no free whitespace, so the grammar
     writes ``{"decision":"`` itself; without it SmolLM2-135M writes an opening brace, a newline and two spaces, and an
     adapter drifts from them)."""
-    import torch  # noqa: PLC0415 - model plane only
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: PLC0415 - model plane only
+    from pipeline.rl.grammar import greedy  # noqa: PLC0415 - model plane only
 
-    from pipeline.rl.grammar import Grammars  # noqa: PLC0415 - model plane only
-
-    with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
-        tokenizer = AutoTokenizer.from_pretrained(base_model)
-        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
-    grammars = Grammars(tokenizer, model.config.vocab_size, {"decision": json.dumps(PIDecision.model_json_schema())},
-                        worker.structured_backend, worker.compact_json)
-    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), return_tensors="pt")
-    guided = LogitsProcessorList([grammars.processor(["decision"])])
-    out = model.generate(**ids, max_new_tokens=24, do_sample=False, logits_processor=guided)
-    text = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = greedy(base_model, messages, json.dumps(PIDecision.model_json_schema()), worker, 24)
     if (key := DECISION_KEY.search(text)) is None:
         raise RuntimeError(f"{base_model} under PIDecision's schema did not reach the decision in 24 tokens: {text!r}")
     return text[:key.end()]
