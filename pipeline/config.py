@@ -225,10 +225,11 @@ class ServingParams(_Strict):
         still comes from the params file."""
         if isinstance(data, dict) and isinstance(data.get("worker_defaults"), dict) and isinstance(data.get("workers"), list):
             for w in data["workers"]:
-                if isinstance(w, dict) and (own := SERVING_WIDE & w.keys()):
-                    raise ValueError(f"serving.workers[{w.get('name')}]: {sorted(own)} only in serving.worker_defaults: "
-                                     "every worker decodes structured outputs one way (adapters move between workers, "
-                                     "the trainers sample under that grammar, DVC tracks the defaults)")
+                defaults = data["worker_defaults"]
+                if isinstance(w, dict) and (own := sorted(k for k in SERVING_WIDE & w.keys() if w[k] != defaults.get(k))):
+                    raise ValueError(f"serving.workers[{w.get('name')}]: {own} other than serving.worker_defaults': every "
+                                     "worker decodes structured outputs one way (adapters move between workers, the "
+                                     "trainers sample under that grammar, DVC tracks the defaults)")
             data = {**data, "workers": [{**data["worker_defaults"], **w} if isinstance(w, dict) else w for w in data["workers"]]}
         return data
 

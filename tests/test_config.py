@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -117,8 +118,11 @@ def test_a_worker_of_its_own_json_decoding_is_refused(tmp_path: Path, field: str
     def mutate(p: dict) -> None:
         p["serving"]["workers"].append({"name": "second", "model": "models/base", "port": 8101, field: other})
 
-    with pytest.raises(ParamsError, match=rf"serving\.workers\[second\]: \['{field}'\] only in serving\.worker_defaults"):
+    with pytest.raises(ParamsError, match=rf"serving\.workers\[second\]: \['{field}'\] other than serving\.worker_defaults'"):
         load_params(_write(tmp_path, mutate), environ={})
+    params = load_params(ROOT / "params.yaml", environ={})  # a worker written out whole (a sidecar's override) is one
+    assert load_params(ROOT / "params.yaml", environ={"PIPELINE__SERVING__WORKERS": json.dumps(
+        [w.model_dump() for w in params.serving.workers])}).serving.workers == params.serving.workers
 
 
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n"
