@@ -187,7 +187,8 @@ class ProxyParams(_Strict):
     host: str
     port: int
     key_file: str
-    request_timeout_s: float
+    request_timeout_s: float = Field(gt=0, description="one call's deadline at the proxy (LiteLLM's request_timeout): "
+                                     "the longest structured answer must fit in it at the load the worker is given")
 
 
 class RestartParams(_Strict):
