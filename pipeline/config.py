@@ -225,8 +225,8 @@ class ServingParams(_Strict):
         """Each worker entry over ``worker_defaults``: entries stay short (a ConfigMap, an env override) and every value
         still comes from the params file."""
         if isinstance(data, dict) and isinstance(data.get("worker_defaults"), dict) and isinstance(data.get("workers"), list):
+            defaults = data["worker_defaults"]
             for w in data["workers"]:
-                defaults = data["worker_defaults"]
                 if isinstance(w, dict) and (own := sorted(k for k in SERVING_WIDE & w.keys() if w[k] != defaults.get(k))):
                     raise ValueError(f"serving.workers[{w.get('name')}]: {own} other than serving.worker_defaults': every "
                                      "worker decodes structured outputs one way (adapters move between workers, the "

@@ -86,4 +86,3 @@ def greedy(folder: str, messages: list[dict[str, str]], schema: str, worker: Wor
     out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
                          logits_processor=LogitsProcessorList([grammars.processor(["s"])]))
     return str(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
-
