@@ -100,7 +100,7 @@ def _materialize(params: Any, gguf: Path, work: Path) -> dict[str, Any]:
 
 def _train(params: Any) -> dict[str, Any]:
     """``train_pi``'s inputs and training step, with its own functions (the served prefix is params'; the CPU run
-    checks it against the base model under the grammar, which needs xgrammar)."""
+    checks it against the base model under the workers' grammar library)."""
     from transformers import AutoTokenizer  # noqa: PLC0415 - model plane only
 
     from pipeline.data.splits import load_tasks  # noqa: PLC0415
