@@ -11,6 +11,7 @@ role-level readout), exactly as `make learn`'s report runs its societies (``eval
 scoring each). Arms are alternated ``--rounds`` times, so the host's hour falls on every arm alike. Per run: the
 societies' seconds (the report's own ``cost``), tokens a society, failures, yes/no accuracy and mean reward, and the
 worker's last logged prefix-cache hit rate. Settings that change the served answers show it in tokens and reward.
+The checkout's own report files (what ``pipeline report`` rewrites) are put back afterwards.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +35,7 @@ from report import publish
 
 ROOT = Path(__file__).resolve().parents[1]
 HIT = re.compile(r"Prefix cache hit rate: ([0-9.]+)%")
+REPORTS = ("reports/test.json", "reports/test", "reports/metrics/report.json")  # what `pipeline report` rewrites
 
 
 def env_of(overrides: list[str], base: dict[str, str]) -> dict[str, str]:
@@ -45,6 +49,15 @@ def env_of(overrides: list[str], base: dict[str, str]) -> dict[str, str]:
 
 def pipeline(env: dict[str, str], *args: str) -> None:
     subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_dir():
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+    else:
+        shutil.copy2(src, dst)
 
 
 def run_arm(label: str, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -79,11 +92,17 @@ def main() -> None:
     args = ap.parse_args()
     arms = [(spec.partition(":")[0], [o for o in spec.partition(":")[2].split(",") if o]) for spec in args.arm]
     rows: list[dict[str, Any]] = []
-    try:
-        for _ in range(args.rounds):
-            rows += [run_arm(label, overrides, args) for label, overrides in arms]
-    finally:
-        pipeline({**os.environ, "PIPELINE_PARAMS": args.params}, "services", "down", "serving")
+    with tempfile.TemporaryDirectory() as kept:  # the checkout's own report comes back afterwards
+        saved = [name for name in REPORTS if (ROOT / name).exists()]
+        for name in saved:
+            _copy(ROOT / name, Path(kept, name))
+        try:
+            for _ in range(args.rounds):
+                rows += [run_arm(label, overrides, args) for label, overrides in arms]
+        finally:
+            pipeline({**os.environ, "PIPELINE_PARAMS": args.params}, "services", "down", "serving")
+            for name in saved:
+                _copy(Path(kept, name), ROOT / name)
     first = arms[0][0]
     ref = statistics.median(r["seconds"] for r in rows if r["arm"] == first)
     lines = ["# The report's society under serving settings, paired (`bench_society_arms.py`)", "",
