@@ -115,16 +115,20 @@ def test_seeded_calls_need_cpu_workers_that_prefill_whole_prompts(tmp_path: Path
 def test_a_worker_of_its_own_json_decoding_is_refused(tmp_path: Path, field: str) -> None:
     """Adapters move between workers on promotion and the trainers sample under the workers' grammar: one decoding,
     set once in ``serving.worker_defaults`` (what DVC tracks for the trainers)."""
-    default = getattr(load_params(ROOT / "params.yaml", environ={}).serving.workers[0], field)
-    other = {"structured_backend": {"xgrammar": "guidance", "guidance": "xgrammar"}, "compact_json": {True: False, False: True}}[
-        field][default]
+    from typing import get_args
+
+    from pipeline.config import StructuredBackend
+
+    params = load_params(ROOT / "params.yaml", environ={})
+    values = {"structured_backend": get_args(StructuredBackend), "compact_json": (True, False)}[field]
+    other = next(v for v in values if v != getattr(params.serving.workers[0], field))  # not what params.yaml defaults to
 
     def mutate(p: dict) -> None:
         p["serving"]["workers"].append({"name": "second", "model": "models/base", "port": 8101, field: other})
 
     with pytest.raises(ParamsError, match=rf"serving\.workers\[second\]: \['{field}'\] other than serving\.worker_defaults'"):
         load_params(_write(tmp_path, mutate), environ={})
-    params = load_params(ROOT / "params.yaml", environ={})  # a worker written out whole (a sidecar's override) is one
+    # a worker written out whole (a sidecar's override) is one
     assert load_params(ROOT / "params.yaml", environ={"PIPELINE__SERVING__WORKERS": json.dumps(
         [w.model_dump() for w in params.serving.workers])}).serving.workers == params.serving.workers
 
