@@ -137,17 +137,25 @@ def test_guided_json_validates(params: Params, schema, scale: float) -> None:
 
 TRAINER_DECODE = """
 import json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.config import WorkerParams
-from pipeline.rl.grammar import greedy
-folder, schema, worker, messages, n = sys.argv[1:]
-print(json.dumps(greedy(folder, json.loads(messages), schema, WorkerParams.model_validate_json(worker), int(n))))
+from pipeline.rl.grammar import decode, greedy
+from pipeline.rl.guided import compile_grammars
+from pipeline.schemas import Review
+folder, worker, messages, n = sys.argv[1:]
+worker, messages, n = WorkerParams.model_validate_json(worker), json.loads(messages), int(n)
+tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+grpo = compile_grammars(tokenizer, model.config.vocab_size, {"Review": Review}, worker, 0.4)
+print(json.dumps({"train_pi": greedy(folder, messages, json.dumps(Review.json_schema(0.4)), worker, n),
+                  "grpo": decode(model, tokenizer, messages, grpo, "Review", n)}))
 """
 
 
 def test_trainers_decode_under_the_workers_grammar(params: Params, serving_models: Path) -> None:
-    """What a CPU trainer samples under a call's schema (GRPO's completions, train_pi's served prefix:
-    ``pipeline.rl.grammar.Grammars``, compiled by the workers' structured-outputs backend as vLLM compiles it) is what the
-    worker serves: greedy, the same text as the served answer at temperature 0, token for token."""
+    """What a CPU trainer samples under a call's schema (train_pi's served prefix, GRPO's completions: each through its
+    own entry point, ``pipeline.rl.grammar.greedy`` and ``pipeline.rl.guided.compile_grammars``) is what the worker
+    serves: greedy, the same text as the served answer at temperature 0, token for token, in the served JSON layout."""
     import json
     import subprocess
 
@@ -161,12 +169,12 @@ def test_trainers_decode_under_the_workers_grammar(params: Params, serving_model
     resp = _chat(params, "review_board", max_tokens=n, temperature=0.0, response_format=Review.response_format(0.4), messages=messages)
     assert resp.status_code == 200, resp.text
     served = resp.json()["choices"][0]["message"]["content"]
-    argv = [str(serving_models / "base"), json.dumps(Review.json_schema(0.4)), worker_params.model_dump_json(),
-            json.dumps(messages), str(n)]
+    argv = [str(serving_models / "base"), worker_params.model_dump_json(), json.dumps(messages), str(n)]
     proc = subprocess.run([model_python(), "-c", TRAINER_DECODE, *argv], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).parents[1], check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == served, (worker_params.structured_backend, served)
+    decoded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert decoded == {"train_pi": served, "grpo": served}, (worker_params.structured_backend, worker_params.compact_json, served)
 
 
 def test_token_ids_come_back(params: Params) -> None:

@@ -64,6 +64,11 @@ class Grammars:
         else:
             raise ValueError(f"structured-outputs backend {backend!r}: xgrammar or guidance")
 
+    @classmethod
+    def served(cls, tokenizer: Any, vocab_size: int, schemas: dict[str, str], worker: WorkerParams) -> Grammars:
+        """The grammars as ``worker`` compiles them: its backend and its JSON layout (``compact_json``)."""
+        return cls(tokenizer, vocab_size, schemas, worker.structured_backend, worker.compact_json)
+
     def processor(self, names: list[str]) -> Any:
         if self.backend == "xgrammar":
             from xgrammar.contrib.hf import LogitsProcessor  # noqa: PLC0415 - model plane only
@@ -76,13 +81,21 @@ def greedy(folder: str, messages: list[dict[str, str]], schema: str, worker: Wor
     """What the model at ``folder`` answers ``messages`` under ``schema``, greedy, decoded as ``worker`` decodes it (its
     backend, ``compact_json``): the worker's temperature-0 answer, token for token (tests/test_serving_integration.py)."""
     import torch  # noqa: PLC0415 - model plane only
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: PLC0415 - model plane only
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
     with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    grammars = Grammars(tokenizer, model.config.vocab_size, {"s": schema}, worker.structured_backend, worker.compact_json)
+    return decode(model, tokenizer, messages, Grammars.served(tokenizer, model.config.vocab_size, {"s": schema}, worker), "s",
+                  max_new_tokens)
+
+
+def decode(model: Any, tokenizer: Any, messages: list[dict[str, str]], grammars: Grammars, name: str,
+           max_new_tokens: int) -> str:
+    """``model``'s greedy answer to ``messages`` under ``grammars``' schema ``name``."""
+    from transformers import LogitsProcessorList  # noqa: PLC0415 - model plane only
+
     ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                         logits_processor=LogitsProcessorList([grammars.processor(["s"])]))
+                         logits_processor=LogitsProcessorList([grammars.processor([name])]))
     return str(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))

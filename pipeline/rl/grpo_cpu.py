@@ -22,7 +22,7 @@ from typing import Any
 
 from pipeline import timing
 from pipeline.agents.llm import RoleClient
-from pipeline.config import AgentsParams, DatasetsParams, JudgeParams, PpoRole, RewardParams, StructuredBackend
+from pipeline.config import AgentsParams, DatasetsParams, JudgeParams, PpoRole, RewardParams, WorkerParams
 from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.rewards.completion import completion_text, score
 from pipeline.rl.prompts import load_prompts
@@ -104,12 +104,13 @@ def _arguments(ppo: PpoRole, out: Path, gpu: bool) -> Any:
 
 
 def _metrics(ppo: PpoRole, prompts: int, scored: list[dict[str, Any]], history: list[dict[str, Any]], steps_done: int,
-             seconds: float, gpu: bool, backend: StructuredBackend) -> dict[str, Any]:
+             seconds: float, gpu: bool, worker: WorkerParams) -> dict[str, Any]:
     """What the run did: steps and seconds, the reward curve's ends, the signal check, why completions scored as they did."""
     steps = [h for h in history if "reward" in h]
     aligned = [r["aligned"] for r in scored if r.get("aligned") is not None]
     return {"backend": "trl", "algorithm": "grpo", "device": "cuda" if gpu else "cpu", "steps": steps_done,
-            "prompts": prompts, "agents": list(ppo.agents), "decoding": f"{backend} JSON schema", **signal(scored),
+            "prompts": prompts, "agents": list(ppo.agents), "decoding": f"{worker.structured_backend} JSON schema",
+            "compact_json": worker.compact_json, **signal(scored),
             "train_seconds": round(seconds, 2), "seconds_per_step": round(seconds / max(1, steps_done), 2),
             "reward_first": steps[0]["reward"] if steps else None, "reward_last": steps[-1]["reward"] if steps else None,
             "reward_mean": statistics.fmean(r["value"] for r in scored) if scored else None,
@@ -120,10 +121,10 @@ def _metrics(ppo: PpoRole, prompts: int, scored: list[dict[str, Any]], history: 
 
 
 def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list[dict[str, Any]]], Any],
-              backend: StructuredBackend, text_scale: float = 1.0) -> dict[str, Any]:
+              worker: WorkerParams, text_scale: float = 1.0) -> dict[str, Any]:
     """Model plane: GRPO + LoRA, adapter saved atomically, metrics returned. ``reward_for(log)`` is the reward function
     (:func:`make_reward` with its sections bound), which records each scored completion in ``log``; completions decode
-    under the schemas as the society serves them (the workers' structured-outputs ``backend``, ``agents.text_scale``)."""
+    under the schemas as ``worker`` serves them (its structured-outputs backend and JSON layout, ``agents.text_scale``)."""
     import torch  # noqa: PLC0415 - model plane only
     from datasets import Dataset  # noqa: PLC0415 - 0.7 s import, only training needs it
     from peft import LoraConfig  # noqa: PLC0415 - model plane only
@@ -146,7 +147,7 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
     with atomic_dir(Path(ppo.out_dir)) as tmp:
         trainer = GuidedGRPOTrainer(model=model, reward_funcs=[reward_for(scored)], train_dataset=train_ds,
                                     args=_arguments(ppo, tmp / "checkpoints", gpu), processing_class=tokenizer, peft_config=peft,
-                                    grammars=compile_grammars(tokenizer, model.config.vocab_size, schemas, backend, text_scale),
+                                    grammars=compile_grammars(tokenizer, model.config.vocab_size, schemas, worker, text_scale),
                                     grammar_of=lambda prompt: schema_of[prompt_key(prompt)])
         t0 = time.perf_counter()
         result = trainer.train()
@@ -157,6 +158,6 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
         history = [h for h in trainer.state.log_history if "step" in h]
         write_json(tmp / "log_history.json", history)
         write_text(tmp / "completions.jsonl", "".join(json.dumps(r) + "\n" for r in scored))
-        metrics = _metrics(ppo, len(rows), scored, history, result.global_step, seconds, gpu, backend)
+        metrics = _metrics(ppo, len(rows), scored, history, result.global_step, seconds, gpu, worker)
         write_json(tmp / "train_meta.json", metrics)
     return metrics
