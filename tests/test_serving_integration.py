@@ -140,8 +140,7 @@ import json, sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.config import WorkerParams
-from pipeline.rl.grammar import decode, greedy
-from pipeline.rl.guided import compile_grammars
+from pipeline.rl.grammar import compile_grammars, decode, greedy
 from pipeline.schemas import Review
 folder, worker, messages, n = sys.argv[1:]
 worker, messages, n = WorkerParams.model_validate_json(worker), json.loads(messages), int(n)
@@ -154,7 +153,7 @@ print(json.dumps({"train_pi": greedy(folder, messages, json.dumps(Review.json_sc
 
 def test_trainers_decode_under_the_workers_grammar(params: Params, serving_models: Path) -> None:
     """What a CPU trainer samples under a call's schema (train_pi's served prefix, GRPO's completions: each through its
-    own entry point, ``pipeline.rl.grammar.greedy`` and ``pipeline.rl.guided.compile_grammars``) is what the worker
+    own entry point, ``pipeline.rl.grammar.greedy`` and ``compile_grammars``) is what the worker
     serves: greedy, the same text as the served answer at temperature 0, token for token, in the served JSON layout."""
     import json
     import subprocess

@@ -9,10 +9,12 @@ the two libraries spell the same JSON in different tokens (docs/serving.md).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pipeline import timing
 from pipeline.config import StructuredBackend, WorkerParams
+from pipeline.schemas import StructuredOutput
 
 
 class _Guidance:
@@ -75,6 +77,15 @@ class Grammars:
 
             return LogitsProcessor([self._compiled[n] for n in names])
         return _Guidance(self._tokenizer, [self._compiled[n] for n in names], self.vocab_size)
+
+
+def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[StructuredOutput]], worker: WorkerParams,
+                     text_scale: float = 1.0) -> Grammars:
+    """Every schema's grammar as ``worker`` compiles it (its backend and ``compact_json``: a completion in another
+    JSON layout than the served one trains the adapter on token contexts the society never shows it), its strings as
+    long as the society's calls allow (``agents.text_scale``)."""
+    return Grammars.served(tokenizer, vocab_size, {name: json.dumps(schema.json_schema(text_scale))
+                                                   for name, schema in schemas.items()}, worker)
 
 
 def greedy(folder: str, messages: list[dict[str, str]], schema: str, worker: WorkerParams, max_new_tokens: int) -> str:

@@ -130,7 +130,8 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
     from peft import LoraConfig  # noqa: PLC0415 - model plane only
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
-    from pipeline.rl.guided import GuidedGRPOTrainer, compile_grammars, prompt_key  # noqa: PLC0415 - imports trl (model plane)
+    from pipeline.rl.grammar import compile_grammars  # noqa: PLC0415 - model plane only
+    from pipeline.rl.guided import GuidedGRPOTrainer, prompt_key  # noqa: PLC0415 - imports trl (model plane)
 
     rows, schemas = _prompts(ppo, datasets)
     schema_of = {prompt_key(r["prompt"]): r["schema"] for r in rows}

@@ -18,23 +18,12 @@ from typing import Any
 from transformers import LogitsProcessorList
 from trl import GRPOTrainer
 
-from pipeline.config import WorkerParams
 from pipeline.rl.grammar import Grammars
-from pipeline.schemas import StructuredOutput
 
 
 def prompt_key(prompt: Any) -> str:
     """A dataset row's prompt (messages or text) as a lookup key."""
     return json.dumps(prompt, sort_keys=True, default=str)
-
-
-def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[StructuredOutput]], worker: WorkerParams,
-                     text_scale: float = 1.0) -> Grammars:
-    """Every schema's grammar as ``worker`` compiles it (its backend and ``compact_json``: a completion in another
-    JSON layout than the served one trains the adapter on token contexts the society never shows it), its strings as
-    long as the society's calls allow (``agents.text_scale``)."""
-    return Grammars.served(tokenizer, vocab_size, {name: json.dumps(schema.json_schema(text_scale))
-                                                   for name, schema in schemas.items()}, worker)
 
 
 class GuidedGRPOTrainer(GRPOTrainer):
