@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from pipeline import timing
-from pipeline.config import StructuredBackend, WorkerParams
+from pipeline.config import WorkerParams
 from pipeline.schemas import StructuredOutput
 
 
@@ -42,11 +42,12 @@ class _Guidance:
 
 
 class Grammars:
-    """Each named JSON schema compiled once, as a vLLM worker with ``backend`` and ``disable_any_whitespace=compact``
-    compiles it; :meth:`processor` is the logits processor of one generation batch (one schema name a row)."""
+    """Each named JSON schema compiled once, as ``worker`` compiles it (its structured-outputs backend and
+    ``disable_any_whitespace=compact_json``); :meth:`processor` is the logits processor of one generation batch (one
+    schema name a row)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, schemas: dict[str, str], backend: StructuredBackend,
-                 compact: bool) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, schemas: dict[str, str], worker: WorkerParams) -> None:
+        backend, compact = worker.structured_backend, worker.compact_json
         self.backend, self.vocab_size = backend, vocab_size
         if backend == "xgrammar":
             import xgrammar as xgr  # noqa: PLC0415 - model plane only
@@ -66,11 +67,6 @@ class Grammars:
         else:
             raise ValueError(f"structured-outputs backend {backend!r}: xgrammar or guidance")
 
-    @classmethod
-    def served(cls, tokenizer: Any, vocab_size: int, schemas: dict[str, str], worker: WorkerParams) -> Grammars:
-        """The grammars as ``worker`` compiles them: its backend and its JSON layout (``compact_json``)."""
-        return cls(tokenizer, vocab_size, schemas, worker.structured_backend, worker.compact_json)
-
     def processor(self, names: list[str]) -> Any:
         if self.backend == "xgrammar":
             from xgrammar.contrib.hf import LogitsProcessor  # noqa: PLC0415 - model plane only
@@ -84,7 +80,7 @@ def compile_grammars(tokenizer: Any, vocab_size: int, schemas: dict[str, type[St
     """Every schema's grammar as ``worker`` compiles it (its backend and ``compact_json``: a completion in another
     JSON layout than the served one trains the adapter on token contexts the society never shows it), its strings as
     long as the society's calls allow (``agents.text_scale``)."""
-    return Grammars.served(tokenizer, vocab_size, {name: json.dumps(schema.json_schema(text_scale))
+    return Grammars(tokenizer, vocab_size, {name: json.dumps(schema.json_schema(text_scale))
                                                    for name, schema in schemas.items()}, worker)
 
 
@@ -97,7 +93,7 @@ def greedy(folder: str, messages: list[dict[str, str]], schema: str, worker: Wor
     with timing.phase(timing.Phase.MODEL_LOAD, plane="model"):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return decode(model, tokenizer, messages, Grammars.served(tokenizer, model.config.vocab_size, {"s": schema}, worker), "s",
+    return decode(model, tokenizer, messages, Grammars(tokenizer, model.config.vocab_size, {"s": schema}, worker), "s",
                   max_new_tokens)
 
 

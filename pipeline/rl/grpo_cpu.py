@@ -25,6 +25,7 @@ from pipeline.agents.llm import RoleClient
 from pipeline.config import AgentsParams, DatasetsParams, JudgeParams, PpoRole, RewardParams, WorkerParams
 from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.rewards.completion import completion_text, score
+from pipeline.rl.grammar import compile_grammars
 from pipeline.rl.prompts import load_prompts
 from pipeline.schemas import named
 
@@ -130,7 +131,6 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
     from peft import LoraConfig  # noqa: PLC0415 - model plane only
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
 
-    from pipeline.rl.grammar import compile_grammars  # noqa: PLC0415 - model plane only
     from pipeline.rl.guided import GuidedGRPOTrainer, prompt_key  # noqa: PLC0415 - imports trl (model plane)
 
     rows, schemas = _prompts(ppo, datasets)
