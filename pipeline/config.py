@@ -156,6 +156,11 @@ class WorkerParams(_Strict):
     adapter_dir: str | None = Field(description="where adapter_store is synced on the worker (with adapter_store)")
     adapter_sync_wait_s: float = Field(gt=0, description="how long promotion waits for the sidecar to bring a published adapter")
 
+    def structured_outputs(self) -> dict[str, Any]:
+        """vLLM's ``--structured-outputs-config``: how this worker, and whatever samples for it (verl's rollout engine),
+        decodes a JSON schema."""
+        return {"backend": self.structured_backend, "disable_any_whitespace": self.compact_json}
+
     @model_validator(mode="after")
     def _store_needs_dir(self) -> WorkerParams:
         if (self.adapter_store is None) != (self.adapter_dir is None):

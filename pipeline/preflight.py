@@ -41,6 +41,7 @@ from pipeline.config import (
     PromoteParams,
     ServingParams,
     SftParams,
+    WorkerParams,
 )
 from pipeline.envs import REPO_ROOT, model_python
 from pipeline.learning import WAYS, Learning
@@ -73,20 +74,21 @@ def gpu_stages(ppo: PpoSettings, sft: SftParams, serving: ServingParams) -> list
                    if w.gpu_memory_utilization is not None]
 
 
-def compose(ppo: PpoRole, mlflow: MlflowParams, judge: JudgeParams) -> Any:
+def compose(ppo: PpoRole, mlflow: MlflowParams, judge: JudgeParams, worker: WorkerParams) -> Any:
     """The trainer config the profile composes for one role (placeholders for the per-run gateway URL and key)."""
-    return verl_config.compose(ppo, mlflow, judge, Path(ppo.out_dir + ".checkpoints"), f"train_ppo@{ppo.role}",
+    return verl_config.compose(ppo, mlflow, judge, worker, Path(ppo.out_dir + ".checkpoints"), f"train_ppo@{ppo.role}",
                                "http://<gateway>", "<per-run key>")
 
 
-def check_verl(ppo: PpoSettings, mlflow: MlflowParams, agents: AgentsParams, config: Any, print_config: bool) -> str:
+def check_verl(ppo: PpoSettings, mlflow: MlflowParams, agents: AgentsParams, worker: WorkerParams, config: Any,
+               print_config: bool) -> str:
     if print_config:
         print(verl_config.printable(config))
-    broken = verl_config.contract(ppo, agents, config)
+    broken = verl_config.contract(ppo, agents, worker, config)
     if broken:
         raise ValueError("; ".join(broken))
     agl, verl = verl_config.config_dirs()
-    count = len(verl_config.overrides(ppo, mlflow, ".", "x"))
+    count = len(verl_config.overrides(ppo, mlflow, ".", "x", worker))
     return f"composed {agl / 'config.yaml'} over {verl} with {count} overrides"
 
 
@@ -159,8 +161,9 @@ def check_packages(ppo: PpoSettings, imports: bool) -> str:
 # whole Params: the role's PPO settings and the mlflow, judge and agents sections the verl config composes from
 def _verl_checks(params: Params, role: str, print_config: bool) -> list[tuple[str, Callable[[], str]]]:
     ppo = params.ppo.at(role)  # the settings the config is composed from are the ones its contract is checked against
-    config = functools.cache(lambda: compose(ppo, params.mlflow, params.judge))  # one for both checks
-    return [(f"verl config ({role})", lambda: check_verl(ppo, params.mlflow, params.agents, config(), print_config)),
+    worker = params.serving.workers[0]  # every worker decodes JSON one way (serving.worker_defaults)
+    config = functools.cache(lambda: compose(ppo, params.mlflow, params.judge, worker))  # one for both checks
+    return [(f"verl config ({role})", lambda: check_verl(ppo, params.mlflow, params.agents, worker, config(), print_config)),
             (f"verl validation ({role})", lambda: check_verl_validation(config()))]
 
 

@@ -85,8 +85,8 @@ def test_auto_backends_record_why_they_fell_back(params_cpu=None) -> None:
 # --- 2-5. verl's config: Agent Lightning's, LoRA merged, no resume, full response budget ----------------
 
 def test_the_composed_config_is_lightningrl_with_lora_served_and_no_resume(gpu, tmp_path: Path) -> None:
-    config = verl_config.compose(gpu.ppo, gpu.mlflow, gpu.judge, tmp_path / "ckpt", "exp", "http://gw:1", "secret-key")
-    assert verl_config.contract(gpu.ppo, gpu.agents, config) == []
+    config = verl_config.compose(gpu.ppo, gpu.mlflow, gpu.judge, gpu.serving.workers[0], tmp_path / "ckpt", "exp", "http://gw:1", "secret-key")
+    assert verl_config.contract(gpu.ppo, gpu.agents, gpu.serving.workers[0], config) == []
     arr = config.actor_rollout_ref
     assert arr.actor.policy_loss.loss_mode == "per_rollout_mean" and config.algorithm.enable_rollout_level_advantage is True
     assert arr.model.lora.merge is True and arr.model.lora_rank == gpu.ppo.lora.r  # gateway rollouts sample the trained policy
@@ -101,23 +101,26 @@ def test_the_composed_config_is_lightningrl_with_lora_served_and_no_resume(gpu, 
 
 
 def test_the_old_composition_breaks_the_contract(gpu, tmp_path: Path) -> None:
-    """What verl_main composed before: verl's bare ppo_trainer, max_response_length 64, resume auto, no merge."""
+    """What verl_main composed before: verl's bare ppo_trainer, max_response_length 64, resume auto, no merge, vLLM's own
+    JSON decoding in the rollout engine."""
     from hydra import compose, initialize_config_dir
 
     _, verl = verl_config.config_dirs()
-    old = [o for o in verl_config.overrides(gpu.ppo, gpu.mlflow, tmp_path, "x")
-           if not o.startswith(("trainer.resume_mode", "actor_rollout_ref.model.lora.merge", "data.max_response_length", "trainer.logger"))]
+    old = [o for o in verl_config.overrides(gpu.ppo, gpu.mlflow, tmp_path, "x", gpu.serving.workers[0])
+           if not o.startswith(("trainer.resume_mode", "actor_rollout_ref.model.lora.merge", "data.max_response_length", "trainer.logger",
+                                "+actor_rollout_ref.rollout.engine_kwargs"))]
     with initialize_config_dir(config_dir=str(verl), version_base=None):
         config = compose("ppo_trainer", overrides=[*old, "data.max_response_length=64", "trainer.logger=[console,mlflow]"])
-    broken = " | ".join(verl_config.contract(gpu.ppo, gpu.agents, config))
-    for promise in ("per_rollout_mean", "enable_rollout_level_advantage", "resume_mode", "lora.merge", "max_response_length", "mlflow"):
+    broken = " | ".join(verl_config.contract(gpu.ppo, gpu.agents, gpu.serving.workers[0], config))
+    for promise in ("per_rollout_mean", "enable_rollout_level_advantage", "resume_mode", "lora.merge", "max_response_length", "mlflow",
+                    "decodes JSON"):
         assert promise in broken
 
 
 def test_an_unknown_verl_key_fails_composition_naming_it(gpu, tmp_path: Path) -> None:
     bad = gpu.model_copy(update={"ppo": gpu.ppo.model_copy(update={"verl_overrides": ["actor_rollout_ref.rollout.no_such_knob=1"]})})
     with pytest.raises(verl_config.VerlConfigError, match="no_such_knob"):
-        verl_config.compose(bad.ppo, bad.mlflow, bad.judge, tmp_path, "x", "http://gw", "k")
+        verl_config.compose(bad.ppo, bad.mlflow, bad.judge, bad.serving.workers[0], tmp_path, "x", "http://gw", "k")
 
 
 def test_verl_step_metrics_come_from_its_file_logger_and_the_key_never_reaches_the_log(tmp_path: Path,
@@ -244,7 +247,7 @@ print("ok")
 
 
 def test_the_workers_setup_hook_is_ours_and_attention_needs_no_flash_attn(gpu, tmp_path: Path) -> None:
-    config = verl_config.compose(gpu.ppo, gpu.mlflow, gpu.judge, tmp_path, "x", "http://gw", "k")
+    config = verl_config.compose(gpu.ppo, gpu.mlflow, gpu.judge, gpu.serving.workers[0], tmp_path, "x", "http://gw", "k")
     assert config.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == "pipeline.rl.verl_patches.setup_worker"
     model = config.actor_rollout_ref.model
     assert model.override_config.attn_implementation == "sdpa" and model.use_remove_padding is False

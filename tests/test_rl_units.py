@@ -144,13 +144,13 @@ def test_hooks_never_overwrite_the_agents_record_and_record_failures(tmp_path: P
 
 
 def test_verl_config_follows_params(params, tmp_path: Path) -> None:
-    over = overrides(params.ppo, params.mlflow, tmp_path / "ckpt", "exp")
+    over = overrides(params.ppo, params.mlflow, tmp_path / "ckpt", "exp", params.serving.workers[0])
     cfg = params.ppo
     assert "algorithm.adv_estimator=grpo" in over and f"actor_rollout_ref.rollout.n={cfg.group_size}" in over
     assert f"actor_rollout_ref.model.lora_rank={cfg.lora.r}" in over and f"trainer.total_training_steps={cfg.max_steps}" in over
     assert not any(o.startswith("critic.") for o in over)
     gae = params.model_copy(update={"ppo": cfg.model_copy(update={"algorithm": "gae", "full_finetune": True, "verl_overrides": ["x.y=1"]})})
-    over = overrides(gae.ppo, gae.mlflow, tmp_path / "ckpt", "exp")
+    over = overrides(gae.ppo, gae.mlflow, tmp_path / "ckpt", "exp", gae.serving.workers[0])
     assert "algorithm.adv_estimator=gae" in over and any(o.startswith("critic.model.path=") for o in over)
     assert not any("lora_rank" in o for o in over) and over[-1] == "x.y=1"
     section = agentlightning_section(params.ppo, params.judge, "http://gw", "k")

@@ -28,10 +28,27 @@ LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 STOCK_GUARD = "vllm_guard.KeyOnEveryPath"
 
 
-def _parse(api_server: list[list[str]], serve: list[list[str]]) -> dict[str, Any]:
+def _parse(api_server: list[list[str]], serve: list[list[str]], verl_rollout: list[str]) -> dict[str, Any]:
     return run_with_gpu_releases([str(ROOT / "tests/vllm_gpu_parse.py")],
-                                 stdin=json.dumps({"api_server": api_server, "serve": serve}),
+                                 stdin=json.dumps({"api_server": api_server, "serve": serve, "verl_rollout": verl_rollout}),
                                  env={"VLLM_LOGGING_LEVEL": "ERROR"})
+
+
+def _verl_configs(gpu: Any, folder: Path) -> list[str]:
+    """The GPU profile's verl trainer config as train_ppo composes it, and the same without the rollout engine's
+    JSON decoding (what was composed before): YAML files for verl's own rollout-server argv builder."""
+    from omegaconf import OmegaConf
+
+    from pipeline.rl import verl_config
+
+    worker = gpu.serving.workers[0]
+    config = verl_config.compose(gpu.ppo, gpu.mlflow, gpu.judge, worker, folder / "ckpt", "x", "http://gw", "k")
+    old = OmegaConf.create(OmegaConf.to_container(config))
+    del old.actor_rollout_ref.rollout.engine_kwargs.vllm["structured_outputs_config"]
+    paths = [folder / "composed.yaml", folder / "before.yaml"]
+    for path, cfg in zip(paths, (config, old), strict=True):
+        path.write_text(OmegaConf.to_yaml(cfg))
+    return [str(p) for p in paths]
 
 
 def _pinned() -> str:
@@ -67,7 +84,7 @@ BROKEN_SERVE = [["--model", "m", "--gpu-memory-utilisation", "0.5"]]
 
 
 @pytest.fixture(scope="module")
-def result() -> dict[str, Any]:
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every worker's argv (params' GPU and CPU workers, compose's and Kubernetes' stock ones) and the broken ones, parsed
     by the pinned release in one process (#54: ~12 s of imports each)."""
     gpu = load_params(ROOT / "params/gpu.yaml", environ={})
@@ -75,9 +92,11 @@ def result() -> dict[str, Any]:
     workers = [*gpu.serving.workers, *cpu_defaults.serving.workers]  # the CPU argv too: whole prompts, chunking off
     commands = [worker_mod.command(w, "python") for w in workers]
     stock = _stock_argvs()
-    out = _parse([*(cmd[3:] for cmd in commands), *BROKEN_API_SERVER], [*stock.values(), *BROKEN_SERVE])
+    out = _parse([*(cmd[3:] for cmd in commands), *BROKEN_API_SERVER], [*stock.values(), *BROKEN_SERVE],
+                 _verl_configs(gpu, tmp_path_factory.mktemp("verl")))
     n, m = len(commands), len(stock)
     return {"gpu": gpu, "workers": workers, "commands": commands, "stock": stock, "version": out["version"],
+            "verl_rollout": out["verl_rollout"],
             "api_server": out["api_server"][:n], "serve": out["serve"][:m],
             "broken": [*out["api_server"][n:], *out["serve"][m:]]}
 
@@ -114,6 +133,17 @@ def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_par
         assert "error" not in parsed, (where, parsed)
         assert parsed["model"] == argv[argv.index("--model") + 1] and parsed["middleware"] == [STOCK_GUARD], where
         assert (parsed["structured_outputs_config"] or {}).get("disable_any_whitespace") is False, where  # as params' workers
+
+
+def test_verls_rollout_engine_decodes_json_as_the_workers_do(result: dict[str, Any]) -> None:
+    """GRPO on GPU samples the trained role's answers from verl's own vLLM, not from a worker: the engine arguments verl
+    0.8.0 builds from the composed config, parsed by the pinned vLLM, carry the workers' structured-outputs backend and
+    JSON layout. Without them (the config composed before) that engine decodes with vLLM's defaults."""
+    composed, before = result["verl_rollout"]
+    assert "error" not in composed and "error" not in before, (composed, before)
+    served = {w.structured_outputs()["backend"] for w in result["gpu"].serving.workers}
+    assert len(served) == 1 and composed["structured_outputs_config"] == result["gpu"].serving.workers[0].structured_outputs()
+    assert (before["structured_outputs_config"] or {}).get("backend", "auto") == "auto"  # vLLM's default, free whitespace
 
 
 def test_a_flag_the_pinned_vllm_does_not_know_is_refused(result: dict[str, Any]) -> None:

@@ -5,6 +5,9 @@ requirements/gpu-unpacked.txt). Reads {"api_server": [argv, ...], "serve": [argv
 argvs are what follows ``python -m vllm.entrypoints.openai.api_server`` (the local workers' launcher, parsed as its
 ``__main__`` parses them), ``serve`` argvs what follows the stock image's ``vllm serve`` entrypoint (compose, Kubernetes),
 parsed by the ``serve`` subcommand's parser. Both then go through ``validate_parsed_serve_args``, as at startup.
+``verl_rollout`` names composed trainer configs (YAML files): for each, the rollout server's engine arguments as
+verl 0.8.0's ``vLLMHttpServer.launch_server`` builds them (its ``RolloutConfig``, ``engine_kwargs.vllm``,
+``build_cli_args_from_config``), parsed by the ``serve`` parser verl hands them to.
 Prints, per argv, either the parsed values the tests check or the parser's error.
 
 The parser needs a platform to compute its defaults. CUDA's cannot load here (its kernels need libcuda), so the
@@ -58,12 +61,27 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
             "serve": ServeSubcommand().subparser_init(top.add_subparsers(dest="subparser"))}
 
 
+def verl_rollout_argv(path: str) -> list[str]:
+    """What follows ``serve`` in verl's rollout server for the trainer config at ``path`` (engine_kwargs only: the rest
+    verl builds from its own rollout fields, which the project does not set through vLLM)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415 - only this request needs verl
+    from verl.utils.config import omega_conf_to_dataclass  # noqa: PLC0415
+    from verl.workers.rollout.vllm_rollout.utils import build_cli_args_from_config  # noqa: PLC0415
+
+    config = OmegaConf.load(path)
+    rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+    engine_kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}  # as launch_server reads them
+    return [config.actor_rollout_ref.model.path,
+            *build_cli_args_from_config({k: v for k, v in engine_kwargs.items() if v is not None})]
+
+
 def main() -> None:
     request = json.load(sys.stdin)
     ps = parsers()
     out = {"version": vllm.__version__,
            "api_server": [parse(ps["api_server"], argv) for argv in request.get("api_server", [])],
-           "serve": [parse(ps["serve"], argv) for argv in request.get("serve", [])]}
+           "serve": [parse(ps["serve"], argv) for argv in request.get("serve", [])],
+           "verl_rollout": [parse(ps["serve"], verl_rollout_argv(path)) for path in request.get("verl_rollout", [])]}
     print(json.dumps(out, default=str))
 
 

@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pipeline import envs
 from pipeline.agents.llm import senior_completion_ceiling
-from pipeline.config import AgentsParams, JudgeParams, MlflowParams, PpoSettings
+from pipeline.config import AgentsParams, JudgeParams, MlflowParams, PpoSettings, WorkerParams
 from pipeline.rl.gateway import AGENT_CLASS, HOOKS_FILE
 
 REDACTED = "<redacted>"
@@ -68,8 +68,11 @@ def attention(kind: str, model: str) -> list[str]:
     return [f"+{model}.override_config.attn_implementation=sdpa", f"{model}.use_remove_padding=false"]
 
 
-def overrides(ppo: PpoSettings, mlflow: MlflowParams, checkpoints: str | Path, experiment: str) -> list[str]:
-    """The project's Hydra overrides over Agent Lightning's verl config, from ``params`` only."""
+def overrides(ppo: PpoSettings, mlflow: MlflowParams, checkpoints: str | Path, experiment: str,
+              worker: WorkerParams) -> list[str]:
+    """The project's Hydra overrides over Agent Lightning's verl config, from ``params`` only; ``worker`` is one of the
+    serving workers, whose JSON decoding verl's rollout engine takes."""
+    so = worker.structured_outputs()
     model = str(Path(ppo.base_model).resolve())
     lora = [] if ppo.full_finetune else [
         f"actor_rollout_ref.model.lora_rank={ppo.lora.r}", f"actor_rollout_ref.model.lora_alpha={ppo.lora.alpha}",
@@ -98,6 +101,10 @@ def overrides(ppo: PpoSettings, mlflow: MlflowParams, checkpoints: str | Path, e
         f"actor_rollout_ref.rollout.temperature={ppo.temperature}",
         f"actor_rollout_ref.rollout.gpu_memory_utilization={ppo.rollout_gpu_share}",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={ppo.rollout_tensor_parallel}",
+        # the society's structured answers are decoded as the workers decode them (backend, JSON layout): under vLLM's
+        # defaults (backend auto, free whitespace) the policy would learn on completions the society is never served
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.structured_outputs_config="
+        f"{{backend:{so['backend']},disable_any_whitespace:{str(so['disable_any_whitespace']).lower()}}}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
         f"trainer.total_training_steps={ppo.max_steps}",
@@ -141,14 +148,14 @@ def agentlightning_section(ppo: PpoSettings, judge: JudgeParams, agl_url: str, a
     }
 
 
-def compose(ppo: PpoSettings, mlflow: MlflowParams, judge: JudgeParams, checkpoints: str | Path, experiment: str, agl_url: str,
-            agl_key: str) -> Any:
+def compose(ppo: PpoSettings, mlflow: MlflowParams, judge: JudgeParams, worker: WorkerParams, checkpoints: str | Path,
+            experiment: str, agl_url: str, agl_key: str) -> Any:
     """The trainer's full config (an OmegaConf DictConfig), exactly as ``pipeline.rl.verl_main`` trains with it."""
     agl, verl = config_dirs()
     try:
         with initialize_config_dir(config_dir=str(agl), version_base=None):
             config = hydra_compose(config_name="config", overrides=[f"hydra.searchpath=[file://{verl}]",
-                                                                     *overrides(ppo, mlflow, checkpoints, experiment)])
+                                                                     *overrides(ppo, mlflow, checkpoints, experiment, worker)])
     except (HydraException, OmegaConfBaseException) as exc:
         raise VerlConfigError(f"verl config from {agl / 'config.yaml'} + params.ppo does not compose: {exc}") from exc
     OmegaConf.set_struct(config, False)
@@ -156,7 +163,7 @@ def compose(ppo: PpoSettings, mlflow: MlflowParams, judge: JudgeParams, checkpoi
     return config
 
 
-def contract(ppo: PpoSettings, agents: AgentsParams, config: Any) -> list[str]:
+def contract(ppo: PpoSettings, agents: AgentsParams, worker: WorkerParams, config: Any) -> list[str]:
     """What the project relies on in the composed config; one message per broken promise (empty: all hold)."""
 
     def get(key: str) -> Any:
@@ -170,6 +177,10 @@ def contract(ppo: PpoSettings, agents: AgentsParams, config: Any) -> list[str]:
     if not ppo.full_finetune and get("actor_rollout_ref.model.lora.merge") is not True:
         problems.append("actor_rollout_ref.model.lora.merge is not true: rollouts through the gateway would sample the base "
                         "policy")
+    engine = get("actor_rollout_ref.rollout.engine_kwargs.vllm.structured_outputs_config")
+    if (OmegaConf.to_container(engine) if engine is not None else None) != worker.structured_outputs():
+        problems.append(f"verl's rollout engine decodes JSON with {engine}, the workers with {worker.structured_outputs()}: "
+                        "the policy would learn on answers the society is never served")
     ceiling = senior_completion_ceiling(agents)
     if (get("data.max_response_length") or 0) < ceiling:
         problems.append(f"data.max_response_length={get('data.max_response_length')} is below the agents' completion ceiling "

@@ -35,9 +35,10 @@ def main() -> None:
     rows = [{"data_id": d, "task_json": j, "prompt": [{"role": "user", "content": json.loads(j)["question"]}],
              "extra_info": {"index": i}} for i, (d, j) in enumerate(zip(cols["data_id"], cols["task_json"], strict=True))]
     checkpoints = os.environ["PUBMEDQA_RL_CHECKPOINTS"]
-    config = compose(ppo, params.mlflow, params.judge, checkpoints, "train_ppo", os.environ["AGL_BASE_URL"],
+    worker = params.serving.workers[0]  # every worker decodes JSON one way (serving.worker_defaults)
+    config = compose(ppo, params.mlflow, params.judge, worker, checkpoints, "train_ppo", os.environ["AGL_BASE_URL"],
                      os.environ["AGL_KEY"])
-    broken = contract(ppo, params.agents, config)
+    broken = contract(ppo, params.agents, worker, config)
     if broken:
         raise SystemExit("verl config breaks the project's contract:\n  - " + "\n  - ".join(broken))
     Path(checkpoints).mkdir(parents=True, exist_ok=True)

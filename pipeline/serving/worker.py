@@ -67,8 +67,7 @@ def command(worker: WorkerParams, python: str) -> list[str]:
     if worker.gpu_memory_utilization is not None:  # a GPU worker takes its planned share, not vLLM's ~0.9 default
         cmd += ["--gpu-memory-utilization", str(worker.gpu_memory_utilization)]
     # compact_json: the grammar writes every structural token (what train_pi trains the decision after)
-    cmd += ["--structured-outputs-config", json.dumps({"backend": worker.structured_backend,
-                                                       "disable_any_whitespace": worker.compact_json})]
+    cmd += ["--structured-outputs-config", json.dumps(worker.structured_outputs())]
     if worker.lora_modules:
         cmd += ["--lora-modules", *[f"{name}={Path(path).resolve()}" for name, path in worker.lora_modules.items()]]
     return cmd
