@@ -11,4 +11,10 @@ cd "$(dirname "$0")/.."
 MYPY_CACHE_DIR="${MYPY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pubmedqa-society/mypy}" .venv/control/bin/mypy
 # `make test` (and CI) leave out the e2e marker (whole-loop runs through Airflow, the prod stack, a killed shard):
 # `make test-all` adds it.
-exec .venv/control/bin/python -m pytest -m "${PYTEST_MARKERS:-(slow or not slow) and not e2e}" -p no:cacheprovider --durations=15 "$@"
+# The host's speed before and after (the same suite took 21 and 38 min at two hours): read a suite's time with it.
+host() { PYTHONPATH=. .venv/control/bin/python benchmarks/bench_host.py --line || true; }
+host
+status=0
+.venv/control/bin/python -m pytest -m "${PYTEST_MARKERS:-(slow or not slow) and not e2e}" -p no:cacheprovider --durations=15 "$@" || status=$?
+host
+exit "$status"
