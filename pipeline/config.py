@@ -248,6 +248,12 @@ class ServingParams(_Strict):
             raise ValueError("worker names and ports must be unique")
         return workers
 
+    @property
+    def decoding(self) -> WorkerParams:
+        """A worker as every worker decodes JSON (``SERVING_WIDE``, one way for all): what a trainer that samples under
+        the society's schemas, or verl's rollout engine, takes its grammar settings from."""
+        return self.workers[0]
+
 
 class JudgeWeights(_Strict):
     novelty: float = Field(ge=0)

@@ -161,7 +161,7 @@ def check_packages(ppo: PpoSettings, imports: bool) -> str:
 # whole Params: the role's PPO settings and the mlflow, judge and agents sections the verl config composes from
 def _verl_checks(params: Params, role: str, print_config: bool) -> list[tuple[str, Callable[[], str]]]:
     ppo = params.ppo.at(role)  # the settings the config is composed from are the ones its contract is checked against
-    worker = params.serving.workers[0]  # every worker decodes JSON one way (serving.worker_defaults)
+    worker = params.serving.decoding
     config = functools.cache(lambda: compose(ppo, params.mlflow, params.judge, worker))  # one for both checks
     return [(f"verl config ({role})", lambda: check_verl(ppo, params.mlflow, params.agents, worker, config(), print_config)),
             (f"verl validation ({role})", lambda: check_verl_validation(config()))]

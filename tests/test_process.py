@@ -107,7 +107,10 @@ def _supervised(tmp_path: Path, restarts: int,
            "--cap-s", "0.4", "--window-s", "60", "--min-uptime-s", str(min_uptime_s), "--child-pid-file", str(child_pid),
            "--", str(engine)]
     started = tmp_path / "engine-child.pid"
-    pid = start(svc, cmd, started.exists, timeout_s=20, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    # both pid files: the engine's child can write its own before the supervisor, descheduled on a busy host, has
+    # written the engine's (a suite run read engine.pid before it existed)
+    pid = start(svc, cmd, lambda: started.exists() and child_pid.exists(), timeout_s=20,
+                env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     return svc, pid, child_pid
 
 

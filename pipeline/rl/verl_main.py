@@ -35,7 +35,7 @@ def main() -> None:
     rows = [{"data_id": d, "task_json": j, "prompt": [{"role": "user", "content": json.loads(j)["question"]}],
              "extra_info": {"index": i}} for i, (d, j) in enumerate(zip(cols["data_id"], cols["task_json"], strict=True))]
     checkpoints = os.environ["PUBMEDQA_RL_CHECKPOINTS"]
-    worker = params.serving.workers[0]  # every worker decodes JSON one way (serving.worker_defaults)
+    worker = params.serving.decoding
     config = compose(ppo, params.mlflow, params.judge, worker, checkpoints, "train_ppo", os.environ["AGL_BASE_URL"],
                      os.environ["AGL_KEY"])
     broken = contract(ppo, params.agents, worker, config)

@@ -156,7 +156,7 @@ def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
         return signal(data)
 
     def train() -> dict[str, Any]:
-        return {**train_sft.train(pi.sft, training_file(pi, params.agents.decision.prefix, params.serving.workers[0])),
+        return {**train_sft.train(pi.sft, training_file(pi, params.agents.decision.prefix, params.serving.decoding)),
                 "setting": params.data.setting}
 
     return training.Trainer(

@@ -170,7 +170,7 @@ def trainer(params: Params, role: str, backend: str, why: str | None) -> trainin
 
     def train_grpo() -> dict[str, Any]:
         reward_for = functools.partial(make_reward, params.agents, ppo, params.judge, params.reward)
-        metrics = {**train_trl(ppo, params.datasets, reward_for, params.serving.workers[0],
+        metrics = {**train_trl(ppo, params.datasets, reward_for, params.serving.decoding,
                                params.agents.text_scale), "fallback_reason": why, "role": role}
         # the CPU path's training samples are its scored completions: into the RL trace store with them
         with atomic_path(Path(params.ppo.agl.trace_dir) / "grpo-completions.jsonl") as dest:
