@@ -304,3 +304,44 @@ def test_a_pi_that_answers_one_decision_everywhere_is_not_promoted_however_often
     off = decide(role_level.metrics(always_go, "reasoning_required", 200), role_level.metrics(never_go, "reasoning_required", 200),
                  diff, section("promote", min_auc=None))
     assert off.promote
+
+
+@pytest.mark.parametrize("served", ["brief", "society"])
+def test_the_input_effect_asks_the_brief_alone_and_with_the_protocol_whichever_the_society_served(
+        served: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PI that says GO on the brief alone and NO-GO once it reads a protocol: the report's brief accuracy is the
+    brief's decision and its society accuracy the protocol's, whichever of the two the society served (its recorded
+    decision); only the other is asked, one call a rollout."""
+    from pipeline.agents.prompts import REPOSITORY
+    from pipeline.stages import report
+    from pipeline.traces.schema import Span, Trace
+
+    params = load_params(ROOT / "params.yaml", environ={"PIPELINE__AGENTS__DECISION__INPUT": served})
+    tasks = [{"id": str(i), "question": f"Does drug {i} work?", "contexts": ["An abstract."], "final_decision": label}
+             for i, label in enumerate(["yes", "no", "yes"])]
+    asked: list[list[dict]] = []
+
+    async def pi(client, agent, model, cfg, decide_on, explain_on, spans, prompt=None):  # noqa: ANN001, ANN202
+        asked.append(decide_on)
+        told = decision.NO_PROTOCOL not in decide_on[-1]["content"]
+        return decision.Answer(decision=Decision.NO_GO if told else Decision.GO, p_go=None, probs={}, rationale=None)
+
+    def rollout(task: dict) -> Trace:
+        society = decision.decision_messages(task, params.agents, params.data.setting, REPOSITORY, {"title": "t"}, [],
+                                             what=decision.DecisionInput.SOCIETY)
+        decided = society if served == "society" else decision.decision_messages(task, params.agents, params.data.setting,
+                                                                                 REPOSITORY)
+        span = lambda step, chat, d: Span(kind="llm", name="principal_investigator", data={  # noqa: E731
+            "logical_model": "principal_investigator", "ok": True, "step": step, "decision": d,
+            "messages": [*chat, {"role": "assistant", "content": "{"}]})
+        return Trace(run_id="r", shard=0, task_id=task["id"], rollout_id=f"{task['id']}-0", status="ok",
+                     label=task["final_decision"], spans=[span("decision", decided, "GO" if served == "brief" else "NO-GO"),
+                                                          span("rationale", society, None)])
+
+    monkeypatch.setattr(decision, "ask", pi)
+    monkeypatch.setattr(report.proxy, "client_settings", lambda serving: ("http://127.0.0.1:9/v1", "key"))
+    effect = report.input_effect(params, [rollout(t) for t in tasks], tasks, "principal_investigator", REPOSITORY)
+    assert len(asked) == len(tasks)  # the served decision is the record's; only the other input is asked
+    assert all((decision.NO_PROTOCOL in chat[-1]["content"]) == (served == "society") for chat in asked)
+    assert effect["served_input"] == served and effect["n"] == 3 and effect["agree"] == 0
+    assert effect["brief_accuracy"] == pytest.approx(2 / 3) and effect["society_accuracy"] == pytest.approx(1 / 3)

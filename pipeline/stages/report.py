@@ -33,13 +33,14 @@ from pipeline.agents import decision
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
-from pipeline.config import EvaluateParams, Params
+from pipeline.config import DecisionInput, EvaluateParams, Params
 from pipeline.contracts import PromotionReport
 from pipeline.data.splits import load_tasks
 from pipeline.evaluation import role_level, society
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, macro_f1, paired_difference, summarise
 from pipeline.evaluation.significance import mcnemar_exact
 from pipeline.io import atomic_dir, write_json
+from pipeline.schemas import Decision
 from pipeline.serving import deploy, proxy, routing, stack
 from pipeline.traces.schema import Trace
 
@@ -159,37 +160,45 @@ def _agreement(records: list[dict[str, Any]], role_records: list[dict[str, Any]]
     return {"n": len(both), "same": same, "rate": same / len(both) if both else None}
 
 
-# whole Params: the PI's calls read agents, serving and evaluate
-def input_effect(params: Params, traces: list[Trace], role: str, routing_name: str | None = None) -> dict[str, Any]:
-    """What the protocol and the reviews do to the decision: for every rollout whose PI answered, the same weights asked
-    the decision on the brief alone and on the brief with the society's protocol and reviews (the PI's own spans hold
-    both prompts), yes/no accuracy of each and how often they agree (docs/promotion.md)."""
+# whole Params: the PI's calls read agents, data, serving and evaluate
+def input_effect(params: Params, traces: list[Trace], tasks: list[dict[str, Any]], role: str, prompts: Prompts,
+                 routing_name: str | None = None) -> dict[str, Any]:
+    """What the protocol and the reviews do to the decision: for every rollout whose PI answered, the same weights'
+    decision on the brief alone and on the brief with the society's protocol and reviews, yes/no accuracy of each and
+    how often they agree (docs/promotion.md). The society served one of the two (``agents.decision.input``): that one is
+    its recorded decision, and only the other is asked."""
+    served, by_id = params.agents.decision.input, {t["id"]: t for t in tasks}
     asked = [a for t in traces if (a := _asked(t, role)) is not None]
     url, key = proxy.client_settings(params.serving)
 
-    async def both() -> list[tuple[Any, Any]]:
+    def other(t: Trace, explained: dict[str, Any]) -> list[dict[str, str]]:
+        if served == DecisionInput.BRIEF:  # the rationale's request read the protocol and reviews: its chat, unanswered
+            return explained["messages"][:-1]
+        return decision.decision_messages(by_id[t.task_id], params.agents, params.data.setting, prompts,
+                                          what=DecisionInput.BRIEF)
+
+    async def ask_all() -> list[Decision | None]:
         client = RoleClient.for_agents(params.agents, url, key, params.evaluate.timeout_s, routing=routing_name)
         sem = asyncio.Semaphore(params.evaluate.role_concurrency)
 
-        async def one(decided: dict[str, Any], explained: dict[str, Any]) -> tuple[Any, Any]:
+        async def one(t: Trace, explained: dict[str, Any]) -> Decision | None:
             async with sem:
-                alone = await decision.ask(client, role, role, params.agents.decision, decided["messages"][:-1], None, [])
-                told = await decision.ask(client, role, role, params.agents.decision, explained["messages"][:-1], None, [])
-            return alone.decision, told.decision
+                return (await decision.ask(client, role, role, params.agents.decision, other(t, explained), None, [])).decision
 
         try:
-            return list(await asyncio.gather(*(one(d, e) for _, d, e in asked)))
+            return list(await asyncio.gather(*(one(t, e) for t, _, e in asked)))
         finally:
             await client.aclose()
 
-    pairs = asyncio.run(both()) if asked else []
-    rows: list[tuple[str | None, str | None, str | None]] = [
-        (t.label, a.value if a else None, b.value if b else None) for (t, _, _), (a, b) in zip(asked, pairs, strict=True)]
-    return {**_effect(rows), "served_input": params.agents.decision.input.value}
+    rows: list[tuple[str | None, str | None, str | None]] = []
+    for (t, decided, _), answered in zip(asked, asyncio.run(ask_all()) if asked else [], strict=True):
+        recorded, asked_now = decided.get("decision"), answered.value if answered else None
+        rows.append((t.label, *((recorded, asked_now) if served == DecisionInput.BRIEF else (asked_now, recorded))))
+    return {**_effect(rows), "served_input": served.value}
 
 
 def _asked(t: Trace, role: str) -> tuple[Trace, dict[str, Any], dict[str, Any]] | None:
-    """A rollout's PI spans that asked the decision (the brief) and the rationale (brief, protocol and reviews)."""
+    """A rollout's PI spans that asked the decision and the rationale (brief, protocol and reviews)."""
     pi = [s.data for s in t.spans if s.kind == "llm" and s.data.get("logical_model") == role and s.data.get("ok")]
     decided = next((d for d in pi if d.get("step") == "decision"), None)
     explained = next((d for d in pi if d.get("step") == "rationale"), None)
@@ -238,7 +247,7 @@ def society_report(params: Params, role: str | None, role_records: list[dict[str
         out["before_version"] = before
         out["after_vs_before"] = _paired(after_records, before_records, params.evaluate)
     if role:
-        out["input_effect"] = input_effect(params, traces[0], role)
+        out["input_effect"] = input_effect(params, traces[0], tasks, role, prompts)
     return out
 
 
