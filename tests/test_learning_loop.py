@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -181,6 +182,9 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     proc, clone = cycle["proc"], cycle["clone"]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"pipeline run {cycle['run_id']}: FINISHED" in proc.stdout
+    # its log (not a terminal) shows how far each long pass got, not only a bar drawn once at its end
+    assert "rollouts shard 0: 0/2 (0%)" in proc.stdout and "rollouts shard 0: 2/2 (100%)" in proc.stdout, proc.stdout[-4000:]
+    assert re.search(r"report: the society on the test split[^:]*: (\d+)/\1 \(100%\)", proc.stdout), proc.stdout[-4000:]
     status = _pipeline(cycle, "route", "status")
     promotion = json.loads((clone / "reports/promotion.json").read_text())
     assert json.loads(status.stdout)["active"]["version"] == promotion["routing_version"]  # serving up, routing verified

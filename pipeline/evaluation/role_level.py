@@ -32,13 +32,14 @@ from pipeline.agents.llm import RoleClient
 from pipeline.agents.prompts import NO_PROTOCOL, Prompts
 from pipeline.config import AgentsParams, JudgeParams, RewardParams
 from pipeline.evaluation.metrics import answer, macro_f1, summarise
+from pipeline.progress import Bar
 from pipeline.rewards.judge import decision_credit, final_reward
 from pipeline.rewards.judge import judge as run_judge
 
 
 async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]], agents: AgentsParams, reward: RewardParams,
                  setting: str, concurrency: int, timeout_s: float, prompts: Prompts, routing: str | None = None,
-                 progress: Any = None, rationale: bool = False) -> list[dict[str, Any]]:
+                 progress: Bar | None = None, rationale: bool = False) -> list[dict[str, Any]]:
     """One record per task (``metrics.summarise``'s fields): the role's served answer through the proxy
     (``decision.ask``, the society's own call; ``rationale``: its rationale too, which :func:`judged` scores), its
     P(GO) and its decision credit as the reward. ``prompts``: what the society renders (or a candidate prompt's);
@@ -54,7 +55,7 @@ async def decide(base_url: str, key: str, role: str, tasks: list[dict[str, Any]]
         made = got.decision.value if got.decision else None
         credit = decision_credit(made, task["final_decision"], reward)
         if progress is not None:
-            progress()
+            progress.advance()
         return {"task_id": task["id"], "label": task["final_decision"], "decision": made, "p_go": got.p_go,
                 "probs": got.probs, "rationale": got.rationale, "status": "ok" if made else "failed", "error": got.error,
                 "reward": credit, "components": {"decision": credit}, "scores": {}, "turns": len(spans),

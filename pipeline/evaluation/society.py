@@ -14,14 +14,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rich.progress import Progress
-
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.agents.rollout import run_with_retries, supervisor_policy
 from pipeline.agents.tools import Toolbox
 from pipeline.config import Params
+from pipeline.progress import Bar, bars
 from pipeline.serving import proxy
 from pipeline.traces.schema import Trace
 
@@ -40,7 +39,7 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
     tools = Toolbox(params.rollouts.index_dir, params.agents.search_top_k)
     replays = books or [None] * len(societies)
 
-    async def main(bar: Progress, bar_id: Any) -> list[list[Trace]]:
+    async def main(bar: Bar) -> list[list[Trace]]:
         sem = asyncio.Semaphore(cfg.concurrency)
         clients = [RoleClient.for_agents(params.agents, url, key, cfg.timeout_s, routing=routing, replay=replays[i],
                                          prompts=prompts)
@@ -52,7 +51,7 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
             async with sem:
                 trace = await run_with_retries(params.agents, params.judge, params.reward, clients[i], tools, task, ids, cfg.seed,
                                                version, policies[i], cfg.timeout_s, params.rollouts.retries, score=score)
-            bar.advance(bar_id)
+            bar.advance()
             return trace
 
         try:  # society by society: the champion's rollouts queue first; beyond the bound, a candidate's task starts when
@@ -63,5 +62,5 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
                 await c.aclose()
         return [list(flat[i * len(tasks):(i + 1) * len(tasks)]) for i in range(len(societies))]
 
-    with Progress(transient=False) as bar:
-        return asyncio.run(main(bar, bar.add_task(description, total=len(tasks) * len(societies))))
+    with bars() as new:
+        return asyncio.run(main(new(description, len(tasks) * len(societies))))

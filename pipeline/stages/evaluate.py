@@ -59,6 +59,7 @@ from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.learning import PROMPT_ALIAS, role_of
 from pipeline.lineage import dvc_md5
 from pipeline.plots import png
+from pipeline.progress import bars
 from pipeline.serving import deploy, proxy, routing, stack
 from pipeline.traces.mlflow_traces import log_traces
 from pipeline.traces.schema import Trace
@@ -464,9 +465,11 @@ def evaluate_role(params: Params, name: str, p: Plan) -> dict[str, Any]:
         slug = _slug(f"{name}-{r.alias}-v{r.version.version}-{p.key[:8]}")
         r.table = json.dumps(_table(params.serving, params.mlflow, slug, {**roles, name: r.target}, p.policies))
         t0 = time.perf_counter()
-        r.records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward,
-                                                  params.data.setting, cfg.role_concurrency, cfg.timeout_s, r.prompts,
-                                                  slug, rationale=cfg.role_judge))
+        with bars() as new:
+            shown = new(f"evaluate: {name} v{r.version.version} ({r.alias}) on the validation split", len(tasks))
+            r.records = asyncio.run(role_level.decide(url, api_key, name, tasks, params.agents, params.reward,
+                                                      params.data.setting, cfg.role_concurrency, cfg.timeout_s, r.prompts,
+                                                      slug, progress=shown, rationale=cfg.role_judge))
         r.seconds = time.perf_counter() - t0
     judge_calls = 0
     if cfg.role_judge:

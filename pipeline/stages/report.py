@@ -40,6 +40,7 @@ from pipeline.evaluation import role_level, society
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, macro_f1, paired_difference, summarise
 from pipeline.evaluation.significance import mcnemar_exact
 from pipeline.io import atomic_dir, write_json
+from pipeline.progress import bars
 from pipeline.schemas import Decision
 from pipeline.serving import deploy, proxy, routing, stack
 from pipeline.traces.schema import Trace
@@ -72,8 +73,10 @@ def role_level_report(params: Params, role: str, prompts: Prompts) -> tuple[dict
     scored: dict[str, Any] = {}
     for which, table in tables.items():
         t0 = time.perf_counter()
-        records = asyncio.run(role_level.decide(url, key, role, tasks, params.agents, params.reward, params.data.setting,
-                                                cfg.role_concurrency, cfg.timeout_s, prompts, table))
+        with bars() as new:
+            records = asyncio.run(role_level.decide(url, key, role, tasks, params.agents, params.reward, params.data.setting,
+                                                    cfg.role_concurrency, cfg.timeout_s, prompts, table,
+                                                    progress=new(f"report: {role} ({which}) on the test split", len(tasks))))
         scored[which] = {"records": records, "seconds": time.perf_counter() - t0,
                          "metrics": role_level.metrics(records, params.data.setting, cfg.bootstrap, cfg.ci, cfg.seed)}
     champion = registry.by_alias(role, registry.CHAMPION)

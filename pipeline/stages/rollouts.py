@@ -26,8 +26,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rich.progress import Progress
-
 from pipeline import metrics_files, prompt_registry, tracking
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.prompts import REPOSITORY, Prompts
@@ -36,6 +34,7 @@ from pipeline.agents.tools import Toolbox
 from pipeline.config import AgentsParams, JudgeParams, Params, RewardParams, RolloutsParams, ValidateParams
 from pipeline.data.splits import load_tasks
 from pipeline.io import atomic_open, write_json
+from pipeline.progress import Bar, bars
 from pipeline.serving import routing, stack
 
 METRICS_FILE = Path("reports/rollouts.json")
@@ -131,7 +130,8 @@ def shard_lock(journal: Path) -> Iterator[None]:
 
 
 # whole Params: a shard reads the split, the society, judge and reward, the rollouts settings and the live routing (serving)
-async def run_shard(params: Params, shard: int, run_id: str, prompts: Prompts, progress: Any = None) -> list[dict[str, Any]]:
+async def run_shard(params: Params, shard: int, run_id: str, prompts: Prompts,
+                    progress: Bar | None = None) -> list[dict[str, Any]]:
     """A shard's rollouts, the society rendering ``prompts``, journalled so a crashed run resumes where it stopped."""
     tasks = shard_tasks(params.rollouts, params.validate_, shard, params.data.setting)
     journal = journal_path(params.rollouts, shard)
@@ -142,7 +142,7 @@ async def run_shard(params: Params, shard: int, run_id: str, prompts: Prompts, p
 
 # whole Params: run_shard's sections (it is run_shard's body, under the shard's lock)
 async def _run_shard(params: Params, shard: int, run_id: str, tasks: list[dict[str, Any]], journal: Path,
-                     prompts: Prompts, progress: Any) -> list[dict[str, Any]]:
+                     prompts: Prompts, progress: Bar | None) -> list[dict[str, Any]]:
     base_url, key, version = routing.society_endpoint(params.rollouts, params.serving)
     key_doc = journal_key(params.agents, params.judge, params.reward, params.rollouts, shard, version, tasks, prompts)
     done = open_journal(journal, key_doc)  # a finished shard rerun starts fresh: no journal
@@ -205,19 +205,6 @@ def summarise(traces: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-class _ShardBar:
-    """The two calls run_shard makes on its progress reporter, bound to one rich task."""
-
-    def __init__(self, bar: Any, task_id: Any) -> None:
-        self.bar, self.task_id = bar, task_id
-
-    def update(self, **kw: Any) -> None:
-        self.bar.update(self.task_id, **kw)
-
-    def advance(self) -> None:
-        self.bar.advance(self.task_id)
-
-
 # whole Params: run_shard's sections
 def run(params: Params, shards: list[int], run_id: str, prompts: Prompts = REPOSITORY) -> dict[str, Any]:
     """Every shard at once in one event loop, as the DAG's mapped shard tasks run side by side: the engine batches
@@ -225,11 +212,11 @@ def run(params: Params, shards: list[int], run_id: str, prompts: Prompts = REPOS
     renders ``prompts`` (the live routing's; without MLflow, the repository's)."""
     results: dict[str, Any] = {}
     all_traces: list[dict[str, Any]] = []
-    with Progress(transient=False) as bar:
-        bars = {s: _ShardBar(bar, bar.add_task(f"rollouts shard {s}", total=None)) for s in shards}
+    with bars() as new:
+        shown = {s: new(f"rollouts shard {s}", None) for s in shards}
 
         async def every() -> list[list[dict[str, Any]]]:
-            return list(await asyncio.gather(*(run_shard(params, s, run_id, prompts, bars[s]) for s in shards)))
+            return list(await asyncio.gather(*(run_shard(params, s, run_id, prompts, shown[s]) for s in shards)))
 
         for shard, traces in zip(shards, asyncio.run(every()), strict=True):
             results[f"shard_{shard}"] = summarise(traces)

@@ -1,0 +1,30 @@
+"""Long work in a log (an Airflow task, `make learn > file`): a line at its first step and at each tenth, with the time left."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import ROOT
+
+WORK = textwrap.dedent("""
+    from pipeline.progress import bars
+    with bars() as new:
+        society, shard = new("report: the society on the test split", 20), new("rollouts shard 0", None)
+        shard.update(total=4, completed=1)  # a resumed shard: one rollout already journalled
+        for _ in range(20):
+            society.advance()
+        for _ in range(3):
+            shard.advance()
+""")
+
+
+def test_a_log_shows_each_tenth_of_the_work_while_it_runs() -> None:
+    out = subprocess.run([sys.executable, "-c", WORK], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    lines = out.stdout.splitlines()
+    society = [line for line in lines if line.startswith("report: the society")]
+    assert [line.split(": ", 2)[2].split(" ")[0] for line in society] == ["1/20"] + [f"{2 * k}/20" for k in range(1, 11)], lines
+    assert "s left" in society[0] and "s left" not in society[-1]  # the last says it is done, not what is left
+    shard = [line for line in lines if line.startswith("rollouts shard 0")]
+    assert shard[0].startswith("rollouts shard 0: 1/4 (25%)") and shard[-1].startswith("rollouts shard 0: 4/4 (100%)"), shard
