@@ -2,7 +2,8 @@
 
 A rich bar draws nothing until it ends when stdout is not a terminal (an Airflow task log, DVC's or ``make learn``'s
 output sent to a file): the report's 20-minute society pass printed one line, at 100 %. In a log each bar prints a
-line at every tenth of its work, and on the next step after a minute without one, with the time spent and left.
+line at its first step, at every tenth of its work, and on the next step after a minute without one, with the time
+spent and left.
 """
 
 from __future__ import annotations
