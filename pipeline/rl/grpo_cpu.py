@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline import timing
+from pipeline import lm_head, timing
 from pipeline.agents.llm import RoleClient
 from pipeline.config import AgentsParams, DatasetsParams, JudgeParams, PpoRole, RewardParams, WorkerParams
 from pipeline.io import atomic_dir, write_json, write_text
@@ -145,6 +145,7 @@ def train_trl(ppo: PpoRole, datasets: DatasetsParams, reward_for: Callable[[list
     peft = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
                       task_type="CAUSAL_LM")
     scored: list[dict[str, Any]] = []
+    lm_head.score_labelled_positions_only()  # the policy's log-probabilities on its completions, not on the prompts too
     with atomic_dir(Path(ppo.out_dir)) as tmp:
         trainer = GuidedGRPOTrainer(model=model, reward_funcs=[reward_for(scored)], train_dataset=train_ds,
                                     args=_arguments(ppo, tmp / "checkpoints", gpu), processing_class=tokenizer, peft_config=peft,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline import metrics_files, plots, timing, tracking, training
+from pipeline import lm_head, metrics_files, plots, timing, tracking, training
 from pipeline.config import DatasetsParams, MlflowParams, Params, SftRole
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
 from pipeline.learning import Learning
@@ -161,6 +161,7 @@ def train(sft: SftRole, data: Path) -> dict[str, Any]:
     from datasets import Dataset  # noqa: PLC0415 - 0.7 s import, only the model plane trains
     from trl import SFTConfig, SFTTrainer  # noqa: PLC0415 - model plane only, after pick_backend (unsloth patches trl)
 
+    lm_head.score_labelled_positions_only()
     model, tokenizer, peft = _model_and_peft(sft, backend)
     columns = ["prompt", "completion"]
     train_ds = Dataset.from_list([{k: r[k] for k in columns} for r in train_rows])
