@@ -18,9 +18,9 @@ def score_labelled_positions_only() -> None:
     """Model plane, before a TRL trainer is built: the fused head's ``compact`` path on the CPU too (idempotent)."""
     import trl.trainer.utils as trl_utils  # noqa: PLC0415 - model plane only
 
-    upstream = trl_utils._use_triton  # the one switch TRL reads for it (pinned: tests/test_lm_head.py)
-    if getattr(upstream, "labelled_only", False):
-        return
+    upstream = getattr(trl_utils, "_use_triton", None)  # the one switch TRL reads for it (pinned: tests/test_lm_head.py)
+    if upstream is None or getattr(upstream, "labelled_only", False):
+        return  # TRL 1.15 (the GPU image's) scores the labelled positions on every device: nothing to switch
 
     def compact(device: Any) -> bool:
         return device.type == "cpu" or upstream(device)

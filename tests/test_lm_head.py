@@ -1,21 +1,23 @@
 """TRL's fused LM head scoring only the labelled positions on the CPU (pipeline.lm_head), in the model venv with the
 pinned TRL: the same per-token log-probabilities, loss and LoRA gradients as TRL's every-position path, from fewer rows
-through the head."""
+through the head; with the GPU image's TRL (1.15: the labelled positions on every device) the call changes nothing."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+from typing import Any
 
 import pytest
 
 from pipeline.envs import model_python
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_with_gpu_releases
 
 CHECK = r"""
 import inspect, json
 import torch
+import trl
 import trl.trainer.utils as trl_utils
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -23,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.lm_head import score_labelled_positions_only
 
 # the switch the patch sets is the one the pinned TRL reads for its compact path
-assert "compact = _use_triton(hidden_states.device)" in inspect.getsource(trl_utils.add_fused_lm_head)
+switch = "compact = _use_triton(hidden_states.device)" in inspect.getsource(trl_utils.add_fused_lm_head)
 rows = []
 apply = trl_utils._ChunkedLogProbFunction.apply
 trl_utils._ChunkedLogProbFunction.apply = staticmethod(lambda hidden, *a: (rows.append(hidden.shape[0]), apply(hidden, *a))[1])
@@ -52,6 +54,7 @@ score_labelled_positions_only()
 score_labelled_positions_only()  # idempotent: one wrapper, not two
 labelled, labelled_grads = step()
 print(json.dumps({
+    "trl": trl.__version__, "switch": switch,
     "rows": rows,
     "loss": [float(full.loss), float(labelled.loss)],
     "log_probs_max_diff": float((full.log_probs - labelled.log_probs).abs().max()),
@@ -61,6 +64,12 @@ print(json.dumps({
     "grads": len(full_grads),
 }))
 """
+
+
+def _same(got: dict[str, Any]) -> None:
+    assert abs(got["loss"][0] - got["loss"][1]) < 1e-6 * abs(got["loss"][0])
+    assert got["log_probs_max_diff"] < 1e-5 and got["entropy_max_diff"] < 1e-5 and got["top1_equal"]
+    assert got["grads"] == 8 and got["grad_max_rel"] < 1e-5  # q and v LoRA A/B on both layers moved alike
 
 
 def test_cpu_head_scores_only_labelled_positions_with_the_same_loss_and_gradients() -> None:
@@ -73,7 +82,24 @@ def test_cpu_head_scores_only_labelled_positions_with_the_same_loss_and_gradient
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     # TRL's own path sends every shifted position through the head (2 x 39); the patched one the 6 labelled ones
-    assert got["rows"] == [78, 6]
-    assert abs(got["loss"][0] - got["loss"][1]) < 1e-6 * abs(got["loss"][0])
-    assert got["log_probs_max_diff"] < 1e-5 and got["entropy_max_diff"] < 1e-5 and got["top1_equal"]
-    assert got["grads"] == 8 and got["grad_max_rel"] < 1e-5  # q and v LoRA A/B on both layers moved alike
+    assert got["switch"] and got["rows"] == [78, 6]
+    _same(got)
+
+
+NO_OP = r"""
+import inspect, json
+import trl
+import trl.trainer.utils as trl_utils
+from pipeline.lm_head import score_labelled_positions_only
+
+before = dict(vars(trl_utils))
+score_labelled_positions_only()
+print(json.dumps({"trl": trl.__version__, "unchanged": dict(vars(trl_utils)) == before,
+                  "labelled_only": "hidden_states[mask],\n" in inspect.getsource(trl_utils.add_fused_lm_head)}))
+"""
+
+
+def test_gpu_image_trl_already_scores_labelled_positions_and_the_call_changes_nothing() -> None:
+    # its kernels need a GPU (Triton), so the source says what it scores; training there calls this same function
+    got = run_with_gpu_releases(["-c", NO_OP])
+    assert got == {"trl": "1.15.0", "unchanged": True, "labelled_only": True}
