@@ -295,14 +295,21 @@ def gpu_releases_env(env: dict[str, str] | None = None) -> dict[str, str]:
             "PYTHONPATH": f"{GPU_RELEASES}{os.pathsep}{ROOT}", **(env or {})}
 
 
-def run_with_gpu_releases(argv: list[str], stdin: str | None = None, timeout: int = 300,
-                          env: dict[str, str] | None = None) -> dict[str, Any]:
-    """``python argv`` in the model venv with the GPU image's releases first on its path (then this checkout), for the
-    contract tests of the GPU path; returns the JSON object its last stdout line prints."""
+def run_in_model_venv(argv: list[str], stdin: str | None = None, timeout: int = 300,
+                      env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``python argv`` in the model venv (``env``; default: this checkout on its path, offline); returns the JSON object
+    its last stdout line prints."""
     proc = subprocess.run([model_python(), *argv], input=stdin, capture_output=True, text=True, timeout=timeout,
-                          env=gpu_releases_env(env), check=False, cwd=ROOT)
+                          env=env or {**_clean_env(), "HF_HUB_OFFLINE": "1"}, check=False, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_with_gpu_releases(argv: list[str], stdin: str | None = None, timeout: int = 300,
+                          env: dict[str, str] | None = None) -> dict[str, Any]:
+    """:func:`run_in_model_venv` with the GPU image's releases first on its path (then this checkout), for the contract
+    tests of the GPU path."""
+    return run_in_model_venv(argv, stdin, timeout, gpu_releases_env(env))
 
 
 def _clean_env() -> dict[str, str]:

@@ -4,15 +4,9 @@ through the head; with the GPU image's TRL (1.15: the labelled positions on ever
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from typing import Any
 
-import pytest
-
-from pipeline.envs import model_python
-from tests.conftest import ROOT, run_with_gpu_releases
+from tests.conftest import run_in_model_venv, run_with_gpu_releases
 
 CHECK = r"""
 import inspect, json
@@ -73,14 +67,7 @@ def _same(got: dict[str, Any]) -> None:
 
 
 def test_cpu_head_scores_only_labelled_positions_with_the_same_loss_and_gradients() -> None:
-    try:
-        python = model_python()
-    except RuntimeError as e:
-        pytest.skip(f"model venv missing: {e}")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([python, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_in_model_venv(["-c", CHECK])
     # TRL's own path sends every shifted position through the head (2 x 39); the patched one the 6 labelled ones
     assert got["switch"] and got["rows"] == [78, 6]
     _same(got)
