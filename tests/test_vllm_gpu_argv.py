@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from pipeline.config import load_params
+from pipeline.serving import vllm_cpu
 from pipeline.serving import worker as worker_mod
 from tests.conftest import GPU_RELEASES, run_with_gpu_releases
 from tests.test_infra import _interpolate, _objects
@@ -103,7 +104,11 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_params(result: dict[str, Any]) -> None:
     gpu, workers, commands, stock = result["gpu"], result["workers"], result["commands"], result["stock"]
-    assert all(cmd[:3] == LAUNCHER for cmd in commands)
+    # GPU workers: vLLM's server; CPU ones: the same server behind the CPU LoRA kernels (pipeline/serving/vllm_cpu.py)
+    cpu_launcher = [*LAUNCHER[:2], vllm_cpu.__name__]
+    assert all(cmd[:3] == (LAUNCHER if w.gpu_memory_utilization is not None else cpu_launcher)
+               for w, cmd in zip(workers, commands, strict=True))
+    assert vllm_cpu.SERVER == LAUNCHER[2]
     # the launcher module exists in that release and parses as its __main__ does (make_arg_parser + validate)
     main = (GPU_RELEASES / "vllm/entrypoints/openai/api_server.py").read_text()
     assert 'if __name__ == "__main__":' in main and "make_arg_parser(parser)" in main

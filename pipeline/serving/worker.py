@@ -23,7 +23,7 @@ from pipeline.config import Params, ServingParams, WorkerParams
 from pipeline.envs import model_python, pythonpath
 from pipeline.services import supervise
 from pipeline.services.process import Service, ServiceError, claim, http_ok, probe_http, start, stop
-from pipeline.serving import adapter_store, keys, vllm_guard
+from pipeline.serving import adapter_store, keys, vllm_cpu, vllm_guard
 from pipeline.serving.vllm_guard import KEY_ENV  # the variable vLLM and the guard read: one spelling
 
 TRACKING = False  # python -m pipeline: a vLLM worker process; the CLI starts no tracking server for it
@@ -52,7 +52,9 @@ GUARD = f"{vllm_guard.__name__}.{vllm_guard.KeyOnEveryPath.__name__}"  # what vL
 def command(worker: WorkerParams, python: str) -> list[str]:
     """The worker's argv. Its key is never on it: vLLM reads ``VLLM_API_KEY`` from the environment ``up`` gives it, and
     the guard middleware (same key) covers the paths vLLM's own check leaves open (``/invocations``, ``/tokenize``)."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_id(worker),
+    # a CPU worker's LoRA kernels gave base-model tokens an adapter's weights (pipeline/serving/vllm_cpu.py)
+    server = vllm_cpu.SERVER if worker.gpu_memory_utilization is not None else vllm_cpu.__name__
+    cmd = [python, "-m", server, "--model", model_id(worker),
            "--served-model-name", served_name(worker), "--host", worker.host, "--port", str(worker.port),
            "--max-model-len", str(worker.max_model_len), "--enable-lora", "--max-lora-rank", str(worker.max_lora_rank),
            "--max-loras", "4", "--dtype", worker.dtype, "--disable-uvicorn-access-log", "--middleware", GUARD]
