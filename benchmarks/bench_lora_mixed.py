@@ -25,6 +25,7 @@ import platform
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from adapters import make_adapter  # benchmarks/ (the script's folder is on sys.
 from bench_lora_tax import prompt
 from report import publish
 
-from pipeline.config import WorkerParams, load_params
+from pipeline.config import ServingParams, WorkerParams, load_params
 from pipeline.envs import model_python
 from pipeline.services.process import free_port
 from pipeline.serving import vllm_cpu, worker
@@ -68,8 +69,8 @@ def complete(w: WorkerParams, model: str, max_tokens: int) -> str:
     return str(r.json()["choices"][0]["text"])
 
 
-def measure(w: WorkerParams, server: str, adapter: str, args: argparse.Namespace) -> dict[str, object]:
-    serving = load_params().serving
+def measure(serving: ServingParams, w: WorkerParams, server: str, adapter: str,
+            args: argparse.Namespace) -> dict[str, object]:
     worker.up(serving, w, argv(w, server))
     try:
         names = [f"slot-{i}" for i in range(SLOTS)]
@@ -78,12 +79,11 @@ def measure(w: WorkerParams, server: str, adapter: str, args: argparse.Namespace
             complete(w, name, 1)
         base = worker.served_name(w)
         alone = complete(w, base, 24)
-        loop = asyncio.new_event_loop()
-        beside = loop.run_in_executor(None, complete, w, names[0], 240)
-        time.sleep(1.0)
-        kept = complete(w, base, 24) == alone
-        loop.run_until_complete(beside)
-        loop.close()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            beside = pool.submit(complete, w, names[0], 240)  # decoding through every step of the base request
+            time.sleep(1.0)
+            kept = complete(w, base, 24) == alone
+            beside.result()
         asyncio.run(burst(w, [base] * 4, 8, 10))  # warm-up
         plain, mixed = [], []
         for _ in range(args.repeats):
@@ -109,7 +109,7 @@ def main() -> None:
         make_adapter(w.model, folder, params.sft.lora.r, list(params.sft.lora.target_modules), "random")
         for label, server in ARMS.items():
             print(label, flush=True)
-            results[label] = measure(w, server, folder, args)
+            results[label] = measure(params.serving, w, server, folder, args)
     rows = ["| kernels | base answer beside an adapter request, every slot taken | 16 base requests s (median) | "
             "15 base + 1 adapter s (median) | ratio |", "| --- | --- | --- | --- | --- |"]
     for label, r in results.items():

@@ -5,9 +5,9 @@ token's weights with ``weights[token_lora_indices]``, where a base-model token's
 kernels skip -1; in torch, -1 is the last slot of ``--max-loras``. So once a worker has as many adapters active as
 slots (4 here: the cycle serves more than that), **a base-model request batched with any adapter request gets the last
 slot's adapter added to every layer it wraps**: the judge, the juniors and a base champion answered as some adapter
-would (tests/test_vllm_cpu.py shows the tokens change). With a slot free the delta is zero, but still computed for
-every token of every step an adapter request shares, per token, from gathered copies of the weights: one PI request
-beside fifteen society calls made the whole step 1.3-1.7x as long (docs/serving.md).
+would (tests/test_serving_integration.py shows a served answer change). With a slot free the delta is zero, but still
+computed for every token of every step an adapter request shares, from per-token copies of the weights: one adapter
+request among fifteen base ones made the burst 1.51x as long (docs/benchmarks-lora-mixed.md).
 
 ``patch()`` replaces the wrapper's kernels with ones that keep GPU punica's meaning: one matrix product per run of
 tokens of one adapter (the runs the wrapper already computes for its prefill kernels), nothing for index -1. The
