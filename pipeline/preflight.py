@@ -70,8 +70,7 @@ def gpu_stages(ppo: PpoSettings, sft: SftParams, serving: ServingParams) -> list
     """The GPU stages a profile *says* it runs (a backend named, a worker given a GPU share); ``auto`` says nothing."""
     said = [f"ppo.backend={ppo.backend}"] if ppo.backend == "verl" else []
     said += [f"sft.backend={sft.backend}"] if sft.backend == "unsloth" else []
-    return said + [f"serving.workers[{w.name}].gpu_memory_utilization" for w in serving.workers
-                   if w.gpu_memory_utilization is not None]
+    return said + [f"serving.workers[{w.name}].gpu_memory_utilization" for w in serving.workers if w.on_gpu]
 
 
 def compose(ppo: PpoRole, mlflow: MlflowParams, judge: JudgeParams, worker: WorkerParams) -> Any:

@@ -106,7 +106,7 @@ def test_every_gpu_worker_command_line_parses_under_the_pinned_vllm_with_its_par
     gpu, workers, commands, stock = result["gpu"], result["workers"], result["commands"], result["stock"]
     # GPU workers: vLLM's server; CPU ones: the same server behind the CPU LoRA kernels (pipeline/serving/vllm_cpu.py)
     cpu_launcher = [*LAUNCHER[:2], vllm_cpu.__name__]
-    assert all(cmd[:3] == (LAUNCHER if w.gpu_memory_utilization is not None else cpu_launcher)
+    assert all(cmd[:3] == (LAUNCHER if w.on_gpu else cpu_launcher)
                for w, cmd in zip(workers, commands, strict=True))
     assert vllm_cpu.SERVER == LAUNCHER[2]
     # the launcher module exists in that release and parses as its __main__ does (make_arg_parser + validate)

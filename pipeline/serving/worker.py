@@ -53,7 +53,7 @@ def command(worker: WorkerParams, python: str) -> list[str]:
     """The worker's argv. Its key is never on it: vLLM reads ``VLLM_API_KEY`` from the environment ``up`` gives it, and
     the guard middleware (same key) covers the paths vLLM's own check leaves open (``/invocations``, ``/tokenize``)."""
     # a CPU worker's LoRA kernels gave base-model tokens an adapter's weights (pipeline/serving/vllm_cpu.py)
-    server = vllm_cpu.SERVER if worker.gpu_memory_utilization is not None else vllm_cpu.__name__
+    server = vllm_cpu.SERVER if worker.on_gpu else vllm_cpu.__name__
     cmd = [python, "-m", server, "--model", model_id(worker),
            "--served-model-name", served_name(worker), "--host", worker.host, "--port", str(worker.port),
            "--max-model-len", str(worker.max_model_len), "--enable-lora", "--max-lora-rank", str(worker.max_lora_rank),
@@ -140,7 +140,7 @@ def environment(serving: ServingParams, worker: WorkerParams) -> dict[str, str]:
         # (the logprob rank, vllm/v1/sample/ops/logprobs.py), so an engine's first request with logprobs (the PI's
         # decision, the judge) waited 21-27 s for the C++ compiler on this host; eager, the same result in ~0.1 s
         settings["TORCH_COMPILE_DISABLE"] = "1"
-    if worker.gpu_memory_utilization is not None:  # the device `preflight gpu` planned this worker's share on
+    if worker.on_gpu:  # the device `preflight gpu` planned this worker's share on
         settings["CUDA_VISIBLE_DEVICES"] = str(worker.device)
     return settings
 
