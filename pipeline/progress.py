@@ -26,6 +26,7 @@ class Bar:
         self.description, self.total, self.done, self.live = description, total, 0, live
         self.t0 = self.said_at = time.monotonic()
         self.base, self.said_tenth = 0, -1  # base: done before this process began (a resumed shard), not its speed
+        self.began = False
 
     def update(self, total: int | None = None, completed: int | None = None) -> None:
         if self.live is not None:
@@ -35,6 +36,11 @@ class Bar:
         if completed is not None:
             self.done = self.base = completed
         self._say(first=True)
+
+    def begin(self) -> None:
+        """A step starts. The time left is read from the first step on: waiting behind other work is not slow work."""
+        if not self.began:
+            self.began, self.t0 = True, time.monotonic()
 
     def advance(self) -> None:
         if self.live is not None:

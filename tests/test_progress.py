@@ -9,6 +9,7 @@ import textwrap
 from tests.conftest import ROOT
 
 WORK = textwrap.dedent("""
+    import time
     from pipeline.progress import bars
     with bars() as new:
         society, shard = new("report: the society on the test split", 20), new("rollouts shard 0", None)
@@ -17,6 +18,10 @@ WORK = textwrap.dedent("""
             society.advance()
         for _ in range(3):
             shard.advance()
+        queued = new("evaluate: societies: eval-candidate", 4)  # behind another society's queue
+        time.sleep(2)
+        queued.begin()
+        queued.advance()
 """)
 
 
@@ -28,3 +33,10 @@ def test_a_log_shows_each_tenth_of_the_work_while_it_runs() -> None:
     assert "s left" in society[0] and "s left" not in society[-1]  # the last says it is done, not what is left
     shard = [line for line in lines if line.startswith("rollouts shard 0")]
     assert shard[0].startswith("rollouts shard 0: 1/4 (25%)") and shard[-1].startswith("rollouts shard 0: 4/4 (100%)"), shard
+
+
+def test_a_bar_queued_behind_other_work_tells_the_time_left_from_its_own_pace() -> None:
+    """The report's replayed society waits for the champion's: its time left is not that wait times its rollouts."""
+    out = subprocess.run([sys.executable, "-c", WORK], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    queued = [line for line in out.stdout.splitlines() if line.startswith("evaluate: societies: eval-candidate")]
+    assert queued and queued[0].startswith("evaluate: societies: eval-candidate: 1/4 (25%), 0 s, ~0 s left"), queued

@@ -39,7 +39,7 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
     tools = Toolbox(params.rollouts.index_dir, params.agents.search_top_k)
     replays = books or [None] * len(societies)
 
-    async def main(bar: Bar) -> list[list[Trace]]:
+    async def main(shown: list[Bar]) -> list[list[Trace]]:
         sem = asyncio.Semaphore(cfg.concurrency)
         clients = [RoleClient.for_agents(params.agents, url, key, cfg.timeout_s, routing=routing, replay=replays[i],
                                          prompts=prompts)
@@ -49,9 +49,10 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
             ids = {"run_id": run_id, "shard": 0, "task_id": task["id"], "rollout_id": f"{task['id']}-0"}
             version = (societies[i][0] or {}).get("version")
             async with sem:
+                shown[i].begin()
                 trace = await run_with_retries(params.agents, params.judge, params.reward, clients[i], tools, task, ids, cfg.seed,
                                                version, policies[i], cfg.timeout_s, params.rollouts.retries, score=score)
-            bar.advance()
+            shown[i].advance()
             return trace
 
         try:  # society by society: the champion's rollouts queue first; beyond the bound, a candidate's task starts when
@@ -62,5 +63,7 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
                 await c.aclose()
         return [list(flat[i * len(tasks):(i + 1) * len(tasks)]) for i in range(len(societies))]
 
-    with bars() as new:
-        return asyncio.run(main(new(description, len(tasks) * len(societies))))
+    with bars() as new:  # a bar a society: the champion's queue first, a replayed one after it at its own pace
+        names = [routing or "live" for _, routing in societies]
+        return asyncio.run(main([new(f"{description}: {name}" if len(societies) > 1 else description, len(tasks))
+                                 for name in names]))

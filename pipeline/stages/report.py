@@ -237,7 +237,7 @@ def society_report(params: Params, role: str | None, role_records: list[dict[str
         books = [shared := CallBook(), shared.sharing([role])]  # the PI speaks last: the before society shares the rest
     t0 = time.perf_counter()
     traces = society.run_many(params, tasks, societies, tracking.pipeline_run_id(), prompts, score=True,
-                              description="report: the society on the test split" + (" (after, before)" if before else ""),
+                              description="report: the society on the test split",
                               books=books)
     seconds = time.perf_counter() - t0
     after, after_records = _society_figures(traces[0], params.evaluate)
