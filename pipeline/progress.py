@@ -3,7 +3,7 @@
 A rich bar draws nothing until it ends when stdout is not a terminal (an Airflow task log, DVC's or ``make learn``'s
 output sent to a file): the report's 20-minute society pass printed one line, at 100 %. In a log each bar prints a
 line at its first step, at every tenth of its work, and on the next step after a minute without one, with the time
-spent and left.
+spent and, from the second finished step on, the time left at the pace between finished steps.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Bar:
         self.description, self.total, self.done, self.live = description, total, 0, live
         self.t0 = self.said_at = time.monotonic()
         self.base, self.said_tenth = 0, -1  # base: done before this process began (a resumed shard), not its speed
-        self.began = False
+        self.first_at: float | None = None  # when this process finished its first step
 
     def update(self, total: int | None = None, completed: int | None = None) -> None:
         if self.live is not None:
@@ -37,16 +37,12 @@ class Bar:
             self.done = self.base = completed
         self._say(first=True)
 
-    def begin(self) -> None:
-        """A step starts. The time left is read from the first step on: waiting behind other work is not slow work."""
-        if not self.began:
-            self.began, self.t0 = True, time.monotonic()
-
     def advance(self) -> None:
         if self.live is not None:
             self.live[0].advance(self.live[1])
             return
         self.done += 1
+        self.first_at = self.first_at or time.monotonic()
         self._say()
 
     def _say(self, first: bool = False) -> None:
@@ -59,8 +55,11 @@ class Bar:
         if not self.total:
             print(f"{self.description}: {self.done} done, {spent:.0f} s", flush=True)
             return
-        ran = self.done - self.base
-        left = f", ~{spent / ran * (self.total - self.done):.0f} s left" if ran > 0 and self.done < self.total else ""
+        # the pace between finished steps: with n in flight the first ends after a whole step's time (read as one
+        # step's share it said ~100x too long) and queued work starts late; one finished step gives no pace yet
+        ran, left = self.done - self.base, ""
+        if ran > 1 and self.done < self.total and self.first_at is not None:
+            left = f", ~{(now - self.first_at) / (ran - 1) * (self.total - self.done):.0f} s left"
         print(f"{self.description}: {self.done}/{self.total} ({self.done / self.total:.0%}), {spent:.0f} s{left}",
               flush=True)
 

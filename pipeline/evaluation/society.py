@@ -49,7 +49,6 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
             ids = {"run_id": run_id, "shard": 0, "task_id": task["id"], "rollout_id": f"{task['id']}-0"}
             version = (societies[i][0] or {}).get("version")
             async with sem:
-                shown[i].begin()
                 trace = await run_with_retries(params.agents, params.judge, params.reward, clients[i], tools, task, ids, cfg.seed,
                                                version, policies[i], cfg.timeout_s, params.rollouts.retries, score=score)
             shown[i].advance()
@@ -63,7 +62,7 @@ def run_many(params: Params, tasks: list[dict[str, Any]], societies: list[tuple[
                 await c.aclose()
         return [list(flat[i * len(tasks):(i + 1) * len(tasks)]) for i in range(len(societies))]
 
-    with bars() as new:  # a bar a society: the champion's queue first, a replayed one after it at its own pace
+    with bars() as new:  # a bar a society: the champion's queue first, a replayed one after it
         names = [routing or "live" for _, routing in societies]
         return asyncio.run(main([new(f"{description}: {name}" if len(societies) > 1 else description, len(tasks))
                                  for name in names]))
