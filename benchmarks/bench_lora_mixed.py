@@ -44,8 +44,10 @@ ARMS = {"vLLM's kernels": vllm_cpu.SERVER, "the worker's kernels (pipeline.servi
 
 
 def argv(w: WorkerParams, server: str) -> list[str]:
+    """The worker's own command line with ``server`` as the module after ``-m`` (wherever the command puts it)."""
     cmd = worker.command(w, model_python())
-    return [*cmd[:2], server, *cmd[3:]]  # python -m <server> ...
+    at = cmd.index("-m") + 1
+    return [*cmd[:at], server, *cmd[at + 1:]]
 
 
 async def burst(w: WorkerParams, models: list[str], max_tokens: int, words: int) -> float:
