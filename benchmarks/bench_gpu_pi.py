@@ -42,6 +42,7 @@ R16 = {"PIPELINE__PI__SFT__LORA": f"{{r: 16, alpha: 32, dropout: 0.0, target_mod
 CONFIGS: dict[str, dict[str, str]] = {
     "learn": {},  # make learn's own recipe: rank 8 on attention, maybe 3x, 225 steps of 4 (2.5 passes)
     "learn-seed1": {"PIPELINE__PI__SFT__SEED": "1"},  # the same recipe, another seed: how far one training moves
+    "learn-seed2": {"PIPELINE__PI__SFT__SEED": "2"},
     "r16": R16,  # params/learn-r16.yaml's adapter
     "r16-4x": {**R16, "PIPELINE__PI__SFT__MAX_STEPS": "900", "PIPELINE__PI__SFT__LEARNING_RATE": "0.0002"},
     "r16-b16": {**R16, "PIPELINE__PI__SFT__BATCH_SIZE": "16", "PIPELINE__PI__SFT__MAX_STEPS": "300",
