@@ -20,6 +20,7 @@ validation (official accuracy + macro-F1); the test split is reported for all, t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ import sys
 import tarfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,9 @@ CONFIGS: dict[str, dict[str, str]] = {
     "learn": {},  # make learn's own recipe: rank 8 on attention, maybe 3x, 225 steps of 4 (2.5 passes)
     "learn-seed1": {"PIPELINE__PI__SFT__SEED": "1"},  # the same recipe, another seed: how far one training moves
     "learn-seed2": {"PIPELINE__PI__SFT__SEED": "2"},
+    # float32 on the device (BENCH_FP32, not a params key): is the GPU's seed spread bf16's, or the kernels'?
+    "learn-fp32": {"BENCH_FP32": "1"},
+    "learn-seed1-fp32": {"BENCH_FP32": "1", "PIPELINE__PI__SFT__SEED": "1"},
     "r16": R16,  # params/learn-r16.yaml's adapter
     "r16-4x": {**R16, "PIPELINE__PI__SFT__MAX_STEPS": "900", "PIPELINE__PI__SFT__LEARNING_RATE": "0.0002"},
     "r16-b16": {**R16, "PIPELINE__PI__SFT__BATCH_SIZE": "16", "PIPELINE__PI__SFT__MAX_STEPS": "300",
@@ -54,6 +59,9 @@ CONFIGS: dict[str, dict[str, str]] = {
             "PIPELINE__SERVING__WORKER_DEFAULTS__MAX_LORA_RANK": "64",
             "PIPELINE__PI__SFT__MAX_STEPS": "450", "PIPELINE__PI__SFT__LEARNING_RATE": "0.0002"},
 }
+# pairs of configurations compared on the test split when both ran
+PAIRS = [("learn", "learn-seed1", "The same recipe, two seeds"), ("learn", "learn-fp32", "The same seed, bf16 and float32"),
+         ("learn-fp32", "learn-seed1-fp32", "Two seeds in float32")]
 ROLE = "principal_investigator"
 ADAPTER_MB = 15  # what one file back from a lent device may hold (16 MiB)
 
@@ -121,6 +129,30 @@ def _train(params: Any) -> dict[str, Any]:
     return {**metrics, "rows": len(rows)}
 
 
+@contextlib.contextmanager
+def _precision(overrides: dict[str, str]) -> Iterator[None]:
+    """float32 weights and no bf16 autocast on CUDA while ``BENCH_FP32`` is set (the trainer's own choice is bf16)."""
+    if not overrides.get("BENCH_FP32"):
+        yield
+        return
+    import torch  # noqa: PLC0415 - model plane only
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - model plane only
+
+    from pipeline.stages import train_sft  # noqa: PLC0415
+
+    load, args = AutoModelForCausalLM.from_pretrained, train_sft.trainer_args
+    def fp32(*a: Any, **k: Any) -> Any:
+        print(f"BENCH_FP32: {a[0]} in float32 (asked {k.get('dtype')})", flush=True)
+        return load(*a, **{**k, "dtype": torch.float32})
+
+    AutoModelForCausalLM.from_pretrained = fp32  # type: ignore[method-assign]
+    train_sft.trainer_args = lambda *a, **k: {**args(*a, **k), "bf16": False}  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        AutoModelForCausalLM.from_pretrained, train_sft.trainer_args = load, args  # type: ignore[method-assign]
+
+
 def _selection_score(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Official accuracy and macro-F1 of the validation rows (each decided by ``bench_pi_readout.decide``, as
     ``report`` decides them), as PubMedQA's ``evaluation.py`` computes them (sklearn's ``f1_score(average="macro")``:
@@ -180,7 +212,8 @@ def run(args: argparse.Namespace) -> None:
             params = _params(name, work, args.smoke)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            entry["train"] = _train(params)
+            with _precision(CONFIGS[name]):
+                entry["train"] = _train(params)
             entry["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
             adapter = Path(params.pi.at(ROLE).sft.out_dir) / "adapter"
             t1 = time.perf_counter()
@@ -224,7 +257,9 @@ def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for name, c in r["configs"].items():
             if "rows" in c or name not in configs:
                 configs[name] = c
-    return {**first, "configs": configs, "chosen_on_val": _chosen(configs), "seconds": sum(r.get("seconds", 0) for r in runs)}
+    order = list(dict.fromkeys(n for r in runs for n in r["order"]))  # a later run may know configurations an earlier did not
+    return {**first, "configs": configs, "order": order, "chosen_on_val": _chosen(configs),
+            "seconds": sum(r.get("seconds", 0) for r in runs)}
 
 
 def report(args: argparse.Namespace) -> None:
@@ -280,11 +315,12 @@ def report(args: argparse.Namespace) -> None:
         out["mcnemar_test_chosen_vs_learn"] = m
         lines += ["", f"Test split, chosen on validation (`{chosen}`) against the learn default, exact McNemar on all 500 "
                       f"(right vs wrong): b = {m['b']}, c = {m['c']}, p {p_text(m['p_value'])} (two-sided)."]
-    if {"learn", "learn-seed1"} <= set(right):
-        m = mcnemar_exact(right["learn"], right["learn-seed1"])
-        out["mcnemar_test_seed"] = m
-        lines += ["", f"The same recipe, two seeds, test split, exact McNemar on all 500 (right vs wrong): b = {m['b']}, "
-                      f"c = {m['c']}, p {p_text(m['p_value'])} (two-sided)."]
+    for a, b, what in PAIRS:
+        if {a, b} <= set(right):
+            m = mcnemar_exact(right[a], right[b])
+            out[f"mcnemar_test_{a}_vs_{b}"] = m
+            lines += ["", f"{what} (`{a}` against `{b}`), test split, exact McNemar on all 500 (right vs wrong): "
+                          f"b = {m['b']}, c = {m['c']}, p {p_text(m['p_value'])} (two-sided)."]
     for spec in args.agree:  # the same adapter read on this host's model plane: does the device's readout carry over?
         name, adapter = spec.split("=", 1)
         here = {(r["split"], r["id"]): r["probs"] for r in bench_pi_readout.offline(adapter, "val,test")}
