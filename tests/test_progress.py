@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -41,4 +42,6 @@ def test_a_bar_queued_behind_other_work_tells_the_time_left_from_its_own_pace() 
     time): the time left is read from the pace between finished steps, not from the wait before the first."""
     out = subprocess.run([sys.executable, "-c", WORK], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     queued = [line for line in out.stdout.splitlines() if line.startswith("evaluate: societies: eval-candidate")]
-    assert queued[1].startswith("evaluate: societies: eval-candidate: 2/4 (50%), 2 s, ~0 s left"), queued
+    # the 2 s queued count as time spent (more when the host holds this process off its core), not as pace
+    spent = re.match(r"evaluate: societies: eval-candidate: 2/4 \(50%\), (\d+) s, ~0 s left", queued[1])
+    assert spent and int(spent[1]) >= 2, queued
