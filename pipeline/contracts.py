@@ -66,6 +66,11 @@ class Metrics(_Open):
     setting: str | None = None
     level: Level = Level.SOCIETY
 
+    def mean(self, name: str) -> float:
+        """The mean of figure ``name``: a typed field or a judge criterion (an extra, as ``summarise`` writes it)."""
+        value = getattr(self, name)
+        return value.mean if isinstance(value, Stat) else float(value["mean"])
+
     def failures(self) -> int | None:
         """Tasks whose answer failed (no decision: a failed rollout, or a served PI answer without one)."""
         s = self.success_rate
@@ -87,6 +92,7 @@ class Difference(_Open):
 class Side(_Open):
     version: Version
     target: str | None = None
+    label: str | None = None  # the champion's routing, as the plot names it
     metrics: Metrics
     run_id: str | None = None
 
@@ -130,6 +136,7 @@ class EvaluationSummary(_Open):
     """``<evaluate.out_dir>/summary.json``: every candidate the cycle evaluated, keyed by role (``ROLE@aa`` for A/A)."""
 
     tasks: list[str]
+    task_rotation: str | None = None  # the seed and challengers that drew the tasks
     setting: str
     created_at: str | None = None  # UTC ISO time the evaluation ended: evidence older than a rollback is stale
     champion_versions: dict[str, Version] = Field(default_factory=dict)

@@ -48,7 +48,7 @@ from pipeline.agents.graph import OPENING_AGENTS
 from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, PromptParams, ServingParams
-from pipeline.contracts import EvaluationSummary, RoutingTable
+from pipeline.contracts import EvaluationSummary, Level, RoutingTable
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.envs import REPO_ROOT
 from pipeline.evaluation import role_level, society
@@ -224,14 +224,14 @@ def society_cost(traces: list[Any]) -> dict[str, Any]:
             "rollout_s_per_task": sum(t.latency_s for t in traces) / n}
 
 
-def plot(summary: dict[str, Any]) -> None:
+def plot(summary: EvaluationSummary) -> None:
     bars: dict[str, list[float]] = {}
-    for role, entry in summary["roles"].items():
-        columns = (*CRITERIA, "reward")
-        bars.setdefault(f"champion ({entry['champion']['label']})", [entry["champion"]["metrics"][c]["mean"] for c in columns])
-        bars[f"{role} v{entry['candidate']['version']}"] = [entry["candidate"]["metrics"][c]["mean"] for c in columns]
+    columns = (*CRITERIA, "reward")
+    for role, entry in summary.roles.items():
+        bars.setdefault(f"champion ({entry.champion.label})", [entry.champion.metrics.mean(c) for c in columns])
+        bars[f"{role} v{entry.candidate.version}"] = [entry.candidate.metrics.mean(c) for c in columns]
     # one bar per criterion and society, named by role (not version) so `dvc plots diff` lines cycles up
-    by_society = dict(zip(["champion", *summary["roles"]], bars.values(), strict=True)) if bars else {}
+    by_society = dict(zip(["champion", *summary.roles], bars.values(), strict=True)) if bars else {}
     write_text(PLOT_CSV, "bar,criterion,society,mean\n" + "".join(
         f"{c}: {s},{c},{s},{values[i]}\n" for i, c in enumerate((*CRITERIA, "reward")) for s, values in by_society.items()))
     with png(PLOT, size=(8, 3.8)) as ax:
@@ -331,19 +331,25 @@ def _candidate(params: Params, p: Plan, name: str, cand: Any) -> Society:
                    table.deployment)
 
 
-def run(params: Params, prompts: Prompts) -> dict[str, Any]:
-    """Plan, then each candidate against its champion (role level, then societies); the summary ``promote`` reads.
-    ``prompts``: what the live routing renders (``prompt_registry.sync``)."""
+Records = dict[str, dict[str, list[dict[str, Any]]]]  # summary key -> champion / candidate -> scored rows
+
+
+def run(params: Params, prompts: Prompts) -> tuple[EvaluationSummary, Records]:
+    """Plan, then each candidate against its champion (role level, then societies): the summary ``promote`` reads, built
+    once here, and each pair's scored rows. ``prompts``: what the live routing renders (``prompt_registry.sync``)."""
     p = plan(params, prompts)
     entries: dict[str, Any] = {}
     for name in p.role_level:
         entries.update(evaluate_role(params, name, p))
     if p.societies:
         entries.update(evaluate_societies(params, p))
-    return {"tasks": [t["id"] for t in p.tasks], "task_rotation": p.rotation, "setting": params.data.setting,
-            "champion_versions": {n: v.version for n, v in p.champions.items()},
-            "champion_routing": RoutingTable(roles=p.roles, policies=p.policies).model_dump(), "roles": entries,
-            "unevaluated": p.unevaluated}
+    records = {key: entry.pop("records") for key, entry in entries.items()}
+    summary = EvaluationSummary.model_validate({
+        "tasks": [t["id"] for t in p.tasks], "task_rotation": p.rotation, "setting": params.data.setting,
+        "champion_versions": {n: v.version for n, v in p.champions.items()},
+        "champion_routing": RoutingTable(roles=p.roles, policies=p.policies).model_dump(), "roles": entries,
+        "unevaluated": p.unevaluated})
+    return summary, records
 
 
 # whole Params: evaluate, promote and agents
@@ -568,27 +574,26 @@ def prompt_candidate(prompt: PromptParams, name: str, prompts: Prompts) -> Any |
     return cand
 
 
-def write_outputs(evaluate: EvaluateParams, summary: dict[str, Any]) -> None:
+def write_outputs(evaluate: EvaluateParams, summary: EvaluationSummary, records: Records) -> None:
     with atomic_dir(evaluate.out_dir) as tmp:
         (tmp / "records").mkdir()
         (tmp / "predictions").mkdir()
-        for role, entry in summary["roles"].items():
-            for which, rows in entry.pop("records").items():
+        for role, pair in records.items():
+            for which, rows in pair.items():
                 (tmp / "records" / f"{role}-{which}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
                 # PubMedQA's own format (PMID -> yes/no/maybe), scorable by its evaluation.py
                 answers = {r["task_id"]: answer(r["decision"]) for r in rows}
                 (tmp / "predictions" / f"{role}-{which}.json").write_text(json.dumps(answers, indent=1))
-        summary["created_at"] = datetime.now(UTC).isoformat(timespec="seconds")
-        EvaluationSummary.model_validate(summary)  # the contract promote reads: a broken summary fails here, not there
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    metrics = {role: {"candidate_version": int(e["candidate"]["version"]),
-                      "candidate_reward": e["candidate"]["metrics"]["reward"]["mean"],
-                      "champion_reward": e["champion"]["metrics"]["reward"]["mean"], "diff": e["difference"]["mean"],
-                      "diff_ci_low": e["difference"]["ci_low"], "diff_ci_high": e["difference"]["ci_high"],
-                      "diff_p_value": e["difference"]["p_value"], "decision_p_value": e["difference"]["decision"]["p_value"],
-                      "n": e["difference"]["n"]}
-               for role, e in summary["roles"].items()}
-    report = {"tasks": len(summary["tasks"]), "roles": metrics}
+        summary.created_at = datetime.now(UTC).isoformat(timespec="seconds")
+        # what was given, as given: the same file the dict wrote (an unset default would add keys promote never wrote)
+        (tmp / "summary.json").write_text(json.dumps(summary.model_dump(exclude_unset=True), indent=1, default=str))
+    metrics = {role: {"candidate_version": int(e.candidate.version), "candidate_reward": e.candidate.metrics.reward.mean,
+                      "champion_reward": e.champion.metrics.reward.mean, "diff": e.difference.mean,
+                      "diff_ci_low": e.difference.ci_low, "diff_ci_high": e.difference.ci_high,
+                      "diff_p_value": e.difference.p_value, "decision_p_value": e.difference.decision["p_value"],
+                      "n": e.difference.n}
+               for role, e in summary.roles.items()}
+    report = {"tasks": len(summary.tasks), "roles": metrics}
     write_json(METRICS_FILE, report)
     metrics_files.write("evaluate", report)
 
@@ -602,17 +607,16 @@ def main(args: argparse.Namespace, params: Params) -> int:
     rendered = prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions
     with tracking.stage_run("evaluate", params.mlflow):
         try:
-            summary = run(params, rendered)
+            summary, records = run(params, rendered)
         finally:
             routing.drop_evals()  # the candidates' tables end with their evaluation
         plot(summary)
         mlflow.log_artifact(str(PLOT), artifact_path="plots")
-        write_outputs(params.evaluate, summary)
+        write_outputs(params.evaluate, summary, records)
         mlflow.log_dict(json.loads(Path(params.evaluate.out_dir, "summary.json").read_text()), "evaluation/summary.json")
-    if not summary["roles"]:
+    if not summary.roles:
         print("evaluate: no role has a challenger; nothing to compare", file=sys.stderr)
     # a society candidate is paired on the society's validation tasks, a role-level one on every validation question
-    sizes = [f"{k} on {e['difference']['n']} {'questions' if e['level'] == 'role' else 'tasks'}"
-             for k, e in summary["roles"].items()]
+    sizes = [f"{k} on {e.difference.n} {'questions' if e.level == Level.ROLE else 'tasks'}" for k, e in summary.roles.items()]
     print(f"evaluate: {len(sizes)} candidate(s) ({'; '.join(sizes) or 'none'}) -> {params.evaluate.out_dir}/summary.json")
     return 0
