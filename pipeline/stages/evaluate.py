@@ -233,7 +233,7 @@ def plot(summary: EvaluationSummary) -> None:
     # one bar per criterion and society, named by role (not version) so `dvc plots diff` lines cycles up
     by_society = dict(zip(["champion", *summary.roles], bars.values(), strict=True)) if bars else {}
     write_text(PLOT_CSV, "bar,criterion,society,mean\n" + "".join(
-        f"{c}: {s},{c},{s},{values[i]}\n" for i, c in enumerate((*CRITERIA, "reward")) for s, values in by_society.items()))
+        f"{c}: {s},{c},{s},{values[i]}\n" for i, c in enumerate(columns) for s, values in by_society.items()))
     with png(PLOT, size=(8, 3.8)) as ax:
         if not bars:
             ax.text(0.5, 0.5, "no candidates this cycle", ha="center", va="center")
@@ -241,8 +241,8 @@ def plot(summary: EvaluationSummary) -> None:
             return
         width = 0.8 / max(len(bars), 1)
         for i, (label, values) in enumerate(bars.items()):
-            ax.bar([x + i * width for x in range(len(CRITERIA) + 1)], values, width, label=label)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(CRITERIA) + 1)], [*CRITERIA, "reward"], rotation=20)
+            ax.bar([x + i * width for x in range(len(columns))], values, width, label=label)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(columns))], columns, rotation=20)
         ax.set_ylim(0, 1)
         ax.set_title("Validation: judge criteria, champion vs candidates")
         ax.legend(fontsize=7)
