@@ -97,3 +97,29 @@ def test_the_trainer_arguments_are_fields_of_the_pinned_trl_and_build_its_config
     assert (out["max_length"], out["completion_only_loss"], out["gradient_checkpointing"]) == (
         sft.max_length, True, sft.gradient_checkpointing)
     assert set(trainer_args(sft, tmp_path, cuda=True)) == set(trainer_args(sft, tmp_path, cuda=False))  # only values differ
+
+
+def test_the_base_materialised_under_the_pinned_transformers_ends_a_turn_where_the_gguf_says(tmp_path: Path) -> None:
+    """transformers 5.17.0 reads the GGUF's EOS as ``<|im_start|>`` and no pad; the materialised tokenizer (saved and read
+    back, as the trainer loads it) carries the file's own ids, so TRL appends ``<|im_end|>`` to every completion there
+    as on the CPU plane (with the wrong EOS the PI's recipe was a lottery over its seed on an H200: docs/gpu.md)."""
+    script = (
+        "import json, sys\n"
+        "import transformers\n"
+        "from pathlib import Path\n"
+        "from gguf import GGUFReader\n"
+        "from transformers import AutoConfig, AutoTokenizer\n"
+        "from pipeline.config import load_params\n"
+        "from pipeline.stages.materialize_model import _gguf_file, gguf_tokenizer\n"
+        "path = _gguf_file(load_params(Path(sys.argv[1]) / 'params.yaml', environ={}).models.base.source)\n"
+        "fields = GGUFReader(str(path)).fields\n"
+        "meta = {n: int(fields[f'tokenizer.ggml.{k}_token_id'].contents()) for n, k in (('eos', 'eos'), ('pad', 'padding'))}\n"
+        "config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)\n"
+        "gguf_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), config).save_pretrained(sys.argv[2])\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[2])\n"
+        "print(json.dumps({'transformers': transformers.__version__, 'meta': meta, 'eos': tok.eos_token,\n"
+        "                  'ids': {'eos': tok.eos_token_id, 'pad': tok.pad_token_id}}))\n")
+    out = run_with_gpu_releases(["-c", script, str(ROOT), str(tmp_path)], env={"HF_HUB_OFFLINE": "1"})
+    assert out["transformers"] == "5.17.0"
+    assert out["ids"] == out["meta"], out
+    assert out["eos"] == "<|im_end|>"

@@ -59,14 +59,26 @@ def _gguf_file(spec: str) -> Path:
     return out / module / filename
 
 
+def gguf_tokenizer(tokenizer: Any, config: Any) -> Any:
+    """``tokenizer`` with the BOS, EOS and pad ids the GGUF's metadata declares (``config`` is read from them).
+    transformers 5.17, the GPU image's, reads SmolLM2's EOS as ``<|im_start|>`` and no pad where the file says
+    ``<|im_end|>`` for both (5.19 reads them right): TRL appends the EOS to every completion, so an adapter trained there
+    learnt to open a turn after its answer, and half the PI's decision-token loss was on that token (docs/gpu.md)."""
+    for name in ("bos", "eos", "pad"):
+        declared = getattr(config, f"{name}_token_id", None)
+        if isinstance(declared, int) and getattr(tokenizer, f"{name}_token_id") != declared:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(declared))
+    return tokenizer
+
+
 def _load_gguf(path: Path, dtype: Any) -> tuple[Any, Any]:
     """The GGUF's tensors dequantised straight into a plain (unquantised) model of its config: one tensor pass, no
     quantised model built first (each metadata parse of the file costs seconds on a small CPU, #54)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - model plane only
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415 - model plane only
 
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = gguf_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype="float32")
