@@ -189,6 +189,9 @@ def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefi
         assert row["completion"] == {"yes": "GO", "no": "NO", "maybe": "DEFER"}[src["label"]]
         assert decision.read([{"token": row["completion"], "logprob": 0.0}])[0] == Decision.for_label(src["label"])
         assert row["task_id"] == src["task_id"] and row["rollout_id"] == src["rollout_id"]
+        # what TRL trains on: the prompt, then the decision's token, the only position in the loss (no EOS after it)
+        assert row["input_ids"] == _Template()(row["prompt"] + row["completion"])["input_ids"]
+        assert row["completion_mask"] == [0] * (len(row["input_ids"]) - 1) + [1] and row["input_ids"][-1] == row["completion"]
     with pytest.raises(ValueError, match="merges its end"):  # a prefix the decision would merge into: no token to train
         train_pi.decision_token(_Template(), '"decision": "x', "GO")
 

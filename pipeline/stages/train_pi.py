@@ -74,12 +74,19 @@ def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> li
     decision's first token, the one the served PI is read from. The loss then falls on the decision, not on JSON the
     model already writes (in the whole answer the decision is 1 token of ~13, and one pass learned only the label prior:
     P(GO) 0.60-0.62 for yes, no and maybe), nor on the rest of its spelling (``-GO"`` after ``NO``: two thirds of the
-    loss on tokens that decide nothing, and the recipe a lottery over its seed; docs/training.md)."""
+    loss on tokens that decide nothing, and the recipe a lottery over its seed; docs/training.md). Each row also carries
+    TRL's tokenized form (``input_ids``, ``completion_mask`` on the decision's token alone): given text, TRL appends the
+    tokenizer's EOS to the completion, and that end-of-turn after a first token, which the served PI never writes, was
+    three quarters of the base model's loss on these rows (18.2 of 11.9 nats a row against the decision's 5.7)."""
     first = {d.value: decision_token(tokenizer, prefix, d.value) for d in Decision}  # three, not one a row
     out = []
     for r in data:
-        prompt = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
-        out.append({**r, "prompt": prompt + prefix, "completion": first[json.loads(r["completion"][0]["content"])["decision"]]})
+        prompt = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) + prefix
+        completion = first[json.loads(r["completion"][0]["content"])["decision"]]
+        ids, asked = list(tokenizer(prompt + completion)["input_ids"]), len(tokenizer(prompt)["input_ids"])
+        if len(ids) != asked + 1:  # decision_token checked the prefix's end alone; the whole prompt must split there too
+            raise ValueError(f"row {r['task_id']}: the prompt and {completion!r} do not split at the decision's token")
+        out.append({**r, "prompt": prompt, "completion": completion, "input_ids": ids, "completion_mask": [0] * asked + [1]})
     return out
 
 

@@ -151,8 +151,8 @@ def _model_and_peft(sft: SftRole, backend: str) -> tuple[Any, Any, Any]:
 
 
 def train(sft: SftRole, data: Path) -> dict[str, Any]:
-    """Model plane: train on ``data``'s prompt-completion rows, save adapter (+ merged folder) atomically, return the
-    metrics (train_pi trains the PI with it on its gold-decision rows)."""
+    """Model plane: train on ``data``'s prompt-completion rows (or their tokenized form), save adapter (+ merged folder)
+    atomically, return the metrics (train_pi trains the PI with it on its gold-decision rows)."""
     import torch  # noqa: PLC0415 - model plane only
 
     rows = load_rows(data)
@@ -163,7 +163,8 @@ def train(sft: SftRole, data: Path) -> dict[str, Any]:
 
     lm_head.score_labelled_positions_only()
     model, tokenizer, peft = _model_and_peft(sft, backend)
-    columns = ["prompt", "completion"]
+    # TRL's tokenized form where the rows carry it (the PI's decision-token rows: no EOS appended to the completion)
+    columns = ["input_ids", "completion_mask"] if "input_ids" in rows[0] else ["prompt", "completion"]
     train_ds = Dataset.from_list([{k: r[k] for k in columns} for r in train_rows])
     eval_ds = Dataset.from_list([{k: r[k] for k in columns} for r in eval_rows])
     out = Path(sft.out_dir)
