@@ -54,8 +54,45 @@ class Stat(_Open):
     n: int
 
 
+class Official(_Open):
+    """PubMedQA's official figures over every question (DEFER and a failure answer maybe)."""
+
+    accuracy: float
+    macro_f1: float
+
+
+class YesNo(_Open):
+    """Accuracy on the yes/no questions with its exact interval (a failure decides nothing: it counts wrong)."""
+
+    n: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
+    majority: float  # the share of the commoner label: what always answering it scores
+    go_share: float
+
+
+class Failures(_Open):
+    """Answers that failed (no decision), of the questions, with the rate's exact interval."""
+
+    n: int
+    of: int
+    rate: float
+    ci_low: float
+    ci_high: float
+
+
+class Auc(_Open):
+    """The AUC of P(GO) between yes and no questions, with a bootstrap interval (None: not both labels)."""
+
+    value: float | None
+    ci_low: float
+    ci_high: float
+
+
 class Metrics(_Open):
-    """One model's summary over the evaluated tasks (``evaluation.metrics.summarise``, role level adds its figures)."""
+    """One model's summary over the evaluated tasks (``evaluation.metrics.summarise``), and the figures a PubMedQA reader
+    compares (``evaluation.role_level.metrics``: ``questions`` to ``auc``; ``auc`` where the answers carry P(GO))."""
 
     tasks: int
     reward: Stat
@@ -65,13 +102,18 @@ class Metrics(_Open):
     decision_accuracy: Stat | None = None
     setting: str | None = None
     level: Level = Level.SOCIETY
+    questions: int | None = None
+    official: Official | None = None
+    yes_no: YesNo | None = None
+    failures: Failures | None = None
+    auc: Auc | None = None
 
     def mean(self, name: str) -> float:
         """The mean of figure ``name``: a typed field or a judge criterion (an extra, as ``summarise`` writes it)."""
         value = getattr(self, name)
         return value.mean if isinstance(value, Stat) else float(value["mean"])
 
-    def failures(self) -> int | None:
+    def failed(self) -> int | None:
         """Tasks whose answer failed (no decision: a failed rollout, or a served PI answer without one)."""
         s = self.success_rate
         return None if s is None else round((1.0 - s.mean) * s.n)

@@ -78,11 +78,12 @@ def test_auc_agrees_with_sklearn_and_its_interval_holds_it() -> None:
     lo, hi = role_level.auc_ci(cand, 300)
     assert lo < ref < hi
     m = role_level.metrics(cand, "reasoning_free", 300)
-    assert m["yes_no"]["n"] == len(yes_no) and m["questions"] == 200 and m["setting"] == "reasoning_free"
-    assert m["yes_no"]["ci_low"] < m["yes_no"]["accuracy"] < m["yes_no"]["ci_high"]
+    assert m.yes_no and m.official and m.auc
+    assert m.yes_no.n == len(yes_no) and m.questions == 200 and m.setting == "reasoning_free"
+    assert m.yes_no.ci_low < m.yes_no.accuracy < m.yes_no.ci_high and m.auc.value == pytest.approx(ref)
     # the official metric counts every question; these records never DEFER, so maybe questions are all wrong
     maybe = sum(r["label"] == "maybe" for r in cand)
-    assert m["official"]["accuracy"] == pytest.approx(m["yes_no"]["accuracy"] * len(yes_no) / 200)
+    assert m.official.accuracy == pytest.approx(m.yes_no.accuracy * len(yes_no) / 200)
     assert maybe > 0
 
 

@@ -82,7 +82,7 @@ def test_the_test_report_counts_a_failed_rollouts_reward_as_evaluation_does(tmp_
     timed_out = _timed_out(params, tmp_path)
     value = span["data"]["value"]
     assert value > 0  # the decision's credit: what a reader of `t.reward or 0.0` lost
-    figures, records = report._society_figures([failed, timed_out], params.evaluate)
+    figures, records = report._society_figures([failed, timed_out], params.evaluate, params.data.setting)
     assert [r["reward"] for r in records] == pytest.approx([_scores(params, t)["reward"][0] for t in (failed, timed_out)])
     assert records[0]["reward"] == pytest.approx(value)
-    assert figures["yes_no"]["n"] == 2  # the timed-out rollout's question is counted (wrong), not dropped
+    assert figures.yes_no and figures.yes_no.n == 2  # the timed-out rollout's question is counted (wrong), not dropped

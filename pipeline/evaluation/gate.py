@@ -82,7 +82,7 @@ def _insufficient(c: _Case) -> Decision | None:
 
 
 def _served_failures(c: _Case) -> Decision | None:
-    failed, before = c.candidate.failures(), c.champion.failures()
+    failed, before = c.candidate.failed(), c.champion.failed()
     if failed is None or before is None or failed <= before + c.cfg.max_extra_failures:
         return None
     return Decision(False, "served_failures", f"{failed} of {c.diff.n} served answers failed against the champion's "
@@ -103,11 +103,10 @@ def _floors(c: _Case) -> Decision | None:
 def _discrimination(c: _Case) -> Decision | None:
     if c.cfg.min_auc is None or c.candidate.level != Level.ROLE:
         return None
-    auc = (c.candidate.model_extra or {}).get("auc")
-    if auc and (auc.get("ci_low") or 0) > c.cfg.min_auc:
+    auc = c.candidate.auc
+    if auc and (auc.ci_low or 0) > c.cfg.min_auc:
         return None
-    shown = "none" if not auc or auc.get("value") is None else (
-        f"{auc['value']:.3f} [{auc.get('ci_low', float('nan')):.3f}, {auc.get('ci_high', float('nan')):.3f}]")
+    shown = "none" if not auc or auc.value is None else f"{auc.value:.3f} [{auc.ci_low:.3f}, {auc.ci_high:.3f}]"
     return Decision(False, "discrimination", f"AUC of P(GO) {shown}: its interval does not lie above promote.min_auc="
                                              f"{c.cfg.min_auc:g} (the decisions do not separate yes from no)")
 

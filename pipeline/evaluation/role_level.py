@@ -31,6 +31,7 @@ from pipeline.agents import decision
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.prompts import NO_PROTOCOL, Prompts
 from pipeline.config import AgentsParams, JudgeParams, RewardParams
+from pipeline.contracts import Level, Metrics
 from pipeline.evaluation.metrics import answer, macro_f1, summarise
 from pipeline.progress import Bar
 from pipeline.rewards.judge import decision_credit, final_reward
@@ -130,22 +131,28 @@ def clopper_pearson(k: int, n: int, ci: float = 0.95) -> tuple[float, float]:
     return lo, hi
 
 
-def metrics(records: list[dict[str, Any]], setting: str, draws: int = 1000, ci: float = 0.95, seed: int = 0) -> dict[str, Any]:
+def metrics(records: list[dict[str, Any]], setting: str, draws: int = 1000, ci: float = 0.95, seed: int = 0,
+            level: Level = Level.ROLE) -> Metrics:
     """``summarise``'s metrics (the gate reads them) plus what a reader compares: PubMedQA's official accuracy and
-    macro-F1 over every question (three classes: DEFER answers maybe), the yes/no accuracy with its exact interval,
-    the served failures, and the AUC of P(GO) with a bootstrap interval."""
-    out = summarise(records, draws, ci, seed)
+    macro-F1 over every question (three classes: DEFER answers maybe, and so does a failure), the yes/no accuracy with
+    its exact interval (a failure decides nothing: it counts wrong), the failures with theirs, and at the role level the
+    AUC of P(GO) with a bootstrap interval. The report's society figures are the same function at ``Level.SOCIETY``."""
+    nan = float("nan")
     yes_no = [r for r in records if r["label"] in ("yes", "no")]
     right = sum(answer(r["decision"]) == r["label"] for r in yes_no)
-    lo, hi = clopper_pearson(right, len(yes_no), ci) if yes_no else (float("nan"), float("nan"))
-    a_lo, a_hi = auc_ci(records, draws, ci, seed)
-    out.update(setting=setting, level="role", questions=len(records),
-               official={"accuracy": sum(answer(r["decision"]) == r["label"] for r in records) / max(len(records), 1),
-                         "macro_f1": macro_f1([r["label"] for r in records], [answer(r["decision"]) for r in records])},
-               yes_no={"n": len(yes_no), "accuracy": right / max(len(yes_no), 1), "ci_low": lo, "ci_high": hi,
-                       "majority": max(sum(r["label"] == "yes" for r in yes_no), sum(r["label"] == "no" for r in yes_no))
-                       / max(len(yes_no), 1),
-                       "go_share": sum(r["decision"] == "GO" for r in yes_no) / max(len(yes_no), 1)},
-               auc={"value": auc(records), "ci_low": a_lo, "ci_high": a_hi},
-               failures={"n": sum(r["status"] != "ok" for r in records), "of": len(records)})
-    return out
+    failed = sum(r["status"] != "ok" for r in records)
+    lo, hi = clopper_pearson(right, len(yes_no), ci) if yes_no else (nan, nan)
+    f_lo, f_hi = clopper_pearson(failed, len(records), ci) if records else (nan, nan)
+    out = {**summarise(records, draws, ci, seed), "setting": setting, "level": level, "questions": len(records),
+           "official": {"accuracy": sum(answer(r["decision"]) == r["label"] for r in records) / max(len(records), 1),
+                        "macro_f1": macro_f1([r["label"] for r in records], [answer(r["decision"]) for r in records])},
+           "yes_no": {"n": len(yes_no), "accuracy": right / max(len(yes_no), 1), "ci_low": lo, "ci_high": hi,
+                      "majority": max(sum(r["label"] == "yes" for r in yes_no), sum(r["label"] == "no" for r in yes_no))
+                      / max(len(yes_no), 1),
+                      "go_share": sum(r["decision"] == "GO" for r in yes_no) / max(len(yes_no), 1)},
+           "failures": {"n": failed, "of": len(records), "rate": failed / max(len(records), 1), "ci_low": f_lo,
+                        "ci_high": f_hi}}
+    if level == Level.ROLE:
+        a_lo, a_hi = auc_ci(records, draws, ci, seed)
+        out["auc"] = {"value": auc(records), "ci_low": a_lo, "ci_high": a_hi}
+    return Metrics.model_validate(out)

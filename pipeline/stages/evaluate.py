@@ -48,7 +48,7 @@ from pipeline.agents.graph import OPENING_AGENTS
 from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, PromptParams, ServingParams
-from pipeline.contracts import EvaluationSummary, Level, RoutingTable
+from pipeline.contracts import EvaluationSummary, Level, Metrics, RoutingTable
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.envs import REPO_ROOT
 from pipeline.evaluation import role_level, society
@@ -394,11 +394,13 @@ def evaluate_societies(params: Params, p: Plan) -> dict[str, Any]:
     champion_records, champion_run = scored[champion[0].slug] if champion else (cached[0], "cached")  # type: ignore[index]
     champion_cost = society_cost(traces[0] if champion else cached[1])  # type: ignore[index]
     cfg = params.evaluate
-    champ = {**summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed), "setting": params.data.setting, "level": "society"}
+    champ = Metrics.model_validate({**summarise(champion_records, cfg.bootstrap, cfg.ci, cfg.seed),
+                                    "setting": params.data.setting, "level": Level.SOCIETY})
     entries = {}
     for s, cand_traces in zip(p.societies, traces[len(champion):], strict=True):
         records, run_id = scored[s.slug]
-        mine = {**summarise(records, cfg.bootstrap, cfg.ci, cfg.seed), "setting": params.data.setting, "level": "society"}
+        mine = Metrics.model_validate({**summarise(records, cfg.bootstrap, cfg.ci, cfg.seed),
+                                       "setting": params.data.setting, "level": Level.SOCIETY})
         diff = paired_difference(records, champion_records, cfg.bootstrap, cfg.ci, cfg.seed)
         name, cost = str(s.role), society_cost(cand_traces)
         entries[name] = {"role": name, "alias": registry.CHALLENGER, "level": "society",
@@ -410,30 +412,30 @@ def evaluate_societies(params: Params, p: Plan) -> dict[str, Any]:
         registry.set_tags(name, s.version.version, {
             **evidence_tags(mine, champ, diff, run_id, champion_run, p.champions[name].version),
             "eval.replayed_calls_per_task": f"{cost['replayed_calls_per_task']:.2f}"})
-        print(f"evaluate: {name} v{s.version.version} reward {mine['reward']['mean']:.3f} vs champion "
-              f"{champ['reward']['mean']:.3f}; paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, "
+        print(f"evaluate: {name} v{s.version.version} reward {mine.reward.mean:.3f} vs champion "
+              f"{champ.reward.mean:.3f}; paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, "
               f"{diff['ci_high']:+.3f}] (n={diff['n']}, sign-flip p={diff['p_value']:.3f}; decisions McNemar "
               f"p={diff['decision']['p_value']:.3f}); run {run_id}")
     return entries
 
 
-def evidence_tags(mine: dict[str, Any], champ: dict[str, Any], diff: dict[str, Any], run_id: str, champion_run: str | None,
+def evidence_tags(mine: Metrics, champ: Metrics, diff: dict[str, Any], run_id: str, champion_run: str | None,
                   champion_version: str) -> dict[str, str]:
     """The gate's evidence as the candidate version's tags, the same set at every level: what the MLflow UI's
     version page and its compare view show beside the decision ``promote`` adds (``promotion.*``)."""
     decision = diff["decision"]
-    tags = {"eval.level": mine["level"], "eval.setting": mine["setting"], "eval.tasks": str(diff["n"]),
-            "eval.reward": f"{mine['reward']['mean']:.4f}", "eval.champion_reward": f"{champ['reward']['mean']:.4f}",
+    tags = {"eval.level": str(mine.level), "eval.setting": str(mine.setting), "eval.tasks": str(diff["n"]),
+            "eval.reward": f"{mine.reward.mean:.4f}", "eval.champion_reward": f"{champ.reward.mean:.4f}",
             "eval.champion_version": str(champion_version), "eval.diff": f"{diff['mean']:+.4f}",
             "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}] ({diff.get('ci', 0.95):.0%})",
             "eval.p_value": f"{diff['p_value']:.4g}", "eval.mcnemar_p": f"{decision['p_value']:.4g}",
             "eval.mcnemar_b_c": f"{decision.get('b')}/{decision.get('c')} of {decision.get('n')}",
             "eval.run": run_id, "eval.run_url": tracking.run_url(run_id), "eval.champion_run": champion_run or ""}
-    if (auc := mine.get("auc")) and auc.get("value") is not None:
-        tags["eval.auc"] = f"{auc['value']:.3f} [{auc['ci_low']:.3f}, {auc['ci_high']:.3f}]"
+    if (auc := mine.auc) and auc.value is not None:
+        tags["eval.auc"] = f"{auc.value:.3f} [{auc.ci_low:.3f}, {auc.ci_high:.3f}]"
     for key, metrics in (("eval.failures", mine), ("eval.champion_failures", champ)):
-        if "failures" in metrics:
-            tags[key] = str(metrics["failures"]["n"])
+        if metrics.failures is not None:
+            tags[key] = str(metrics.failures.n)
     return tags
 
 
@@ -450,7 +452,7 @@ class RoleRun:
     records: list[dict[str, Any]] = field(default_factory=list)
     table: str = ""
     seconds: float = 0.0
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: Metrics | None = None
     run_id: str = ""
 
 
@@ -520,13 +522,14 @@ def _log_role_run(params: Params, name: str, r: RoleRun) -> None:
                           tags={"pipeline.kind": "evaluation", "eval.role": name, "eval.level": "role",
                                 "eval.version": str(r.version.version), "eval.alias": r.alias, "data.setting": setting}) as run:
         mlflow.log_text(r.table, "evaluation/routing.json")
-        mlflow.log_metrics({k: v for k, v in flat(r.metrics).items() if v == v})
+        mlflow.log_metrics({k: v for k, v in flat(r.metrics.model_dump(exclude_unset=True)).items() if v == v})
         mlflow.log_text("".join(json.dumps(x) + "\n" for x in r.records), "evaluation/records.jsonl")
     r.run_id = run.info.run_id
     m = r.metrics
+    assert m.failures and m.yes_no and m.auc  # role_level.metrics sets them at the role level
     print(f"evaluate: {name} {r.alias} v{r.version.version} ({r.target}): {len(r.records)} validation questions in "
-          f"{r.seconds:.0f} s, {m['failures']['n']} failed, yes/no accuracy {m['yes_no']['accuracy']:.3f} "
-          f"(n={m['yes_no']['n']}), AUC {m['auc']['value']}")
+          f"{r.seconds:.0f} s, {m.failures.n} failed, yes/no accuracy {m.yes_no.accuracy:.3f} "
+          f"(n={m.yes_no.n}), AUC {m.auc.value}")
 
 
 def _role_entry(cfg: EvaluateParams, name: str, champion: Any, champ: RoleRun, r: RoleRun, target: str, label: str,
@@ -541,7 +544,8 @@ def _role_entry(cfg: EvaluateParams, name: str, champion: Any, champ: RoleRun, r
         "candidate": {"version": r.version.version, "target": r.target, "metrics": r.metrics, "run_id": r.run_id},
         "difference": diff, "records": {"champion": champ.records, "candidate": r.records}, "cost": cost}
     key = name if r.alias == registry.CHALLENGER else f"{name}@{r.alias}"
-    figures = (f"reward {r.metrics['reward']['mean']:.3f} vs {{}} {champ.metrics['reward']['mean']:.3f}; paired diff "
+    assert r.metrics and champ.metrics  # _log_role_run scored both sides
+    figures = (f"reward {r.metrics.reward.mean:.3f} vs {{}} {champ.metrics.reward.mean:.3f}; paired diff "
                f"{diff['mean']:+.3f} (n={diff['n']}, sign-flip p={diff['p_value']:.4f}")
     if r.prompt is None:
         registry.set_tags(name, r.version.version, evidence_tags(r.metrics, champ.metrics, diff, r.run_id, champ.run_id,

@@ -34,10 +34,10 @@ from pipeline.agents.llm import RoleClient
 from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.config import DecisionInput, EvaluateParams, Params
-from pipeline.contracts import PromotionReport
+from pipeline.contracts import Level, Metrics, PromotionReport
 from pipeline.data.splits import load_tasks
 from pipeline.evaluation import role_level, society
-from pipeline.evaluation.metrics import CRITERIA, answer, flat, macro_f1, paired_difference, summarise
+from pipeline.evaluation.metrics import CRITERIA, answer, flat, macro_f1, paired_difference
 from pipeline.evaluation.significance import mcnemar_exact
 from pipeline.io import atomic_dir, write_json
 from pipeline.progress import bars
@@ -82,11 +82,11 @@ def role_level_report(params: Params, role: str, prompts: Prompts) -> tuple[dict
     champion = registry.by_alias(role, registry.CHAMPION)
     out: dict[str, Any] = {"questions": len(tasks), "setting": params.data.setting, "maybe_answer": "DEFER",
                            "champion": champion.version if champion else None, "previous_champion": before,
-                           **{w: s["metrics"] for w, s in scored.items()},
+                           **{w: s["metrics"].model_dump(exclude_unset=True) for w, s in scored.items()},
                            "seconds": {w: s["seconds"] for w, s in scored.items()}}
     if "before" in scored:
         out.update(_after_better(scored["after"]["records"], scored["before"]["records"]))
-    print(_role_line(role, out, params.data.setting))
+    print(_role_line(role, out, scored["after"]["metrics"], scored.get("before", {}).get("metrics"), params.data.setting))
     return out, scored["after"]["records"]
 
 
@@ -99,15 +99,16 @@ def _after_better(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> 
     return {"mcnemar_p": test["p_value"], "mcnemar": {**test, "alternative": "after better than before", "n": len(yes_no)}}
 
 
-def _role_line(role: str, out: dict[str, Any], setting: str) -> str:
-    after = out["after"]
+def _role_line(role: str, out: dict[str, Any], after: Metrics, before: Metrics | None, setting: str) -> str:
+    assert after.official and after.yes_no and after.auc  # role_level.metrics sets them at the role level
     line = (f"report: {role} v{out['champion']} on {out['questions']} test questions ({setting}): official accuracy "
-            f"{after['official']['accuracy']:.3f}, macro-F1 {after['official']['macro_f1']:.3f}; yes/no accuracy "
-            f"{after['yes_no']['accuracy']:.3f} [{after['yes_no']['ci_low']:.3f}, {after['yes_no']['ci_high']:.3f}] "
-            f"(n={after['yes_no']['n']}, majority {after['yes_no']['majority']:.3f}), AUC {after['auc']['value']}")
-    if "before" in out:
-        line += (f"; before (v{out['previous_champion']}): yes/no accuracy {out['before']['yes_no']['accuracy']:.3f}, AUC "
-                 f"{out['before']['auc']['value']}; exact McNemar (after > before) p={out['mcnemar_p']:.2e}")
+            f"{after.official.accuracy:.3f}, macro-F1 {after.official.macro_f1:.3f}; yes/no accuracy "
+            f"{after.yes_no.accuracy:.3f} [{after.yes_no.ci_low:.3f}, {after.yes_no.ci_high:.3f}] "
+            f"(n={after.yes_no.n}, majority {after.yes_no.majority:.3f}), AUC {after.auc.value}")
+    if before is not None:
+        assert before.yes_no and before.auc
+        line += (f"; before (v{out['previous_champion']}): yes/no accuracy {before.yes_no.accuracy:.3f}, AUC "
+                 f"{before.auc.value}; exact McNemar (after > before) p={out['mcnemar_p']:.2e}")
     return line
 
 
@@ -121,26 +122,15 @@ def _replaced_table(params: Params, role: str, version: str, live: dict[str, Any
     return name
 
 
-def _society_figures(traces: list[Trace], evaluate: EvaluateParams) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """What one society served on the test questions: PubMedQA's official figures (a failure answers maybe), yes/no
-    accuracy with its exact interval (a failure decides nothing: it counts wrong), the failure rate beside it; each
-    rollout's reward as evaluation reads it (a failed one: the failure score with its decision credit)."""
+def _society_figures(traces: list[Trace], evaluate: EvaluateParams, setting: str) -> tuple[Metrics, list[dict[str, Any]]]:
+    """What one society served on the test questions (``role_level.metrics`` at the society level: a failure answers
+    maybe and counts wrong on yes/no), and each rollout's reward as evaluation reads it (a failed one: the failure score
+    with its decision credit)."""
     records: list[dict[str, Any]] = [
                {"task_id": t.task_id, "label": t.label, "decision": t.decision, "status": t.status, "error": t.error,
                 "reward": t.final()["value"], "scores": t.rewards,
                 "turns": t.turns, "tokens": t.tokens, "latency_s": t.latency_s} for t in traces]
-    cfg = evaluate
-    yes_no = [r for r in records if r["label"] in ("yes", "no")]
-    right = sum(answer(r["decision"]) == r["label"] for r in yes_no)
-    lo, hi = role_level.clopper_pearson(right, len(yes_no), cfg.ci) if yes_no else (float("nan"), float("nan"))
-    failed = sum(r["status"] != "ok" for r in records)
-    f_lo, f_hi = role_level.clopper_pearson(failed, len(records), cfg.ci) if records else (float("nan"), float("nan"))
-    out = {**summarise(records, cfg.bootstrap, cfg.ci, cfg.seed), "level": "society", "questions": len(records),
-           "official": {"accuracy": sum(answer(r["decision"]) == r["label"] for r in records) / max(len(records), 1),
-                        "macro_f1": macro_f1([r["label"] for r in records], [answer(r["decision"]) for r in records])},
-           "yes_no": {"n": len(yes_no), "accuracy": right / max(len(yes_no), 1), "ci_low": lo, "ci_high": hi},
-           "failures": {"n": failed, "rate": failed / max(len(records), 1), "ci_low": f_lo, "ci_high": f_hi}}
-    return out, records
+    return role_level.metrics(records, setting, evaluate.bootstrap, evaluate.ci, evaluate.seed, Level.SOCIETY), records
 
 
 def _paired(after: list[dict[str, Any]], before: list[dict[str, Any]], evaluate: EvaluateParams) -> dict[str, Any]:
@@ -240,13 +230,13 @@ def society_report(params: Params, role: str | None, role_records: list[dict[str
                               description="report: the society on the test split",
                               books=books)
     seconds = time.perf_counter() - t0
-    after, after_records = _society_figures(traces[0], params.evaluate)
+    after, after_records = _society_figures(traces[0], params.evaluate, params.data.setting)
     out: dict[str, Any] = {"questions": len(tasks), "after": after, "records": after_records, "traces": traces[0],
                            "agreement_with_role_level": _agreement(after_records, role_records),
                            "cost": {"seconds": seconds, "societies": len(societies),
                                     "seconds_per_question": seconds / max(len(tasks), 1)}}
     if len(traces) > 1:
-        out["before"], before_records = _society_figures(traces[1], params.evaluate)
+        out["before"], before_records = _society_figures(traces[1], params.evaluate, params.data.setting)
         out["before_version"] = before
         out["after_vs_before"] = _paired(after_records, before_records, params.evaluate)
     if role:
@@ -254,10 +244,11 @@ def society_report(params: Params, role: str | None, role_records: list[dict[str
     return out
 
 
-def _line(which: str, m: dict[str, Any]) -> str:
-    return (f"{which}: official accuracy {m['official']['accuracy']:.3f}, macro-F1 {m['official']['macro_f1']:.3f} "
-            f"(n={m['questions']}); yes/no {m['yes_no']['accuracy']:.3f} [{m['yes_no']['ci_low']:.3f}, "
-            f"{m['yes_no']['ci_high']:.3f}] (n={m['yes_no']['n']}); failed {m['failures']['n']}/{m['questions']}")
+def _line(which: str, m: Metrics) -> str:
+    assert m.official and m.yes_no and m.failures  # role_level.metrics sets them
+    return (f"{which}: official accuracy {m.official.accuracy:.3f}, macro-F1 {m.official.macro_f1:.3f} "
+            f"(n={m.questions}); yes/no {m.yes_no.accuracy:.3f} [{m.yes_no.ci_low:.3f}, {m.yes_no.ci_high:.3f}] "
+            f"(n={m.yes_no.n}); failed {m.failures.n}/{m.questions}")
 
 
 def run(params: Params, prompts: Prompts) -> dict[str, Any]:
@@ -273,6 +264,7 @@ def run(params: Params, prompts: Prompts) -> dict[str, Any]:
     pi = decision_roles[0] if decision_roles else None
     served = society_report(params, pi, role_records.get(pi) if pi else None, prompts)
     records, after, traces = served.pop("records"), served["after"], served.pop("traces")
+    figures = after.model_dump(exclude_unset=True)
     rows = next(iter(role_records.values())) if params.report.predictions == "role_level" and role_records else None
     predictions, truth, official = _official(traces, records, rows)
     pmids = list(truth)
@@ -284,8 +276,10 @@ def run(params: Params, prompts: Prompts) -> dict[str, Any]:
             (tmp / f"{role}-records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     live = routing.active(params.serving)
     result = {"questions": len(pmids), "setting": params.data.setting, "routing_version": live["version"] if live else None,
-              "predictions": params.report.predictions, "official": official, "society": served,
-              **{k: after[k] for k in ("reward", "success_rate", *CRITERIA, "turns", "tokens", "latency_s") if k in after},
+              "predictions": params.report.predictions, "official": official,
+              "society": {**served, **{k: m.model_dump(exclude_unset=True) for k in ("after", "before")
+                                        if isinstance(m := served.get(k), Metrics)}},
+              **{k: figures[k] for k in ("reward", "success_rate", *CRITERIA, "turns", "tokens", "latency_s") if k in figures},
               "role_level": role_results}
     _log(params.report.out_dir, after, official, role_results)
     _print(params, served, official, len(pmids))
@@ -306,12 +300,14 @@ def _official(traces: list[Trace], records: list[dict[str, Any]],
                                 "macro_f1": macro_f1([truth[p] for p in pmids], [predictions[p] for p in pmids])}
 
 
-def _log(out_dir: str, after: dict[str, Any], official: dict[str, Any], role_results: dict[str, Any]) -> None:
+def _log(out_dir: str, after: Metrics, official: dict[str, Any], role_results: dict[str, Any]) -> None:
     """Two names that cannot be confused: test.society.* is the society as served, test.role_level.<role>.* the readout,
     test.predictions.* what predictions.json scores."""
-    mlflow.log_metrics({**{f"test.society.{k}": v for k, v in flat(after).items()},
-                        **{f"test.society.official_{k}": v for k, v in after["official"].items()},
-                        "test.society.failure_rate": after["failures"]["rate"], "test.society.n": after["questions"],
+    assert after.official and after.failures and after.questions is not None  # role_level.metrics sets them
+    mlflow.log_metrics({**{f"test.society.{k}": v for k, v in flat(after.model_dump(exclude_unset=True)).items()},
+                        "test.society.official_accuracy": after.official.accuracy,
+                        "test.society.official_macro_f1": after.official.macro_f1,
+                        "test.society.failure_rate": after.failures.rate, "test.society.n": after.questions,
                         **{f"test.predictions.{k}": v for k, v in official.items()},
                         **{f"test.role_level.{role}.{k}": v for role, x in role_results.items()
                            for k, v in flat(x["after"]).items() if v == v}})
