@@ -277,13 +277,17 @@ def run(params: Params, prompts: Prompts) -> dict[str, Any]:
     live = routing.active(params.serving)
     result = {"questions": len(pmids), "setting": params.data.setting, "routing_version": live["version"] if live else None,
               "predictions": params.report.predictions, "official": official,
-              "society": {**served, **{k: m.model_dump(exclude_unset=True) for k in ("after", "before")
-                                        if isinstance(m := served.get(k), Metrics)}},
+              "society": _written(served),
               **{k: figures[k] for k in ("reward", "success_rate", *CRITERIA, "turns", "tokens", "latency_s") if k in figures},
               "role_level": role_results}
     _log(params.report.out_dir, after, official, role_results)
     _print(params, served, official, len(pmids))
     return result
+
+
+def _written(served: dict[str, Any]) -> dict[str, Any]:
+    """The society's figures as ``reports/test.json`` holds them: each side's ``Metrics`` as its JSON."""
+    return {k: v.model_dump(exclude_unset=True) if isinstance(v, Metrics) else v for k, v in served.items()}
 
 
 def _official(traces: list[Trace], records: list[dict[str, Any]],
