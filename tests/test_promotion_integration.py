@@ -651,7 +651,8 @@ def test_pi_role_level_cycle_promotes_a_better_pi_refuses_its_aa_and_the_proxy_a
     records = [json.loads(line) for line in (promo["root"] / f"data/evaluation/records/{pi}-champion.jsonl").read_text().splitlines()]
     assert all(r["decision"] is None and "HTTP 400" in r["error"] for r in records)
     # served failures reach the gate and the version: the champion's every answer failed, the candidate's are counted
-    assert entry["champion"]["metrics"]["failures"] == {"n": VAL_QUESTIONS, "of": VAL_QUESTIONS}
+    failed = entry["champion"]["metrics"]["failures"]
+    assert (failed["n"], failed["of"], failed["rate"]) == (VAL_QUESTIONS, VAL_QUESTIONS, 1.0) and failed["ci_low"] > 0.8
     tags = registry.get_version(pi, better).tags
     assert tags["eval.champion_failures"] == str(VAL_QUESTIONS)
     assert tags["eval.failures"] == str(entry["candidate"]["metrics"]["failures"]["n"])
