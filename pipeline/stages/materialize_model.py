@@ -62,8 +62,8 @@ def _gguf_file(spec: str) -> Path:
 def gguf_tokenizer(tokenizer: Any, config: Any) -> Any:
     """``tokenizer`` with the BOS, EOS and pad ids the GGUF's metadata declares (``config`` is read from them).
     transformers 5.17, the GPU image's, reads SmolLM2's EOS as ``<|im_start|>`` and no pad where the file says
-    ``<|im_end|>`` for both (5.19 reads them right): TRL appends the EOS to every completion, so an adapter trained there
-    learnt to open a turn after its answer, and half the PI's decision-token loss was on that token (docs/gpu.md)."""
+    ``<|im_end|>`` for both (5.19 reads them right): TRL appends the EOS to every text completion, so an adapter trained
+    there learnt to open a new turn after its answer (docs/gpu.md)."""
     for name in ("bos", "eos", "pad"):
         declared = getattr(config, f"{name}_token_id", None)
         if isinstance(declared, int) and getattr(tokenizer, f"{name}_token_id") != declared:

@@ -264,7 +264,8 @@ def run(params: Params, prompts: Prompts) -> dict[str, Any]:
     pi = decision_roles[0] if decision_roles else None
     served = society_report(params, pi, role_records.get(pi) if pi else None, prompts)
     records, after, traces = served.pop("records"), served["after"], served.pop("traces")
-    figures = after.model_dump(exclude_unset=True)
+    society_json = _written(served)
+    figures = society_json["after"]
     rows = next(iter(role_records.values())) if params.report.predictions == "role_level" and role_records else None
     predictions, truth, official = _official(traces, records, rows)
     pmids = list(truth)
@@ -276,8 +277,7 @@ def run(params: Params, prompts: Prompts) -> dict[str, Any]:
             (tmp / f"{role}-records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     live = routing.active(params.serving)
     result = {"questions": len(pmids), "setting": params.data.setting, "routing_version": live["version"] if live else None,
-              "predictions": params.report.predictions, "official": official,
-              "society": _written(served),
+              "predictions": params.report.predictions, "official": official, "society": society_json,
               **{k: figures[k] for k in ("reward", "success_rate", *CRITERIA, "turns", "tokens", "latency_s") if k in figures},
               "role_level": role_results}
     _log(params.report.out_dir, after, official, role_results)
