@@ -123,3 +123,36 @@ def test_the_base_materialised_under_the_pinned_transformers_ends_a_turn_where_t
     assert out["transformers"] == "5.17.0"
     assert out["ids"] == out["meta"], out
     assert out["eos"] == "<|im_end|>"
+
+
+def test_the_pinned_trl_trains_the_pis_rows_on_the_decisions_token_alone(tmp_path: Path) -> None:
+    """trl 1.15.0 over transformers 5.17.0 builds its labels from ``train_pi.decision_rows``' tokenized form: one position
+    a row, the decision's first token, no EOS after it (a tiny random model of the GGUF's vocabulary; nothing trains)."""
+    script = (
+        "import json, sys, tempfile\n"
+        "import trl\n"
+        "from pathlib import Path\n"
+        "from datasets import Dataset\n"
+        "from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer\n"
+        "from trl import SFTConfig, SFTTrainer\n"
+        "from pipeline.config import load_params\n"
+        "from pipeline.stages import train_pi\n"
+        "from pipeline.stages.materialize_model import _gguf_file, gguf_tokenizer\n"
+        "params = load_params(Path(sys.argv[1]) / 'params/learn.yaml', environ={})\n"
+        "path = _gguf_file(params.models.base.source)\n"
+        "config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)\n"
+        "tok = gguf_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), config)\n"
+        "tiny = AutoConfig.for_model('llama', vocab_size=config.vocab_size, hidden_size=64, intermediate_size=128,\n"
+        "                            num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1)\n"
+        "chat = [{'task_id': str(i), 'rollout_id': str(i), 'label': label, 'prompt': [{'role': 'user', 'content': f'Q{i}?'}],\n"
+        "         'completion': [{'role': 'assistant', 'content': json.dumps({'decision': d})}]}\n"
+        "        for i, (label, d) in enumerate([('yes', 'GO'), ('no', 'NO-GO'), ('maybe', 'DEFER')])]\n"
+        "rows = train_pi.decision_rows(chat, tok, params.agents.decision.prefix)\n"
+        "data = Dataset.from_list([{k: r[k] for k in ('input_ids', 'completion_mask')} for r in rows])\n"
+        "trainer = SFTTrainer(model=AutoModelForCausalLM.from_config(tiny), train_dataset=data, processing_class=tok,\n"
+        "                     args=SFTConfig(output_dir=sys.argv[2], completion_only_loss=True, use_cpu=True, report_to='none'))\n"
+        "print(json.dumps({'trl': trl.__version__, 'completions': [r['completion'] for r in rows],\n"
+        "                  'labelled': [tok.decode([x for x in r['labels'] if x != -100]) for r in trainer.train_dataset]}))\n")
+    out = run_with_gpu_releases(["-c", script, str(ROOT), str(tmp_path)], env={"HF_HUB_OFFLINE": "1"})
+    assert out["trl"] == "1.15.0"
+    assert out["labelled"] == out["completions"] == ["GO", "NO", "DEF"]
