@@ -99,23 +99,29 @@ def test_the_trainer_arguments_are_fields_of_the_pinned_trl_and_build_its_config
     assert set(trainer_args(sft, tmp_path, cuda=True)) == set(trainer_args(sft, tmp_path, cuda=False))  # only values differ
 
 
+# the model plane's tokenizer as materialize_model builds it from params.yaml's GGUF (a script's opening, argv[1] = ROOT)
+GGUF_TOKENIZER = (
+    "import json, sys\n"
+    "from pathlib import Path\n"
+    "from transformers import AutoConfig, AutoTokenizer\n"
+    "from pipeline.config import load_params\n"
+    "from pipeline.stages.materialize_model import _gguf_file, gguf_tokenizer\n"
+    "params = load_params(Path(sys.argv[1]) / 'params.yaml', environ={})\n"
+    "path = _gguf_file(params.models.base.source)\n"
+    "config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)\n"
+    "tok = gguf_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), config)\n")
+
+
 def test_the_base_materialised_under_the_pinned_transformers_ends_a_turn_where_the_gguf_says(tmp_path: Path) -> None:
     """transformers 5.17.0 reads the GGUF's EOS as ``<|im_start|>`` and no pad; the materialised tokenizer (saved and read
     back, as the trainer loads it) carries the file's own ids, so TRL appends ``<|im_end|>`` to every completion there
     as on the CPU plane (with the wrong EOS the PI's recipe was a lottery over its seed on an H200: docs/gpu.md)."""
-    script = (
-        "import json, sys\n"
+    script = GGUF_TOKENIZER + (
         "import transformers\n"
-        "from pathlib import Path\n"
         "from gguf import GGUFReader\n"
-        "from transformers import AutoConfig, AutoTokenizer\n"
-        "from pipeline.config import load_params\n"
-        "from pipeline.stages.materialize_model import _gguf_file, gguf_tokenizer\n"
-        "path = _gguf_file(load_params(Path(sys.argv[1]) / 'params.yaml', environ={}).models.base.source)\n"
         "fields = GGUFReader(str(path)).fields\n"
         "meta = {n: int(fields[f'tokenizer.ggml.{k}_token_id'].contents()) for n, k in (('eos', 'eos'), ('pad', 'padding'))}\n"
-        "config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)\n"
-        "gguf_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), config).save_pretrained(sys.argv[2])\n"
+        "tok.save_pretrained(sys.argv[2])\n"
         "tok = AutoTokenizer.from_pretrained(sys.argv[2])\n"
         "print(json.dumps({'transformers': transformers.__version__, 'meta': meta, 'eos': tok.eos_token,\n"
         "                  'ids': {'eos': tok.eos_token_id, 'pad': tok.pad_token_id}}))\n")
@@ -128,26 +134,19 @@ def test_the_base_materialised_under_the_pinned_transformers_ends_a_turn_where_t
 def test_the_pinned_trl_trains_the_pis_rows_on_the_decisions_token_alone(tmp_path: Path) -> None:
     """trl 1.15.0 over transformers 5.17.0 builds its labels from ``train_pi.decision_rows``' tokenized form: one position
     a row, the decision's first token, no EOS after it (a tiny random model of the GGUF's vocabulary; nothing trains)."""
-    script = (
-        "import json, sys, tempfile\n"
+    script = GGUF_TOKENIZER + (
         "import trl\n"
-        "from pathlib import Path\n"
         "from datasets import Dataset\n"
-        "from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer\n"
+        "from transformers import AutoModelForCausalLM\n"
         "from trl import SFTConfig, SFTTrainer\n"
-        "from pipeline.config import load_params\n"
         "from pipeline.stages import train_pi\n"
-        "from pipeline.stages.materialize_model import _gguf_file, gguf_tokenizer\n"
-        "params = load_params(Path(sys.argv[1]) / 'params/learn.yaml', environ={})\n"
-        "path = _gguf_file(params.models.base.source)\n"
-        "config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)\n"
-        "tok = gguf_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), config)\n"
         "tiny = AutoConfig.for_model('llama', vocab_size=config.vocab_size, hidden_size=64, intermediate_size=128,\n"
         "                            num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1)\n"
         "chat = [{'task_id': str(i), 'rollout_id': str(i), 'label': label, 'prompt': [{'role': 'user', 'content': f'Q{i}?'}],\n"
         "         'completion': [{'role': 'assistant', 'content': json.dumps({'decision': d})}]}\n"
         "        for i, (label, d) in enumerate([('yes', 'GO'), ('no', 'NO-GO'), ('maybe', 'DEFER')])]\n"
-        "rows = train_pi.decision_rows(chat, tok, params.agents.decision.prefix)\n"
+        "prefix = load_params(Path(sys.argv[1]) / 'params/learn.yaml', environ={}).agents.decision.prefix\n"
+        "rows = train_pi.decision_rows(chat, tok, prefix)\n"
         "data = Dataset.from_list([{k: r[k] for k in ('input_ids', 'completion_mask')} for r in rows])\n"
         "trainer = SFTTrainer(model=AutoModelForCausalLM.from_config(tiny), train_dataset=data, processing_class=tok,\n"
         "                     args=SFTConfig(output_dir=sys.argv[2], completion_only_loss=True, use_cpu=True, report_to='none'))\n"
