@@ -261,7 +261,7 @@ def render(params: Params, args: argparse.Namespace, val: list[dict[str, Any]], 
     lines += [f"| GRPO adapter (after) | {a['n']} | {a['k']} | {a['accuracy']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}] | "
               f"{a['go']:.2f} | {a['invalid']} |", "",
               f"Majority answer (yes = GO) on these questions: {yes:.3f}. Exact McNemar, after vs before: right only after "
-              f"{test['b']}, right only before {test['c']}, two-sided p = {test['p_value']:.3f} (n = {test['n']}). "
+              f"{test.b}, right only before {test.c}, two-sided p = {test.p_value:.3f} (n = {test.n}). "
               f"One validation pass took {eval_s / 60:.1f} min ({args.concurrency} in flight, base model).", ""]
     return lines + probability_table(b, a)
 

@@ -187,8 +187,8 @@ def main() -> None:
         lines += ["", "| test, no bias | exact McNemar (all 500, right vs wrong) b / c | p (two-sided) |", "|---|---|---|"]
         for a, b in itertools.combinations(names, 2):
             m = mcnemar_exact(*(figures([r for r in rows[x] if r["split"] == "test"])["right"] for x in (a, b)))
-            doc["results"][f"mcnemar/{a}/{b}"] = m
-            lines.append(f"| {a} vs {b} | {m['b']} / {m['c']} | {m['p_value']:.3g} |")
+            doc["results"][f"mcnemar/{a}/{b}"] = m.model_dump(exclude_unset=True)
+            lines.append(f"| {a} vs {b} | {m.b} / {m.c} | {m.p_value:.3g} |")
     for spec in args.served:
         name, target = spec.split("=", 1)
         url, model = target.rsplit("/", 1)

@@ -119,6 +119,17 @@ class Metrics(_Open):
         return None if s is None else round((1.0 - s.mean) * s.n)
 
 
+class McNemar(_Open):
+    """The exact McNemar test on paired correctness (``evaluation.significance.mcnemar_exact``): ``b`` tasks only the
+    candidate got right, ``c`` only the champion, of ``n`` paired."""
+
+    b: int
+    c: int
+    n: int
+    p_value: float
+    accuracy_diff: float | None = None  # (b - c) / n where ``paired_difference`` reads it
+
+
 class Difference(_Open):
     """Candidate minus champion over the same tasks: the gate's evidence (``evaluation.metrics.paired_difference``)."""
 
@@ -128,7 +139,8 @@ class Difference(_Open):
     ci_high: float
     ci: float
     p_value: float
-    decision: dict[str, Any] = Field(default_factory=dict)  # exact McNemar on decision correctness
+    test: str | None = None  # which sign-flip test gave ``p_value`` (exact or Monte Carlo)
+    decision: McNemar | None = None  # exact McNemar on decision correctness (the yes/no-labelled tasks)
 
 
 class Side(_Open):
@@ -203,6 +215,15 @@ class PromotionDecision(_Open):
     routing_version: int | None = None
     artifact: Artifact = Artifact.MODEL
     template: str | None = None
+    # the evidence the gate read (``promote._evidence``): what the approval form and reports/promotion.json show
+    p_value: float | None = None
+    p_adjusted: float | None = None
+    family: int = 1
+    candidate_reward: float | None = None
+    champion_reward: float | None = None
+    difference: Difference | None = None
+    auc: str | None = None
+    run_url: str | None = None
 
 
 class PromotionReport(_Open):

@@ -62,8 +62,8 @@ def test_two_tasks_both_up_is_insufficient_evidence_never_significant() -> None:
     d = _compare(cand, champ)
     assert not d.promote and d.rule == "insufficient_evidence"
     diff = paired_difference(cand, champ, 500)
-    assert diff["ci_low"] > 0  # the bootstrap interval excludes 0...
-    assert diff["p_value"] == pytest.approx(0.25)  # ...the exact test says p = 1/4
+    assert diff.ci_low > 0  # the bootstrap interval excludes 0...
+    assert diff.p_value == pytest.approx(0.25)  # ...the exact test says p = 1/4
     assert _compare(cand, champ, min_tasks=2).rule == "significance"  # even when the floor is lowered
 
 
@@ -117,10 +117,10 @@ def test_mcnemar_exact_matches_scipy_binomtest() -> None:
         a = [rng.random() < 0.7 for _ in range(n)]
         b = [rng.random() < 0.5 for _ in range(n)]
         res = mcnemar_exact(a, b)
-        m = res["b"] + res["c"]
+        m = res.b + res.c
         for alt in ("two-sided", "greater", "less"):
-            got = mcnemar_exact(a, b, alt)["p_value"]
-            ref = binomtest(res["b"], m, 0.5, alternative=alt).pvalue if m else 1.0
+            got = mcnemar_exact(a, b, alt).p_value
+            ref = binomtest(res.b, m, 0.5, alternative=alt).pvalue if m else 1.0
             assert got == pytest.approx(ref, abs=1e-12), (a, b, alt)
 
 
@@ -133,7 +133,7 @@ def test_mcnemar_exact_keeps_a_tiny_p_value_where_the_candidate_wins_by_far() ->
 
     a, b = [True] * 171 + [False] * 29 + [True] * 300, [False] * 171 + [True] * 29 + [True] * 300
     for alt in ("two-sided", "greater"):
-        got = mcnemar_exact(a, b, alt)["p_value"]
+        got = mcnemar_exact(a, b, alt).p_value
         assert got > 0.0
         assert got == pytest.approx(binomtest(171, 200, 0.5, alternative=alt).pvalue, rel=1e-9)
 
@@ -203,7 +203,7 @@ def test_a_real_gain_next_to_null_candidates_is_judged_on_its_holm_adjusted_p() 
     diff = paired_difference(cand, champ, 500)
     cfg = section("promote")
     for p_alone, others, promoted in ((0.03, (0.4, 0.7), False), (0.001, (0.4, 0.7), True), (0.03, (), True)):
-        diff = {**diff, "p_value": p_alone}
+        diff = diff.model_copy(update={"p_value": p_alone})
         family = {"senior_researcher": p_alone, **{f"r{i}": q for i, q in enumerate(others)}}
         adjusted, size = family_p_values(family, cfg)
         assert size == len(family)
@@ -258,3 +258,33 @@ def test_a_candidate_whose_served_answers_fail_more_often_is_refused_whatever_it
     assert not d.promote and d.rule == "served_failures" and "3 of 30 served answers failed" in d.detail
     assert _compare(candidate, champion, max_extra_failures=2).promote  # the tolerance is the gate's own value
     assert _compare(champion, champion).rule == "margin"
+
+
+def test_the_approval_form_shows_the_evidence_the_gate_read(tmp_path, monkeypatch) -> None:
+    """#55: what a person sees in Airflow before approving: the paired difference with its interval and n, the exact
+    tests (sign-flip, Holm, McNemar's b / c) and the run, read back from reports/promotion.json as promote wrote it."""
+    from pipeline.contracts import PromotionDecision, PromotionReport, Status
+    from pipeline.stages import promote
+
+    rng = random.Random(3)
+    base = [rng.uniform(0.2, 0.6) for _ in range(30)]
+    labels = ["yes", "no"] * 15
+    cand = _records([b + 0.1 for b in base], ["GO", "NO-GO"] * 15, labels)
+    champ = _records(base, ["GO"] * 30, labels)
+    diff = paired_difference(cand, champ, 500)
+    decided = PromotionDecision(candidate="3", champion_before="2", status=Status.AWAITING_APPROVAL, rule="approval",
+                                detail="the role's gate asks a person", p_value=diff.p_value, p_adjusted=diff.p_value,
+                                family=1, candidate_reward=0.5, champion_reward=0.4,
+                                difference=diff.model_dump(mode="json"), run_url="http://mlflow/runs/abc")
+    path = tmp_path / "promotion.json"
+    path.write_text(PromotionReport(promoted=[], decisions={"principal_investigator": decided}).model_dump_json())
+    monkeypatch.setattr(promote, "METRICS_FILE", path)
+    form = promote.approval_request("principal_investigator")
+    assert form is not None and "v3 against the champion v2" in form
+    assert f"paired difference {diff.mean:+.3f}, 95% CI [{diff.ci_low:+.3f}, {diff.ci_high:+.3f}], n = 30" in form
+    assert diff.decision is not None and (diff.decision.b, diff.decision.c) == (15, 0)
+    assert "McNemar on the decisions p = " in form and "(b = 15, c = 0, n = 30)" in form
+    assert "evaluation run: http://mlflow/runs/abc" in form
+    decided.status = Status.REJECTED
+    path.write_text(PromotionReport(promoted=[], decisions={"principal_investigator": decided}).model_dump_json())
+    assert promote.approval_request("principal_investigator") is None  # nothing awaits a person

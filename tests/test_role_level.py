@@ -52,10 +52,10 @@ def test_role_level_tests_agree_with_scipy(seed: int) -> None:
     right = lambda r: r["decision"] == {"yes": "GO", "no": "NO-GO"}[r["label"]]  # noqa: E731
     b = sum(right(cand[i]) and not right(champ[i]) for i in yes_no)
     c = sum(right(champ[i]) and not right(cand[i]) for i in yes_no)
-    assert (diff["decision"]["b"], diff["decision"]["c"]) == (b, c)
-    assert diff["decision"]["p_value"] == pytest.approx(binomtest(b, b + c, 0.5).pvalue, rel=1e-9)
+    assert diff.decision is not None and (diff.decision.b, diff.decision.c) == (b, c)
+    assert diff.decision.p_value == pytest.approx(binomtest(b, b + c, 0.5).pvalue, rel=1e-9)
     one_sided = mcnemar_exact([right(cand[i]) for i in yes_no], [right(champ[i]) for i in yes_no], "greater")
-    assert one_sided["p_value"] == pytest.approx(binomtest(b, b + c, 0.5, alternative="greater").pvalue, rel=1e-9)
+    assert one_sided.p_value == pytest.approx(binomtest(b, b + c, 0.5, alternative="greater").pvalue, rel=1e-9)
     # the sign-flip test of the decision reward: scipy's exact paired permutation test on the non-zero differences
     d = np.array([x["reward"] - y["reward"] for x, y in zip(cand, champ, strict=True)])
     nz = d[d != 0]
@@ -301,7 +301,7 @@ def test_a_pi_that_answers_one_decision_everywhere_is_not_promoted_however_often
     never_go = _records([0.1 + rng.uniform(-0.05, 0.05) for _ in labels], labels)
     gate = section("promote")
     diff = paired_difference(always_go, never_go, 200)
-    assert diff["mean"] > 0 and diff["p_value"] < gate.alpha  # the reward alone would promote it
+    assert diff.mean > 0 and diff.p_value < gate.alpha  # the reward alone would promote it
     d = decide(role_level.metrics(always_go, "reasoning_required", 200), role_level.metrics(never_go, "reasoning_required", 200),
                diff, gate)
     assert not d.promote and d.rule == "discrimination" and "promote.min_auc=0.5" in d.detail

@@ -121,7 +121,7 @@ def _accuracy_drop(c: _Case) -> Decision | None:
     return Decision(False, "accuracy_drop", f"judge reward rose {judge_b:.4f} -> {judge_c:.4f} while decision accuracy fell "
                                             f"{acc_b:.2f} -> {acc_c:.2f} "
                                             f"(more than promote.max_accuracy_drop={c.cfg.max_accuracy_drop:.2f}; "
-                                            f"McNemar p={c.diff.decision.get('p_value', float('nan')):.3f})")
+                                            f"McNemar p={c.diff.decision.p_value if c.diff.decision else float('nan'):.3f})")
 
 
 def _margin(c: _Case) -> Decision | None:

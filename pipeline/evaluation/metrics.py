@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.contracts import Difference
 from pipeline.evaluation.significance import EXACT_MAX, mcnemar_exact, sign_flip
 from pipeline.schemas import ANSWER
 
@@ -76,7 +77,7 @@ def _maybe(decisions: list[str | None]) -> dict[str, int]:
 
 
 def paired_difference(candidate: list[dict[str, Any]], champion: list[dict[str, Any]], n: int = 1000, ci: float = 0.95,
-                      seed: int = 0) -> dict[str, Any]:
+                      seed: int = 0) -> Difference:
     """Candidate - champion over the same tasks: the reward difference with a paired bootstrap CI (to
     describe) and the exact one-sided sign-flip p-value (to decide), and the exact McNemar test of
     paired decision correctness on the yes/no-labelled tasks."""
@@ -91,10 +92,10 @@ def paired_difference(candidate: list[dict[str, Any]], champion: list[dict[str, 
     decided = [t for t in common if a[t]["label"] in ("yes", "no")]
     right = lambda r: answer(r["decision"]) == r["label"]  # noqa: E731
     mcnemar = mcnemar_exact([right(a[t]) for t in decided], [right(b[t]) for t in decided])
-    return {"mean": statistics.fmean(diffs) if diffs else float("nan"), "ci_low": lo, "ci_high": hi, "n": len(diffs), "ci": ci,
-            "test": "sign_flip_exact" if len(diffs) <= EXACT_MAX else "sign_flip_monte_carlo",
-            "p_value": sign_flip(diffs, "greater", seed=seed),
-            "decision": {**mcnemar, "accuracy_diff": (mcnemar["b"] - mcnemar["c"]) / len(decided) if decided else None}}
+    mcnemar.accuracy_diff = (mcnemar.b - mcnemar.c) / len(decided) if decided else None
+    return Difference(mean=statistics.fmean(diffs) if diffs else float("nan"), ci_low=lo, ci_high=hi, n=len(diffs), ci=ci,
+                      test="sign_flip_exact" if len(diffs) <= EXACT_MAX else "sign_flip_monte_carlo",
+                      p_value=sign_flip(diffs, "greater", seed=seed), decision=mcnemar)
 
 
 def flat(summary: dict[str, Any], prefix: str = "") -> dict[str, float]:

@@ -31,6 +31,8 @@ from typing import Literal
 
 import numpy as np
 
+from pipeline.contracts import McNemar
+
 Alternative = Literal["greater", "less", "two-sided"]
 EXACT_MAX = 16  # tasks up to which the sign-flip test enumerates all 2^n patterns (65,536 at 16)
 
@@ -65,7 +67,7 @@ def _binom_cdf(k: int, n: int) -> float:
 
 
 def mcnemar_exact(candidate_right: Sequence[bool], champion_right: Sequence[bool],
-                  alternative: Alternative = "two-sided") -> dict[str, float]:
+                  alternative: Alternative = "two-sided") -> McNemar:
     """Exact McNemar test on paired correctness: ``b`` = tasks only the candidate got right, ``c`` = only the
     champion; p-value of b vs c under Binomial(b + c, 1/2) (1.0 with no discordant task)."""
     if len(candidate_right) != len(champion_right):
@@ -83,7 +85,7 @@ def mcnemar_exact(candidate_right: Sequence[bool], champion_right: Sequence[bool
         p = _binom_cdf(b, m)
     else:
         p = min(1.0, 2.0 * min(_binom_cdf(b, m), _binom_cdf(c, m)))
-    return {"b": b, "c": c, "n": len(candidate_right), "p_value": float(p)}
+    return McNemar(b=b, c=c, n=len(candidate_right), p_value=float(p))
 
 
 def min_tasks_for(effect_size: float, alpha: float = 0.05, power: float = 0.8) -> int:

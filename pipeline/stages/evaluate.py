@@ -48,7 +48,7 @@ from pipeline.agents.graph import OPENING_AGENTS
 from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, PromptParams, ServingParams
-from pipeline.contracts import EvaluationSummary, Level, Metrics, RoutingTable
+from pipeline.contracts import Difference, EvaluationSummary, Level, Metrics, RoutingTable
 from pipeline.data.splits import load_tasks, split_file
 from pipeline.envs import REPO_ROOT
 from pipeline.evaluation import role_level, society
@@ -413,24 +413,27 @@ def evaluate_societies(params: Params, p: Plan) -> dict[str, Any]:
             **evidence_tags(mine, champ, diff, run_id, champion_run, p.champions[name].version),
             "eval.replayed_calls_per_task": f"{cost['replayed_calls_per_task']:.2f}"})
         print(f"evaluate: {name} v{s.version.version} reward {mine.reward.mean:.3f} vs champion "
-              f"{champ.reward.mean:.3f}; paired diff {diff['mean']:+.3f} CI [{diff['ci_low']:+.3f}, "
-              f"{diff['ci_high']:+.3f}] (n={diff['n']}, sign-flip p={diff['p_value']:.3f}; decisions McNemar "
-              f"p={diff['decision']['p_value']:.3f}); run {run_id}")
+              f"{champ.reward.mean:.3f}; paired diff {diff.mean:+.3f} CI [{diff.ci_low:+.3f}, {diff.ci_high:+.3f}] "
+              f"(n={diff.n}, sign-flip p={diff.p_value:.3f}; decisions McNemar {_mcnemar(diff)}); run {run_id}")
     return entries
 
 
-def evidence_tags(mine: Metrics, champ: Metrics, diff: dict[str, Any], run_id: str, champion_run: str | None,
+def _mcnemar(diff: Difference) -> str:
+    m = diff.decision
+    return "-" if m is None else f"p={m.p_value:.4f}, b={m.b}, c={m.c}"
+
+
+def evidence_tags(mine: Metrics, champ: Metrics, diff: Difference, run_id: str, champion_run: str | None,
                   champion_version: str) -> dict[str, str]:
     """The gate's evidence as the candidate version's tags, the same set at every level: what the MLflow UI's
     version page and its compare view show beside the decision ``promote`` adds (``promotion.*``)."""
-    decision = diff["decision"]
-    tags = {"eval.level": str(mine.level), "eval.setting": str(mine.setting), "eval.tasks": str(diff["n"]),
+    tags = {"eval.level": str(mine.level), "eval.setting": str(mine.setting), "eval.tasks": str(diff.n),
             "eval.reward": f"{mine.reward.mean:.4f}", "eval.champion_reward": f"{champ.reward.mean:.4f}",
-            "eval.champion_version": str(champion_version), "eval.diff": f"{diff['mean']:+.4f}",
-            "eval.diff_ci": f"[{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}] ({diff.get('ci', 0.95):.0%})",
-            "eval.p_value": f"{diff['p_value']:.4g}", "eval.mcnemar_p": f"{decision['p_value']:.4g}",
-            "eval.mcnemar_b_c": f"{decision.get('b')}/{decision.get('c')} of {decision.get('n')}",
+            "eval.champion_version": str(champion_version), "eval.diff": f"{diff.mean:+.4f}",
+            "eval.diff_ci": f"[{diff.ci_low:+.4f}, {diff.ci_high:+.4f}] ({diff.ci:.0%})", "eval.p_value": f"{diff.p_value:.4g}",
             "eval.run": run_id, "eval.run_url": tracking.run_url(run_id), "eval.champion_run": champion_run or ""}
+    if (m := diff.decision) is not None:
+        tags.update({"eval.mcnemar_p": f"{m.p_value:.4g}", "eval.mcnemar_b_c": f"{m.b}/{m.c} of {m.n}"})
     if (auc := mine.auc) and auc.value is not None:
         tags["eval.auc"] = f"{auc.value:.3f} [{auc.ci_low:.3f}, {auc.ci_high:.3f}]"
     for key, metrics in (("eval.failures", mine), ("eval.champion_failures", champ)):
@@ -546,12 +549,11 @@ def _role_entry(cfg: EvaluateParams, name: str, champion: Any, champ: RoleRun, r
     key = name if r.alias == registry.CHALLENGER else f"{name}@{r.alias}"
     assert r.metrics and champ.metrics  # _log_role_run scored both sides
     figures = (f"reward {r.metrics.reward.mean:.3f} vs {{}} {champ.metrics.reward.mean:.3f}; paired diff "
-               f"{diff['mean']:+.3f} (n={diff['n']}, sign-flip p={diff['p_value']:.4f}")
+               f"{diff.mean:+.3f} (n={diff.n}, sign-flip p={diff.p_value:.4f}")
     if r.prompt is None:
         registry.set_tags(name, r.version.version, evidence_tags(r.metrics, champ.metrics, diff, r.run_id, champ.run_id,
                                                                  champion.version))
-        print(f"evaluate: {name} {r.alias} v{r.version.version} {figures.format('champion')}; McNemar "
-              f"p={diff['decision']['p_value']:.4f}, b={diff['decision'].get('b')}, c={diff['decision'].get('c')})")
+        print(f"evaluate: {name} {r.alias} v{r.version.version} {figures.format('champion')}; McNemar {_mcnemar(diff)})")
         return key, entry
     template = r.prompt
     rendered = str(champ.prompts.version(template))
@@ -594,8 +596,8 @@ def write_outputs(evaluate: EvaluateParams, summary: EvaluationSummary, records:
     metrics = {role: {"candidate_version": int(e.candidate.version), "candidate_reward": e.candidate.metrics.reward.mean,
                       "champion_reward": e.champion.metrics.reward.mean, "diff": e.difference.mean,
                       "diff_ci_low": e.difference.ci_low, "diff_ci_high": e.difference.ci_high,
-                      "diff_p_value": e.difference.p_value, "decision_p_value": e.difference.decision["p_value"],
-                      "n": e.difference.n}
+                      "diff_p_value": e.difference.p_value, "n": e.difference.n,
+                      "decision_p_value": e.difference.decision.p_value if e.difference.decision else None}
                for role, e in summary.roles.items()}
     report = {"tasks": len(summary.tasks), "roles": metrics}
     write_json(METRICS_FILE, report)

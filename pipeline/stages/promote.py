@@ -289,21 +289,22 @@ def approval_request(key: str) -> str | None:
     d = result.decisions.get(key) if result else None
     if d is None or d.status != Status.AWAITING_APPROVAL:
         return None
-    e = d.model_extra or {}
-    diff, tests = e.get("difference") or {}, (e.get("difference") or {}).get("decision") or {}
+    nan, diff = float("nan"), d.difference
     what = f"prompt {d.template} " if d.artifact == Artifact.PROMPT else ""
     lines = [f"**{key}**: {what}v{d.candidate} against the champion v{d.champion_before} ({d.level} level, {d.setting})",
-             f"- reward {e.get('candidate_reward', float('nan')):.3f} vs {e.get('champion_reward', float('nan')):.3f}: "
-             f"paired difference {diff.get('mean', float('nan')):+.3f}, {diff.get('ci', 0.95):.0%} CI "
-             f"[{diff.get('ci_low', float('nan')):+.3f}, {diff.get('ci_high', float('nan')):+.3f}], n = {diff.get('n')}",
-             f"- sign-flip p = {e.get('p_value', float('nan')):.4g} (Holm over {e.get('family', 1)}: "
-             f"{e.get('p_adjusted') if e.get('p_adjusted') is not None else '-'}); McNemar on the decisions p = "
-             f"{tests.get('p_value', float('nan')):.4g} (b = {tests.get('b')}, c = {tests.get('c')}, n = {tests.get('n')})"]
-    if e.get("auc"):
-        lines.append(f"- AUC of P(GO): {e['auc']}")
+             f"- reward {d.candidate_reward if d.candidate_reward is not None else nan:.3f} vs "
+             f"{d.champion_reward if d.champion_reward is not None else nan:.3f}"
+             + (f": paired difference {diff.mean:+.3f}, {diff.ci:.0%} CI [{diff.ci_low:+.3f}, {diff.ci_high:+.3f}], "
+                f"n = {diff.n}" if diff else ""),
+             f"- sign-flip p = {d.p_value if d.p_value is not None else nan:.4g} (Holm over {d.family}: "
+             f"{d.p_adjusted if d.p_adjusted is not None else '-'})"
+             + (f"; McNemar on the decisions p = {m.p_value:.4g} (b = {m.b}, c = {m.c}, n = {m.n})"
+                if diff and (m := diff.decision) else "")]
+    if d.auc:
+        lines.append(f"- AUC of P(GO): {d.auc}")
     lines.append(f"- the gate: {d.rule}: {d.detail}")
-    if e.get("run_url"):
-        lines.append(f"- evaluation run: {e['run_url']}")
+    if d.run_url:
+        lines.append(f"- evaluation run: {d.run_url}")
     return "\n".join(lines)
 
 

@@ -96,7 +96,8 @@ def _after_better(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> 
     yes_no = [t for t in sorted(a) if a[t]["label"] in ("yes", "no")]
     right = lambda r: answer(r["decision"]) == r["label"]  # noqa: E731
     test = mcnemar_exact([right(a[t]) for t in yes_no], [right(b[t]) for t in yes_no], "greater")
-    return {"mcnemar_p": test["p_value"], "mcnemar": {**test, "alternative": "after better than before", "n": len(yes_no)}}
+    return {"mcnemar_p": test.p_value,
+            "mcnemar": {**test.model_dump(exclude_unset=True), "alternative": "after better than before"}}
 
 
 def _role_line(role: str, out: dict[str, Any], after: Metrics, before: Metrics | None, setting: str) -> str:
@@ -139,8 +140,9 @@ def _paired(after: list[dict[str, Any]], before: list[dict[str, Any]], evaluate:
     reward = paired_difference(after, before, evaluate.bootstrap, evaluate.ci, evaluate.seed)
     a, b = {r["task_id"]: r for r in after}, {r["task_id"]: r for r in before}
     ok = lambda r: r["status"] == "ok"  # noqa: E731
-    return {"correct": reward.pop("decision"), "reward": reward,
-            "served": mcnemar_exact([ok(a[t]) for t in sorted(a)], [ok(b[t]) for t in sorted(a)])}
+    served = mcnemar_exact([ok(a[t]) for t in sorted(a)], [ok(b[t]) for t in sorted(a)])
+    return {"correct": reward.decision.model_dump() if reward.decision else None,
+            "reward": reward.model_dump(exclude={"decision"}), "served": served.model_dump(exclude_unset=True)}
 
 
 def _agreement(records: list[dict[str, Any]], role_records: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -206,7 +208,8 @@ def _effect(rows: list[tuple[str | None, str | None, str | None]]) -> dict[str, 
     return {"n": len(rows), "agree": sum(a == b for _, a, b in rows), "yes_no_n": len(yes_no),
             "brief_accuracy": sum(right(lab, a) for lab, a, _ in yes_no) / max(len(yes_no), 1),
             "society_accuracy": sum(right(lab, b) for lab, _, b in yes_no) / max(len(yes_no), 1),
-            "mcnemar": {**test, "b_means": "right with the protocol and reviews, wrong on the brief alone"}}
+            "mcnemar": {**test.model_dump(exclude_unset=True),
+                        "b_means": "right with the protocol and reviews, wrong on the brief alone"}}
 
 
 # whole Params: running the society reads six sections (see evaluation.society.run_many)
