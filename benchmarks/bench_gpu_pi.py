@@ -45,6 +45,14 @@ CONFIGS: dict[str, dict[str, str]] = {
     "learn": {},  # make learn's own recipe: rank 8 on attention, maybe 3x, 225 steps of 4 (2.5 passes)
     "learn-seed1": {"PIPELINE__PI__SFT__SEED": "1"},  # the same recipe, another seed: how far one training moves
     "learn-seed2": {"PIPELINE__PI__SFT__SEED": "2"},
+    # the loss on the decision's token alone (pi.end_of_turn false: the fourth lease's `learn`, committed then)
+    "token-alone": {"PIPELINE__PI__END_OF_TURN": "false"},
+    # and at half the rate: the token alone doubled the decision's share of each step's mean against the rows with an EOS
+    "lr25": {"PIPELINE__PI__END_OF_TURN": "false", "PIPELINE__PI__SFT__LEARNING_RATE": "0.00025"},
+    "lr25-seed1": {"PIPELINE__PI__END_OF_TURN": "false", "PIPELINE__PI__SFT__LEARNING_RATE": "0.00025",
+                   "PIPELINE__PI__SFT__SEED": "1"},
+    "lr25-seed2": {"PIPELINE__PI__END_OF_TURN": "false", "PIPELINE__PI__SFT__LEARNING_RATE": "0.00025",
+                   "PIPELINE__PI__SFT__SEED": "2"},
     # float32 on the device (BENCH_FP32, not a params key): is the GPU's seed spread bf16's, or the kernels'?
     "learn-fp32": {"BENCH_FP32": "1"},
     "learn-seed1-fp32": {"BENCH_FP32": "1", "PIPELINE__PI__SFT__SEED": "1"},
@@ -61,7 +69,10 @@ CONFIGS: dict[str, dict[str, str]] = {
 }
 # pairs of configurations compared on the test split when both ran
 PAIRS = [("learn", "learn-seed1", "The same recipe, two seeds"), ("learn", "learn-fp32", "The same seed, bf16 and float32"),
-         ("learn-fp32", "learn-seed1-fp32", "Two seeds in float32")]
+         ("learn-fp32", "learn-seed1-fp32", "Two seeds in float32"), ("learn", "learn-seed2", "The same recipe, seeds 0 and 2"),
+         ("learn-seed1", "learn-seed2", "The same recipe, seeds 1 and 2"), ("lr25", "lr25-seed1", "Half the rate, seeds 0 and 1"),
+         ("lr25", "lr25-seed2", "Half the rate, seeds 0 and 2"), ("lr25-seed1", "lr25-seed2", "Half the rate, seeds 1 and 2"),
+         ("learn", "lr25", "Seed 0 at the rate and at half of it")]
 ROLE = "principal_investigator"
 ADAPTER_MB = 15  # what one file back from a lent device may hold (16 MiB)
 
@@ -124,7 +135,8 @@ def _train(params: Any) -> dict[str, Any]:
     if pi.loss_on != "answer":
         tok = AutoTokenizer.from_pretrained(pi.sft.base_model)
         path = data / "train.decision.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in train_pi.decision_rows(rows, tok, params.agents.decision.prefix)))
+        tokenized = train_pi.decision_rows(rows, tok, params.agents.decision.prefix, pi.end_of_turn)
+        path.write_text("".join(json.dumps(r) + "\n" for r in tokenized))
     metrics = train_sft.train(pi.sft, path)
     return {**metrics, "rows": len(rows)}
 
@@ -312,15 +324,15 @@ def report(args: argparse.Namespace) -> None:
     chosen = doc.get("chosen_on_val")
     if chosen and chosen != "learn" and {chosen, "learn"} <= set(right):
         m = mcnemar_exact(right[chosen], right["learn"])
-        out["mcnemar_test_chosen_vs_learn"] = m
+        out["mcnemar_test_chosen_vs_learn"] = m.model_dump(exclude_unset=True)
         lines += ["", f"Test split, chosen on validation (`{chosen}`) against the learn default, exact McNemar on all 500 "
-                      f"(right vs wrong): b = {m['b']}, c = {m['c']}, p {p_text(m['p_value'])} (two-sided)."]
+                      f"(right vs wrong): b = {m.b}, c = {m.c}, p {p_text(m.p_value)} (two-sided)."]
     for a, b, what in PAIRS:
         if {a, b} <= set(right):
             m = mcnemar_exact(right[a], right[b])
-            out[f"mcnemar_test_{a}_vs_{b}"] = m
+            out[f"mcnemar_test_{a}_vs_{b}"] = m.model_dump(exclude_unset=True)
             lines += ["", f"{what} (`{a}` against `{b}`), test split, exact McNemar on all 500 (right vs wrong): "
-                          f"b = {m['b']}, c = {m['c']}, p {p_text(m['p_value'])} (two-sided)."]
+                          f"b = {m.b}, c = {m.c}, p {p_text(m.p_value)} (two-sided)."]
     for spec in args.agree:  # the same adapter read on this host's model plane: does the device's readout carry over?
         name, adapter = spec.split("=", 1)
         here = {(r["split"], r["id"]): r["probs"] for r in bench_pi_readout.offline(adapter, "val,test")}

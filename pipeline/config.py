@@ -669,6 +669,7 @@ class PiRole(_Strict):
     data_dir: str
     rationale_chars: int
     loss_on: Literal["decision_token", "answer"]
+    end_of_turn: bool
 
 
 class PiParams(_Strict):
@@ -683,6 +684,9 @@ class PiParams(_Strict):
         description="decision_token: the loss on the decision's first token alone (the one it is read from), after "
                     "the served prefix (agents.decision.prefix); "
                     "answer: on the whole PIDecision JSON with its rationale")
+    end_of_turn: bool = Field(
+        description="decision_token: the tokenizer's end-of-turn after the decision's token is in the loss too (TRL's "
+                    "text rows: seeds 0, 1 and 2 answer alike); false: the decision's token alone (docs/training.md)")
     oversample: dict[Literal["yes", "no", "maybe"], Annotated[int, Field(ge=1, le=10)]] = Field(
         description="label -> how often each train row of it is repeated: a class rare in PQA-L (maybe, 11%) is "
                     "otherwise learned as never answered (DEFER on 2 of 500 test questions)")
@@ -690,7 +694,7 @@ class PiParams(_Strict):
     def at(self, role: str) -> PiRole:
         entry = self.roles[role]
         sft = SftRole(**self.sft.model_dump(), role=role, out_dir=entry.out_dir)
-        return PiRole(sft=sft, data_dir=entry.data_dir, **self.model_dump(include={"rationale_chars", "loss_on"}))
+        return PiRole(sft=sft, data_dir=entry.data_dir, **self.model_dump(include={"rationale_chars", "loss_on", "end_of_turn"}))
 
 
 class PromptLearner(_Strict):

@@ -163,6 +163,8 @@ class _Template:
     """The tokenizer's part the decision rows rely on: the prompt rendered, ready for the assistant's answer, and a
     split into tokens (here: runs of letters, each other character alone)."""
 
+    eos_token_id = "<|im_end|>"
+
     @staticmethod
     def apply_chat_template(messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
         assert not tokenize and add_generation_prompt
@@ -182,7 +184,7 @@ def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefi
     tasks = [normalise_record(pmid, rec) for pmid, rec in list(pubmedqa.items())[:40]]
     chat = train_pi.rows(tasks, params)
     prefix = params.agents.decision.prefix
-    rows = train_pi.decision_rows(chat, _Template(), prefix)
+    rows = train_pi.decision_rows(chat, _Template(), prefix, end_of_turn=False)
     assert len(rows) == len(chat) and params.pi.loss_on == "decision_token"
     for row, src in zip(rows, chat, strict=True):
         assert row["prompt"].endswith("<assistant>" + prefix)
@@ -193,6 +195,11 @@ def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefi
         # what TRL trains on: the prompt, then the decision's token, the only position in the loss (no EOS after it)
         assert row["input_ids"] == _Template()(row["prompt"] + row["completion"])["input_ids"]
         assert row["completion_mask"] == [0] * (len(row["input_ids"]) - 1) + [1] and row["input_ids"][-1] == row["completion"]
+    # pi.end_of_turn (params.yaml's default): the end-of-turn after the decision is labelled too, as TRL's text rows had it
+    assert params.pi.end_of_turn
+    for row, alone in zip(train_pi.decision_rows(chat, _Template(), prefix, end_of_turn=True), rows, strict=True):
+        assert row["input_ids"] == [*alone["input_ids"], _Template.eos_token_id]
+        assert row["completion_mask"] == [*alone["completion_mask"], 1]
     with pytest.raises(ValueError, match="merges its end"):  # a prefix the decision would merge into: no token to train
         train_pi.decision_token(_Template(), '"decision": "x', "GO")
 

@@ -131,9 +131,11 @@ def test_the_base_materialised_under_the_pinned_transformers_ends_a_turn_where_t
     assert out["eos"] == "<|im_end|>"
 
 
-def test_the_pinned_trl_trains_the_pis_rows_on_the_decisions_token_alone(tmp_path: Path) -> None:
-    """trl 1.15.0 over transformers 5.17.0 builds its labels from ``train_pi.decision_rows``' tokenized form: one position
-    a row, the decision's first token, no EOS after it (a tiny random model of the GGUF's vocabulary; nothing trains)."""
+def test_the_pinned_trl_trains_the_pis_rows_as_its_own_text_rows_on_the_decision_and_the_end_of_turn(tmp_path: Path) -> None:
+    """trl 1.15.0 over transformers 5.17.0 builds its labels from ``train_pi.decision_rows``' tokenized form: the decision's
+    first token and, with ``pi.end_of_turn``, the EOS after it, the same ids and labels TRL builds from the text rows
+    (the recipe whose seeds answer alike); without it, one position a row (a tiny random model of the GGUF's
+    vocabulary; nothing trains)."""
     script = GGUF_TOKENIZER + (
         "import trl\n"
         "from datasets import Dataset\n"
@@ -146,12 +148,22 @@ def test_the_pinned_trl_trains_the_pis_rows_on_the_decisions_token_alone(tmp_pat
         "         'completion': [{'role': 'assistant', 'content': json.dumps({'decision': d})}]}\n"
         "        for i, (label, d) in enumerate([('yes', 'GO'), ('no', 'NO-GO'), ('maybe', 'DEFER')])]\n"
         "prefix = load_params(Path(sys.argv[1]) / 'params/learn.yaml', environ={}).agents.decision.prefix\n"
-        "rows = train_pi.decision_rows(chat, tok, prefix)\n"
-        "data = Dataset.from_list([{k: r[k] for k in ('input_ids', 'completion_mask')} for r in rows])\n"
-        "trainer = SFTTrainer(model=AutoModelForCausalLM.from_config(tiny), train_dataset=data, processing_class=tok,\n"
-        "                     args=SFTConfig(output_dir=sys.argv[2], completion_only_loss=True, use_cpu=True, report_to='none'))\n"
-        "print(json.dumps({'trl': trl.__version__, 'completions': [r['completion'] for r in rows],\n"
-        "                  'labelled': [tok.decode([x for x in r['labels'] if x != -100]) for r in trainer.train_dataset]}))\n")
+        "def built(rows, keys):\n"
+        "    data = Dataset.from_list([{k: r[k] for k in keys} for r in rows])\n"
+        "    trainer = SFTTrainer(model=AutoModelForCausalLM.from_config(tiny), train_dataset=data, processing_class=tok,\n"
+        "                         args=SFTConfig(output_dir=sys.argv[2], completion_only_loss=True, use_cpu=True, report_to='none'))\n"
+        "    return [{'ids': r['input_ids'], 'labelled': tok.decode([x for x in r['labels'] if x != -100])}\n"
+        "            for r in trainer.train_dataset]\n"
+        "out = {'trl': trl.__version__}\n"
+        "for eot in (True, False):\n"
+        "    rows = train_pi.decision_rows(chat, tok, prefix, eot)\n"
+        "    out[str(eot)] = {'completions': [r['completion'] for r in rows], 'tokenized': built(rows, ('input_ids', 'completion_mask')),\n"
+        "                     'text': built(rows, ('prompt', 'completion'))}\n"
+        "print(json.dumps(out))\n")
     out = run_with_gpu_releases(["-c", script, str(ROOT), str(tmp_path)], env={"HF_HUB_OFFLINE": "1"})
     assert out["trl"] == "1.15.0"
-    assert out["labelled"] == out["completions"] == ["GO", "NO", "DEF"]
+    with_eot, alone = out["True"], out["False"]
+    assert with_eot["completions"] == alone["completions"] == ["GO", "NO", "DEF"]
+    assert [r["labelled"] for r in with_eot["tokenized"]] == ["GO<|im_end|>", "NO<|im_end|>", "DEF<|im_end|>"]
+    assert with_eot["tokenized"] == with_eot["text"] == alone["text"]  # TRL's own text rows: the same ids, the same labels
+    assert [r["labelled"] for r in alone["tokenized"]] == ["GO", "NO", "DEF"]

@@ -68,17 +68,20 @@ def decision_token(tokenizer: Any, prefix: str, decision: str) -> str:
     return str(tokenizer.decode(ids[len(before):len(before) + 1]))
 
 
-def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> list[dict[str, Any]]:
+def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str, end_of_turn: bool) -> list[dict[str, Any]]:
     """``pi.loss_on: decision_token``: each chat row as text, the prompt rendered with the served chat template and
     followed by what the served model writes before the decision (``agents.decision.prefix``), the completion the
     decision's first token, the one the served PI is read from. The loss then falls on the decision, not on JSON the
     model already writes (in the whole answer the decision is 1 token of ~13, and one pass learned only the label prior:
     P(GO) 0.60-0.62 for yes, no and maybe), nor on the rest of its spelling (``-GO"`` after ``NO``: two thirds of the
-    loss on tokens that decide nothing, and the recipe a lottery over its seed; docs/training.md). Each row also carries
-    TRL's tokenized form (``input_ids``, ``completion_mask`` on the decision's token alone): given text, TRL appends the
-    tokenizer's EOS to the completion, and that end-of-turn after a first token, which the served PI never writes, was
-    three quarters of the base model's loss on these rows (18.2 of 11.9 nats a row against the decision's 5.7)."""
+    loss on tokens that decide nothing, and the recipe a lottery over its seed; docs/training.md). Each row carries
+    TRL's tokenized form (``input_ids``, ``completion_mask``), so what is labelled is said here, not by TRL: the
+    decision's token and, with ``end_of_turn`` (``pi.end_of_turn``), the tokenizer's EOS after it, as TRL appends it to
+    a text completion. The EOS is most of the base model's loss on a row (18.2 nats against the decision's 5.7), and it
+    is what keeps the recipe's seeds alike: on the decision's token alone seeds 0 and 1 answered differently on both
+    planes (docs/benchmarks-gpu-pi-rows.md)."""
     first = {d.value: decision_token(tokenizer, prefix, d.value) for d in Decision}  # three, not one a row
+    eos = [tokenizer.eos_token_id] if end_of_turn else []
     out = []
     for r in data:
         prompt = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) + prefix
@@ -86,7 +89,8 @@ def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str) -> li
         ids, asked = list(tokenizer(prompt + completion)["input_ids"]), len(tokenizer(prompt)["input_ids"])
         if len(ids) != asked + 1:  # decision_token checked the prefix's end alone; the whole prompt must split there too
             raise ValueError(f"row {r['task_id']}: the prompt and {completion!r} do not split at the decision's token")
-        out.append({**r, "prompt": prompt, "completion": completion, "input_ids": ids, "completion_mask": [0] * asked + [1]})
+        out.append({**r, "prompt": prompt, "completion": completion, "input_ids": ids + eos,
+                    "completion_mask": [0] * asked + [1] * (1 + len(eos))})
     return out
 
 
@@ -120,7 +124,7 @@ def training_file(pi: PiRole, prefix: str, worker: WorkerParams) -> Path:
                          "before its decision under PIDecision's schema; set agents.decision.prefix to that")
     print(f"train_pi: the base model writes {prefix!r} before its decision, as agents.decision.prefix says")
     tokenizer = AutoTokenizer.from_pretrained(pi.sft.base_model)
-    rows_ = decision_rows(chat, tokenizer, prefix)
+    rows_ = decision_rows(chat, tokenizer, prefix, pi.end_of_turn)
     out = path.with_name("train.decision.jsonl")  # beside the chat rows, in the stage's DVC output
     write_text(out, "".join(json.dumps(r) + "\n" for r in rows_))
     return out
