@@ -681,8 +681,8 @@ class PiParams(_Strict):
     rationale_chars: int = Field(ge=0, le=300, description="loss_on answer: characters of the paper's long answer kept as "
                                  "the target's rationale (in reasoning_free the long answer is in the prompt)")
     loss_on: Literal["decision_token", "answer"] = Field(
-        description="decision_token: the loss on the decision's first token alone (the one it is read from), after "
-                    "the served prefix (agents.decision.prefix); "
+        description="decision_token: the loss on the decision's first token (the one it is read from), after the "
+                    "served prefix (agents.decision.prefix), and on the end-of-turn after it with pi.end_of_turn; "
                     "answer: on the whole PIDecision JSON with its rationale")
     end_of_turn: bool = Field(
         description="decision_token: the tokenizer's end-of-turn after the decision's token is in the loss too (TRL's "

@@ -200,6 +200,9 @@ def test_decision_token_rows_put_the_loss_on_the_decision_after_the_served_prefi
     for row, alone in zip(train_pi.decision_rows(chat, _Template(), prefix, end_of_turn=True), rows, strict=True):
         assert row["input_ids"] == [*alone["input_ids"], _Template.eos_token_id]
         assert row["completion_mask"] == [*alone["completion_mask"], 1]
+    no_eos = type("NoEos", (_Template,), {"eos_token_id": None})()
+    with pytest.raises(ValueError, match="no EOS token"):  # a tokenizer without one: said, not a None among the ids
+        train_pi.decision_rows(chat, no_eos, prefix, end_of_turn=True)
     with pytest.raises(ValueError, match="merges its end"):  # a prefix the decision would merge into: no token to train
         train_pi.decision_token(_Template(), '"decision": "x', "GO")
 

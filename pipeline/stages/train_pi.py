@@ -81,6 +81,8 @@ def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str, end_o
     is what keeps the recipe's seeds alike: on the decision's token alone seeds 0 and 1 answered differently on both
     planes (docs/benchmarks-gpu-pi-rows.md)."""
     first = {d.value: decision_token(tokenizer, prefix, d.value) for d in Decision}  # three, not one a row
+    if end_of_turn and tokenizer.eos_token_id is None:
+        raise ValueError("pi.end_of_turn: the base model's tokenizer has no EOS token to label after the decision")
     eos = [tokenizer.eos_token_id] if end_of_turn else []
     out = []
     for r in data:
