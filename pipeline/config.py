@@ -664,12 +664,22 @@ class PiLearner(Learner):
     data_dir: str = Field(description="where the role's gold-decision chat data is written (a DVC output)")
 
 
+class PiSignal(_Strict):
+    """Whether the PI's adapter learned the question's decision, not the label prior: on its held-out questions."""
+
+    alpha: float = Field(gt=0.0, lt=1.0, description="training must raise the adapter's AUC of P(GO) between held-out "
+                         "yes and no questions beyond their permuted labels at this level (one-sided), or it is "
+                         "no_signal and nothing is registered")
+    permutations: int = Field(ge=99, description="label permutations of that test (its p is never below 1 / (this + 1))")
+
+
 class PiRole(_Strict):
     sft: SftRole
     data_dir: str
     rationale_chars: int
     loss_on: Literal["decision_token", "answer"]
     end_of_turn: bool
+    signal: PiSignal
 
 
 class PiParams(_Strict):
@@ -690,11 +700,13 @@ class PiParams(_Strict):
     oversample: dict[Literal["yes", "no", "maybe"], Annotated[int, Field(ge=1, le=10)]] = Field(
         description="label -> how often each train row of it is repeated: a class rare in PQA-L (maybe, 11%) is "
                     "otherwise learned as never answered (DEFER on 2 of 500 test questions)")
+    signal: PiSignal
 
     def at(self, role: str) -> PiRole:
         entry = self.roles[role]
         sft = SftRole(**self.sft.model_dump(), role=role, out_dir=entry.out_dir)
-        return PiRole(sft=sft, data_dir=entry.data_dir, **self.model_dump(include={"rationale_chars", "loss_on", "end_of_turn"}))
+        return PiRole(sft=sft, data_dir=entry.data_dir,
+                      **self.model_dump(include={"rationale_chars", "loss_on", "end_of_turn", "signal"}))
 
 
 class PromptLearner(_Strict):

@@ -23,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from pipeline.config import load_params
 from pipeline.services.process import free_port
 from tests.conftest import ROOT, copy_project, over_length, serving_ahead
 
@@ -312,6 +313,28 @@ def test_the_pis_prompt_is_optimized_against_the_served_pi_and_registered_only_w
         assert challenger.tags["parent_version"] == str(report["base_version"]) and challenger.tags["source"] == "train_prompt"
     else:
         assert report["no_signal"] and report["version"] is None and challenger is None, report
+
+
+def test_the_pi_is_registered_only_when_training_raised_its_held_out_ranking(cycle: dict) -> None:
+    """``train_pi``'s signal (docs/training.md): its report holds the held-out questions' scores before and after training
+    and the permutation p of the gain; a version of the PI exists from this cycle exactly when that p cleared
+    ``pi.signal.alpha`` (one step here: the mechanism, docs/benchmarks-pi-signal.md has the recipe's figures)."""
+    import mlflow
+
+    report = json.loads((cycle["clone"] / "reports/train_pi/principal_investigator.json").read_text())
+    before, after = report["held_out_before"], report["held_out"]
+    assert before["labels"] == after["labels"] and len(after["scores"]) == after["yes"] + after["no"] == len(after["labels"])
+    assert 0 < report["held_out_gain_p"] <= 1 and report["steps"] == 1
+    run = _children(cycle)["train_pi@principal_investigator"]
+    client = mlflow.MlflowClient(cycle["mlflow"])
+    found = [v for v in client.search_model_versions("name='principal_investigator'") if v.run_id == run.info.run_id]
+    pi = load_params(ROOT / "params.yaml", environ={}).pi
+    if report["held_out_gain_p"] < pi.signal.alpha and report["fit_drop"] >= pi.sft.min_fit_drop:
+        assert not report["no_signal"] and len(found) == 1, report
+    else:
+        assert report["no_signal"] and not found and run.data.tags["no_signal"] == "true", report
+        assert f"train_pi@principal_investigator: no_signal, nothing registered: {report['no_signal_reason']}" in cycle[
+            "proc"].stdout
 
 
 def test_ppo_logs_reward_and_kl_curves_and_registers_a_senior_version(cycle: dict) -> None:

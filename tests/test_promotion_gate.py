@@ -106,6 +106,34 @@ def test_sign_flip_matches_scipy_permutation_test() -> None:
     assert sign_flip([0.0] * 6, "greater") == 1.0  # no difference at all: nothing to see
 
 
+def test_auc_gain_is_the_label_permutation_test_of_what_training_added_to_the_ranking() -> None:
+    """``auc_gain`` (train_pi's signal check): its Monte Carlo p against every labelling enumerated; a ranking the model
+    had before training is no gain, one training made is."""
+    import itertools
+
+    from pipeline.evaluation.significance import auc_gain, rank_auc
+
+    rng = np.random.default_rng(3)
+    before, after = rng.normal(size=10), rng.normal(size=10)
+    positive = np.array([True] * 4 + [False] * 6)
+    observed = rank_auc(after[positive], after[~positive]) - rank_auc(before[positive], before[~positive])
+    gains = []
+    for pick in itertools.combinations(range(10), 4):  # all 210 labellings with four positives
+        pos = np.isin(np.arange(10), pick)
+        gains.append(rank_auc(after[pos], after[~pos]) - rank_auc(before[pos], before[~pos]))
+    exact = float(np.mean(np.asarray(gains) >= observed - 1e-12))
+    b, a, p = auc_gain(before, after, positive, draws=20000)
+    assert (b, a) == (rank_auc(before[positive], before[~positive]), rank_auc(after[positive], after[~positive]))
+    assert p == pytest.approx(exact, abs=0.015)
+    aligned = np.where(positive, 1.0, 0.0) + rng.normal(0, 0.1, 10)  # the base already ranks them: nothing was learned
+    assert auc_gain(aligned, aligned, positive)[2] == 1.0
+    assert auc_gain(aligned, aligned + rng.normal(0, 0.01, 10), positive)[2] > 0.05
+    flat = rng.normal(0, 0.1, 40)
+    labels = rng.random(40) < 0.5
+    assert auc_gain(flat, flat + 2.0 * labels, labels)[2] < 0.001  # training separated them
+    assert auc_gain(flat, flat, [True] * 40) == (pytest.approx(float("nan"), nan_ok=True),) * 2 + (1.0,)
+
+
 def test_mcnemar_exact_matches_scipy_binomtest() -> None:
     from scipy.stats import binomtest
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,6 +147,32 @@ def test_the_pi_learns_the_gold_decision_maybe_included_on_the_call_the_society_
                                                                    "summary": "s"}])
     assert train_pi.signal(data) is None
     assert "yes and no" in (train_pi.signal([r for r in data if r["label"] != "no"]) or "")
+
+
+def test_a_pi_whose_held_out_ranking_training_did_not_raise_is_no_signal_whatever_its_loss() -> None:
+    """train_pi's signal (docs/training.md): the loss on its own rows falls under shuffled labels too, so a PI is
+    registered only when training raised its ranking of held-out yes above no questions beyond their permuted labels;
+    a base model that happened to rank them counts for nothing (docs/benchmarks-pi-signal.md)."""
+    signal = load_params(ROOT / "params.yaml", environ={}).pi.signal
+    rng = np.random.default_rng(0)
+    labels = ["yes" if i % 2 else "no" for i in range(30)]
+    aligned = [1.0 * (y == "yes") + rng.normal(0, 0.3) for y in labels]
+    flat = [rng.normal(0, 0.3) for _ in labels]
+
+    def held(scores: list[float]) -> dict[str, Any]:
+        return {"auc": None, "yes": labels.count("yes"), "no": labels.count("no"), "labels": labels, "scores": scores}
+
+    fitted = {"no_signal": False, "no_signal_reason": None}
+    kept = train_pi.learned({**fitted, "held_out_before": held(aligned), "held_out": held(aligned)}, signal)
+    assert kept["no_signal"] and "did not raise" in kept["no_signal_reason"] and kept["held_out_gain_p"] == 1.0
+    taught = train_pi.learned({**fitted, "held_out_before": held(flat), "held_out": held(aligned)}, signal)
+    assert not taught["no_signal"] and taught["held_out_gain_p"] < signal.alpha
+    unfit = {"no_signal": True, "no_signal_reason": "the loss on 16 of its own training rows did not fall"}
+    assert train_pi.learned({**unfit, "held_out_before": held(flat), "held_out": held(aligned)}, signal)[
+        "no_signal_reason"] == unfit["no_signal_reason"]  # the first reason stands
+    yes_only = {"auc": None, "yes": 3, "no": 0, "labels": ["yes"] * 3, "scores": [0.1, 0.2, 0.3]}
+    none = train_pi.learned({**fitted, "held_out_before": yes_only, "held_out": yes_only}, signal)
+    assert none["no_signal"] and "pi.sft.eval_fraction" in none["no_signal_reason"]
 
 
 def test_a_routing_version_from_before_the_pi_had_its_own_model_routes_it_as_the_senior(tmp_path) -> None:

@@ -33,6 +33,7 @@ from pipeline.agents.prompts import NO_PROTOCOL, Prompts
 from pipeline.config import AgentsParams, JudgeParams, RewardParams
 from pipeline.contracts import Level, Metrics
 from pipeline.evaluation.metrics import answer, macro_f1, summarise
+from pipeline.evaluation.significance import rank_auc
 from pipeline.progress import Bar
 from pipeline.rewards.judge import decision_credit, final_reward
 from pipeline.rewards.judge import judge as run_judge
@@ -102,10 +103,7 @@ def auc(records: list[dict[str, Any]]) -> float | None:
     """AUC of P(GO) between yes and no questions (Mann-Whitney, ties half); None without both labels."""
     pos = [r["p_go"] for r in records if r["label"] == "yes" and r["p_go"] is not None]
     neg = [r["p_go"] for r in records if r["label"] == "no" and r["p_go"] is not None]
-    if not pos or not neg:
-        return None
-    p, n = np.asarray(pos)[:, None], np.asarray(neg)[None, :]
-    return float(((p > n).sum() + 0.5 * (p == n).sum()) / (p.size * n.size))
+    return rank_auc(pos, neg) if pos and neg else None
 
 
 def auc_ci(records: list[dict[str, Any]], draws: int = 1000, ci: float = 0.95, seed: int = 0) -> tuple[float, float]:

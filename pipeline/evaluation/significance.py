@@ -12,6 +12,9 @@ as significant. These two tests are valid at any n:
 - ``mcnemar_exact``: the exact McNemar test of paired decision correctness: only discordant tasks
   (one right, the other wrong) carry information, and under H0 each goes either way with p = 1/2,
   so the p-value is a binomial tail.
+- ``auc_gain``: whether training made a model rank two groups apart (the AUC of P(GO) between yes and no questions)
+  better than it did before: the share of label permutations whose gain in AUC is at least the observed one. A model
+  that learned only the label prior, or was trained on shuffled labels, gains nothing beyond chance.
 - ``holm``: a cycle evaluates up to one candidate per role against one champion run and the gate
   tests each; with three null candidates, one passes at alpha each with probability up to
   1 - (1 - alpha)^3 (about 3 alpha). Holm's step-down adjustment keeps the chance that *any* of them
@@ -59,6 +62,44 @@ def sign_flip(diffs: Sequence[float], alternative: Alternative = "greater", exac
         hits = np.abs(means) >= abs(observed) - tol
     count = int(hits.sum())
     return count / len(means) if n <= exact_max else (count + 1) / (draws + 1)
+
+
+def rank_auc(pos: Sequence[float], neg: Sequence[float]) -> float:
+    """P(a positive scores above a negative), ties half (the Mann-Whitney U over |pos| x |neg|)."""
+    p, n = np.asarray(pos, dtype=float)[:, None], np.asarray(neg, dtype=float)[None, :]
+    return float(((p > n).sum() + 0.5 * (p == n).sum()) / (p.size * n.size))
+
+
+def auc_gain(before: Sequence[float], after: Sequence[float], positive: Sequence[bool], draws: int = 9999,
+             seed: int = 0) -> tuple[float, float, float]:
+    """(AUC before, AUC after, one-sided p) of "``after`` ranks the positives above the negatives better than ``before``
+    does", the same items scored twice: the labels permuted ``draws`` times over both at once, with the (count + 1) /
+    (draws + 1) correction; (nan, nan, 1.0) without both groups. Under H0 neither score depends on the labels, so any
+    chance alignment of ``before`` with them is permuted too, and only a gain that training made counts."""
+    is_pos = np.asarray(positive, dtype=bool)
+    k, m = int(is_pos.sum()), int((~is_pos).sum())
+    if not k or not m:
+        return float("nan"), float("nan"), 1.0
+    ranks = np.stack([_midranks(np.asarray(before, dtype=float)), _midranks(np.asarray(after, dtype=float))])
+
+    def aucs(rank_sums: np.ndarray) -> np.ndarray:  # U from the positives' rank sum
+        return (rank_sums - k * (k + 1) / 2) / (k * m)
+
+    auc_before, auc_after = aucs(ranks[:, is_pos].sum(axis=1))
+    picks = np.argsort(np.random.default_rng(seed).random((draws, k + m)), axis=1)[:, :k]
+    gains = aucs(ranks[1][picks].sum(axis=1)) - aucs(ranks[0][picks].sum(axis=1))
+    observed = auc_after - auc_before
+    return float(auc_before), float(auc_after), (int((gains >= observed - 1e-12).sum()) + 1) / (draws + 1)
+
+
+def _midranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(x.size)
+    ranks[order] = np.arange(1, x.size + 1)
+    for value in np.unique(x):  # ties share their mean rank, as rank_auc counts them half
+        tied = x == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
 
 
 def _binom_cdf(k: int, n: int) -> float:

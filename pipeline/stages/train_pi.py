@@ -11,7 +11,8 @@ protocol) and, as its completion, the ``PIDecision`` the label asks for: GO for 
 
 The steps every trainer takes: fail fast on its inputs (yes and no both present, or ``no_signal``) -> train in the model
 plane (``train_sft.train``, TRL ``SFTTrainer`` + PEFT) -> metrics and signal (the loss on its own rows must fall by
-``pi.sft.min_fit_drop``) -> register the adapter as ``principal_investigator``'s challenger with its lineage and setting.
+``pi.sft.min_fit_drop``, and training must raise the adapter's ranking of held-out yes above no questions beyond
+chance, ``pi.signal``) -> register the adapter as ``principal_investigator``'s challenger with its lineage and setting.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Any
 from pipeline import tracking, training
 from pipeline.agents.decision import decision_messages, target
 from pipeline.agents.prompts import REPOSITORY
-from pipeline.config import DecisionInput, Params, PiRole, WorkerParams
+from pipeline.config import DecisionInput, Params, PiRole, PiSignal, WorkerParams
 from pipeline.data.splits import load_tasks
+from pipeline.evaluation.significance import auc_gain, rank_auc
 from pipeline.io import atomic_dir, write_text
 from pipeline.learning import Learning
 from pipeline.schemas import Decision, PIDecision
@@ -58,14 +60,18 @@ def rows(tasks: list[dict[str, Any]], params: Params) -> list[dict[str, Any]]:
     return out
 
 
-def decision_token(tokenizer: Any, prefix: str, decision: str) -> str:
-    """The decision's first token after ``prefix``, as ``tokenizer`` splits the two together: the one token the served
-    PI is read from (``decision.ask``: one token at the decision position)."""
+def decision_token_id(tokenizer: Any, prefix: str, decision: str) -> Any:
+    """The id of the decision's first token after ``prefix``, as ``tokenizer`` splits the two together: the one token the
+    served PI is read from (``decision.ask``: one token at the decision position)."""
     before, ids = tokenizer(prefix)["input_ids"], tokenizer(prefix + decision)["input_ids"]
     if list(ids[:len(before)]) != list(before):  # the decision merged into the prefix's last token: no position to train
         raise ValueError(f"agents.decision.prefix {prefix!r}: the tokenizer merges its end with {decision!r}, so the "
                          "decision has no token of its own after it")
-    return str(tokenizer.decode(ids[len(before):len(before) + 1]))
+    return ids[len(before)]
+
+
+def decision_token(tokenizer: Any, prefix: str, decision: str) -> str:
+    return str(tokenizer.decode([decision_token_id(tokenizer, prefix, decision)]))
 
 
 def decision_rows(data: list[dict[str, Any]], tokenizer: Any, prefix: str, end_of_turn: bool) -> list[dict[str, Any]]:
@@ -132,6 +138,59 @@ def training_file(pi: PiRole, prefix: str, worker: WorkerParams) -> Path:
     return out
 
 
+def discrimination(model: Any, tokenizer: Any, rows: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+    """Model plane: log P(GO) - log P(NO-GO) at the decision's position of each held-out yes and no question, and their
+    AUC. The loss on its own rows falls for a PI that learned only the prior or the end-of-turn, even under shuffled
+    labels; a better ranking of unseen questions does not (``learned``)."""
+    import torch  # noqa: PLC0415 - model plane only
+
+    go, no = (decision_token_id(tokenizer, prefix, d.value) for d in (Decision.GO, Decision.NO_GO))
+    tokenized = rows if rows and "input_ids" in rows[0] else decision_rows(rows, tokenizer, prefix, end_of_turn=False)
+    labels, scores = [], []
+    mode = model.training
+    model.eval()
+    with torch.no_grad():
+        for r in tokenized:
+            if r["label"] in ("yes", "no"):
+                asked = r["input_ids"][:r["completion_mask"].index(1)]
+                logits = model(input_ids=torch.tensor([asked], device=model.device), logits_to_keep=1).logits[0, -1]
+                labels.append(r["label"])
+                scores.append(float(logits[go] - logits[no]))
+    model.train(mode)
+    pos = [s for s, y in zip(scores, labels, strict=True) if y == "yes"]
+    neg = [s for s, y in zip(scores, labels, strict=True) if y == "no"]
+    return {"auc": rank_auc(pos, neg) if pos and neg else None, "yes": len(pos), "no": len(neg), "labels": labels,
+            "scores": scores}
+
+
+def learned(metrics: dict[str, Any], signal: PiSignal) -> dict[str, Any]:
+    """``metrics`` with the PI's signal: its fit (train_sft's), and whether training raised its held-out AUC of P(GO)
+    beyond chance (``significance.auc_gain`` at ``pi.signal.alpha``): the held-out labels permuted over the scores
+    before and after, so a base model that happens to rank them is no evidence of what training taught."""
+    before, after = metrics["held_out_before"], metrics["held_out"]
+    auc_before, auc_after, p = auc_gain(before["scores"], after["scores"], [y == "yes" for y in after["labels"]],
+                                        signal.permutations)
+    metrics = {**metrics, "held_out_gain_p": p}
+    if metrics["no_signal"] or p < signal.alpha:
+        return metrics
+    if not after["yes"] or not after["no"]:
+        why = (f"its held-out slice has {after['yes']} yes and {after['no']} no questions: no ranking to measure "
+               "(raise pi.sft.eval_fraction)")
+    else:
+        why = (f"training did not raise its AUC of P(GO) on {after['yes']} held-out yes and {after['no']} no questions "
+               f"beyond chance ({auc_before:.3f} -> {auc_after:.3f}, p = {p:.4f} >= pi.signal.alpha "
+               f"{signal.alpha}): it learned the decision's prior, not the question's decision")
+    return {**metrics, "no_signal": True, "no_signal_reason": why}
+
+
+def summary(metrics: dict[str, Any]) -> str:
+    line = train_sft._summary(metrics).replace("train_sft", "train_pi")
+    before, after = metrics["held_out_before"], metrics["held_out"]
+    auc = " -> ".join("n/a" if m["auc"] is None else f"{m['auc']:.3f}" for m in (before, after))
+    return (f"{line}, held-out AUC of P(GO) {auc} (gain p = {metrics['held_out_gain_p']:.4f}, {after['yes']} yes / "
+            f"{after['no']} no)")
+
+
 def signal(data: list[dict[str, Any]]) -> str | None:
     """Why these rows carry no signal (None when they do): a label the PI never sees the other side of teaches a prior."""
     labels = {r["label"] for r in data}
@@ -169,14 +228,16 @@ def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
         return signal(data)
 
     def train() -> dict[str, Any]:
-        return {**train_sft.train(pi.sft, training_file(pi, params.agents.decision.prefix, params.serving.decoding)),
-                "setting": params.data.setting}
+        prefix = params.agents.decision.prefix
+        metrics = train_sft.train(pi.sft, training_file(pi, prefix, params.serving.decoding),
+                                  lambda model, tok, held: discrimination(model, tok, held, prefix))
+        return {**learned(metrics, pi.signal), "setting": params.data.setting}
 
     return training.Trainer(
         stage=f.stage, command=Learning.PI.command, role=role, report=f.report, inputs=inputs,
         no_signal=lambda reason: _no_signal(params, role, reason, no_mlflow), train=train,
         register=lambda metrics, run: log_and_register(params, role, data, run),
-        summary=lambda metrics: train_sft._summary(metrics).replace("train_sft", "train_pi"),
+        summary=summary,
         tags={"data.setting": params.data.setting})
 
 
