@@ -51,19 +51,22 @@ def arm(name: str, tasks: list[dict[str, Any]], work: Path, max_steps: int | Non
     return {"arm": name, **{k: metrics[k] for k in keep}}
 
 
-def markdown(results: list[dict[str, Any]], setting: str) -> list[str]:
+def markdown(results: list[dict[str, Any]], setting: str, min_fit_drop: float) -> list[str]:
     lines = ["# train_pi's signal check against shuffled labels (`benchmarks/bench_pi_signal.py`)", "",
              f"make learn's PI recipe (params/learn.yaml, {setting}) on the train split's labels and on the same questions "
              "with their labels permuted. The loss on its own rows is `pi.sft.min_fit_drop`'s check; training's gain "
              "in the held-out AUC of P(GO) between yes and no questions, with its label-permutation p, is `pi.signal`'s.", "",
-             "| arm | steps | loss on its own rows | fit drop | held-out AUC before → after | p of the gain | "
-             "held-out yes / no | no_signal |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| arm | steps | loss on its own rows | fit drop | the fit check alone | held-out AUC before → after | "
+             "p of the gain | held-out yes / no | no_signal |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         b, a = r["held_out_before"], r["held_out"]
         lines.append(f"| {r['arm']} | {r['steps']} | {r['fit_loss_before']:.3f} → {r['fit_loss_after']:.3f} | "
-                     f"{r['fit_drop']:+.1%} | {b['auc']:.3f} → {a['auc']:.3f} | {r['held_out_gain_p']:.4f} | "
+                     f"{r['fit_drop']:+.1%} | {'registered' if r['fit_drop'] >= min_fit_drop else 'no_signal'} | "
+                     f"{b['auc']:.3f} → {a['auc']:.3f} | {r['held_out_gain_p']:.4f} | "
                      f"{a['yes']} / {a['no']} | {r['no_signal']} |")
-    lines += ["", *[f"- {r['arm']}: {r['no_signal_reason']}" for r in results if r["no_signal"]], ""]
+    lines += ["", f"The fit check alone is `pi.sft.min_fit_drop` ({min_fit_drop:.0%}), what registered a PI before "
+              "`pi.signal`. The reasons recorded for each no_signal:", "",
+              *[f"- {r['arm']}: {r['no_signal_reason']}" for r in results if r["no_signal"]], ""]
     return lines
 
 
@@ -74,14 +77,18 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, help="fewer steps than pi.sft.max_steps (a smoke run)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--from-json", type=Path, help="write the markdown of an earlier run's --json, training nothing")
     args = parser.parse_args()
     params = load_params()
-    tasks = load_tasks(params.validate_, "train", setting=params.data.setting)
-    with tempfile.TemporaryDirectory(prefix="pi-signal-") as work:
-        results = [arm(name, tasks, Path(work), args.max_steps) for name in args.arms]
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())["results"]
+    else:
+        tasks = load_tasks(params.validate_, "train", setting=params.data.setting)
+        with tempfile.TemporaryDirectory(prefix="pi-signal-") as work:
+            results = [arm(name, tasks, Path(work), args.max_steps) for name in args.arms]
     if args.json:
-        write_json(args.json, {"setting": params.data.setting, "results": results})
-    lines = markdown(results, params.data.setting)
+        write_json(args.json, {"setting": params.data.setting, "min_fit_drop": params.pi.sft.min_fit_drop, "results": results})
+    lines = markdown(results, params.data.setting, params.pi.sft.min_fit_drop)
     print("\n".join(lines))
     if args.out:
         write_text(args.out, "\n".join(lines))
