@@ -173,6 +173,9 @@ def test_a_pi_whose_held_out_ranking_training_did_not_raise_is_no_signal_whateve
     yes_only = {"auc": None, "yes": 3, "no": 0, "labels": ["yes"] * 3, "scores": [0.1, 0.2, 0.3]}
     none = train_pi.learned({**fitted, "held_out_before": yes_only, "held_out": yes_only}, signal)
     assert none["no_signal"] and "pi.sft.eval_fraction" in none["no_signal_reason"]
+    three = {"auc": None, "yes": 1, "no": 2, "labels": ["no", "no", "yes"], "scores": [0.0, 0.0, 0.0]}
+    few = train_pi.learned({**fitted, "held_out_before": three, "held_out": {**three, "scores": [0.0, 0.1, 0.9]}}, signal)
+    assert few["no_signal"] and few["no_signal_reason"].startswith("insufficient evidence")  # the smallest p is 1/3
 
 
 def test_a_routing_version_from_before_the_pi_had_its_own_model_routes_it_as_the_senior(tmp_path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,9 @@ def learned(metrics: dict[str, Any], signal: PiSignal) -> dict[str, Any]:
     if not after["yes"] or not after["no"]:
         why = (f"its held-out slice has {after['yes']} yes and {after['no']} no questions: no ranking to measure "
                "(raise pi.sft.eval_fraction)")
+    elif (floor := 1 / math.comb(after["yes"] + after["no"], after["yes"])) >= signal.alpha:
+        why = (f"insufficient evidence: at {after['yes']} held-out yes and {after['no']} no questions no gain can reach "
+               f"pi.signal.alpha {signal.alpha} (the smallest p of a labelling is {floor:.3f}; raise pi.sft.eval_fraction)")
     else:
         why = (f"training did not raise its AUC of P(GO) on {after['yes']} held-out yes and {after['no']} no questions "
                f"beyond chance ({auc_before:.3f} -> {auc_after:.3f}, p = {p:.4f} >= pi.signal.alpha "
