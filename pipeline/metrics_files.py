@@ -48,7 +48,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "train_sft": ("steps", "train_rows", "eval_rows", "train_loss", "first_loss", "last_loss", "eval_loss_before",
                   "eval_loss", "tokens_per_s", "no_signal"),
     "train_pi": ("steps", "train_rows", "eval_rows", "train_loss", "fit_loss_before", "fit_loss_after", "fit_drop",
-                 "eval_loss_before", "eval_loss", "no_signal"),
+                 "eval_loss_before", "eval_loss", "held_out_before.auc", "held_out.auc", "held_out_gain_p", "no_signal"),
     "train_ppo": ("steps", "prompts", "groups", "completions_scored", "reward_first", "reward_last", "reward_mean",
                   "reward_std", "kl_last", "valid_fraction", "decision_accuracy", "zero_advantage_groups", "no_signal"),
     "train_bandit": ("decisions", "dr_gain", "ope.learned.dr.value", "ope.learned.dr.ci_low", "ope.learned.dr.ci_high",

@@ -151,13 +151,18 @@ def _model_and_peft(sft: SftRole, backend: str) -> tuple[Any, Any, Any]:
     return model, tokenizer, peft
 
 
-HeldOut = Callable[[Any, Any, list[dict[str, Any]]], dict[str, Any]]  # (model, tokenizer, held-out rows) -> figures
+HeldOut = Callable[[Any, Any, list[dict[str, Any]]], dict[str, Any] | None]  # (model, tokenizer, held-out rows) -> figures
+
+
+def _nothing(model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> None:
+    return None
 
 
 def train(sft: SftRole, data: Path, held_out: HeldOut | None = None) -> dict[str, Any]:
     """Model plane: train on ``data``'s prompt-completion rows (or their tokenized form), save adapter (+ merged folder)
     atomically, return the metrics (train_pi trains the PI with it on its gold-decision rows). ``held_out`` measures the
-    model on the held-out rows before and after training (``held_out_before``, ``held_out``): train_pi's discrimination."""
+    model on the held-out rows before and after training (``held_out_before``, ``held_out``; None without it): train_pi's
+    discrimination."""
     import torch  # noqa: PLC0415 - model plane only
 
     rows = load_rows(data)
@@ -183,14 +188,14 @@ def train(sft: SftRole, data: Path, held_out: HeldOut | None = None) -> dict[str
         # the same training rows twice; at most sft.fit_rows of them (a pass over every row costs as much as training)
         fit_ds = train_ds.select(range(min(len(train_ds), sft.fit_rows)))
         fit_before = trainer.evaluate(eval_dataset=fit_ds, metric_key_prefix="fit")["fit_loss"]
-        # before training the LoRA update is zero: the wrapped model answers as the base model
-        measured_before = held_out(trainer.model, tokenizer, eval_rows) if held_out else None
+        measure = held_out or _nothing
+        measured_before = measure(trainer.model, tokenizer, eval_rows)  # the LoRA update is zero: the base model
         t0 = time.perf_counter()
         result = trainer.train()
         seconds = time.perf_counter() - t0
         final_eval = trainer.evaluate()["eval_loss"]
         fit_after = trainer.evaluate(eval_dataset=fit_ds, metric_key_prefix="fit")["fit_loss"]
-        measured = held_out(trainer.model, tokenizer, eval_rows) if held_out else None
+        measured = measure(trainer.model, tokenizer, eval_rows)
         _save(trainer.model, tokenizer, tmp, sft.merge, backend)
         history = trainer.state.log_history
         write_json(tmp / "log_history.json", history)
@@ -210,8 +215,7 @@ def train(sft: SftRole, data: Path, held_out: HeldOut | None = None) -> dict[str
                    f"the loss on {min(len(train_rows), sft.fit_rows)} of its own training rows did not fall by sft.min_fit_drop="
                    f"{sft.min_fit_drop:.0%} ({fit_before:.4f} -> {fit_after:.4f}, {fit_drop:+.2%})",
                    "tokens": tokens, "tokens_per_s": (tokens / seconds) if tokens else None,
-                   "base_model": str(Path(sft.base_model).resolve()),
-                   **({"held_out_before": measured_before, "held_out": measured} if held_out else {})}
+                   "base_model": str(Path(sft.base_model).resolve()), "held_out_before": measured_before, "held_out": measured}
         write_json(tmp / "train_meta.json", metrics)
     return metrics
 
