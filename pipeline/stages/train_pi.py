@@ -183,7 +183,7 @@ def learned(metrics: dict[str, Any], signal: PiSignal) -> dict[str, Any]:
     else:
         why = (f"training did not raise its AUC of P(GO) on {after['yes']} held-out yes and {after['no']} no questions "
                f"beyond chance ({auc_before:.3f} -> {auc_after:.3f}, p = {p:.4f} >= pi.signal.alpha "
-               f"{signal.alpha}): it learned the decision's prior, not the question's decision")
+               f"{signal.alpha}): no evidence that it learned the question's decision, not only the decision's prior")
     return {**metrics, "no_signal": True, "no_signal_reason": why}
 
 
