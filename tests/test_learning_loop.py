@@ -329,8 +329,10 @@ def test_the_pi_is_registered_only_when_training_raised_its_held_out_ranking(cyc
     client = mlflow.MlflowClient(cycle["mlflow"])
     found = [v for v in client.search_model_versions("name='principal_investigator'") if v.run_id == run.info.run_id]
     pi = load_params(ROOT / "params.yaml", environ={}).pi
+    assert run.data.metrics["held_out_gain_p"] == pytest.approx(report["held_out_gain_p"])  # in the MLflow UI too
     if report["held_out_gain_p"] < pi.signal.alpha and report["fit_drop"] >= pi.sft.min_fit_drop:
         assert not report["no_signal"] and len(found) == 1, report
+        assert float(found[0].tags["signal.held_out_gain_p"]) == pytest.approx(report["held_out_gain_p"], rel=1e-3)
     else:
         assert report["no_signal"] and not found and run.data.tags["no_signal"] == "true", report
         assert f"train_pi@principal_investigator: no_signal, nothing registered: {report['no_signal_reason']}" in cycle[

@@ -187,6 +187,17 @@ def learned(metrics: dict[str, Any], signal: PiSignal) -> dict[str, Any]:
     return {**metrics, "no_signal": True, "no_signal_reason": why}
 
 
+def signal_figures(metrics: dict[str, Any]) -> dict[str, float]:
+    """The held-out figures of ``learned`` as MLflow reads them (flat numbers)."""
+    out = {}
+    for key in ("held_out_before", "held_out"):
+        if (auc := (metrics.get(key) or {}).get("auc")) is not None:
+            out[f"{key}_auc"] = float(auc)
+    if "held_out_gain_p" in metrics:
+        out["held_out_gain_p"] = float(metrics["held_out_gain_p"])
+    return out
+
+
 def summary(metrics: dict[str, Any]) -> str:
     line = train_sft._summary(metrics).replace("train_sft", "train_pi")
     before, after = metrics["held_out_before"], metrics["held_out"]
@@ -266,12 +277,14 @@ def log_and_register(params: Params, role: str, data: list[dict[str, Any]], run:
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()},
                            "backend_used": metrics["backend"], "data.setting": params.data.setting},
-                          history, metrics, loss_png)
-    if metrics.get("no_signal"):  # an adapter that did not fit its own rows learned nothing: nothing to register
+                          history, {**metrics, **signal_figures(metrics)}, loss_png)
+    if metrics.get("no_signal"):  # its fit or its held-out ranking showed nothing learned: nothing to register
         tracking.tag_no_signal(metrics["no_signal_reason"])
         return None
+    # the trainer's evidence travels with the version, as the gate's does (signal.*)
     version = registry.register_adapter(params, run, cfg.role, Path(cfg.out_dir) / "adapter", Path(pi.data_dir), data,
                                         cfg.base_model, f"LoRA adapter for the {cfg.role} role (SFT on the gold decision)",
                                         from_traces=False, backend=metrics["backend"],
-                                        **{"data.setting": params.data.setting})
+                                        **{"data.setting": params.data.setting},
+                                        **{f"signal.{k}": f"{v:.4g}" for k, v in signal_figures(metrics).items()})
     return version
