@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import load_params
+from pipeline.config import Params, load_params
 from pipeline.data.splits import load_tasks
 from pipeline.io import write_json, write_text
 from pipeline.stages import train_pi, train_sft
@@ -29,8 +29,7 @@ from pipeline.stages import train_pi, train_sft
 ROLE = "principal_investigator"
 
 
-def arm(name: str, tasks: list[dict[str, Any]], work: Path, max_steps: int | None) -> dict[str, Any]:
-    params = load_params()
+def arm(name: str, params: Params, tasks: list[dict[str, Any]], work: Path, max_steps: int | None) -> dict[str, Any]:
     pi = params.pi.at(ROLE)
     sft = pi.sft.model_copy(update={"out_dir": str(work / name / "model"), **({"max_steps": max_steps} if max_steps else {})})
     pi = pi.model_copy(update={"sft": sft, "data_dir": str(work / name / "data")})
@@ -85,7 +84,7 @@ def main() -> None:
     else:
         tasks = load_tasks(params.validate_, "train", setting=params.data.setting)
         with tempfile.TemporaryDirectory(prefix="pi-signal-") as work:
-            results = [arm(name, tasks, Path(work), args.max_steps) for name in args.arms]
+            results = [arm(name, params, tasks, Path(work), args.max_steps) for name in args.arms]
     if args.json:
         write_json(args.json, {"setting": params.data.setting, "min_fit_drop": params.pi.sft.min_fit_drop, "results": results})
     lines = markdown(results, params.data.setting, params.pi.sft.min_fit_drop)

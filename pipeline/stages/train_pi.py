@@ -139,14 +139,14 @@ def training_file(pi: PiRole, prefix: str, worker: WorkerParams) -> Path:
     return out
 
 
-def discrimination(model: Any, tokenizer: Any, rows: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+def discrimination(model: Any, tokenizer: Any, held: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
     """Model plane: log P(GO) - log P(NO-GO) at the decision's position of each held-out yes and no question, and their
     AUC. The loss on its own rows falls for a PI that learned only the prior or the end-of-turn, even under shuffled
     labels; a better ranking of unseen questions does not (``learned``)."""
     import torch  # noqa: PLC0415 - model plane only
 
     go, no = (decision_token_id(tokenizer, prefix, d.value) for d in (Decision.GO, Decision.NO_GO))
-    tokenized = rows if rows and "input_ids" in rows[0] else decision_rows(rows, tokenizer, prefix, end_of_turn=False)
+    tokenized = held if held and "input_ids" in held[0] else decision_rows(held, tokenizer, prefix, end_of_turn=False)
     labels, scores = [], []
     mode = model.training
     model.eval()
@@ -172,14 +172,17 @@ def learned(metrics: dict[str, Any], signal: PiSignal) -> dict[str, Any]:
     auc_before, auc_after, p = auc_gain(before["scores"], after["scores"], [y == "yes" for y in after["labels"]],
                                         signal.permutations)
     metrics = {**metrics, "held_out_gain_p": p}
-    if metrics["no_signal"] or p < signal.alpha:
+    if metrics["no_signal"]:
         return metrics
     if not after["yes"] or not after["no"]:
         why = (f"its held-out slice has {after['yes']} yes and {after['no']} no questions: no ranking to measure "
                "(raise pi.sft.eval_fraction)")
+    # before the Monte Carlo p: an exact test at this n could never pass, whatever the draws say
     elif (floor := 1 / math.comb(after["yes"] + after["no"], after["yes"])) >= signal.alpha:
         why = (f"insufficient evidence: at {after['yes']} held-out yes and {after['no']} no questions no gain can reach "
                f"pi.signal.alpha {signal.alpha} (the smallest p of a labelling is {floor:.3f}; raise pi.sft.eval_fraction)")
+    elif p < signal.alpha:
+        return metrics
     else:
         why = (f"training did not raise its AUC of P(GO) on {after['yes']} held-out yes and {after['no']} no questions "
                f"beyond chance ({auc_before:.3f} -> {auc_after:.3f}, p = {p:.4f} >= pi.signal.alpha "
@@ -277,7 +280,7 @@ def log_and_register(params: Params, role: str, data: list[dict[str, Any]], run:
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
                            **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()},
                            "backend_used": metrics["backend"], "data.setting": params.data.setting},
-                          history, {**metrics, **signal_figures(metrics)}, loss_png)
+                          history, {**metrics, **(figures := signal_figures(metrics))}, loss_png)
     if metrics.get("no_signal"):  # its fit or its held-out ranking showed nothing learned: nothing to register
         tracking.tag_no_signal(metrics["no_signal_reason"])
         return None
@@ -286,5 +289,5 @@ def log_and_register(params: Params, role: str, data: list[dict[str, Any]], run:
                                         cfg.base_model, f"LoRA adapter for the {cfg.role} role (SFT on the gold decision)",
                                         from_traces=False, backend=metrics["backend"],
                                         **{"data.setting": params.data.setting},
-                                        **{f"signal.{k}": f"{v:.4g}" for k, v in signal_figures(metrics).items()})
+                                        **{f"signal.{k}": f"{v:.4g}" for k, v in figures.items()})
     return version
