@@ -4,7 +4,8 @@
 
 With ``--run`` it runs, in this checkout and under ``PIPELINE_PARAMS`` (default params/learn.yaml, reasoning-free):
 the data and model stages (dvc repro), the serving plane, ``train-prompt``, ``evaluate`` (the PI alone at role level)
-and ``promote``, timing each; without, it reads what the last run left: ``reports/train_prompt/principal_investigator.json`` (the optimizer:
+and ``promote``, timing each; without, it reads what the last run left:
+``reports/train_prompt/principal_investigator.json`` (the optimizer:
 dev metric before/after, calls, wall time), ``data/evaluation/summary.json`` (the gate's evidence for
 ``principal_investigator@prompt`` on every validation question) and ``reports/promotion.json`` (the decision). The
 weight-training figures beside them come from docs/benchmarks-improvement.json (``make learn``, same setting). Tables
@@ -34,7 +35,8 @@ KEY = f"{PI}@prompt"
 RUN_ENV = {"PIPELINE__EVALUATE__ONLY": "[principal_investigator]", "PIPELINE__EVALUATE__AA": "false",
            "PIPELINE__EVALUATE__ROLE_JUDGE": "false", "PIPELINE__PROMPT__CANDIDATES": "6", "PIPELINE__PROMPT__DEMOS": "6",
            "PIPELINE__PROMPT__DEV_QUESTIONS": "48", "PIPELINE__PROMPT__MAX_CALLS": "400"}
-STEPS = [["dvc", "repro", "validate", "materialize_model", "build_index"], [sys.executable, "-m", "pipeline", "services", "up", "serving"],
+STEPS = [["dvc", "repro", "validate", "materialize_model", "build_index"],
+         [sys.executable, "-m", "pipeline", "services", "up", "serving"],
          [sys.executable, "-m", "pipeline", "train-prompt"], [sys.executable, "-m", "pipeline", "evaluate"],
          [sys.executable, "-m", "pipeline", "promote"]]
 
@@ -138,7 +140,7 @@ def main() -> int:
     times = times or (_read(str(Path(args.out).with_suffix(".json"))) or {}).get("times_s") or {}
     if times:
         lines += ["", "Step wall times (s): " + ", ".join(f"{k} {v}" for k, v in times.items())]
-    write_report(args.out, lines + [""])
+    write_report(args.out, [*lines, ""])
     write_json(Path(args.out).with_suffix(".json"), {"optimizer": opt, "gate": entry and {k: v for k, v in entry.items()
                                                                                            if k != "records"},
                                                       "decision": decision, "times_s": times})
