@@ -28,13 +28,11 @@ TEST_IDS = PUBMEDQA / "test_ground_truth.json"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The learning cycle starts at collection (pytest_collection_finish) and its module waits for it: every module runs
-    # before that wait, on the cores the cycle leaves idle, fast ones first, but the promotion module, whose CLI
-    # processes and societies took 1.5-1.8x as long beside the cycle (docs/benchmarks.md), after it. Whole modules move,
-    # so a module-scoped fixture is still set up once.
+    # Modules of fast tests only run first, so they share the cores with the learning cycle started at collection
+    # (pytest_collection_finish) instead of the suite waiting for it alone; modules with any service-starting test keep
+    # their order after them. Whole modules move, so a module-scoped fixture is still set up once.
     heavy = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("e2e")}
-    last = ("test_learning_loop.py", "test_promotion_integration.py")
-    items.sort(key=lambda item: (item.path in heavy, last.index(item.path.name) + 1 if item.path.name in last else 0))
+    items.sort(key=lambda item: item.path in heavy)
     if not SOURCE.exists():
         skip = pytest.mark.skip(reason=f"PubMedQA not found at {SOURCE} (set PUBMEDQA_DIR)")
         for item in items:
