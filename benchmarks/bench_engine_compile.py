@@ -28,16 +28,18 @@ from typing import Any
 
 from report import publish
 
-from pipeline.config import load_params
+from pipeline.config import WorkerParams, load_params
 from pipeline.envs import model_python
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("lora_eager", "eager", "compiled")
 
-# runs in the model plane: argv = arm, model, dtype, requests, max_tokens; prints one JSON line
+# runs in the model plane: argv = arm, model, dtype, max_model_len, max_lora_rank, requests, max_tokens; prints one
+# JSON line. The KV cache is 2 GiB, not the worker's 1: every arm holds all its requests at once
 ARM = r"""
 import json, os, sys, time
-arm, model, dtype, n, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+arm, model, dtype = sys.argv[1:4]
+model_len, rank, n, max_tokens = map(int, sys.argv[4:8])
 os.environ.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0")
 if arm != "compiled":
     os.environ["TORCH_COMPILE_DISABLE"] = "1"  # as an eager worker runs (pipeline/serving/worker.py)
@@ -45,10 +47,10 @@ if arm == "lora_eager":
     from pipeline.serving import vllm_cpu
     vllm_cpu.patch()
 from vllm import LLM, SamplingParams
-kw = dict(model=model, dtype=dtype, max_model_len=2048, seed=0, enable_chunked_prefill=False,
-          max_num_batched_tokens=2048, enforce_eager=arm != "compiled")
+kw = dict(model=model, dtype=dtype, max_model_len=model_len, seed=0, enable_chunked_prefill=False,
+          max_num_batched_tokens=model_len, enforce_eager=arm != "compiled")
 if arm == "lora_eager":
-    kw.update(enable_lora=True, max_lora_rank=8, max_loras=4)
+    kw.update(enable_lora=True, max_lora_rank=rank, max_loras=4)  # the worker's --max-loras
 t0 = time.perf_counter()
 llm = LLM(**kw)
 start = time.perf_counter() - t0
@@ -69,10 +71,12 @@ print(json.dumps({"start_s": start, "first_s": times[0], "warm_s": times[1],
 """
 
 
-def run_arm(arm: str, model: str, dtype: str, requests: int, max_tokens: int) -> dict[str, Any]:
+def run_arm(arm: str, w: WorkerParams, requests: int, max_tokens: int) -> dict[str, Any]:
+    """One arm in a fresh model-plane process, on ``w``'s model, dtype, context and LoRA rank."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([model_python(), "-c", ARM, arm, model, dtype, str(requests), str(max_tokens)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=1800, check=True)
+    argv = [arm, str((ROOT / w.model).resolve()), w.dtype, *map(str, (w.max_model_len, w.max_lora_rank, requests, max_tokens))]
+    done = subprocess.run([model_python(), "-c", ARM, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1800, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -85,11 +89,10 @@ def main() -> int:
     parser.add_argument("--out", default="docs/benchmarks-engine-compile.md")
     args = parser.parse_args()
     w = load_params(ROOT / args.params).serving.workers[0]
-    model = str((ROOT / w.model).resolve())
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
     for r in range(args.rounds):
         for arm in ARMS:
-            runs[arm].append(run_arm(arm, model, w.dtype, args.requests, args.max_tokens))
+            runs[arm].append(run_arm(arm, w, args.requests, args.max_tokens))
             print(f"round {r + 1} {arm}: warm {runs[arm][-1]['warm_s']:.1f} s", flush=True)
     ref = runs["lora_eager"][0]["texts"]
     base = statistics.median(x["warm_s"] for x in runs["lora_eager"])
