@@ -114,7 +114,10 @@ class Metrics(_Open):
         return value.mean if isinstance(value, Stat) else float(value["mean"])
 
     def failed(self) -> int | None:
-        """Tasks whose answer failed (no decision: a failed rollout, or a served PI answer without one)."""
+        """Tasks whose answer failed (no decision: a failed rollout, or a served PI answer without one): the count where
+        the metrics carry it, else from the success rate (``summarise`` alone)."""
+        if self.failures is not None:
+            return self.failures.n
         s = self.success_rate
         return None if s is None else round((1.0 - s.mean) * s.n)
 

@@ -141,6 +141,10 @@ def main(args: argparse.Namespace, params: Params) -> int:
     if args.run_id:
         os.environ[tracking.RUN_ID_ENV] = args.run_id
     run_key = tracking.pipeline_run_id()
+    if args.action in ("repro", "status") and not effective_file(run_key).exists():
+        print(f"error: {effective_file(run_key)}: no run {run_key} is open with its params; `python -m pipeline run open "
+              "--write-params` first and export the PIPELINE_RUN_ID it prints", file=sys.stderr)
+        return 2
     if args.action == "repro":
         return repro(effective_file(run_key), args.stages, args.single_item, params.serving.live_file, args.settle)
     if args.action == "status":  # `dvc status` of STAGES as the run's values see them

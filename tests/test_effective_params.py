@@ -123,3 +123,26 @@ def test_a_profile_cycle_through_dvc_is_recorded_and_run_again_reproduces_nothin
     (tmp_path / "params.yaml").write_text(effective.read_text())
     assert runs.restore_stood_in() == ["params.yaml"] and (tmp_path / "params.yaml").read_text() == kept
     assert not list(runs.SAVED.iterdir())
+
+
+def test_repro_without_an_open_run_is_one_line_naming_the_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`run repro` before `run open --write-params` (a hand-typed cycle step): the run's effective params are missing,
+    so the user gets the file and the command that writes it, not a traceback, and params.yaml is not touched."""
+    import argparse  # noqa: PLC0415
+
+    from pipeline import tracking  # noqa: PLC0415
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(tracking.RUN_ID_ENV, "never-opened")  # what `run open` prints for the shell to export
+    (tmp_path / "params.yaml").write_text("pi: {}\n")
+    parser = argparse.ArgumentParser()
+    runs.add_arguments(parser)
+    for action in ("repro", "status"):
+        args = parser.parse_args([action, "--stages", "train"])
+        args.params_path = None
+        assert runs.main(args, load_params(ROOT / "params.yaml")) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [err[0]] and err[0].startswith("error: .runs/never-opened/params.yaml: no run never-opened is open")
+        assert "run open --write-params" in err[0]
+    assert (tmp_path / "params.yaml").read_text() == "pi: {}\n" and not (tmp_path / ".runs/stood-in").exists()

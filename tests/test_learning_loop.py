@@ -9,6 +9,7 @@ bandit's off-policy figures and its registered policy loaded back by URI.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -318,7 +319,7 @@ def test_the_pis_prompt_is_optimized_against_the_served_pi_and_registered_only_w
 def test_the_pi_is_registered_only_when_training_raised_its_held_out_ranking(cycle: dict) -> None:
     """``train_pi``'s signal (docs/training.md): its report holds the held-out questions' scores before and after training
     and the permutation p of the gain; a version of the PI exists from this cycle exactly when that p cleared
-    ``pi.signal.alpha`` (one step here: the mechanism, docs/benchmarks-pi-signal.md has the recipe's figures)."""
+    ``pi.signal.alpha`` at a held-out n where some labelling can (one step here: the mechanism, docs/benchmarks-pi-signal.md has the recipe's figures)."""
     import mlflow
 
     report = json.loads((cycle["clone"] / "reports/train_pi/principal_investigator.json").read_text())
@@ -330,7 +331,9 @@ def test_the_pi_is_registered_only_when_training_raised_its_held_out_ranking(cyc
     found = [v for v in client.search_model_versions("name='principal_investigator'") if v.run_id == run.info.run_id]
     pi = load_params(ROOT / "params.yaml", environ={}).pi
     assert run.data.metrics["held_out_gain_p"] == pytest.approx(report["held_out_gain_p"])  # in the MLflow UI too
-    if report["held_out_gain_p"] < pi.signal.alpha and report["fit_drop"] >= pi.sft.min_fit_drop:
+    # learned()'s floor: at this many held-out questions no labelling can reach alpha, whatever the Monte Carlo p says
+    reachable = after["yes"] and after["no"] and 1 / math.comb(after["yes"] + after["no"], after["yes"]) < pi.signal.alpha
+    if reachable and report["held_out_gain_p"] < pi.signal.alpha and report["fit_drop"] >= pi.sft.min_fit_drop:
         assert not report["no_signal"] and len(found) == 1, report
         assert float(found[0].tags["signal.held_out_gain_p"]) == pytest.approx(report["held_out_gain_p"], rel=1e-3)
     else:

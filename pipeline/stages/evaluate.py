@@ -619,7 +619,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
         plot(summary)
         mlflow.log_artifact(str(PLOT), artifact_path="plots")
         write_outputs(params.evaluate, summary, records)
-        mlflow.log_dict(json.loads(Path(params.evaluate.out_dir, "summary.json").read_text()), "evaluation/summary.json")
+        mlflow.log_artifact(str(Path(params.evaluate.out_dir, "summary.json")), "evaluation")  # the file DVC tracks
     if not summary.roles:
         print("evaluate: no role has a challenger; nothing to compare", file=sys.stderr)
     # a society candidate is paired on the society's validation tasks, a role-level one on every validation question
