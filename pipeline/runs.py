@@ -115,6 +115,21 @@ def repro(effective: Path, stages: list[str], single_item: bool, live_file: str,
     return 0
 
 
+def dvc_status(effective: Path, stages: list[str]) -> int:
+    """``dvc status STAGES`` as the run's values see them."""
+    with run_inputs(effective):
+        return subprocess.run([sys.executable, "-m", "dvc", "status", *stages], check=False).returncode
+
+
+def _opened(run_key: str) -> Path | None:
+    """The open run's effective params, or None after one line saying that no run ``run_key`` was opened."""
+    if (path := effective_file(run_key)).exists():
+        return path
+    print(f"error: {path}: no run {run_key} is open with its params; `python -m pipeline run open --write-params` "
+          "first and export the PIPELINE_RUN_ID it prints", file=sys.stderr)
+    return None
+
+
 def commit_lock(effective: Path, stages: list[str], live_file: str | None = None) -> None:
     """``dvc commit --force STAGES`` with the run's inputs standing in (``run_inputs``)."""
     with run_inputs(effective, live_file):
@@ -141,15 +156,11 @@ def main(args: argparse.Namespace, params: Params) -> int:
     if args.run_id:
         os.environ[tracking.RUN_ID_ENV] = args.run_id
     run_key = tracking.pipeline_run_id()
-    if args.action in ("repro", "status") and not effective_file(run_key).exists():
-        print(f"error: {effective_file(run_key)}: no run {run_key} is open with its params; `python -m pipeline run open "
-              "--write-params` first and export the PIPELINE_RUN_ID it prints", file=sys.stderr)
-        return 2
-    if args.action == "repro":
-        return repro(effective_file(run_key), args.stages, args.single_item, params.serving.live_file, args.settle)
-    if args.action == "status":  # `dvc status` of STAGES as the run's values see them
-        with run_inputs(effective_file(run_key)):
-            return subprocess.run([sys.executable, "-m", "dvc", "status", *args.stages], check=False).returncode
+    with_params = {"repro": lambda e: repro(e, args.stages, args.single_item, params.serving.live_file, args.settle),
+                   "status": lambda e: dvc_status(e, args.stages)}
+    if args.action in with_params:
+        effective = _opened(run_key)
+        return 2 if effective is None else with_params[args.action](effective)
     if args.action == "commit-lock":
         effective = Path(args.params_path) if args.params_path else effective_file(run_key)
         commit_lock(effective, args.stages, params.serving.live_file)
