@@ -23,8 +23,10 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 # (substring of the command line or process name, the class it is reported under), first match wins
-CLASSES = [("VLLM::Worker", "vLLM worker (forward passes)"), ("VLLM::EngineCore", "vLLM engine core (scheduler)"),
-           ("vllm.entrypoints", "vLLM API server"), ("multiprocessing.spawn", "vLLM worker / engine core (before its title)"),
+CLASSES = [("VLLM::Worker", "vLLM worker (forward passes)"),
+           ("VLLM::EngineCore", "vLLM engine core (scheduler; with inline_model the forward passes too)"),
+           ("vllm.entrypoints", "vLLM API server"), ("pipeline.serving.vllm_cpu", "vLLM API server"),  # the CPU workers'
+           ("multiprocessing.spawn", "vLLM worker / engine core (before its title)"),
            ("litellm", "LiteLLM proxy"), ("mlflow.server", "MLflow server"), ("uvicorn", "MLflow server"),
            ("mlflow server", "MLflow server (launcher)"), ("-m pytest", "pytest (tests and in-process CLI calls)"),
            ("--in-model-plane", "model-plane stage (trainers, materialize)"), ("-m pipeline", "pipeline CLI process"),
