@@ -319,7 +319,8 @@ def test_the_pis_prompt_is_optimized_against_the_served_pi_and_registered_only_w
 def test_the_pi_is_registered_only_when_training_raised_its_held_out_ranking(cycle: dict) -> None:
     """``train_pi``'s signal (docs/training.md): its report holds the held-out questions' scores before and after training
     and the permutation p of the gain; a version of the PI exists from this cycle exactly when that p cleared
-    ``pi.signal.alpha`` at a held-out n where some labelling can (one step here: the mechanism, docs/benchmarks-pi-signal.md has the recipe's figures)."""
+    ``pi.signal.alpha`` at a held-out n where some labelling can (one step here: the mechanism,
+    docs/benchmarks-pi-signal.md has the recipe's figures)."""
     import mlflow
 
     report = json.loads((cycle["clone"] / "reports/train_pi/principal_investigator.json").read_text())
