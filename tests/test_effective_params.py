@@ -138,10 +138,11 @@ def test_repro_without_an_open_run_is_one_line_naming_the_missing_file(tmp_path:
     (tmp_path / "params.yaml").write_text("pi: {}\n")
     parser = argparse.ArgumentParser()
     runs.add_arguments(parser)
+    params = load_params(ROOT / "params.yaml", environ={})
     for action in ("repro", "status"):
         args = parser.parse_args([action, "--stages", "train"])
         args.params_path = None
-        assert runs.main(args, load_params(ROOT / "params.yaml")) == 2
+        assert runs.main(args, params) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [err[0]] and err[0].startswith("error: .runs/never-opened/params.yaml: no run never-opened is open")
         assert "run open --write-params" in err[0]
