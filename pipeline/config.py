@@ -423,7 +423,8 @@ class Learner(_Strict):
 
 def _at(section: Any, resolved: type[_R], role: str) -> _R:
     """A kind's settings for one role: the section's shared values, the role's own entry of its ``roles`` map, the role."""
-    return resolved(**section.model_dump(exclude={"roles"}), role=role, **section.roles[role].model_dump())
+    shared = {k: v for k, v in section.model_dump(exclude={"roles"}).items() if k in resolved.model_fields}
+    return resolved(**shared, role=role, **section.roles[role].model_dump())
 
 
 class SftSettings(_Strict):
@@ -456,10 +457,20 @@ class SftRole(SftSettings):
     out_dir: str
 
 
+class SftSignal(_Strict):
+    """Whether an SFT adapter learned what made its role's best rollouts better, on task groups it never saw."""
+
+    alpha: float = Field(gt=0.0, lt=1.0, description="training must raise the adapter's log-likelihood margin of the "
+                         "best rollout's call over the worst rollout's same call, per held-out task group, beyond "
+                         "chance at this level (exact sign-flip test, one-sided), or it is no_signal and nothing is "
+                         "registered")
+
+
 class SftParams(SftSettings):
     """LoRA SFT on the society's best traces: each role in ``roles`` learns from its own agents' calls."""
 
     roles: dict[str, Learner] = Field(description="role -> where its adapter goes; one train_sft@<role> stage each")
+    signal: SftSignal
 
     def at(self, role: str) -> SftRole:
         return _at(self, SftRole, role)

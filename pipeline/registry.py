@@ -71,7 +71,12 @@ def delete_alias(name: str, alias: str) -> None:
 
 def live_target(serving: ServingParams, role: str) -> str:
     """The deployment the live routing (else its first version) sends ``role``'s calls to: a baseline records it."""
-    table = routing.active(serving) or routing.load_version(serving, routing.versions(serving)[0])
+    table = routing.active(serving)
+    if table is None:
+        if not (numbers := routing.versions(serving)):
+            raise FileNotFoundError(f"serving.routing_dir {serving.routing_dir}: no routing version (v<N>.yaml) to take a "
+                                    "baseline's deployment from; the repository's serving/routing/v1.yaml is the first")
+        table = routing.load_version(serving, numbers[0])
     # a table from before the role had its own model: where its calls went then
     return table["roles"].get(role) or table["roles"][serving.inherits.get(role, role)]
 

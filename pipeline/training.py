@@ -95,9 +95,13 @@ def main(t: Trainer, args: argparse.Namespace, params: Params) -> int:
         if rc != 0:
             return rc
         metrics = json.loads(t.report.read_text())
-        with timing.phase(timing.Phase.REGISTRY):
-            version = t.register(metrics, mlflow.get_run(run.info.run_id))
-            mlflow.log_artifact(str(t.report))
+        try:
+            with timing.phase(timing.Phase.REGISTRY):
+                version = t.register(metrics, mlflow.get_run(run.info.run_id))
+                mlflow.log_artifact(str(t.report))
+        except (FileNotFoundError, ValueError) as exc:  # the trained artifact stays; nothing half-registered is aliased
+            print(f"error: {t.stage}: not registered: {exc}", file=sys.stderr)
+            return 1
         if version is None:
             print(f"{t.stage}: no_signal, nothing registered: {metrics.get('no_signal_reason')}")
         else:

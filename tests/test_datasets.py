@@ -69,6 +69,13 @@ def test_adapters_pick_first_attempt_junior_calls_of_top_rollouts(traced: Path) 
     assert [(r["agent"], r["completion"][0]["content"]) for r in sft] == [
         ("geneticist", '{"tool": "none", "query": ""}'), ("neurologist", '{"hypothesis": "n"}')]
     assert sft[0]["prompt"] == [SYSTEM, {"role": "user", "content": "go"}] and sft[0]["completion"][0]["role"] == "assistant"
+    # each carries its task's worst rollout's same call (agent, n-th first-attempt call): the trainer's held-out pair
+    assert [(r["rejected"]["output"], r["rejected"]["reward"]) for r in sft] == [
+        ('{"tool": "none", "query": ""}', 0.6), ('{"hypothesis": "n"}', 0.6)]
+    assert sft[1]["rejected"]["prompt"] == [SYSTEM, {"role": "user", "content": "hyp2"}]
+    alone = datasets.build(params.rollouts, params.datasets.model_copy(update={"sft": params.datasets.sft.model_copy(
+        update={"min_reward": 0.2})}), params.validate_, ["junior_researcher"], datasets.rl_agents(params))
+    assert [r["rejected"] for r in alone["sets"]["sft"] if r["task_id"] == "2"] == [None, None]  # one rollout: no pair
     drops = built["drops"].counts
     assert drops["truncated_line"] == 1 and drops["sft.not_top_of_group"] == 1 and drops["sft.below_min_reward"] == 1
     assert drops["sft.rollout_failed"] == 1 and drops["bandit.no_decision_span"] == 1

@@ -62,6 +62,15 @@ def test_missing_version(params) -> None:
         routing.load_version(params.serving, 9)
 
 
+def test_a_baseline_without_any_routing_version_is_one_line_naming_the_folder(params) -> None:
+    from pipeline import registry
+
+    assert registry.live_target(params.serving, "supervisor") == "base"  # no live table yet: the first version's
+    (Path(params.serving.routing_dir) / "v1.yaml").unlink()
+    with pytest.raises(FileNotFoundError, match=r"serving.routing_dir .*versions: no routing version"):
+        registry.live_target(params.serving, "supervisor")
+
+
 def test_proxy_config_registers_workers_and_adapter_wildcards(params) -> None:
     cfg = yaml.safe_load(proxy.write_config(params.serving).read_text())
     names = {m["model_name"]: m["litellm_params"] for m in cfg["model_list"]}

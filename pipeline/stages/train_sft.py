@@ -23,12 +23,14 @@ import json
 import random
 import shutil
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeline import lm_head, metrics_files, plots, timing, tracking, training
 from pipeline.config import DatasetsParams, MlflowParams, Params, SftRole
+from pipeline.evaluation.significance import sign_flip
 from pipeline.io import atomic_dir, read_rows, write_json, write_text
 from pipeline.learning import Learning
 
@@ -220,6 +222,75 @@ def train(sft: SftRole, data: Path, held_out: HeldOut | None = None) -> dict[str
     return metrics
 
 
+def preference(model: Any, tokenizer: Any, held: list[dict[str, Any]], max_length: int) -> dict[str, Any]:
+    """Model plane: for each held-out call with a worse counterpart (``rejected``: the same agent's call in its task's
+    worst rollout), the mean log-probability per token of the call the best rollout made minus that of the worse one.
+    Training on the best calls raises this margin on unseen tasks only if it learned what made them better; the loss on
+    its own rows falls whatever the rows are (``learned``)."""
+    import torch  # noqa: PLC0415 - model plane only
+
+    tasks, margins = [], []
+    mode = model.training
+    model.eval()
+    with torch.no_grad():
+        for r in held:
+            if (worse := r.get("rejected")) is None:
+                continue
+            best = _mean_logprob(model, tokenizer, r["prompt"], r["completion"][0]["content"], max_length)
+            tasks.append(r["task_id"])
+            margins.append(best - _mean_logprob(model, tokenizer, worse["prompt"], worse["output"], max_length))
+    model.train(mode)
+    return {"task_ids": tasks, "margins": margins}
+
+
+def _mean_logprob(model: Any, tokenizer: Any, prompt: list[dict[str, str]], answer: str, max_length: int) -> float:
+    """Mean log P of the assistant turn's tokens after ``prompt``, rendered as TRL renders a prompt-completion row (the
+    chat template, the completion the rest of the whole conversation); a long prompt is cut from the left."""
+    import torch  # noqa: PLC0415 - model plane only
+
+    asked = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": answer}], tokenize=False)
+    prefix = tokenizer(asked, add_special_tokens=False)["input_ids"]
+    rest = tokenizer(whole[len(asked):] if whole.startswith(asked) else answer, add_special_tokens=False)["input_ids"]
+    ids = (prefix + rest)[-max_length:]
+    n = min(len(rest), len(ids) - 1)
+    logits = model(input_ids=torch.tensor([ids], device=model.device), logits_to_keep=n + 1).logits[0, :-1].float()
+    target = torch.tensor(ids[-n:], device=logits.device)
+    return float(torch.log_softmax(logits, -1).gather(1, target[:, None]).mean())
+
+
+def learned(metrics: dict[str, Any], alpha: float) -> dict[str, Any]:
+    """``metrics`` with the SFT signal: its fit, and whether training raised ``preference``'s margin on the held-out task
+    groups beyond chance (the exact sign-flip test of their mean gains at ``sft.signal.alpha``, one-sided)."""
+    before, after = metrics["held_out_before"], metrics["held_out"]
+    gains: dict[str, list[float]] = defaultdict(list)
+    for task, b, a in zip(after["task_ids"], before["margins"], after["margins"], strict=True):
+        gains[task].append(a - b)
+    per_task = [sum(g) / len(g) for g in gains.values()]
+    n, p = len(per_task), sign_flip(per_task)
+    mean = {k: sum(m["margins"]) / len(m["margins"]) if m["margins"] else None for k, m in (("before", before), ("after", after))}
+    metrics = {**metrics, "held_out_groups": n, "held_out_pairs": len(after["margins"]), "held_out_gain_p": p,
+               "held_out_margin_before": mean["before"], "held_out_margin": mean["after"]}
+    if metrics["no_signal"]:
+        return metrics
+    if n == 0:
+        why = ("no held-out call has a worse counterpart (the same call in a lower-reward rollout of its task): nothing "
+               "to measure what training taught (rollouts.samples_per_task >= 2 gives each task one)")
+    elif 0.5 ** n >= alpha:  # the exact test's smallest p: no gain at this n could pass
+        why = (f"insufficient evidence: at {n} held-out task group(s) no gain can reach sft.signal.alpha {alpha} (the "
+               f"smallest p is {0.5 ** n:.3f}; raise rollouts.limit or sft.eval_fraction)")
+    elif p < alpha:
+        return metrics
+    else:
+        why = (f"training did not raise the margin of the best rollouts' calls over the worst's on {n} held-out task "
+               f"groups beyond chance ({mean['before']:.4f} -> {mean['after']:.4f}, p = {p:.4f} >= sft.signal.alpha "
+               f"{alpha}): no evidence that it learned what made them better, not only its rows")
+    return {**metrics, "no_signal": True, "no_signal_reason": why}
+
+
+SIGNAL = ("held_out_margin_before", "held_out_margin", "held_out_gain_p", "held_out_groups")
+
+
 def _save(model: Any, tokenizer: Any, tmp: Path, merge: bool, backend: str) -> None:
     """The adapter (and, with ``merge``, the merged bfloat16 model) into the folder being built; the checkpoints out."""
     import torch  # noqa: PLC0415 - model plane only
@@ -255,8 +326,8 @@ def _log_curves(history: list[dict[str, Any]], eval_before: float | None, files:
 
 # whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
 def log_and_register(params: Params, role: str, metrics: dict[str, Any], run: Any) -> Any:
-    """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage; None (tagged
-    no_signal) when training did not lower the loss on its own rows."""
+    """Control plane: MLflow metrics, curves, adapter artifacts, registered model version with lineage and the trainer's
+    held-out evidence; None (tagged no_signal) when it did not fit its rows or showed nothing learned on held-out tasks."""
     import mlflow  # noqa: PLC0415 - control plane only (the model plane, which imports this module, has no mlflow)
 
     from pipeline import registry  # noqa: PLC0415 - control plane only (MLflow registry, serving), as above
@@ -266,16 +337,19 @@ def log_and_register(params: Params, role: str, metrics: dict[str, Any], run: An
     history = json.loads((out / "log_history.json").read_text())
     _log_curves(history, metrics.get("eval_loss_before"), (loss_csv, eval_csv, loss_png), f"{role} LoRA SFT")
     mlflow.set_tags({"backend": metrics["backend"], "fallback_reason": metrics.get("fallback_reason") or ""})
+    figures = {k: float(metrics[k]) for k in SIGNAL if metrics.get(k) is not None}
     tracking.log_training({**{k: v for k, v in cfg.model_dump().items() if k != "lora"},
-                           **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"]},
-                          history, metrics, loss_png)
-    if metrics.get("no_signal"):  # an adapter that did not fit its own rows learned nothing: nothing to register
+                           **{f"lora.{k}": v for k, v in cfg.lora.model_dump().items()}, "backend_used": metrics["backend"],
+                           "signal.alpha": params.sft.signal.alpha}, history, {**metrics, **figures}, loss_png)
+    if metrics.get("no_signal"):  # no fit, or no held-out evidence of what it learned: nothing to register
         tracking.tag_no_signal(metrics["no_signal_reason"])
         return None
     data = data_file(params.datasets, role)
+    # the trainer's evidence travels with the version, as the gate's does (signal.*)
     return registry.register_adapter(params, run, cfg.role, out / "adapter", data.parent, load_rows(data), cfg.base_model,
                                      f"LoRA adapter for the {cfg.role} role (SFT on high-reward rollouts)",
-                                     backend=metrics["backend"])
+                                     from_traces=True, backend=metrics["backend"],
+                                     **{f"signal.{k}": f"{v:.4g}" for k, v in figures.items()})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -290,7 +364,15 @@ def _summary(metrics: dict[str, Any]) -> str:
             f"{metrics['train_rows']} rows, "
             f"loss {metrics['first_loss']:.3f} -> {metrics['last_loss']:.3f}, eval loss {metrics['eval_loss_before']:.3f} -> "
             f"{metrics['eval_loss']:.3f}, loss on its training rows {metrics['fit_loss_before']:.3f} -> "
-            f"{metrics['fit_loss_after']:.3f}, {tps}")
+            f"{metrics['fit_loss_after']:.3f}, {tps}" + _held_out(metrics))
+
+
+def _held_out(metrics: dict[str, Any]) -> str:
+    if metrics.get("held_out_groups") is None:  # the PI's check is its own (train_pi.summary)
+        return ""
+    margins = " -> ".join("n/a" if metrics[k] is None else f"{metrics[k]:.4f}" for k in SIGNAL[:2])
+    return (f", held-out margin best - worst call {margins} on {metrics['held_out_groups']} task groups "
+            f"(gain p = {metrics['held_out_gain_p']:.4f})")
 
 
 def no_signal(sft: SftRole, mlflow: MlflowParams, reason: str, no_mlflow: bool) -> int:
@@ -333,7 +415,9 @@ def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
     return training.Trainer(
         stage=f.stage, command=Learning.SFT.command, role=role, report=f.report, inputs=inputs,
         no_signal=lambda reason: no_signal(cfg, params.mlflow, reason, no_mlflow),
-        train=lambda: train(cfg, path), register=lambda metrics, run: log_and_register(params, role, metrics, run),
+        train=lambda: learned(train(cfg, path, lambda model, tok, held: preference(model, tok, held, cfg.max_length)),
+                              params.sft.signal.alpha),
+        register=lambda metrics, run: log_and_register(params, role, metrics, run),
         summary=_summary)
 
 

@@ -5,7 +5,8 @@ Three views of the same rollouts:
 - **SFT** (``junior_researcher``): every call a junior made (ReAct tool step or hypothesis), as the
   exact message list it sent and the output it produced, from rollouts that rank in the top
   ``top_k`` of their task group and reach ``min_reward``; only outputs that parsed on the first
-  attempt (a repaired answer was shown its own mistake, which the served model never is).
+  attempt (a repaired answer was shown its own mistake, which the served model never is). Each carries the same call
+  of the group's worst rollout, for the trainer's held-out check.
 - **RL prompts** (each role of ``ppo.roles``): the first-attempt message lists its trained agents received, with the
   schema the answer was decoded under, task id, label and abstract, for GRPO (TRL) and verl.
 - **Bandit** (``supervisor``): one logged decision per rollout: context and candidate features,
@@ -87,8 +88,11 @@ def _llm_calls(trace: Trace, agents: set[str] | None = None, model: str | None =
 
 
 def sft_examples(traces: list[Trace], datasets: DatasetsParams, drops: Drops, role: str) -> list[dict[str, Any]]:
-    """``role``'s SFT rows: its own calls (logical model ``role``) in the best rollout of each task group."""
+    """``role``'s SFT rows: its own calls (logical model ``role``) in the best rollout of each task group. Each row carries
+    ``rejected``, the same agent's same call in the group's worst rollout (a lower reward), or None: the pair the
+    trainer's held-out check compares (``train_sft.preference``), never trained on."""
     ranks = group_ranks(traces)
+    worst = _worst_calls(traces, ranks, role)
     out: list[dict[str, Any]] = []
     for t in traces:
         where = f"rollout {t.rollout_id}"
@@ -101,14 +105,38 @@ def sft_examples(traces: list[Trace], datasets: DatasetsParams, drops: Drops, ro
         if ranks[t.rollout_id] >= datasets.sft.top_k:
             drops.add("sft.not_top_of_group", f"{where}: rank {ranks[t.rollout_id] + 1} in task {t.task_id}")
             continue
-        for d in _llm_calls(t, model=role):
-            if d.get("attempt") != 1 or not d.get("parsed"):
-                drops.add("sft.call_not_parsed_first_attempt", f"{where}: {d.get('agent')} attempt {d.get('attempt')}")
-                continue
+        low = worst.get(t.task_id)
+        for key, d in _first_calls(t, role, drops):
+            rejected = None
+            if low is not None and low[0] < t.reward and key in low[1]:
+                rejected = {"prompt": low[1][key]["messages"], "output": low[1][key]["output"], "reward": low[0]}
             out.append({"prompt": d["messages"], "completion": [{"role": "assistant", "content": d["output"]}],
                         "agent": d["agent"], "schema": d.get("schema"), "task_id": t.task_id, "rollout_id": t.rollout_id,
-                        "run_id": t.run_id, "reward": t.reward})
+                        "run_id": t.run_id, "reward": t.reward, "rejected": rejected})
     return out
+
+
+def _first_calls(t: Trace, role: str, drops: Drops | None = None) -> Iterable[tuple[tuple[str, int], dict[str, Any]]]:
+    """``role``'s calls in ``t`` that parsed at their first attempt (a repaired answer was shown its own mistake, which
+    the served model never is), keyed (agent, its n-th such call) so two rollouts of a task pair call for call."""
+    seen: Counter = Counter()
+    for d in _llm_calls(t, model=role):
+        if d.get("attempt") != 1 or not d.get("parsed"):
+            if drops is not None:
+                drops.add("sft.call_not_parsed_first_attempt",
+                          f"rollout {t.rollout_id}: {d.get('agent')} attempt {d.get('attempt')}")
+            continue
+        seen[d["agent"]] += 1
+        yield (d["agent"], seen[d["agent"]]), d
+
+
+def _worst_calls(traces: list[Trace], ranks: Mapping[str, int], role: str) -> dict[str, tuple[float, dict[Any, Any]]]:
+    """task id -> (reward, ``role``'s first-attempt calls) of its lowest-ranked ok rollout."""
+    last: dict[str, Trace] = {}
+    for t in traces:
+        if t.rollout_id in ranks and (t.task_id not in last or ranks[t.rollout_id] > ranks[last[t.task_id].rollout_id]):
+            last[t.task_id] = t
+    return {task: (t.reward or 0.0, dict(_first_calls(t, role))) for task, t in last.items()}
 
 
 def rl_prompts(traces: list[Trace], tasks: Mapping[str, Mapping[str, Any]], agents: Mapping[str, str],
