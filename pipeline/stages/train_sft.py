@@ -54,22 +54,23 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def split(rows: list[dict[str, Any]], sft: SftRole) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Held-out eval slice, whole rollouts at a time when possible so eval calls are unseen contexts."""
-    order = sorted({r["rollout_id"] for r in rows})
+    """Held-out eval slice, whole tasks at a time when possible: at ``datasets.sft.top_k`` > 1 a task's other top rollout
+    would otherwise be trained on while its twin is held out, and the held-out signal is tested per task."""
+    order = sorted({r["task_id"] for r in rows})
     random.Random(sft.seed).shuffle(order)
     n_eval = max(1, round(len(rows) * sft.eval_fraction))
     held: set[str] = set()
-    for rid in order:
-        if sum(r["rollout_id"] in held for r in rows) >= n_eval or len(held) == len(order) - 1:
+    for task in order:
+        if sum(r["task_id"] in held for r in rows) >= n_eval or len(held) == len(order) - 1:
             break
-        held.add(rid)
-    evals = [r for r in rows if r["rollout_id"] in held]
-    if not evals:  # a single rollout: hold out individual calls instead
+        held.add(task)
+    evals = [r for r in rows if r["task_id"] in held]
+    if not evals:  # a single task: hold out individual calls instead
         idx = list(range(len(rows)))
         random.Random(sft.seed).shuffle(idx)
         keep = set(idx[:n_eval])
         return [rows[i] for i in range(len(rows)) if i not in keep], _once([rows[i] for i in sorted(keep)])
-    return [r for r in rows if r["rollout_id"] not in held], _once(evals)
+    return [r for r in rows if r["task_id"] not in held], _once(evals)
 
 
 def _once(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
