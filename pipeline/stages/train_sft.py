@@ -120,13 +120,14 @@ UNSLOTH_MERGED = "merged_16bit"  # save_pretrained_merged's save_method: the mer
 
 def trainer_args(sft: SftRole, output_dir: Path, cuda: bool) -> dict[str, Any]:
     """TRL ``SFTConfig``'s keywords, for both backends. ``cuda``: bf16 on the device, else fp32 on the CPU. Checked against
-    the GPU image's trl and transformers releases (tests/test_sft_gpu_contract.py), the CPU plane's run them here."""
+    the GPU image's trl and transformers releases (tests/test_sft_gpu_contract.py), the CPU plane's run them here. One
+    evaluation mid-way, past half the steps: beyond 2 steps it never lands on the last, which ``train`` evaluates anyway."""
     return {"output_dir": str(output_dir), "max_steps": sft.max_steps,
             "per_device_train_batch_size": sft.batch_size, "per_device_eval_batch_size": sft.batch_size,
             "gradient_accumulation_steps": sft.grad_accum,
             "learning_rate": sft.learning_rate, "lr_scheduler_type": sft.lr_scheduler,
             "warmup_steps": round(sft.warmup_ratio * sft.max_steps), "logging_steps": 1,
-            "eval_strategy": "steps", "eval_steps": max(1, sft.max_steps // 2), "save_strategy": "no", "report_to": "none",
+            "eval_strategy": "steps", "eval_steps": sft.max_steps // 2 + 1, "save_strategy": "no", "report_to": "none",
             "max_length": sft.max_length, "completion_only_loss": True, "seed": sft.seed, "data_seed": sft.seed,
             "bf16": cuda, "use_cpu": not cuda, "dataloader_num_workers": 0,
             "disable_tqdm": False, "gradient_checkpointing": sft.gradient_checkpointing}
