@@ -72,12 +72,25 @@ def atomic_dir(dest: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def read_rows(path: str | Path, minimum: int, noun: str, why: str) -> list[dict[str, Any]]:
-    """A JSONL training file's rows; a missing or too-small file raises naming it and the reason."""
+def read_rows(path: str | Path, minimum: int, noun: str, why: str, required: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """A JSONL training file's rows; a missing or too-small file, or a row that is not a JSON object with the
+    ``required`` keys, raises one line naming the file, the line and the rule."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no {noun}s; run the datasets stage first")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{i}: each {noun} row must be one JSON object ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i}: each {noun} row must be one JSON object (found a {type(row).__name__})")
+        if missing := [k for k in required if k not in row]:
+            raise ValueError(f"{path}:{i}: each {noun} row needs {', '.join(required)} (missing: {', '.join(missing)})")
+        rows.append(row)
     if len(rows) < minimum:
         raise ValueError(f"{path}: {len(rows)} {noun} row(s); {why}")
     return rows

@@ -59,7 +59,8 @@ def test_a_stage_is_the_control_plane_even_where_torch_imports(stage: str, proje
     monkeypatch.setattr("pipeline.envs.run_in_model_plane", lambda argv: calls.append(list(argv)) or 7)
     args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, which="base", role=None)
     if stage == "train_sft":
-        rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}], "rollout_id": f"{i}-0"}
+        rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}],
+                 "task_id": str(i), "rollout_id": f"{i}-0"}
                 for i in range(2)]
         path = project / "data/datasets/sft/junior_researcher/train.jsonl"
         path.parent.mkdir(parents=True)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_params
-from pipeline.stages.train_sft import split
 from tests.conftest import mlflow_login, ROOT, set_param
+
+pytestmark = pytest.mark.slow
+
 
 def _rows(n: int, worse: str | None = None) -> str:
     """Chat rows shaped as the datasets stage writes them: one rollout a task, each with its worst rollout's same call
@@ -63,19 +64,6 @@ def _train(project: Path, serving_models: Path, mlflow_server: str, rows: str, *
     return proc.stdout, report, runs[0], versions
 
 
-def test_the_held_out_slice_takes_whole_tasks_so_no_task_is_both_trained_on_and_tested() -> None:
-    """At ``datasets.sft.top_k`` 2 a task has two kept rollouts: holding out one and training on its twin would test the
-    adapter on a question it learned."""
-    rows = [json.loads(line) | {"rollout_id": f"{i // 2}-{i % 2}", "task_id": str(i // 2)}
-            for i, line in enumerate(_rows(20).splitlines())]
-    sft = load_params(ROOT / "params.yaml").sft.at("junior_researcher").model_copy(update={"eval_fraction": 0.3})
-    train, held = split(rows, sft)
-    assert held and train
-    assert not {r["task_id"] for r in train} & {r["task_id"] for r in held}
-    assert len(train) + len(held) == len(rows)
-
-
-@pytest.mark.slow
 def test_sft_that_did_not_fit_its_rows_registers_nothing(project: Path, serving_models: Path, mlflow_server: str) -> None:
     # too small a learning rate to move the loss on its rows by sft.min_fit_drop (1%)
     out, report, run, versions = _train(project, serving_models, mlflow_server, _rows(6), max_steps=2, learning_rate=1e-9)
@@ -87,7 +75,6 @@ def test_sft_that_did_not_fit_its_rows_registers_nothing(project: Path, serving_
     assert not versions
 
 
-@pytest.mark.slow
 def test_sft_that_fit_its_rows_but_has_no_held_out_pair_registers_nothing(project: Path, serving_models: Path,
                                                                           mlflow_server: str) -> None:
     """What the loss on its own rows used to register: it falls, but no held-out call has a worse one to compare."""
@@ -98,7 +85,6 @@ def test_sft_that_fit_its_rows_but_has_no_held_out_pair_registers_nothing(projec
     assert run.data.tags.get("no_signal") == "true" and not versions
 
 
-@pytest.mark.slow
 def test_sft_that_raised_held_out_margin_registers_with_its_evidence(project: Path, serving_models: Path,
                                                                      mlflow_server: str) -> None:
     """The best calls share what the worst lack; 8 held-out tasks (of 40) see it rise on calls it never trained on."""

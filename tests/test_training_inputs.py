@@ -21,7 +21,7 @@ def test_train_sft_fails_on_missing_data_and_reports_no_signal_without_rows(proj
     args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, role=None)
     assert train_sft.main(args, load_params()) == 1
     assert "data/datasets/sft/junior_researcher/train.jsonl: no SFT examples; run the datasets stage first" in capsys.readouterr().err
-    _write(project / "data/datasets/sft/junior_researcher/train.jsonl", [{"prompt": [], "completion": [], "rollout_id": "1-0"}])
+    _write(project / "data/datasets/sft/junior_researcher/train.jsonl", [{"prompt": [], "completion": [], "task_id": "1", "rollout_id": "1-0"}])
     assert train_sft.main(args, load_params()) == 0  # the cycle goes on: this role simply has no candidate
     assert "no_signal, nothing trained or registered" in capsys.readouterr().out
     report = json.loads((project / "reports/train_sft/junior_researcher.json").read_text())
@@ -36,6 +36,10 @@ def _decision(reward: float, actions: int = 3) -> dict:
 
 def test_train_bandit_fails_on_too_few_decisions_and_reports_no_signal(project: Path, capsys: pytest.CaptureFixture) -> None:
     _write(project / "data/datasets/bandit/train.jsonl", [{"chosen": 0}])
+    assert train_bandit.main(argparse.Namespace(no_mlflow=True, role=None), load_params()) == 1
+    assert ("train.jsonl:1: each logged decision row needs context, actions, chosen, propensity, reward, logging_pmf "
+            "(missing: context, actions, propensity, reward, logging_pmf)") in capsys.readouterr().err
+    _write(project / "data/datasets/bandit/train.jsonl", [_decision(0.4)])
     assert train_bandit.main(argparse.Namespace(no_mlflow=True, role=None), load_params()) == 1
     assert "1 logged decision row(s); the bandit needs at least 2" in capsys.readouterr().err
     assert not (project / "models/bandit").exists()
@@ -81,17 +85,36 @@ def test_trainers_without_signal_register_nothing(project: Path, mlflow_server: 
     assert {name: count(name) for name in before} == before
 
 
-def test_sft_eval_slice_holds_out_whole_rollouts() -> None:
+def test_sft_eval_slice_holds_out_whole_tasks() -> None:
     cfg = load_params(Path(__file__).resolve().parent.parent / "params.yaml").sft
-    rows = [{"rollout_id": f"{r}-0", "i": i} for r in range(5) for i in range(4)]
+    rows = [{"task_id": str(t), "rollout_id": f"{t}-{r}", "i": i} for t in range(5) for r in range(2) for i in range(2)]
     train, evals = train_sft.split(rows, cfg)
     assert len(train) + len(evals) == len(rows) and evals
-    assert not {r["rollout_id"] for r in train} & {r["rollout_id"] for r in evals}
-    single = [{"rollout_id": "1-0", "i": i} for i in range(5)]
+    # at datasets.sft.top_k 2 a task keeps two rollouts: neither is trained on while the other is held out
+    assert not {r["task_id"] for r in train} & {r["task_id"] for r in evals}
+    single = [{"task_id": "1", "rollout_id": "1-0", "i": i} for i in range(5)]
     train, evals = train_sft.split(single, cfg)
     assert len(evals) == 1 and len(train) == 4
     # a row repeated to weigh it in training (train_pi's pi.oversample) is held out with its copies, and counted once
-    weighted = [{"rollout_id": f"{q}-0", "label": "maybe" if q % 2 else "yes"} for q in range(40) for _ in range(1 + 2 * (q % 2))]
+    weighted = [{"task_id": str(q), "rollout_id": str(q), "label": "maybe" if q % 2 else "yes"}
+                for q in range(40) for _ in range(1 + 2 * (q % 2))]
     train, evals = train_sft.split(weighted, cfg.model_copy(update={"eval_fraction": 0.25}))
-    assert not {r["rollout_id"] for r in train} & {r["rollout_id"] for r in evals}
-    assert len(evals) == len({r["rollout_id"] for r in evals}) > 1 and {r["label"] for r in evals} == {"yes", "maybe"}
+    assert not {r["task_id"] for r in train} & {r["task_id"] for r in evals}
+    assert len(evals) == len({r["task_id"] for r in evals}) > 1 and {r["label"] for r in evals} == {"yes", "maybe"}
+
+
+@pytest.mark.parametrize(("line", "rule"), [
+    ("not json", "each SFT example row must be one JSON object (Expecting value)"),
+    ("[1, 2]", "each SFT example row must be one JSON object (found a list)"),
+    ('{"prompt": [], "rollout_id": "1-0"}', "each SFT example row needs task_id, prompt, completion (missing: task_id, completion)"),
+])
+def test_a_bad_training_row_fails_in_one_line_naming_file_line_and_rule(project: Path, capsys: pytest.CaptureFixture,
+                                                                        line: str, rule: str) -> None:
+    path = project / "data/datasets/sft/junior_researcher/train.jsonl"
+    _write(path, [{"prompt": [], "completion": [], "task_id": "1", "rollout_id": "1-0"}])
+    path.write_text(path.read_text() + line + "\n")
+    args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, role=None)
+    assert train_sft.main(args, load_params()) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: data/datasets/sft/junior_researcher/train.jsonl:2: {rule}\n"
+    assert not (project / "reports/train_sft/junior_researcher.json").exists()

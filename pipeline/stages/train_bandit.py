@@ -43,7 +43,8 @@ def ope_plot(f: training.Files) -> tuple[Path, Path]:
 
 
 def load_examples(path: Path) -> list[dict[str, Any]]:
-    return read_rows(path, 2, "logged decision", "the bandit needs at least 2 (one per cross-fitting fold)")
+    return read_rows(path, 2, "logged decision", "the bandit needs at least 2 (one per cross-fitting fold)",
+                     required=("context", "actions", "chosen", "propensity", "reward", "logging_pmf"))
 
 
 def evaluate_offline(bandit: BanditSettings, examples: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:

@@ -49,8 +49,10 @@ def data_file(datasets: DatasetsParams, role: str) -> Path:
     return Path(datasets.out_dir) / "sft" / role / "train.jsonl"
 
 
-def load_rows(path: Path) -> list[dict[str, Any]]:
-    return read_rows(path, 2, "SFT example", "training needs at least 2 (one is held out for eval loss)")
+def load_rows(path: Path, minimum: int = 2) -> list[dict[str, Any]]:
+    """The rows, each with the keys ``split`` and the trainer read (the PI's rows carry their tokenized form too)."""
+    return read_rows(path, minimum, "SFT example", "training needs at least 2 (one is held out for eval loss)",
+                     required=("task_id", "prompt", "completion"))
 
 
 def split(rows: list[dict[str, Any]], sft: SftRole) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -408,9 +410,7 @@ def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
     path, cfg, f = data_file(params.datasets, role), params.sft.at(role), training.files(Learning.SFT, role)
 
     def inputs() -> str | None:
-        if not path.exists():  # the datasets stage did not run
-            raise FileNotFoundError(f"{path}: no SFT examples; run the datasets stage first")
-        rows = sum(1 for line in path.read_text().splitlines() if line.strip())
+        rows = len(load_rows(path, minimum=0))  # a bad row fails here, in one line, before torch is paid for
         # no rollout passed the SFT filter: nothing to learn from, so nothing is trained or registered
         return f"{path}: {rows} SFT example(s) (training needs 2: one is held out for eval loss)" if rows < 2 else None
 
