@@ -107,8 +107,8 @@ def ensure(mlflow: MlflowParams) -> str:
         return uri  # an explicitly configured server: the user chose it
     identity = _identity(mlflow)
     if claim(_service(mlflow), identity, mlflow.host, mlflow.port, f"{uri}/health",
-             "mlflow.port (PIPELINE__MLFLOW__PORT), or MLFLOW_TRACKING_URI to use that server on purpose",
-             lambda: _describe(uri)):
+             "mlflow.port (PIPELINE__MLFLOW__PORT)", lambda: _describe(uri),
+             or_else=", or set MLFLOW_TRACKING_URI to use that server on purpose"):
         login(mlflow)
         return uri
     home = Path(mlflow.home).resolve()

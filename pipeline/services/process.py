@@ -113,13 +113,13 @@ def identity_key(identity: Mapping[str, object]) -> str:
 
 def claim(service: Service, identity: Mapping[str, object], host: str, port: int, health_url: str, param: str,
           describe: Callable[[], str] | None = None, wait_s: float = 60.0,
-          secrets: Mapping[str, str] | None = None) -> bool:
+          secrets: Mapping[str, str] | None = None, or_else: str = "") -> bool:
     """True if this checkout's own service, with this identity, already answers (reuse it).
 
     Our own service with another identity (params changed), started with other ``secrets`` (a rotated
     key: compared in its environment, never recorded) or unhealthy is stopped, so the caller
     starts a fresh one. If anything else holds the port, raise naming the port, what answers there
-    and the param to change.
+    and the param to change (``or_else``: what else the user may do instead).
     """
     if service.runs_as(identity, secrets):
         deadline = time.monotonic() + wait_s  # ours and the same: it may still be starting (a parallel task)
@@ -134,7 +134,7 @@ def claim(service: Service, identity: Mapping[str, object], host: str, port: int
         what = (describe or (lambda: probe_http(f"http://{host}:{port}")))()
         raise ServiceError(f"port {port} on {host} is held by {what}, which this checkout did not start "
                            f"(its {service.name} would run from {service.home}); refusing to use another project's service. "
-                           f"Stop it or set {param} to a free port.")
+                           f"Stop it or set {param} to a free port{or_else}.")
     return False
 
 
