@@ -720,7 +720,10 @@ class PiParams(_Strict):
                       **self.model_dump(include={"rationale_chars", "loss_on", "end_of_turn", "signal"}))
 
 
-class PromptLearner(_Strict):
+class PromptLearner(Learner):
+    """Its artifact is the candidate prompt's text (``prompt.json``), kept by DVC as any other kind's: without an output
+    of its own outside git, a fresh clone's repro would skip the stage and the fresh registry would lack the candidate."""
+
     template: str = Field(description="the template of pipeline/agents/prompts.py it rewrites")
 
 
@@ -744,6 +747,7 @@ class PromptSettings(_Strict):
 class PromptRole(PromptSettings):
     role: str
     template: str
+    out_dir: str
 
 
 class PromptParams(PromptSettings):

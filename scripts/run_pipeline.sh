@@ -51,6 +51,7 @@ pipeline run ${PIPELINE_RUN_ID}: ${status}
   sft adapter     models/sft/junior_researcher/{adapter,merged} ; reports/train_sft/junior_researcher.json, loss curve reports/plots/train_sft/
   rl adapter      models/ppo/senior_researcher/adapter ; reports/train_ppo/senior_researcher.json, reward/KL curve reports/plots/train_ppo/ ; RL trace store data/rl_traces/
   bandit policy   models/bandit/policy.vw ; off-policy estimates reports/train_bandit/supervisor.json, reports/plots/train_bandit/
+  prompt          models/prompt/principal_investigator/prompt.json (the candidate's text; MLflow Prompt Registry society.principal_investigator) ; reports/train_prompt/
   evaluation      data/evaluation/summary.json ; reports/evaluate.json, reports/plots/evaluate.png ; notebooks/compare_checkpoints.ipynb
   test split      reports/test.json ; PubMedQA-format predictions reports/test/predictions.json
   registry        ${URI}/#/models  (junior_researcher, senior_researcher, supervisor_policy: aliases champion/challenger)

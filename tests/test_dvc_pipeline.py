@@ -29,3 +29,14 @@ def test_only_report_depends_on_the_test_split() -> None:
     assert any(d.endswith("test.parquet") for d in report_deps)
     assert {"evaluate", "promote"} <= set(stages)
     assert any(str(d).endswith("val.parquet") for d in stages["evaluate"]["deps"])
+
+
+def test_every_trainer_has_an_output_outside_git_so_a_fresh_clone_trains_and_registers_again() -> None:
+    """A stage whose outputs are all committed to git (``cache: false``) is "unchanged" in a fresh clone whose dvc.lock
+    matches its code: DVC skips it, and a fresh MLflow server never gets its version (train_prompt did, until its
+    prompt text became ``models/prompt/<role>``)."""
+    trainers = {name: stage for name, stage in _resolved_stages().items() if name.startswith("train_")}
+    assert {name.split("@")[0] for name in trainers} >= {"train_sft", "train_pi", "train_ppo", "train_bandit", "train_prompt"}
+    in_git_only = [name for name, stage in trainers.items()
+                   if all(isinstance(o, dict) and next(iter(o.values())).get("cache") is False for o in stage["outs"])]
+    assert not in_git_only, in_git_only

@@ -100,7 +100,7 @@ def start(mlflow_uri: str, root: Path) -> None:
     clone = copy_project(root / "proj")
     _CLONE[:] = [clone]
     # the cycle's params are environment overrides, which DVC cannot see: the committed lock says nothing about this
-    # run (a lock as fresh as the code would skip train_prompt, whose deps the overrides do not touch), so none is used
+    # run, so none is used
     (clone / "dvc.lock").unlink()
     run_id = f"loop-{uuid.uuid4().hex[:6]}"
     serving = {"PIPELINE__SERVING__WORKERS": f"[{{name: base, model: models/base, port: {free_port()}, dtype: float32}}]",
@@ -319,12 +319,16 @@ def test_the_pis_prompt_is_optimized_against_the_served_pi_and_registered_only_w
     assert run.data.metrics["prompt.calls"] == 8 and "prompt.dev_before" in run.data.metrics
     challenger = mlflow.MlflowClient(cycle["mlflow"]).load_prompt("prompts:/society.principal_investigator@challenger",
                                                                  allow_missing=True, cache_ttl_seconds=0)
+    artifact = json.loads((cycle["clone"] / "models/prompt/principal_investigator/prompt.json").read_text())
+    assert artifact["version"] == report["version"] and artifact["base_version"] == report["base_version"]
     if report["status"] == "trained":
         assert report["dev"]["after"] > report["dev"]["before"] and challenger is not None
+        assert artifact["text"] == challenger.template and artifact["sha"] == challenger.tags["sha"]
         assert int(challenger.version) == report["version"] and challenger.tags["run_id"] == run.info.run_id
         assert challenger.tags["parent_version"] == str(report["base_version"]) and challenger.tags["source"] == "train_prompt"
     else:
         assert report["no_signal"] and report["version"] is None and challenger is None, report
+        assert artifact["text"] is None
 
 
 def test_the_pi_is_registered_only_when_training_raised_its_held_out_ranking(cycle: dict) -> None:

@@ -7,7 +7,8 @@ the gate's validation questions are never seen. A candidate that beat the curren
 by ``optimize_prompts`` as a new version of ``society.<template>``, tagged with its lineage (sha, the version it grew
 from, the run, dev scores) and aliased ``challenger``; ``evaluate`` then scores it on the validation split beside the
 role's other candidates. No candidate changed a decision (``no_signal``) or none beat it (``no_gain``): nothing is
-registered. ``reports/train_prompt.json`` has what the optimizer measured: metric before/after, calls and wall time.
+registered. ``reports/train_prompt.json`` has what the optimizer measured: metric before/after, calls and wall time;
+``<out_dir>/prompt.json`` (a DVC output, as every kind's artifact) the registered candidate's text, or none.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import argparse
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from pipeline import metrics_files, prompt_registry, training
 from pipeline.agents import prompts
-from pipeline.config import Params, ValidateParams
+from pipeline.config import Params, PromptRole, ValidateParams
 from pipeline.data.splits import load_tasks, split_file
-from pipeline.io import write_json
+from pipeline.io import atomic_dir, write_json
 from pipeline.learning import Learning
 from pipeline.serving import proxy, routing, stack
 
@@ -76,9 +78,18 @@ def run(params: Params, role: str) -> dict[str, Any]:
             "dev.n": len(dev), "dev.before": f"{before.score:.4f}", "dev.after": f"{best.score:.4f}",
             "demo_ids": ",".join(best.demo_ids)})
         report["version"] = int(version.version)
+    write_artifact(cfg, report, str(version.template) if result.optimized_prompts else None)
     mlflow.log_metrics({"prompt.dev_before": before.score, "prompt.dev_after": best.score, "prompt.calls": opt.calls,
                         "prompt.seconds": opt.seconds})
     return report
+
+
+def write_artifact(cfg: PromptRole, report: dict[str, Any], text: str | None) -> None:
+    """The stage's DVC output: which version of the template it registered, and its text (None: nothing registered)."""
+    with atomic_dir(Path(cfg.out_dir)) as tmp:
+        write_json(tmp / "prompt.json", {"role": cfg.role, "template": cfg.template, "status": report["status"],
+                                         "base_version": report.get("base_version"), "version": report["version"],
+                                         "sha": None if text is None else prompts.digest(text), "text": text})
 
 
 # whole Params: its steps read the prompt, data, validate, serving, mlflow, agents, pi and evaluate sections
@@ -100,6 +111,7 @@ def trainer(params: Params, role: str) -> training.Trainer:
     def no_signal(reason: str) -> int:
         report = {"role": cfg.role, "template": cfg.template, "status": "no_signal", "no_signal": True,
                   "no_signal_reason": reason, "version": None}
+        write_artifact(cfg, report, None)
         write_json(f.report, report)
         metrics_files.write(f.stage, report)
         print(f"{f.stage}: no_signal, nothing registered: {reason}")
