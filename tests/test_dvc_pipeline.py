@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import yaml
 
+from pipeline.learning import Learning, learners
 from tests.conftest import ROOT, dvc_stages
 
 DATA_STAGES = {"ingest", "validate"}  # they produce and check every split, test included
@@ -35,8 +36,10 @@ def test_every_trainer_has_an_output_outside_git_so_a_fresh_clone_trains_and_reg
     """A stage whose outputs are all committed to git (``cache: false``) is "unchanged" in a fresh clone whose dvc.lock
     matches its code: DVC skips it, and a fresh MLflow server never gets its version (train_prompt did, until its
     prompt text became ``models/prompt/<role>``)."""
-    trainers = {name: stage for name, stage in _resolved_stages().items() if name.startswith("train_")}
-    assert {name.split("@")[0] for name in trainers} >= {"train_sft", "train_pi", "train_ppo", "train_bandit", "train_prompt"}
+    expected = {f"{kind.stage}@{role}" for kind, roles in learners(yaml.safe_load((ROOT / "params.yaml").read_text())).items()
+                for role in roles}
+    trainers = {name: stage for name, stage in _resolved_stages().items() if name in expected}
+    assert set(trainers) == expected and {name.split("@")[0] for name in trainers} == {kind.stage for kind in Learning}
     in_git_only = [name for name, stage in trainers.items()
                    if all(isinstance(o, dict) and next(iter(o.values())).get("cache") is False for o in stage["outs"])]
     assert not in_git_only, in_git_only

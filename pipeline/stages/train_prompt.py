@@ -69,16 +69,18 @@ def run(params: Params, role: str) -> dict[str, Any]:
     elif opt.status == "no_gain":
         report["no_signal_reason"] = (f"no candidate beat the current prompt's dev accuracy {before.score:.3f} by more than "
                                       f"prompt.min_gain={cfg.min_gain} (best {best.score:.3f}, n={len(dev)})")
+    text = None  # the registered candidate's
     if result.optimized_prompts:
         version = result.optimized_prompts[0]
+        text = str(version.template)
         run = mlflow.active_run()
         prompt_registry.set_tags(cfg.template, version.version, {
-            "sha": prompts.digest(str(version.template)), "source": "train_prompt", "optimizer": cfg.optimizer,
+            "sha": prompts.digest(text), "source": "train_prompt", "optimizer": cfg.optimizer,
             "parent_version": base, "run_id": run.info.run_id if run else "", "setting": params.data.setting,
             "dev.n": len(dev), "dev.before": f"{before.score:.4f}", "dev.after": f"{best.score:.4f}",
             "demo_ids": ",".join(best.demo_ids)})
         report["version"] = int(version.version)
-    write_artifact(cfg, report, str(version.template) if result.optimized_prompts else None)
+    write_artifact(cfg, report, text)
     mlflow.log_metrics({"prompt.dev_before": before.score, "prompt.dev_after": best.score, "prompt.calls": opt.calls,
                         "prompt.seconds": opt.seconds})
     return report
