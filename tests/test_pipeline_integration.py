@@ -107,6 +107,7 @@ def test_airflow_dag_runs_stages_and_versions_outputs(clone: Path, mlflow_server
     lock = (clone / "dvc.lock").read_text()
     assert "data/validated" in lock and "data/rollouts" in lock
     assert "data/datasets/sft" in lock and "models/sft/junior_researcher" in lock and "models/bandit" in lock
+    assert "models/prompt/principal_investigator" in lock  # the prompt kind's artifact is versioned as every other kind's
     assert len(list((clone / "data/rollouts").glob("shard-*.jsonl"))) == 2  # one file per mapped shard task
     assert (clone / "models/sft/junior_researcher/adapter/adapter_config.json").exists()
     promotion = json.loads((clone / "reports/promotion.json").read_text())
