@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,10 @@ def log_adapter_model(adapter_dir: str | Path, adapter_name: str) -> Any:
 
     message = Object([Property("role", DataType.string), Property("content", DataType.string)])
     signature = ModelSignature(inputs=Schema([ColSpec(Array(message), "messages")]), outputs=Schema([ColSpec(DataType.string)]))
-    return mlflow.pyfunc.log_model(name="adapter", python_model=lora_pyfunc.__file__, artifacts={"adapter": str(adapter_dir)},
-                                   model_config={**lora_pyfunc.DEFAULTS, "adapter_name": adapter_name}, signature=signature,
-                                   pip_requirements=[f"mlflow=={mlflow.__version__}"])
+    with warnings.catch_warnings():
+        # an input example MLflow would validate by running the model, which needs a worker serving the base: the
+        # signature alone describes the input
+        warnings.filterwarnings("ignore", message=".*An input example was not provided", category=UserWarning)
+        return mlflow.pyfunc.log_model(name="adapter", python_model=lora_pyfunc.__file__, artifacts={"adapter": str(adapter_dir)},
+                                       model_config={**lora_pyfunc.DEFAULTS, "adapter_name": adapter_name}, signature=signature,
+                                       pip_requirements=[f"mlflow=={mlflow.__version__}"])

@@ -8,6 +8,7 @@ import random
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,8 +76,11 @@ def test_policy_file_and_mlflow_pyfunc_give_the_same_distribution(tmp_path: Path
     assert sum(direct) == pytest.approx(1.0) and max(range(3), key=direct.__getitem__) == 2
     mlflow.set_tracking_uri(mlflow_server)
     mlflow.set_experiment("bandit-test")
-    with mlflow.start_run():
+    with mlflow.start_run(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         info = log_model(model_file, name="policy")
+    # the stage's log: MLflow had asked for type hints on predict
+    assert not [w for w in seen if w.category is UserWarning], [str(w.message)[:120] for w in seen if w.category is UserWarning]
     served = mlflow.pyfunc.load_model(info.model_uri).predict(pd.DataFrame([{"question": question, "candidates": cands}]))
     assert served[0] == pytest.approx(direct)
     assert load_policy(info.model_uri).pmf(question, cands) == pytest.approx(direct)

@@ -4,6 +4,7 @@ span says which weights answered; an evaluation answered by anything else fails.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -112,8 +113,11 @@ def test_a_lora_version_is_a_pyfunc_model_and_deploy_serves_the_adapter_inside_i
     payload = lora_safetensors(8, ["q_proj", "v_proj"])  # deploy checks the adapter fits the worker before loading it
     trained = _adapter(tmp_path / "trained", weights=payload)
     mlflow.set_experiment("digest-it")
-    with mlflow.start_run() as run:
+    with mlflow.start_run() as run, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         info = registry.log_adapter_model(trained, "pyfunc_role-abc")
+    # what the stage's log shows a user: MLflow had warned in red of the predict hint and of a missing input example
+    assert not [w for w in seen if w.category is UserWarning], [str(w.message)[:120] for w in seen if w.category is UserWarning]
     v = lineage.register_version("pyfunc_role", info.model_uri, run.info.run_id,
                                  {"kind": "lora_adapter", registry.SHA256_TAG: artifact_sha256(trained)})
     version = registry.get_version("pyfunc_role", v.version)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from vowpalwabbit import Workspace
 
 from . import features
@@ -69,6 +70,7 @@ class SupervisorPolicyModel(PythonModel):  # type: ignore[misc,valid-type]
     def load_context(self, context: Any) -> None:
         self.policy = BanditPolicy(context.artifacts["vw_model"])
 
-    def predict(self, context, model_input, params=None):
+    # a DataFrame hint: the logged signature and input example are what MLflow checks inputs against
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[list[float]]:
         rows = model_input.to_dict("records") if hasattr(model_input, "to_dict") else list(model_input)
         return [self.policy.pmf(str(row["question"]), [dict(c) for c in row["candidates"]]) for row in rows]

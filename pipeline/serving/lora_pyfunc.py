@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import pandas as pd
 from mlflow.pyfunc import PythonModel
 
 # logged as the model's config: MLflow lets load_model(model_config=...) override only keys the logged config has
@@ -80,7 +81,9 @@ class LoraAdapterModel(PythonModel):
             self._call("POST", "/v1/load_lora_adapter", {"lora_name": self.name, "lora_path": self.adapter})
         self.loaded = True
 
-    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
+    # a DataFrame hint: the logged signature's schema is what MLflow checks inputs against (any other hint it would
+    # try, and fail, to turn into a second signature)
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
         rows = model_input.to_dict("records") if hasattr(model_input, "to_dict") else list(model_input)
         self._ensure_loaded()
         p = params or {}
