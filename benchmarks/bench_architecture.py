@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -146,8 +147,11 @@ def floors(graph: dict[str, set[str]]) -> tuple[dict[str, int], list[tuple[str, 
 
 def measure() -> dict[str, Any]:
     files = sorted(p for tree in TREES for p in (ROOT / tree).rglob("*.py") if "__pycache__" not in p.parts)
-    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
     kinds = {str(p.relative_to(ROOT)): kinds_of_line(p) for p in files}
+    lines = {f: sum(k.values()) for f, k in kinds.items()}
+    by_package: Counter[str] = Counter()
+    for f, n in lines.items():
+        by_package[package(f)] += n
     fns = [f for p in files for f in functions(p)]
     known = {module_name(p) for p in files}
     graph = {module_name(p): imports(p, known) for p in files if p.parts[len(ROOT.parts)] == "pipeline"}
@@ -156,9 +160,7 @@ def measure() -> dict[str, Any]:
             "lines": sum(lines.values()), "lines_by_tree": {t: sum(n for f, n in lines.items() if f.startswith(t + "/"))
                                                            for t in TREES},
             "lines_by_kind": {k: sum(c[k] for c in kinds.values()) for k in ("code", "blank", "docstring", "comment")},
-            "lines_by_package": dict(sorted(
-                ((pkg, sum(n for f, n in lines.items() if package(f) == pkg)) for pkg in {package(f) for f in lines}),
-                key=lambda kv: -kv[1])),
+            "lines_by_package": dict(by_package.most_common()),
             "features": {name: sum(n for f, n in lines.items() if f.startswith(prefixes) and f not in SHARED)
                          for name, prefixes in FEATURES.items()},
             "functions": len(fns),
