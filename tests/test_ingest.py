@@ -272,3 +272,20 @@ def test_a_hostile_source_ends_in_one_line_and_changes_nothing_stored(project: P
         assert "row " in lines[0] and "(id " in lines[0]
     assert {p: p.read_bytes() for p in stored} == stored
     assert sorted((project / "data/tasks").glob("*")) == [p for p in stored if p.parent.name == "tasks"]
+
+
+def test_mlflow_run_lists_the_three_splits_as_datasets(project: Path) -> None:
+    import warnings
+
+    import mlflow
+
+    params = load_params()
+    result = ingest.run(params)
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    with mlflow.start_run() as run, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ingest.log_to_mlflow(params.data, params.split, result)
+    inputs = mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+    assert sorted(i.dataset.name for i in inputs) == ["pubmedqa-test", "pubmedqa-train", "pubmedqa-val"]
+    assert {i.tags[0].value for i in inputs} == {"train", "val", "test"}  # each split's context
+    assert not [w for w in seen if w.category is UserWarning], [str(w.message)[:120] for w in seen if w.category is UserWarning]

@@ -8,6 +8,7 @@ previous outputs) and ``reports/ingest.json`` (DVC metrics), only after the rows
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,10 @@ def log_to_mlflow(data: DataParams, split: SplitParams, result: dict[str, Any]) 
     for name in ("train", "val", "test"):
         path = Path(data.out_dir) / f"{name}.parquet"
         frame = pd.read_parquet(path)
-        dataset = from_pandas(frame[["id", "question", "final_decision"]], source=str(path), name=f"pubmedqa-{name}")
+        with warnings.catch_warnings():
+            # MLflow registers its local artifact source for both the "" and "file" schemes and warns that a path could
+            # be either: the same class, so the choice changes nothing
+            warnings.filterwarnings("ignore", message=".*can be interpreted in multiple ways", category=UserWarning)
+            dataset = from_pandas(frame[["id", "question", "final_decision"]], source=str(path), name=f"pubmedqa-{name}")
         mlflow.log_input(dataset, context=name)
     mlflow.log_artifact(str(METRICS_FILE))
