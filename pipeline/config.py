@@ -106,10 +106,26 @@ class MlflowParams(_Strict):
     request_retries: int = Field(ge=0, le=5, description="retries of a failed request (backoff 1 s, 2 s, ...)")
 
 
+class S3ClientParams(_Strict):
+    """boto3's deadlines and retries for one S3 endpoint (botocore's standard mode: backoff with jitter)."""
+
+    connect_timeout_s: float = Field(gt=0, le=600)
+    read_timeout_s: float = Field(gt=0, le=600, description="one socket read's deadline")
+    attempts: int = Field(ge=1, le=10, description="attempts in all, the first included")
+
+    def botocore(self) -> Any:
+        """The ``botocore.config.Config`` a client takes (``boto3.client("s3", config=...)``)."""
+        from botocore.config import Config  # noqa: PLC0415 - only the S3 paths need botocore
+
+        return Config(connect_timeout=self.connect_timeout_s, read_timeout=self.read_timeout_s,
+                      retries={"total_max_attempts": self.attempts, "mode": "standard"})
+
+
 class BaseModelParams(_Strict):
     source: str = Field(description="gguf:<pypi package>/<file>, a local HF folder, hf://<repo id> or s3://")
     out_dir: str
     dtype: Literal["float32", "bfloat16", "float16"]
+    s3: S3ClientParams = Field(description="an s3:// source's client")
 
 
 class TestModelParams(_Strict):
@@ -155,6 +171,7 @@ class WorkerParams(_Strict):
                                       "its sidecar syncs them into adapter_dir")
     adapter_dir: str | None = Field(description="where adapter_store is synced on the worker (with adapter_store)")
     adapter_sync_wait_s: float = Field(gt=0, description="how long promotion waits for the sidecar to bring a published adapter")
+    adapter_store_s3: S3ClientParams = Field(description="adapter_store's client (promotion's uploads, the sidecar's sync)")
 
     @property
     def on_gpu(self) -> bool:
@@ -792,6 +809,7 @@ class ProdStackParams(_Strict):
     mlflow_auth_cache_ttl_s: int = Field(ge=0, description="MLflow's auth_cache_ttl_seconds on the stack's server "
                                          "(infra/mlflow-auth.ini for compose): a checked password trusted this long")
     buckets: list[str] = Field(description="created by the boto3 bootstrap (python -m pipeline prod buckets)")
+    s3: S3ClientParams = Field(description="the bootstrap's client")
     dvc_remote: str = Field(description="the DVC remote a project uses on this stack")
     workers: dict[str, int] = Field(description="Celery worker per queue -> its concurrency")
 

@@ -295,7 +295,7 @@ def test_adapter_published_to_s3_reaches_the_worker_through_its_sidecar(params: 
     aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
     for k, v in aws.items():
         monkeypatch.setenv(k, v)
-    buckets.ensure(["models"])
+    buckets.ensure(["models"], params.prod_stack.s3)
     base = params.serving.workers[0]
     remote = base.model_copy(update={"adapter_store": "s3://models/adapters/base", "adapter_dir": str(tmp_path / "synced"), "adapter_sync_wait_s": 90.0})
     p = params.model_copy(update={"serving": params.serving.model_copy(update={"workers": [remote, *params.serving.workers[1:]]})})

@@ -476,7 +476,7 @@ def s3_up(prod_stack: ProdStackParams) -> None:
     start(service, s3_argv(prod_stack), f"http://{prod_stack.host}:{prod_stack.s3_port}/moto-api/", timeout_s=60, cwd=REPO_ROOT,
           env={**env, "PYTHONPATH": pythonpath()},
           identity={"cmd": s3_argv(prod_stack), "auth": f"sigv4 iam user {S3_USER}"})
-    buckets.ensure(prod_stack.buckets, endpoint_url=env["AWS_ENDPOINT_URL"], region=env["AWS_DEFAULT_REGION"],
+    buckets.ensure(prod_stack.buckets, prod_stack.s3, endpoint_url=env["AWS_ENDPOINT_URL"], region=env["AWS_DEFAULT_REGION"],
                    access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"])
 
 

@@ -97,7 +97,9 @@ def _read(uri: str, timeout_s: float, max_bytes: int, deadline: float) -> bytes:
         from botocore.exceptions import BotoCoreError, ClientError  # noqa: PLC0415 - as above
 
         try:
-            s3 = boto3.client("s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 1}))
+            # one attempt: the loop above retries (allow.retries) within the deadline; botocore's own would multiply them
+            one = Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 1})
+            s3 = boto3.client("s3", config=one)
             obj = s3.get_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
             if obj.get("ContentLength", 0) > max_bytes:
                 raise SourceError(f"{uri}: {obj['ContentLength']} bytes, over the cap of {max_bytes} bytes "

@@ -13,14 +13,16 @@ from collections.abc import Iterable
 import boto3
 from botocore.exceptions import ClientError
 
+from pipeline.config import S3ClientParams
 
-def ensure(names: Iterable[str], endpoint_url: str | None = None, region: str | None = None,
+
+def ensure(names: Iterable[str], client: S3ClientParams, endpoint_url: str | None = None, region: str | None = None,
            access_key: str | None = None, secret_key: str | None = None) -> list[str]:
     """Create the buckets that do not exist yet; return the ones created (an empty list on a rerun).
     Keys not given come from boto3's usual chain (env, profile, instance role)."""
     region = region or os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
     s3 = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"), region_name=region,
-                      aws_access_key_id=access_key, aws_secret_access_key=secret_key)
+                      aws_access_key_id=access_key, aws_secret_access_key=secret_key, config=client.botocore())
     existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
     created = []
     for name in names:

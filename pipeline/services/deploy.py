@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     if args.action == "buckets":
-        created = buckets.ensure(params.prod_stack.buckets)
+        created = buckets.ensure(params.prod_stack.buckets, params.prod_stack.s3)
         print(f"buckets: created {', '.join(created) or 'none'}; present {', '.join(params.prod_stack.buckets)}")
         return 0
     if args.action == "mlflow-users":

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from pipeline.config import S3ClientParams
 from pipeline.io import UnsafePathError, inside
 from pipeline.serving.names import NAME
 
@@ -42,16 +43,16 @@ def _split(uri: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.strip("/")
 
 
-def _client():  # type: ignore[no-untyped-def]
+def _client(s3: S3ClientParams):  # type: ignore[no-untyped-def]
     import boto3  # noqa: PLC0415 - only S3 adapter stores need it (0.2 s); the CPU model plane has no boto3
 
-    return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL"))
+    return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL"), config=s3.botocore())
 
 
-def publish(folder: str | Path, store: str, name: str) -> str:
+def publish(folder: str | Path, store: str, name: str, client: S3ClientParams) -> str:
     """Upload ``folder`` as adapter ``name`` under ``store``; the marker goes last. Returns its URI."""
     bucket, prefix = _split(store)
-    s3 = _client()
+    s3 = _client(client)
     base = f"{prefix}/{check_name(name)}".strip("/")
     files = [p for p in sorted(Path(folder).rglob("*")) if p.is_file()]
     if not any(p.name == "adapter_config.json" for p in files):
@@ -62,10 +63,10 @@ def publish(folder: str | Path, store: str, name: str) -> str:
     return f"s3://{bucket}/{base}"
 
 
-def complete(store: str) -> list[str]:
+def complete(store: str, client: S3ClientParams) -> list[str]:
     """Adapter names under ``store`` whose upload finished."""
     bucket, prefix = _split(store)
-    s3 = _client()
+    s3 = _client(client)
     names = set()
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/" if prefix else ""):
         for obj in page.get("Contents", []):
@@ -78,14 +79,14 @@ def complete(store: str) -> list[str]:
     return sorted(names)
 
 
-def sync(store: str, dest: str | Path) -> list[str]:
+def sync(store: str, dest: str | Path, client: S3ClientParams) -> list[str]:
     """Copy every complete adapter of ``store`` not yet in ``dest``; returns the names copied."""
     bucket, prefix = _split(store)
-    s3 = _client()
+    s3 = _client(client)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
-    for name in complete(store):
+    for name in complete(store, client):
         final = inside(dest, check_name(name))
         if (final / "adapter_config.json").exists():
             continue
@@ -111,11 +112,11 @@ def sync(store: str, dest: str | Path) -> list[str]:
     return copied
 
 
-def sync_forever(store: str, dest: str | Path, every_s: float) -> None:
+def sync_forever(store: str, dest: str | Path, every_s: float, client: S3ClientParams) -> None:
     """The sidecar's loop: a failed pass (S3 briefly away) is reported and retried, never fatal."""
     while True:
         try:
-            for name in sync(store, dest):
+            for name in sync(store, dest, client):
                 print(f"sync-adapters: {name} -> {Path(dest) / name}", flush=True)
         except Exception as exc:
             print(f"sync-adapters: pass failed, retrying in {every_s:.0f}s: {exc}", flush=True)

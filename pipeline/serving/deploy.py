@@ -124,6 +124,6 @@ def deploy(serving: ServingParams, name: str, version: Any, worker_of: str | Non
         workers.load_lora(w, adapter, str(folder))
         return where
     # a worker on another host: publish to its S3 store, its sidecar copies the adapter next to it
-    adapter_store.publish(folder, w.adapter_store, adapter)
+    adapter_store.publish(folder, w.adapter_store, adapter, w.adapter_store_s3)
     workers.load_lora(w, adapter, f"{w.adapter_dir}/{adapter}", wait_s=w.adapter_sync_wait_s)
     return where

@@ -366,12 +366,12 @@ def main(args: argparse.Namespace, params: Params) -> int:
 
 def _sync_adapters(workers: list[WorkerParams], every: float) -> int:
     """The sidecar beside a remote worker: copy what promotion published to its store into its adapter folder."""
-    store, folder = workers[0].adapter_store, workers[0].adapter_dir
+    store, folder, client = workers[0].adapter_store, workers[0].adapter_dir, workers[0].adapter_store_s3
     if len(workers) != 1 or store is None or folder is None:
         raise SystemExit("error: sync-adapters needs --worker naming a worker with adapter_store and adapter_dir")
     if every > 0:
-        adapter_store.sync_forever(store, folder, every)
-    print(f"{workers[0].name}: synced {adapter_store.sync(store, folder) or 'nothing new'} from {store}")
+        adapter_store.sync_forever(store, folder, every, client)
+    print(f"{workers[0].name}: synced {adapter_store.sync(store, folder, client) or 'nothing new'} from {store}")
     return 0
 
 

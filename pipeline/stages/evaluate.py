@@ -101,7 +101,7 @@ def code_sha256(paths: tuple[str, ...] = SCORING_CODE) -> str:
 
 def served_models(serving: ServingParams) -> dict[str, Any]:
     """Each worker's settings and, for a model folder here, its content hash: the weights a base deployment serves."""
-    return {w.name: {**w.model_dump(exclude={"port", "host", "adapter_sync_wait_s"}),
+    return {w.name: {**w.model_dump(exclude={"port", "host", "adapter_sync_wait_s", "adapter_store_s3"}),
                      "model_md5": dvc_md5(w.model) if Path(w.model).exists() else None} for w in serving.workers}
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import envs, metrics_files, tracking
-from pipeline.config import BaseModelParams, Params, TestModelParams
+from pipeline.config import BaseModelParams, Params, S3ClientParams, TestModelParams
 from pipeline.io import atomic_dir, inside, write_json
 
 METRICS_FILE = Path("reports/models.json")
@@ -90,11 +90,11 @@ def _load_gguf(path: Path, dtype: Any) -> tuple[Any, Any]:
     return plain.to(dtype), tokenizer
 
 
-def _download_s3(uri: str, dest: Path) -> Path:
+def _download_s3(uri: str, dest: Path, client: S3ClientParams) -> Path:
     import boto3  # noqa: PLC0415 - only s3:// sources need it (production images ship it; the CPU model plane has none)
 
     bucket, _, prefix = uri[len("s3://"):].partition("/")
-    s3 = boto3.client("s3")
+    s3 = boto3.client("s3", config=client.botocore())
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
             target = inside(dest, obj["Key"][len(prefix):].lstrip("/"))  # a key with '..' never writes outside dest
@@ -111,7 +111,7 @@ def load_source(cfg: BaseModelParams) -> tuple[Any, Any]:
     if cfg.source.startswith("gguf:"):
         return _load_gguf(_gguf_file(cfg.source), dtype)
     if cfg.source.startswith("s3://"):
-        location = str(_download_s3(cfg.source, Path(tempfile.mkdtemp(prefix="model-s3-"))))
+        location = str(_download_s3(cfg.source, Path(tempfile.mkdtemp(prefix="model-s3-")), cfg.s3))
     elif cfg.source.startswith("hf://"):
         location = cfg.source[len("hf://"):]
     else:
