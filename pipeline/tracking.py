@@ -7,6 +7,7 @@ run id), so stages started as separate processes by DVC or Airflow land under th
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -54,6 +55,9 @@ def setup(mlflow: MlflowParams) -> str:
     os.environ.update({"MLFLOW_HTTP_REQUEST_TIMEOUT": str(mlflow.request_timeout_s),
                        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(mlflow.request_retries),
                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"})
+    # "Waiting up to 300 seconds for ... version to finish creation", once for every version and prompt registered
+    # (ten lines a `make run`); a version that does not become ready still raises
+    logging.getLogger("mlflow.store.model_registry.abstract_store").setLevel(logging.WARNING)
     with timing.phase(timing.Phase.TRACKING):
         uri = mlflow_server.connect(mlflow)
         set_tracking_uri(uri)

@@ -265,7 +265,8 @@ def test_every_prompt_is_a_named_template_whose_version_follows_its_text() -> No
         repo.render(pi, protocol="p", reviews="none")
 
 
-def test_prompt_versions_round_trip_the_prompt_registry(mlflow_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prompt_versions_round_trip_the_prompt_registry(mlflow_server: str, monkeypatch: pytest.MonkeyPatch,
+                                                        capfd: pytest.CaptureFixture[str]) -> None:
     """Every template is a prompt version in MLflow's Prompt Registry (#43): registered once, a changed text is a new
     version and the champion alias stays where it was; the rendered value names each version (what spans record)."""
     import mlflow.genai
@@ -281,7 +282,9 @@ def test_prompt_versions_round_trip_the_prompt_registry(mlflow_server: str, monk
     assert loaded.template == prompts.TEMPLATES["principal_investigator"] and loaded.tags["sha"] == first.sha("principal_investigator")
     assert prompt_registry.sync(cfg) == first  # unchanged text: no new version
     monkeypatch.setitem(prompts.TEMPLATES, "principal_investigator", prompts.TEMPLATES["principal_investigator"] + " Be brief.")
+    capfd.readouterr()
     second = prompt_registry.sync(cfg)
+    assert "Waiting up to" not in capfd.readouterr().err  # MLflow's INFO line for every version registered, not shown
     # a new version (an optimizer's versions in between may have taken numbers: the repository alias tracks the text)
     assert second.version("principal_investigator") > first.version("principal_investigator")  # type: ignore[operator]
     assert prompt_registry.load("principal_investigator", "@repository").template.endswith("Be brief.")
