@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from pipeline import tracking
+from pipeline import tracking, training
 from pipeline.config import ParamsError, load_params
 from pipeline.data.sources import SourceError
 from pipeline.learning import WAYS
@@ -85,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args.params_path = path
     tracking.CONTEXT["data.setting"] = params.data.setting
+    if (kind := getattr(args, "learning", None)) is not None:  # a trainer's --role, refused before MLflow starts
+        args.role = training.pick_role(params, kind, args.role)
     try:
         if tracks(module, args):  # the entry point starts the tracking server; library calls only connect to it
             mlflow_server.ensure(params.mlflow)

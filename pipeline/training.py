@@ -41,6 +41,7 @@ def files(kind: Learning, role: str) -> Files:
 def role_argument(parser: argparse.ArgumentParser, kind: Learning) -> None:
     """``--role``: which of the kind's roles (``<kind>.roles``) this run trains; optional while it has just one."""
     parser.add_argument("--role", help=f"a role of {kind.value}.roles (required when it lists more than one)")
+    parser.set_defaults(learning=kind)  # the CLI checks --role against the params before it starts any service
 
 
 # whole Params: the kinds' sections are looked up by name (Params.learners)

@@ -29,3 +29,20 @@ def test_a_registry_version_or_routing_refusal_ends_in_one_line(error: type[Exce
     monkeypatch.setitem(cli.COMMANDS, "evaluate", ("refusing_command", "refuses"))
     assert cli.main(["evaluate"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {why}"]
+
+
+def test_a_trainers_unknown_role_is_refused_before_any_service_starts(project, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """A typo in --role ends in one line naming the params' list, and leaves no MLflow server behind."""
+    import socket
+
+    from pipeline.services.process import free_port
+
+    port = free_port()
+    monkeypatch.setenv("PIPELINE__MLFLOW__PORT", str(port))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train-sft", "--role", "judge"])
+    assert str(exit_.value) == "error: --role 'judge': sft.roles in params.yaml lists ['junior_researcher']"
+    assert not (project / ".mlflow").exists()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there
