@@ -89,6 +89,9 @@ class Auc(_Open):
     ci_low: float
     ci_high: float
 
+    def __str__(self) -> str:
+        return "none" if self.value is None else f"{self.value:.3f} [{self.ci_low:.3f}, {self.ci_high:.3f}]"
+
 
 class Metrics(_Open):
     """One model's summary over the evaluated tasks (``evaluation.metrics.summarise``), and the figures a PubMedQA reader

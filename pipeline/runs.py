@@ -137,7 +137,7 @@ def commit_lock(effective: Path, stages: list[str], live_file: str | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["open", "close", "fail", "times", "commit-lock", "repro", "status"])
+    parser.add_argument("action", choices=["open", "close", "fail", "times", "commit-lock", "repro", "status", "outputs"])
     parser.add_argument("--write-params", action="store_true",
                         help="open: write the run's effective params to .runs/<run id>/params.yaml")
     parser.add_argument("--stages", nargs="*", default=[], help="commit-lock: the stages whose outputs this run produced; "
@@ -152,7 +152,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--status", default="FINISHED", choices=["FINISHED", "FAILED", "KILLED"])
 
 
+def outputs(params: Params) -> list[str]:
+    """The run summary's lines for what each role's training stage wrote, what is registered and what is served: derived
+    from the params, so a role or a kind of learning added there is listed here too."""
+    from pipeline import training  # noqa: PLC0415 - only this action needs the trainers' file layout
+    from pipeline.services.mlflow_server import tracking_uri  # noqa: PLC0415 - as above
+
+    learners = [(training.files(kind, role), getattr(params, kind.value).roles[role].out_dir)
+                for kind, roles in params.learners().items() for role in roles]
+    width = max(len(f.stage) for f, _ in learners)
+    lines = [f"  {f.stage:<{width}}  {out_dir}/ ; {f.report}, curves {f.plots}/" for f, out_dir in learners]
+    proxy = params.serving.proxy
+    return [*lines, f"  {'(GPU: the RL trace store)':<{width}}  {params.ppo.agl.trace_dir}/ (Agent Lightning's)",
+            f"  registry        {tracking_uri(params.mlflow)}/#/models  ({', '.join(params.promote.roles)}: aliases "
+            "champion/challenger); prompts: its Prompt Registry, society.<template>",
+            f"  serving         LLM proxy http://{proxy.host}:{proxy.port}/v1 (roles: {' '.join(params.serving.roles)}; "
+            f"key in {proxy.key_file}), routing: python -m pipeline route status ; logs {params.serving.home}/"]
+
+
 def main(args: argparse.Namespace, params: Params) -> int:
+    if args.action == "outputs":
+        print("\n".join(outputs(params)))
+        return 0
     if args.run_id:
         os.environ[tracking.RUN_ID_ENV] = args.run_id
     run_key = tracking.pipeline_run_id()

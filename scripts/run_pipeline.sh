@@ -48,16 +48,11 @@ pipeline run ${PIPELINE_RUN_ID}: ${status}
   tools index     data/index/ (BM25 + MeSH gene/protein headings)
   rollout traces  data/rollouts/shard-*.jsonl ; metrics reports/rollouts.json (dvc metrics show)
   datasets        data/datasets/{sft,rl,bandit} ; reports/datasets.json, reward histogram reports/plots/rewards.png (dvc plots show)
-  sft adapter     models/sft/junior_researcher/{adapter,merged} ; reports/train_sft/junior_researcher.json, loss curve reports/plots/train_sft/
-  rl adapter      models/ppo/senior_researcher/adapter ; reports/train_ppo/senior_researcher.json, reward/KL curve reports/plots/train_ppo/ ; RL trace store data/rl_traces/
-  bandit policy   models/bandit/policy.vw ; off-policy estimates reports/train_bandit/supervisor.json, reports/plots/train_bandit/
-  prompt          models/prompt/principal_investigator/prompt.json (the candidate's text; MLflow Prompt Registry society.principal_investigator) ; reports/train_prompt/
+  each role's training (one DVC stage each; dvc metrics show, dvc plots show):
+$(python -m pipeline run outputs)
   evaluation      data/evaluation/summary.json ; reports/evaluate.json, reports/plots/evaluate.png ; notebooks/compare_checkpoints.ipynb
   test split      reports/test.json ; PubMedQA-format predictions reports/test/predictions.json
-  registry        ${URI}/#/models  (junior_researcher, senior_researcher, supervisor_policy: aliases champion/challenger)
   models          models/base (SmolLM2-135M-Instruct HF folder), models/test-tiny; reports/models.json
-  serving         LLM proxy http://127.0.0.1:4000/v1 (roles: junior_researcher supervisor senior_researcher review_board judge;
-                  key in .secrets/proxy_key), routing: python -m pipeline route status ; logs .services/
   dvc             dvc.lock; remote 'local' -> dvc-remote/ ; \`dvc status\`, \`dvc metrics show\`
   airflow UI      make airflow (the same loop as the agent_retraining DAG)
   services        stop with: make services-down

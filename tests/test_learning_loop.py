@@ -184,6 +184,9 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     proc, clone = cycle["proc"], cycle["clone"]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"pipeline run {cycle['run_id']}: FINISHED" in proc.stdout
+    params = load_params(clone / "params.yaml", environ={})
+    for kind, roles in params.learners().items():  # the summary lists every role's training stage, derived from params
+        assert all(f"  train_{kind.value}@{role} " in proc.stdout for role in roles), proc.stdout[-3000:]
     # its log (not a terminal) shows how far each long pass got, not only a bar drawn once at its end
     assert "rollouts shard 0: 0/2 (0%)" in proc.stdout and "rollouts shard 0: 2/2 (100%)" in proc.stdout, proc.stdout[-4000:]
     assert re.search(r"report: the society on the test split(: [^:]+)?: (\d+)/\2 \(100%\)", proc.stdout), proc.stdout[-4000:]

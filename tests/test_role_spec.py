@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from pipeline.config import load_params
+from pipeline.runs import outputs
 from tests.conftest import ROOT, copy_project
 
 ROLE = "safety_officer"
@@ -76,6 +77,9 @@ def test_an_added_role_is_a_dvc_stage_a_dag_task_a_registered_and_served_model(c
     assert ROLE in params.serving.roles and params.serving.inherits[ROLE] == "review_board"
     assert params.agents.models["safety_officer"] == ROLE and params.agents.models["peer_reviewer"] == "review_board"
     assert params.sft.at(ROLE).out_dir == f"models/sft/{ROLE}"
+    summary = outputs(params)  # `make run`'s closing summary: its stage's outputs, registered and served
+    assert any(line.split()[:2] == [f"train_sft@{ROLE}", f"models/sft/{ROLE}/"] for line in summary), summary
+    assert all(ROLE in line for line in summary if line.split()[0] in ("registry", "serving")), summary
 
 
 def test_without_the_entry_the_role_is_nowhere(copies: tuple[Path, Path]) -> None:
@@ -86,6 +90,7 @@ def test_without_the_entry_the_role_is_nowhere(copies: tuple[Path, Path]) -> Non
     params = load_params(plain / "params.yaml", environ={})
     assert ROLE not in params.promote.roles and ROLE not in params.serving.roles
     assert params.agents.models["safety_officer"] == "review_board"
+    assert not [line for line in outputs(params) if ROLE in line]
 
 
 def test_a_role_that_names_an_agent_twice_or_learns_as_the_instrument_is_refused(tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ def _discrimination(c: _Case) -> Decision | None:
     auc = c.candidate.auc
     if auc and (auc.ci_low or 0) > c.cfg.min_auc:
         return None
-    shown = "none" if not auc or auc.value is None else f"{auc.value:.3f} [{auc.ci_low:.3f}, {auc.ci_high:.3f}]"
+    shown = str(auc or "none")
     return Decision(False, "discrimination", f"AUC of P(GO) {shown}: its interval does not lie above promote.min_auc="
                                              f"{c.cfg.min_auc:g} (the decisions do not separate yes from no)")
 

@@ -105,11 +105,11 @@ def _role_line(role: str, out: dict[str, Any], after: Metrics, before: Metrics |
     line = (f"report: {role} v{out['champion']} on {out['questions']} test questions ({setting}): official accuracy "
             f"{after.official.accuracy:.3f}, macro-F1 {after.official.macro_f1:.3f}; yes/no accuracy "
             f"{after.yes_no.accuracy:.3f} [{after.yes_no.ci_low:.3f}, {after.yes_no.ci_high:.3f}] "
-            f"(n={after.yes_no.n}, majority {after.yes_no.majority:.3f}), AUC {after.auc.value}")
+            f"(n={after.yes_no.n}, majority {after.yes_no.majority:.3f}), AUC {after.auc}")
     if before is not None:
         assert before.yes_no and before.auc
         line += (f"; before (v{out['previous_champion']}): yes/no accuracy {before.yes_no.accuracy:.3f}, AUC "
-                 f"{before.auc.value}; exact McNemar (after > before) p={out['mcnemar_p']:.2e}")
+                 f"{before.auc}; exact McNemar (after > before) p={out['mcnemar_p']:.2e}")
     return line
 
 
