@@ -170,6 +170,20 @@ def outputs(params: Params) -> list[str]:
             f"key in {proxy.key_file}), routing: python -m pipeline route status ; logs {params.serving.home}/"]
 
 
+def _parent(args: argparse.Namespace, params: Params, run_key: str) -> str:
+    """The pipeline run's MLflow parent run; ``open`` first brings back what a killed run left standing in, and with
+    ``--write-params`` logs the run's effective params on it."""
+    if args.action == "open" and (restored := restore_stood_in()):
+        print(f"runs: restored {restored} left standing in by a process that was killed", file=sys.stderr)
+    mlflow_run = tracking.parent_run(params.mlflow)
+    if args.action == "open" and args.write_params:
+        from mlflow import MlflowClient  # noqa: PLC0415 - 1.3 s import; the DAG's tasks import this module for effective_file
+
+        path = write_effective(args.params_path, run_key, params.serving.live_file)
+        MlflowClient().log_artifact(mlflow_run, str(path), "params")
+    return mlflow_run
+
+
 def main(args: argparse.Namespace, params: Params) -> int:
     if args.action == "outputs":
         print("\n".join(outputs(params)))
@@ -187,14 +201,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
         commit_lock(effective, args.stages, params.serving.live_file)
         print(f"dvc.lock: {len(args.stages)} stage(s) committed with the params of {effective}")
         return 0
-    if args.action == "open" and (restored := restore_stood_in()):
-        print(f"runs: restored {restored} left standing in by a process that was killed", file=sys.stderr)
-    mlflow_run = tracking.parent_run(params.mlflow)
-    if args.action == "open" and args.write_params:
-        from mlflow import MlflowClient  # noqa: PLC0415 - 1.3 s import; the DAG's tasks import this module for effective_file
-
-        path = write_effective(args.params_path, run_key, params.serving.live_file)
-        MlflowClient().log_artifact(mlflow_run, str(path), "params")
+    mlflow_run = _parent(args, params, run_key)
     if args.action == "close":
         tracking.finish_parent(params.mlflow, args.status)
     if args.action == "times":
