@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from pipeline import tracking
-from pipeline.config import DEFAULT_PARAMS, PARAMS_ENV, Params, effective_raw
+from pipeline.config import DEFAULT_PARAMS, PARAMS_ENV, MlflowParams, Params, effective_raw
 from pipeline.io import write_text
 
 RUNS_DIR = Path(".runs")
@@ -152,6 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--status", default="FINISHED", choices=["FINISHED", "FAILED", "KILLED"])
 
 
+# whole Params: every kind of learning's section (Params.learners), the registry's models, tracking and serving
 def outputs(params: Params) -> list[str]:
     """The run summary's lines for what each role's training stage wrote, what is registered and what is served: derived
     from the params, so a role or a kind of learning added there is listed here too."""
@@ -170,16 +171,16 @@ def outputs(params: Params) -> list[str]:
             f"key in {proxy.key_file}), routing: python -m pipeline route status ; logs {params.serving.home}/"]
 
 
-def _parent(args: argparse.Namespace, params: Params, run_key: str) -> str:
+def _parent(args: argparse.Namespace, mlflow: MlflowParams, live_file: str, run_key: str) -> str:
     """The pipeline run's MLflow parent run; ``open`` first brings back what a killed run left standing in, and with
     ``--write-params`` logs the run's effective params on it."""
     if args.action == "open" and (restored := restore_stood_in()):
         print(f"runs: restored {restored} left standing in by a process that was killed", file=sys.stderr)
-    mlflow_run = tracking.parent_run(params.mlflow)
+    mlflow_run = tracking.parent_run(mlflow)
     if args.action == "open" and args.write_params:
         from mlflow import MlflowClient  # noqa: PLC0415 - 1.3 s import; the DAG's tasks import this module for effective_file
 
-        path = write_effective(args.params_path, run_key, params.serving.live_file)
+        path = write_effective(args.params_path, run_key, live_file)
         MlflowClient().log_artifact(mlflow_run, str(path), "params")
     return mlflow_run
 
@@ -201,7 +202,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
         commit_lock(effective, args.stages, params.serving.live_file)
         print(f"dvc.lock: {len(args.stages)} stage(s) committed with the params of {effective}")
         return 0
-    mlflow_run = _parent(args, params, run_key)
+    mlflow_run = _parent(args, params.mlflow, params.serving.live_file, run_key)
     if args.action == "close":
         tracking.finish_parent(params.mlflow, args.status)
     if args.action == "times":
