@@ -281,11 +281,17 @@ def test_mlflow_run_lists_the_three_splits_as_datasets(project: Path) -> None:
 
     params = load_params()
     result = ingest.run(params)
+    was = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
-    with mlflow.start_run() as run, warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        ingest.log_to_mlflow(params.data, params.split, result)
-    inputs = mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+    try:
+        # its own experiment, named on the run: the process's active one (an earlier test's) is left as it was
+        experiment = mlflow.MlflowClient().create_experiment("ingest")
+        with mlflow.start_run(experiment_id=experiment) as run, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ingest.log_to_mlflow(params.data, params.split, result)
+        inputs = mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+    finally:
+        mlflow.set_tracking_uri(was)
     assert sorted(i.dataset.name for i in inputs) == ["pubmedqa-test", "pubmedqa-train", "pubmedqa-val"]
     assert {i.tags[0].value for i in inputs} == {"train", "val", "test"}  # each split's context
     assert not [w for w in seen if w.category is UserWarning], [str(w.message)[:120] for w in seen if w.category is UserWarning]

@@ -208,8 +208,6 @@ def test_make_run_learns_and_a_promotion_makes_rollouts_stale(cycle: dict) -> No
     calls = [s["data"] for t in shard for s in t["spans"] if s["kind"] == "llm"]
     assert calls and all(isinstance(c.get("prompt_version"), int) and c["prompt_sha"] for c in calls), calls[:1]
     # each call asks the logical model of its agent's role (the role spec), the PI's its own (#42)
-    from pipeline.config import load_params
-
     models = load_params(clone / "params.yaml", environ=cycle["env"]).agents.models
     assert all(c["logical_model"] == models[c["agent"]] for c in calls), {(c["agent"], c["logical_model"]) for c in calls}
     # each structured answer was decoded under the cycle's agents.text_scale: its strings within the shortened lengths
