@@ -8,6 +8,7 @@ left: ``reports/learn-times.tsv`` (its step times), ``reports/train_pi/principal
 decisions) and ``reports/test.json`` (the champion PI before and after on the official test split, and the society as
 served before and after on ``report.limit`` of its questions). It writes the
 tables to ``--out`` and every figure to the JSON beside it. Each figure carries its n and an exact interval or test.
+The stages' files are read through their contracts (``pipeline.contracts``), never by key path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from report import p_text, publish
+
+from pipeline.contracts import (
+    Evaluation,
+    EvaluationSummary,
+    Metrics,
+    PromotionDecision,
+    PromotionReport,
+    RoleLevelFigures,
+    SocietyFigures,
+    TestReport,
+)
 
 PI = "principal_investigator"
 # PubMedQA (Jin et al. 2019) and its leaderboard, reasoning-required, accuracy on the 500 test questions
@@ -29,87 +42,101 @@ LITERATURE = [("majority class (yes)", 0.552), ("single human", 0.780), ("BioGPT
               ("BioGPT-Large (1.5B), fine-tuned", 0.810)]
 
 
-def _read(path: str) -> Any:
+class Cycle(BaseModel):
+    """What one `make learn` left, as this report reads it."""
+
+    date: str
+    params: str
+    times_s: dict[str, int]
+    train_pi: dict[str, Any] | None  # the trainer's report (its DVC metrics file's source)
+    gate: dict[str, Evaluation]
+    decisions: dict[str, PromotionDecision]
+    setting: str | None
+    test: RoleLevelFigures | None
+    society: SocietyFigures | None
+
+
+def _read(path: str, model: type[BaseModel] | None = None) -> Any:
     p = Path(path)
-    return json.loads(p.read_text()) if p.exists() else None
+    if not p.exists():
+        return None
+    return model.model_validate_json(p.read_text()) if model else json.loads(p.read_text())
 
 
-def _fmt(m: dict[str, Any]) -> list[str]:
-    yn, auc = m["yes_no"], m["auc"]
-    auc_text = "n/a" if auc["value"] is None else f"{auc['value']:.3f} [{auc['ci_low']:.3f}, {auc['ci_high']:.3f}]"
-    return [f"{m['questions']}", f"{m['official']['accuracy']:.3f}", f"{m['official']['macro_f1']:.3f}",
-            f"{yn['n']}", f"{yn['accuracy']:.3f} [{yn['ci_low']:.3f}, {yn['ci_high']:.3f}]", f"{yn['majority']:.3f}",
-            f"{yn['go_share']:.2f}", auc_text]
+def _fmt(m: Metrics) -> list[str]:
+    assert m.official and m.yes_no  # role_level.metrics sets them
+    return [f"{m.questions}", f"{m.official.accuracy:.3f}", f"{m.official.macro_f1:.3f}", f"{m.yes_no.n}",
+            f"{m.yes_no.accuracy:.3f} [{m.yes_no.ci_low:.3f}, {m.yes_no.ci_high:.3f}]", f"{m.yes_no.majority:.3f}",
+            f"{m.yes_no.go_share:.2f}", "n/a" if m.auc is None or m.auc.value is None else str(m.auc)]
 
 
-def gather() -> dict[str, Any]:
+def gather() -> Cycle:
     times = {}
     if Path("reports/learn-times.tsv").exists():
         for line in Path("reports/learn-times.tsv").read_text().splitlines():
             name, _, seconds = line.rpartition("\t")
             times[name] = int(seconds)
-    summary, promotion, test = _read("data/evaluation/summary.json"), _read("reports/promotion.json"), _read("reports/test.json")
-    gate = {k: v for k, v in ((summary or {}).get("roles") or {}).items() if v.get("role", k) == PI}
-    for entry in gate.values():
-        entry.pop("records", None)
-    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "params": os.environ.get("PARAMS", "params/learn.yaml"),
-            "times_s": times, "train_pi": _read("reports/train_pi/principal_investigator.json"), "gate": gate,
-            "decisions": {k: v for k, v in ((promotion or {}).get("decisions") or {}).items() if v.get("role", k) == PI},
-            "test": ((test or {}).get("role_level") or {}).get(PI), "setting": (test or {}).get("setting"),
-            "society": (test or {}).get("society")}
+    summary: EvaluationSummary | None = _read("data/evaluation/summary.json", EvaluationSummary)
+    promotion: PromotionReport | None = _read("reports/promotion.json", PromotionReport)
+    test: TestReport | None = _read("reports/test.json", TestReport)
+    return Cycle(date=datetime.now(UTC).isoformat(timespec="seconds"), params=os.environ.get("PARAMS", "params/learn.yaml"),
+                 times_s=times, train_pi=_read("reports/train_pi/principal_investigator.json"),
+                 gate={k: e for k, e in (summary.roles if summary else {}).items() if e.role == PI},
+                 decisions={k: d for k, d in (promotion.decisions if promotion else {}).items() if (d.role or k) == PI},
+                 setting=test.setting if test else None, test=test.role_level.get(PI) if test else None,
+                 society=test.society if test else None)
 
 
-def _society_row(which: str, m: dict[str, Any]) -> str:
-    yn, f = m["yes_no"], m["failures"]
-    return (f"| {which} | {m['questions']} | {f['n']} ({f['rate']:.2f} [{f['ci_low']:.2f}, {f['ci_high']:.2f}]) | "
-            f"{yn['n']} | {yn['accuracy']:.3f} [{yn['ci_low']:.3f}, {yn['ci_high']:.3f}] | {m['official']['accuracy']:.3f} | "
-            f"{m['official']['macro_f1']:.3f} | {m['reward']['mean']:.3f} |")
+def _society_row(which: str, m: Metrics) -> str:
+    assert m.official and m.yes_no and m.failures
+    yn, f = m.yes_no, m.failures
+    return (f"| {which} | {m.questions} | {f.n} ({f.rate:.2f} [{f.ci_low:.2f}, {f.ci_high:.2f}]) | "
+            f"{yn.n} | {yn.accuracy:.3f} [{yn.ci_low:.3f}, {yn.ci_high:.3f}] | {m.official.accuracy:.3f} | "
+            f"{m.official.macro_f1:.3f} | {m.reward.mean:.3f} |")
 
 
-def society_lines(s: dict[str, Any], setting: str) -> list[str]:
+def society_lines(s: SocietyFigures, setting: str | None) -> list[str]:
     """The society as served on the test questions, before and after, with what its figure costs."""
-    out = [f"## The society as served ({s['questions']} test questions, {setting})", "",
+    out = [f"## The society as served ({s.questions} test questions, {setting})", "",
            "The whole society through the live routing, one rollout a question, judged; a failed rollout decides nothing "
            "(wrong in the yes/no accuracy, `maybe` in PubMedQA's format). Before: the same questions with the replaced "
            "champion PI, the other roles' calls replayed from the after society's record.", "",
            "| society | questions | failed (rate [95% CP]) | yes/no n | yes/no acc. [95% CP] | official acc. | macro-F1 | "
            "mean reward |", "|---|---|---|---|---|---|---|---|"]
-    if "before" in s:
-        out.append(_society_row(f"before (PI v{s.get('before_version')})", s["before"]))
-    out.append(_society_row("after", s["after"]))
-    out.append("")
-    if s.get("after_vs_before"):
-        c, v = s["after_vs_before"]["correct"], s["after_vs_before"]["served"]
-        out += [f"Exact McNemar (two-sided), after vs before: yes/no correctness on {c['n']} questions b = {c['b']}, "
-                f"c = {c['c']}, p = {c['p_value']:.3g}; served (a decision made) on {v['n']}: b = {v['b']}, c = {v['c']}, "
-                f"p = {v['p_value']:.3g}.", ""]
-    if (a := s.get("agreement_with_role_level")) and a.get("n"):
-        out += [f"The society's decision is the role-level decision of the same champion on **{a['same']} of {a['n']}** "
+    if s.before is not None:
+        out.append(_society_row(f"before (PI v{s.before_version})", s.before))
+    out += [_society_row("after", s.after), ""]
+    if s.after_vs_before is not None and (c := s.after_vs_before.correct) is not None:
+        v = s.after_vs_before.served
+        out += [f"Exact McNemar (two-sided), after vs before: yes/no correctness on {c.n} questions b = {c.b}, "
+                f"c = {c.c}, p = {c.p_value:.3g}; served (a decision made) on {v.n}: b = {v.b}, c = {v.c}, "
+                f"p = {v.p_value:.3g}.", ""]
+    if (a := s.agreement_with_role_level) is not None and a.n:
+        out += [f"The society's decision is the role-level decision of the same champion on **{a.same} of {a.n}** "
                 "questions (the one decision path: by construction, unless a rollout failed before its PI).", ""]
-    if (e := s.get("input_effect")) and e.get("n"):
-        m = e["mcnemar"]
+    if (e := s.input_effect) is not None and e.n:
+        m = e.mcnemar
         out += [f"What the protocol and the reviews do to the decision (the same weights, every rollout that reached the "
-                f"PI, n = {e['n']}, {e['yes_no_n']} yes/no): yes/no accuracy on the brief alone {e['brief_accuracy']:.3f}, "
-                f"with the protocol and reviews {e['society_accuracy']:.3f}; the two decisions agree on {e['agree']} of "
-                f"{e['n']}; exact McNemar b = {m['b']} (right only with them), c = {m['c']}, p = {m['p_value']:.3g}. "
-                f"Served input: `{e['served_input']}`.", ""]
-    cost = s.get("cost") or {}
-    if cost:
-        out += [f"Cost: {cost['seconds']:.0f} s for {s['questions']} questions x {cost['societies']} societies "
-                f"({cost['seconds_per_question']:.0f} s a question, the second society replaying).", ""]
+                f"PI, n = {e.n}, {e.yes_no_n} yes/no): yes/no accuracy on the brief alone {e.brief_accuracy:.3f}, "
+                f"with the protocol and reviews {e.society_accuracy:.3f}; the two decisions agree on {e.agree} of "
+                f"{e.n}; exact McNemar b = {m.b} (right only with them), c = {m.c}, p = {m.p_value:.3g}. "
+                f"Served input: `{e.served_input}`.", ""]
+    cost = s.cost
+    out += [f"Cost: {cost.seconds:.0f} s for {s.questions} questions x {cost.societies} societies "
+            f"({cost.seconds_per_question:.0f} s a question, the second society replaying).", ""]
     return out
 
 
-def lines(doc: dict[str, Any]) -> list[str]:
-    out = [f"# One learning cycle of the PI: `make learn` ({doc['setting']})", "",
-           f"Generated {doc['date']} by `benchmarks/bench_improvement.py` from the outputs of `make learn` "
-           f"(`{doc['params']}`) on this host (2 CPU cores). Figures as JSON: the `.json` beside this file.", ""]
-    t = doc["times_s"]
+def lines(doc: Cycle) -> list[str]:
+    out = [f"# One learning cycle of the PI: `make learn` ({doc.setting})", "",
+           f"Generated {doc.date} by `benchmarks/bench_improvement.py` from the outputs of `make learn` "
+           f"(`{doc.params}`) on this host (2 CPU cores). Figures as JSON: the `.json` beside this file.", ""]
+    t = doc.times_s
     if t:
         out += ["## Wall time", "", "| step | seconds |", "|---|---|", *(f"| {k} | {v} |" for k, v in t.items()), ""]
         if "total" in t:
             out += [f"**Total: {t['total'] / 60:.1f} min** (budget 60 min).", ""]
-    tr = doc["train_pi"]
+    tr = doc.train_pi
     if tr:
         out += ["## The trainer (`train_pi`, SFT on the gold decision)", "",
                 "| steps | train rows | held-out rows | loss on its own rows (before → after) | held-out loss | signal |",
@@ -118,43 +145,40 @@ def lines(doc: dict[str, Any]) -> list[str]:
                 f"{tr.get('fit_loss_before', float('nan')):.3f} → {tr.get('fit_loss_after', float('nan')):.3f} | "
                 f"{tr.get('eval_loss_before', float('nan')):.3f} → {tr.get('eval_loss', float('nan')):.3f} | "
                 f"{'no_signal: ' + str(tr.get('no_signal_reason')) if tr.get('no_signal') else 'learned'} |", ""]
-    if doc["gate"]:
+    if doc.gate:
         out += ["## The gate: every validation question, paired with the champion", "",
                 "| candidate | questions | official acc. | macro-F1 | yes/no n | yes/no acc. [95% CP] | majority | GO share | "
                 "AUC of P(GO) [95% bootstrap] |", "|---|---|---|---|---|---|---|---|---|"]
-        first = next(iter(doc["gate"].values()))
-        out.append(f"| champion v{first['champion']['version']} | " + " | ".join(_fmt(first["champion"]["metrics"])) + " |")
-        for key, e in doc["gate"].items():
-            out.append(f"| {key} v{e['candidate']['version']} | " + " | ".join(_fmt(e["candidate"]["metrics"])) + " |")
-        judged = any((e.get("cost") or {}).get("judge_calls") for e in doc["gate"].values())
-        reward = "gate's reward: judge + decision" if judged else "decision reward"
+        first = next(iter(doc.gate.values()))
+        out.append(f"| champion v{first.champion.version} | " + " | ".join(_fmt(first.champion.metrics)) + " |")
+        for key, e in doc.gate.items():
+            out.append(f"| {key} v{e.candidate.version} | " + " | ".join(_fmt(e.candidate.metrics)) + " |")
+        calls = max(e.cost.get("judge_calls") or 0 for e in doc.gate.values())
+        reward = "gate's reward: judge + decision" if calls else "decision reward"
         out += ["", f"| candidate | paired diff ({reward}) | sign-flip p | McNemar b / c | McNemar p | decision | rule |",
                 "|---|---|---|---|---|---|---|"]
-        for key, e in doc["gate"].items():
-            d, dec = e["difference"], doc["decisions"].get(key, {})
-            out.append(f"| {key} | {d['mean']:+.3f} (n={d['n']}) | {d['p_value']:.2e} | {d['decision']['b']} / "
-                       f"{d['decision']['c']} | {d['decision']['p_value']:.2e} | **{dec.get('status', '?')}** | "
-                       f"{dec.get('rule', '')} |")
-        calls = max((e.get("cost") or {}).get("judge_calls") or 0 for e in doc["gate"].values())
+        for key, e in doc.gate.items():
+            d, dec = e.difference, doc.decisions.get(key)
+            mc = f"{d.decision.b} / {d.decision.c} | {d.decision.p_value:.2e}" if d.decision else "n/a | n/a"
+            out.append(f"| {key} | {d.mean:+.3f} (n={d.n}) | {d.p_value:.2e} | {mc} | **{dec.status if dec else '?'}** | "
+                       f"{dec.rule if dec else ''} |")
         if calls:
             out += ["", f"The judge scored {calls} distinct answers (decision + rationale) for the gate's reward."]
         out.append("")
-    test = doc["test"]
-    if test:
-        out += [f"## The official test split ({test['questions']} questions, {test['setting']})", "",
+    if (test := doc.test) is not None:
+        out += [f"## The official test split ({test.questions} questions, {test.setting})", "",
                 "| PI | questions | official acc. | macro-F1 | yes/no n | yes/no acc. [95% CP] | majority | GO share | "
                 "AUC of P(GO) [95% bootstrap] |", "|---|---|---|---|---|---|---|---|---|"]
-        if "before" in test:
-            out.append(f"| before (v{test['previous_champion']}) | " + " | ".join(_fmt(test["before"])) + " |")
-        out.append(f"| after (v{test['champion']}) | " + " | ".join(_fmt(test["after"])) + " |")
-        if "mcnemar" in test:
-            m = test["mcnemar"]
-            out += ["", f"Exact McNemar, after better than before, on the {m['n']} yes/no questions: b = {m['b']} (only after "
-                    f"right), c = {m['c']} (only before right), **p {p_text(m['p_value'])}**."]
+        if test.before is not None:
+            out.append(f"| before (v{test.previous_champion}) | " + " | ".join(_fmt(test.before)) + " |")
+        out.append(f"| after (v{test.champion}) | " + " | ".join(_fmt(test.after)) + " |")
+        if (m := test.mcnemar) is not None:
+            out += ["", f"Exact McNemar, after better than before, on the {m.n} yes/no questions: b = {m.b} (only after "
+                    f"right), c = {m.c} (only before right), **p {p_text(m.p_value)}**."]
         out += ["", "`maybe` is answered by DEFER (a third decision learned from the gold like the others): the official "
                 "three-class metric counts it.", ""]
-    if doc.get("society"):
-        out += society_lines(doc["society"], doc["setting"])
+    if doc.society is not None:
+        out += society_lines(doc.society, doc.setting)
     out += ["## Against the literature (reasoning-required, accuracy on the 500 test questions)", "",
             "| system | accuracy |", "|---|---|", *(f"| {name} | {acc:.3f} |" for name, acc in LITERATURE), "",
             "The GPU profile's target (docs/gpu.md): a ≤ 1.5B PI fine-tuned the same way, in the reasoning-required setting, "
@@ -173,7 +197,7 @@ def main() -> int:
             print(f"make learn exited with {rc}", file=sys.stderr)
             return rc
     doc = gather()
-    publish(args.out, lines(doc), doc)
+    publish(args.out, lines(doc), doc.model_dump(mode="json", exclude_unset=True))
     return 0
 
 

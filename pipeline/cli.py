@@ -2,7 +2,8 @@
 
 Command modules are imported only when chosen, so ``python -m pipeline ingest`` does not pay for
 great-expectations or vLLM imports. Each module defines ``add_arguments(parser)`` and
-``main(args, params) -> int``.
+``main(args, params) -> int``, and may define ``check(args, params)``: refusals that need no service, made before any
+starts.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def tracks(module: object, args: argparse.Namespace) -> bool:
     """Does this command talk to the tracking server? Not with ``--no-mlflow``, not in the model plane (no MLflow
-    there), not the commands that start or are services themselves (a module's ``TRACKING = False``)."""
-    return (getattr(module, "TRACKING", True) and not getattr(args, "no_mlflow", False)
+    there), not the commands that start or are services themselves (a module's ``TRACKING = False``), not the actions
+    that read files only (``TRACKING(args)``)."""
+    on = getattr(module, "TRACKING", True)
+    return (bool(on(args) if callable(on) else on) and not getattr(args, "no_mlflow", False)
             and not getattr(args, "in_model_plane", False))
 
 
@@ -88,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (kind := getattr(args, "learning", None)) is not None:  # a trainer's --role, refused before MLflow starts
         args.role = training.pick_role(params, kind, args.role)
     try:
+        if (check := getattr(module, "check", None)) is not None:  # the arguments, before any service starts
+            check(args, params)
         if tracks(module, args):  # the entry point starts the tracking server; library calls only connect to it
             mlflow_server.ensure(params.mlflow)
         return int(module.main(args, params) or 0)

@@ -246,3 +246,123 @@ class PromotionReport(_Open):
         """The champion this cycle's promotion of ``role`` replaced (None: not promoted this cycle)."""
         d = self.decisions.get(role)
         return d.champion_before if d is not None and d.status == Status.PROMOTED and d.champion_before else None
+
+    def lines(self) -> list[str]:
+        """What a person reads at the end of a cycle: one line a decision."""
+        return [f"promotion: {key} v{d.candidate}: {d.status} ({d.rule}): {d.detail}" for key, d in self.decisions.items()]
+
+
+def _figures(m: Metrics) -> str:
+    assert m.official and m.yes_no and m.failures  # role_level.metrics sets them
+    return (f"official accuracy {m.official.accuracy:.3f}, macro-F1 {m.official.macro_f1:.3f} (n={m.questions}); "
+            f"yes/no {m.yes_no.accuracy:.3f} [{m.yes_no.ci_low:.3f}, {m.yes_no.ci_high:.3f}] (n={m.yes_no.n}, majority "
+            f"{m.yes_no.majority:.3f}); failed {m.failures.n}/{m.questions}")
+
+
+class Agreement(_Open):
+    """How often the society's decision is the role-level decision of the same champion on the same question."""
+
+    n: int
+    same: int
+    rate: float | None
+
+
+class InputEffect(_Open):
+    """The PI's decision on the brief alone vs with the protocol and reviews, on the same rollouts (``report.input_effect``)."""
+
+    n: int
+    agree: int
+    yes_no_n: int
+    brief_accuracy: float
+    society_accuracy: float
+    mcnemar: McNemar
+    served_input: str
+
+
+class SocietyPaired(_Open):
+    """The society after vs before on the same questions: yes/no correctness, reward and failures, each paired."""
+
+    correct: McNemar | None
+    reward: Difference
+    served: McNemar
+
+
+class SocietyCost(_Open):
+    seconds: float
+    societies: int
+    seconds_per_question: float
+
+
+class SocietyFigures(_Open):
+    """The society as served on the test questions, and (this cycle promoted its decision role) the society with the
+    champion it replaced on the same questions."""
+
+    questions: int
+    after: Metrics
+    before: Metrics | None = None
+    before_version: Version | None = None
+    after_vs_before: SocietyPaired | None = None
+    agreement_with_role_level: Agreement | None = None
+    input_effect: InputEffect | None = None
+    cost: SocietyCost
+
+
+class RoleLevelFigures(_Open):
+    """A decision role's champion on its own decision over the test questions, and the champion it replaced."""
+
+    questions: int
+    setting: str
+    maybe_answer: str
+    champion: Version | None
+    previous_champion: Version | None
+    after: Metrics
+    before: Metrics | None = None
+    seconds: dict[str, float]
+    mcnemar_p: float | None = None  # exact McNemar, after better than before on the yes/no questions
+    mcnemar: McNemar | None = None
+
+
+class TestReport(_Open):
+    """``reports/test.json``: the champions on PubMedQA's official test split (``stages/report``), the society as served
+    and each decision role's own readout, never confused."""
+
+    __test__ = False  # not a pytest class
+
+    questions: int
+    setting: str
+    routing_version: int | None
+    predictions: str  # whose answers predictions.json holds: society or role_level
+    official: Official  # what predictions.json scores
+    society: SocietyFigures
+    role_level: dict[str, RoleLevelFigures] = Field(default_factory=dict)
+
+    def lines(self, out_dir: str) -> list[str]:
+        """The figures a person reads, each with its n and interval or test."""
+        s, out = self.society, []
+        out.append(f"test ({self.setting}): the society as served after: {_figures(s.after)}")
+        if s.before is not None:
+            out.append(f"test ({self.setting}): the society as served before (v{s.before_version}): {_figures(s.before)}")
+        if s.after_vs_before is not None and (c := s.after_vs_before.correct) is not None:
+            out.append(f"test: the society after vs before, exact McNemar on {c.n} yes/no questions: b={c.b} c={c.c} "
+                       f"p={c.p_value:.3g}")
+        if (a := s.agreement_with_role_level) is not None and a.n:
+            out.append(f"test: the society's decision is the role-level decision on {a.same}/{a.n} questions")
+        if (e := s.input_effect) is not None:
+            out.append(f"test: the decision on the brief vs with the protocol and reviews (n={e.yes_no_n} yes/no): "
+                       f"{e.brief_accuracy:.3f} vs {e.society_accuracy:.3f}, agree {e.agree}/{e.n}; exact McNemar "
+                       f"p={e.mcnemar.p_value:.3g}")
+        out.append(f"test: the society cost {s.cost.seconds:.0f} s for {s.questions} questions x {s.cost.societies}")
+        for role, x in self.role_level.items():
+            for which, m in (("after", x.after), ("before", x.before)):
+                if m is not None:
+                    version = x.champion if which == "after" else x.previous_champion
+                    out.append(f"test ({self.setting}): {role} {which} (v{version}), the role level: "
+                               f"{_figures(m)}; AUC {m.auc}")
+            if x.mcnemar is not None:
+                out.append(f"test: {role} after vs before, exact McNemar on {x.mcnemar.n} yes/no questions: "
+                           f"b={x.mcnemar.b} c={x.mcnemar.c} p={x.mcnemar.p_value:.2e}")
+        out.append(f"test: predictions.json ({self.predictions}) on {self.questions} questions: accuracy "
+                   f"{self.official.accuracy:.3f}, macro-F1 {self.official.macro_f1:.3f} (PubMedQA's evaluation.py: "
+                   f"python evaluation.py {out_dir}/predictions.json with data/test_ground_truth.json = "
+                   f"{out_dir}/ground_truth.json)")
+        return out

@@ -12,7 +12,7 @@ values than the file holds). The live routing file is treated the same way: ``op
 ``evaluate`` (its dependants) ran with the old one; recording the new one would say they rolled out with
 the new champions, and the next run would not roll out again. ``close`` marks the parent finished or
 failed; ``fail`` records a failed task on it (the DAG's failure callback); ``times`` prints each stage
-run's wall time.
+run's wall time. ``outputs`` says where each stage writes, from the params alone (no tracking server).
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ from pipeline.config import DEFAULT_PARAMS, PARAMS_ENV, MlflowParams, Params, ef
 from pipeline.io import write_text
 
 RUNS_DIR = Path(".runs")
+
+
+def TRACKING(args: argparse.Namespace) -> bool:  # the CLI's per-module switch (cli.tracks), here per action
+    return args.action != "outputs"
 
 
 def effective_file(run_key: str) -> Path:

@@ -46,3 +46,61 @@ def test_a_trainers_unknown_role_is_refused_before_any_service_starts(project, m
     assert not (project / ".mlflow").exists()
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there
+
+
+def test_rollback_of_an_unknown_role_and_the_file_only_commands_start_no_service(project, monkeypatch: pytest.MonkeyPatch,
+                                                                                 capsys: pytest.CaptureFixture) -> None:
+    """`rollback <typo>` refuses in one line before MLflow starts; `run outputs` and `report --summary` read files only."""
+    import socket
+
+    from pipeline.services.process import free_port
+
+    port = free_port()
+    monkeypatch.setenv("PIPELINE__MLFLOW__PORT", str(port))
+    assert cli.main(["rollback", "judgee"]) == 1
+    from pipeline.config import load_params
+
+    roles = list(load_params("params.yaml").promote.roles)
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: unknown role 'judgee'; trainable roles are {roles}"]
+    assert cli.main(["run", "outputs"]) == 0 and "registry" in capsys.readouterr().out
+    assert cli.main(["report", "--summary"]) == 0 and capsys.readouterr().out.strip() == ""  # no cycle yet: nothing to say
+    assert not (project / ".mlflow").exists()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_report_summary_prints_the_cycles_decisions_and_test_figures_from_their_files(project, capsys: pytest.CaptureFixture) -> None:
+    """What `make learn` ends with: the gate's decision, then the society as served before and after and the PI's
+    role-level figures, each with its n and interval, read back through the files' contracts."""
+    from pipeline.contracts import Level, PromotionDecision, PromotionReport, TestReport
+    from pipeline.evaluation.role_level import metrics
+    from pipeline.io import write_json
+
+    def records(right: int, failed: int = 0) -> list[dict]:  # 10 yes/no questions, ``right`` answered right
+        return [{"task_id": str(i), "label": "yes" if i % 2 else "no", "status": "failed" if i < failed else "ok",
+                 "decision": None if i < failed else ("GO" if (i % 2) == (i < right) else "NO-GO"),
+                 "p_go": 0.9 if (i % 2) == (i < right) else 0.1, "reward": 0.5, "scores": {}} for i in range(10)]
+
+    society = {which: metrics(records(r, f), "reasoning_free", 200, 0.95, 0, Level.SOCIETY) for which, r, f in
+               (("after", 7, 1), ("before", 5, 0))}
+    role = {which: metrics(records(r), "reasoning_free", 200) for which, r in (("after", 9), ("before", 6))}
+    report = TestReport.model_validate({
+        "questions": 10, "setting": "reasoning_free", "routing_version": 3, "predictions": "role_level",
+        "official": {"accuracy": 0.9, "macro_f1": 0.9},
+        "society": {"questions": 10, **society, "before_version": "1",
+                    "cost": {"seconds": 42.0, "societies": 2, "seconds_per_question": 4.2}},
+        "role_level": {"principal_investigator": {"questions": 10, "setting": "reasoning_free", "maybe_answer": "DEFER",
+                                                  "champion": "2", "previous_champion": "1", **role, "seconds": {},
+                                                  "mcnemar": {"b": 3, "c": 0, "n": 10, "p_value": 0.125}}}})
+    write_json(project / "reports/test.json", report.model_dump(mode="json", exclude_unset=True))
+    decision = PromotionDecision(candidate="2", status="promoted", rule="significant", detail="p=0.01 < 0.05")
+    write_json(project / "reports/promotion.json",
+               PromotionReport(promoted=["principal_investigator"], decisions={"principal_investigator": decision}).model_dump())
+    assert cli.main(["report", "--summary"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "promotion: principal_investigator v2: promoted (significant): p=0.01 < 0.05"
+    assert "the society as served after: official accuracy 0.600" in out[1] and "failed 1/10" in out[1]
+    assert "the society as served before (v1)" in out[2] and "yes/no 0.500" in out[2] and "(n=10" in out[2]
+    assert any("principal_investigator after (v2), the role level: official accuracy 0.900" in line and "AUC 0.9" in line
+               for line in out)
+    assert any("principal_investigator after vs before, exact McNemar on 10 yes/no questions: b=3 c=0" in line for line in out)

@@ -49,7 +49,7 @@ def test_no_lower_module_imports_a_stage() -> None:
     assert not {m: d for m, d in offenders.items() if d}
 
 
-ENTRY_POINTS = {"main", "run"}  # a stage's or a command's entry: it picks the sections for what it calls
+ENTRY_POINTS = {"main", "run", "check"}  # a stage's or a command's entry (check: its refusals before services)
 
 
 def test_functions_take_the_config_sections_they_use() -> None:

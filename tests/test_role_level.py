@@ -390,5 +390,5 @@ def test_the_input_effect_asks_the_brief_alone_and_with_the_protocol_whichever_t
     effect = report.input_effect(params, [rollout(t) for t in tasks], tasks, "principal_investigator", REPOSITORY)
     assert len(asked) == len(tasks)  # the served decision is the record's; only the other input is asked
     assert all((decision.NO_PROTOCOL in chat[-1]["content"]) == (served == "society") for chat in asked)
-    assert effect["served_input"] == served and effect["n"] == 3 and effect["agree"] == 0
-    assert effect["brief_accuracy"] == pytest.approx(2 / 3) and effect["society_accuracy"] == pytest.approx(1 / 3)
+    assert effect.served_input == served and effect.n == 3 and effect.agree == 0
+    assert effect.brief_accuracy == pytest.approx(2 / 3) and effect.society_accuracy == pytest.approx(1 / 3)

@@ -28,13 +28,13 @@ from typing import Any
 
 import mlflow
 
-from pipeline import metrics_files, prompt_registry, tracking
+from pipeline import contracts, metrics_files, prompt_registry, tracking
 from pipeline.agents import decision
 from pipeline.agents.llm import RoleClient
 from pipeline.agents.prompts import Prompts
 from pipeline.agents.replay import CallBook
 from pipeline.config import DecisionInput, EvaluateParams, Params
-from pipeline.contracts import Level, Metrics, PromotionReport
+from pipeline.contracts import Level, McNemar, Metrics, Official, PromotionReport, RoleLevelFigures, TestReport
 from pipeline.data.splits import load_tasks
 from pipeline.evaluation import role_level, society
 from pipeline.evaluation.metrics import CRITERIA, answer, flat, macro_f1, paired_difference
@@ -57,7 +57,7 @@ def _previous_champion(role: str) -> str | None:
 
 
 # whole Params: the role's requests read agents, reward, data, pi, serving, evaluate and report
-def role_level_report(params: Params, role: str, prompts: Prompts) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def role_level_report(params: Params, role: str, prompts: Prompts) -> tuple[RoleLevelFigures, list[dict[str, Any]]]:
     """``role``'s champion on its own decision over the test split (report.role_limit questions), and, when this cycle
     promoted it, the champion it replaced on the same questions: exact McNemar on the yes/no questions, both AUCs."""
     from pipeline import registry  # noqa: PLC0415 - control plane registry; only this report needs it here
@@ -80,37 +80,21 @@ def role_level_report(params: Params, role: str, prompts: Prompts) -> tuple[dict
         scored[which] = {"records": records, "seconds": time.perf_counter() - t0,
                          "metrics": role_level.metrics(records, params.data.setting, cfg.bootstrap, cfg.ci, cfg.seed)}
     champion = registry.by_alias(role, registry.CHAMPION)
-    out: dict[str, Any] = {"questions": len(tasks), "setting": params.data.setting, "maybe_answer": "DEFER",
-                           "champion": champion.version if champion else None, "previous_champion": before,
-                           **{w: s["metrics"].model_dump(exclude_unset=True) for w, s in scored.items()},
-                           "seconds": {w: s["seconds"] for w, s in scored.items()}}
-    if "before" in scored:
-        out.update(_after_better(scored["after"]["records"], scored["before"]["records"]))
-    print(_role_line(role, out, scored["after"]["metrics"], scored.get("before", {}).get("metrics"), params.data.setting))
-    return out, scored["after"]["records"]
+    test = _after_better(scored["after"]["records"], scored["before"]["records"]) if "before" in scored else None
+    return RoleLevelFigures(questions=len(tasks), setting=params.data.setting, maybe_answer="DEFER",
+                            champion=champion.version if champion else None, previous_champion=before,
+                            after=scored["after"]["metrics"], before=scored.get("before", {}).get("metrics"),
+                            seconds={w: s["seconds"] for w, s in scored.items()},
+                            mcnemar_p=test.p_value if test else None, mcnemar=test), scored["after"]["records"]
 
 
-def _after_better(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> dict[str, Any]:
+def _after_better(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> McNemar:
     """Exact McNemar on the yes/no questions both answered: is the new champion right more often than the one it replaced?"""
     a, b = ({r["task_id"]: r for r in records} for records in (after, before))
     yes_no = [t for t in sorted(a) if a[t]["label"] in ("yes", "no")]
     right = lambda r: answer(r["decision"]) == r["label"]  # noqa: E731
     test = mcnemar_exact([right(a[t]) for t in yes_no], [right(b[t]) for t in yes_no], "greater")
-    return {"mcnemar_p": test.p_value,
-            "mcnemar": {**test.model_dump(exclude_unset=True), "alternative": "after better than before"}}
-
-
-def _role_line(role: str, out: dict[str, Any], after: Metrics, before: Metrics | None, setting: str) -> str:
-    assert after.official and after.yes_no and after.auc  # role_level.metrics sets them at the role level
-    line = (f"report: {role} v{out['champion']} on {out['questions']} test questions ({setting}): official accuracy "
-            f"{after.official.accuracy:.3f}, macro-F1 {after.official.macro_f1:.3f}; yes/no accuracy "
-            f"{after.yes_no.accuracy:.3f} [{after.yes_no.ci_low:.3f}, {after.yes_no.ci_high:.3f}] "
-            f"(n={after.yes_no.n}, majority {after.yes_no.majority:.3f}), AUC {after.auc}")
-    if before is not None:
-        assert before.yes_no and before.auc
-        line += (f"; before (v{out['previous_champion']}): yes/no accuracy {before.yes_no.accuracy:.3f}, AUC "
-                 f"{before.auc}; exact McNemar (after > before) p={out['mcnemar_p']:.2e}")
-    return line
+    return McNemar.model_validate({**test.model_dump(exclude_unset=True), "alternative": "after better than before"})
 
 
 # whole Params: deploying a version reads serving and the registry's tracking settings
@@ -134,30 +118,29 @@ def _society_figures(traces: list[Trace], evaluate: EvaluateParams, setting: str
     return role_level.metrics(records, setting, evaluate.bootstrap, evaluate.ci, evaluate.seed, Level.SOCIETY), records
 
 
-def _paired(after: list[dict[str, Any]], before: list[dict[str, Any]], evaluate: EvaluateParams) -> dict[str, Any]:
+def _paired(after: list[dict[str, Any]], before: list[dict[str, Any]], evaluate: EvaluateParams) -> contracts.SocietyPaired:
     """The society after vs before on the same questions: the paired reward difference, the exact McNemar test on yes/no
     correctness (``paired_difference``'s) and on failures."""
     reward = paired_difference(after, before, evaluate.bootstrap, evaluate.ci, evaluate.seed)
     a, b = {r["task_id"]: r for r in after}, {r["task_id"]: r for r in before}
     ok = lambda r: r["status"] == "ok"  # noqa: E731
     served = mcnemar_exact([ok(a[t]) for t in sorted(a)], [ok(b[t]) for t in sorted(a)])
-    return {"correct": reward.decision.model_dump() if reward.decision else None,
-            "reward": reward.model_dump(exclude={"decision"}), "served": served.model_dump(exclude_unset=True)}
+    return contracts.SocietyPaired(correct=reward.decision, reward=reward.model_copy(update={"decision": None}), served=served)
 
 
-def _agreement(records: list[dict[str, Any]], role_records: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+def _agreement(records: list[dict[str, Any]], role_records: list[dict[str, Any]] | None) -> contracts.Agreement | None:
     """How often the society's decision is the role-level decision of the same champion on the same question."""
     if not role_records:
         return None
     by_id = {r["task_id"]: r["decision"] for r in role_records}
     both = [r for r in records if r["task_id"] in by_id]
     same = sum(r["decision"] == by_id[r["task_id"]] for r in both)
-    return {"n": len(both), "same": same, "rate": same / len(both) if both else None}
+    return contracts.Agreement(n=len(both), same=same, rate=same / len(both) if both else None)
 
 
 # whole Params: the PI's calls read agents, data, serving and evaluate
 def input_effect(params: Params, traces: list[Trace], tasks: list[dict[str, Any]], role: str, prompts: Prompts,
-                 routing_name: str | None = None) -> dict[str, Any]:
+                 routing_name: str | None = None) -> contracts.InputEffect:
     """What the protocol and the reviews do to the decision: for every rollout whose PI answered, the same weights'
     decision on the brief alone and on the brief with the society's protocol and reviews, yes/no accuracy of each and
     how often they agree (docs/promotion.md). The society served one of the two (``agents.decision.input``): that one is
@@ -189,7 +172,7 @@ def input_effect(params: Params, traces: list[Trace], tasks: list[dict[str, Any]
     for (t, decided, _), answered in zip(asked, asyncio.run(ask_all()) if asked else [], strict=True):
         recorded, asked_now = decided.get("decision"), answered.value if answered else None
         rows.append((t.label, *((recorded, asked_now) if served == DecisionInput.BRIEF else (asked_now, recorded))))
-    return {**_effect(rows), "served_input": served.value}
+    return contracts.InputEffect.model_validate({**_effect(rows), "served_input": served.value})
 
 
 def _asked(t: Trace, role: str) -> tuple[Trace, dict[str, Any], dict[str, Any]] | None:
@@ -214,7 +197,7 @@ def _effect(rows: list[tuple[str | None, str | None, str | None]]) -> dict[str, 
 
 # whole Params: running the society reads six sections (see evaluation.society.run_many)
 def society_report(params: Params, role: str | None, role_records: list[dict[str, Any]] | None,
-                   prompts: Prompts) -> dict[str, Any]:
+                   prompts: Prompts) -> tuple[contracts.SocietyFigures, list[dict[str, Any]], list[Trace]]:
     """The society as served on ``report.limit`` test questions, and, when this cycle promoted ``role``, the society
     with the champion it replaced on the same questions. The second society replays the first's calls of every other
     role (the same upstream answers: the PI is the last to speak), so before/after costs one society pass plus the
@@ -234,41 +217,29 @@ def society_report(params: Params, role: str | None, role_records: list[dict[str
                               books=books)
     seconds = time.perf_counter() - t0
     after, after_records = _society_figures(traces[0], params.evaluate, params.data.setting)
-    out: dict[str, Any] = {"questions": len(tasks), "after": after, "records": after_records, "traces": traces[0],
-                           "agreement_with_role_level": _agreement(after_records, role_records),
-                           "cost": {"seconds": seconds, "societies": len(societies),
-                                    "seconds_per_question": seconds / max(len(tasks), 1)}}
+    out = contracts.SocietyFigures(
+        questions=len(tasks), after=after, agreement_with_role_level=_agreement(after_records, role_records),
+        cost=contracts.SocietyCost(seconds=seconds, societies=len(societies), seconds_per_question=seconds / max(len(tasks), 1)),
+        input_effect=input_effect(params, traces[0], tasks, role, prompts) if role else None)
     if len(traces) > 1:
-        out["before"], before_records = _society_figures(traces[1], params.evaluate, params.data.setting)
-        out["before_version"] = before
-        out["after_vs_before"] = _paired(after_records, before_records, params.evaluate)
-    if role:
-        out["input_effect"] = input_effect(params, traces[0], tasks, role, prompts)
-    return out
+        out.before, before_records = _society_figures(traces[1], params.evaluate, params.data.setting)
+        out.before_version = before
+        out.after_vs_before = _paired(after_records, before_records, params.evaluate)
+    return out, after_records, traces[0]
 
 
-def _line(which: str, m: Metrics) -> str:
-    assert m.official and m.yes_no and m.failures  # role_level.metrics sets them
-    return (f"{which}: official accuracy {m.official.accuracy:.3f}, macro-F1 {m.official.macro_f1:.3f} "
-            f"(n={m.questions}); yes/no {m.yes_no.accuracy:.3f} [{m.yes_no.ci_low:.3f}, {m.yes_no.ci_high:.3f}] "
-            f"(n={m.yes_no.n}); failed {m.failures.n}/{m.questions}")
-
-
-def run(params: Params, prompts: Prompts) -> dict[str, Any]:
+def run(params: Params, prompts: Prompts) -> TestReport:
     """The role-level readout on the test split (every decision role), then the society as served (rendering
     ``prompts``, the live routing's); PubMedQA's files from the figure ``report.predictions`` names, both figures logged
     under names that cannot be confused."""
-    role_results: dict[str, Any] = {}
+    role_results: dict[str, RoleLevelFigures] = {}
     role_records: dict[str, list[dict[str, Any]]] = {}
     decision_roles = [r for r in params.evaluate.role_level if r in params.promote.roles]
     if params.report.role_level:
         for role in decision_roles:
             role_results[role], role_records[role] = role_level_report(params, role, prompts)
     pi = decision_roles[0] if decision_roles else None
-    served = society_report(params, pi, role_records.get(pi) if pi else None, prompts)
-    records, after, traces = served.pop("records"), served["after"], served.pop("traces")
-    society_json = _written(served)
-    figures = society_json["after"]
+    served, records, traces = society_report(params, pi, role_records.get(pi) if pi else None, prompts)
     rows = next(iter(role_records.values())) if params.report.predictions == "role_level" and role_records else None
     predictions, truth, official = _official(traces, records, rows)
     pmids = list(truth)
@@ -279,22 +250,18 @@ def run(params: Params, prompts: Prompts) -> dict[str, Any]:
         for role, rows in role_records.items():
             (tmp / f"{role}-records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     live = routing.active(params.serving)
-    result = {"questions": len(pmids), "setting": params.data.setting, "routing_version": live["version"] if live else None,
-              "predictions": params.report.predictions, "official": official, "society": society_json,
-              **{k: figures[k] for k in ("reward", "success_rate", *CRITERIA, "turns", "tokens", "latency_s") if k in figures},
-              "role_level": role_results}
-    _log(params.report.out_dir, after, official, role_results)
-    _print(params, served, official, len(pmids))
+    figures = served.after.model_dump(exclude_unset=True)  # the society's headline figures, at the top as before
+    result = TestReport.model_validate({
+        **{k: figures[k] for k in ("reward", "success_rate", *CRITERIA, "turns", "tokens", "latency_s") if k in figures},
+        "questions": len(pmids), "setting": params.data.setting, "routing_version": live["version"] if live else None,
+        "predictions": params.report.predictions, "official": official, "society": served, "role_level": role_results})
+    _log(params.report.out_dir, result)
+    print("\n".join(f"report: {line}" for line in result.lines(params.report.out_dir)))
     return result
 
 
-def _written(served: dict[str, Any]) -> dict[str, Any]:
-    """The society's figures as ``reports/test.json`` holds them: each side's ``Metrics`` as its JSON."""
-    return {k: v.model_dump(exclude_unset=True) if isinstance(v, Metrics) else v for k, v in served.items()}
-
-
 def _official(traces: list[Trace], records: list[dict[str, Any]],
-              role_rows: list[dict[str, Any]] | None) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
+              role_rows: list[dict[str, Any]] | None) -> tuple[dict[str, str], dict[str, str], Official]:
     """PubMedQA's files (PMID -> yes/no/maybe) and its official figures: from the role-level PI's answers to every
     question (``role_rows``), else from the society's decisions."""
     if role_rows is not None:
@@ -303,44 +270,46 @@ def _official(traces: list[Trace], records: list[dict[str, Any]],
     else:
         predictions, truth = {t.task_id: answer(t.decision) for t in traces}, {r["task_id"]: r["label"] for r in records}
     pmids = list(truth)
-    return predictions, truth, {"accuracy": sum(predictions[p] == truth[p] for p in pmids) / len(pmids),
-                                "macro_f1": macro_f1([truth[p] for p in pmids], [predictions[p] for p in pmids])}
+    return predictions, truth, Official(accuracy=sum(predictions[p] == truth[p] for p in pmids) / len(pmids),
+                                        macro_f1=macro_f1([truth[p] for p in pmids], [predictions[p] for p in pmids]))
 
 
-def _log(out_dir: str, after: Metrics, official: dict[str, Any], role_results: dict[str, Any]) -> None:
+def _log(out_dir: str, report: TestReport) -> None:
     """Two names that cannot be confused: test.society.* is the society as served, test.role_level.<role>.* the readout,
     test.predictions.* what predictions.json scores."""
+    after = report.society.after
     assert after.official and after.failures and after.questions is not None  # role_level.metrics sets them
     mlflow.log_metrics({**{f"test.society.{k}": v for k, v in flat(after.model_dump(exclude_unset=True)).items()},
                         "test.society.official_accuracy": after.official.accuracy,
                         "test.society.official_macro_f1": after.official.macro_f1,
                         "test.society.failure_rate": after.failures.rate, "test.society.n": after.questions,
-                        **{f"test.predictions.{k}": v for k, v in official.items()},
-                        **{f"test.role_level.{role}.{k}": v for role, x in role_results.items()
-                           for k, v in flat(x["after"]).items() if v == v}})
+                        **{f"test.predictions.{k}": v for k, v in report.official.model_dump().items()},
+                        **{f"test.role_level.{role}.{k}": v for role, x in report.role_level.items()
+                           for k, v in flat(x.after.model_dump(exclude_unset=True)).items() if v == v}})
     mlflow.log_artifacts(out_dir, artifact_path="test")
 
 
-# whole Params: report's out_dir and predictions beside the served figures
-def _print(params: Params, served: dict[str, Any], official: dict[str, Any], n: int) -> None:
-    print(f"report: society as served, {_line('after', served['after'])}")
-    if "before" in served:
-        was = f"before (v{served['before_version']})"
-        print(f"report: society as served, {_line(was, served['before'])}; exact "
-              f"McNemar after vs before p={served['after_vs_before']['correct']['p_value']:.3g}")
-    if (agree := served.get("agreement_with_role_level")) and agree["n"]:
-        print(f"report: the society's decision is the role-level decision on {agree['same']}/{agree['n']} questions")
-    print(f"report: predictions.json ({params.report.predictions}) on {n} test questions: accuracy "
-          f"{official['accuracy']:.3f}, macro-F1 {official['macro_f1']:.3f} (PubMedQA's evaluation.py: python "
-          f"evaluation.py {params.report.out_dir}/predictions.json with data/test_ground_truth.json = "
-          f"{params.report.out_dir}/ground_truth.json)")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser
+    parser.add_argument("--summary", action="store_true", help="print what the last cycle decided (reports/promotion.json) "
+                        "and measured here (reports/test.json); runs nothing, needs no service")
+
+
+def TRACKING(args: argparse.Namespace) -> bool:  # the CLI's per-module switch (cli.tracks): --summary reads files only
+    return not args.summary
+
+
+def summary(out_dir: str) -> list[str]:
+    """The gate's decisions, then the test split's figures, read through their contracts; a file not written is skipped."""
+    lines = PromotionReport.model_validate_json(PROMOTION_FILE.read_text()).lines() if PROMOTION_FILE.exists() else []
+    if METRICS_FILE.exists():
+        lines += TestReport.model_validate_json(METRICS_FILE.read_text()).lines(out_dir)
+    return lines
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
+    if args.summary:
+        print("\n".join(summary(params.report.out_dir)))
+        return 0
     stack.ensure(params.serving, params.mlflow)
     rendered = prompt_registry.sync(params.mlflow, routing.active(params.serving))  # the routed prompt versions
     with tracking.stage_run("report", params.mlflow):
@@ -348,6 +317,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
             result = run(params, rendered)
         finally:
             routing.drop_evals()  # the replaced champion's tables end with the report
-    write_json(METRICS_FILE, result)
-    metrics_files.write("report", result)
+    written = result.model_dump(mode="json", exclude_unset=True)
+    write_json(METRICS_FILE, written)
+    metrics_files.write("report", written)
     return 0

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from pipeline import tracking
-from pipeline.config import MlflowParams, Params, ServingParams
+from pipeline.config import MlflowParams, Params, PromptParams, ServingParams
 from pipeline.contracts import Status
 from pipeline.promotion import PromotionError, journal, moved, reconcile, switch
 from pipeline.serving import stack
@@ -53,15 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompt.roles.<role>.template names when the role learns by prompt)")
 
 
+def _template(args: argparse.Namespace, prompt: PromptParams) -> str | None:
+    learner = prompt.roles.get(args.role)
+    return args.prompt or (learner.template if learner else None)
+
+
+def check(args: argparse.Namespace, params: Params) -> None:
+    """Refuse an unknown role or a prompt without its template before any service starts (the CLI calls this first)."""
+    if args.prompt is None and args.role not in params.promote.roles:
+        raise PromotionError(f"unknown role {args.role!r}; trainable roles are {list(params.promote.roles)}")
+    if args.prompt is not None and _template(args, params.prompt) is None:
+        raise PromotionError(f"{args.role}: name the template (--prompt TEMPLATE); prompt.roles lists "
+                             f"{list(params.prompt.roles)}")
+
+
 def main(args: argparse.Namespace, params: Params) -> int:
-    learner = params.prompt.roles.get(args.role)
-    template = args.prompt or (learner.template if learner else None)
+    template = _template(args, params.prompt)
     try:
-        if args.prompt is None and args.role not in params.promote.roles:
-            raise PromotionError(f"unknown role {args.role!r}; trainable roles are {list(params.promote.roles)}")
-        if args.prompt is not None and template is None:
-            raise PromotionError(f"{args.role}: name the template (--prompt TEMPLATE); prompt.roles lists "
-                                 f"{list(params.prompt.roles)}")
+        check(args, params)
         stack.ensure(params.serving, params.mlflow)
         tracking.setup(params.mlflow)
         line = Line(args.role, template if args.prompt is not None else None)
