@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from pipeline.config import S3ClientParams
@@ -65,8 +66,10 @@ def publish(folder: str | Path, store: str, name: str, client: S3ClientParams) -
 
 def complete(store: str, client: S3ClientParams) -> list[str]:
     """Adapter names under ``store`` whose upload finished."""
-    bucket, prefix = _split(store)
-    s3 = _client(client)
+    return _complete(_client(client), *_split(store))
+
+
+def _complete(s3: Any, bucket: str, prefix: str) -> list[str]:
     names = set()
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/" if prefix else ""):
         for obj in page.get("Contents", []):
@@ -86,7 +89,7 @@ def sync(store: str, dest: str | Path, client: S3ClientParams) -> list[str]:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
-    for name in complete(store, client):
+    for name in _complete(s3, bucket, prefix):  # one client a pass
         final = inside(dest, check_name(name))
         if (final / "adapter_config.json").exists():
             continue
