@@ -294,11 +294,10 @@ def agent_retraining() -> None:
     @task.branch(trigger_rule="none_failed")  # after the approvals: the skipped ones (nothing awaited) are fine
     def promotion_gate() -> str:
         """Branch on the decision: the champion is reported on the test split only when it changed."""
-        from pipeline.contracts import PromotionReport  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
+        from pipeline.contracts import PromotionReport, read  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
 
-        result = PromotionReport.model_validate_json((PROJECT_ROOT / "reports/promotion.json").read_text())
-        for role, d in result.decisions.items():
-            print(f"{role} v{d.candidate}: {d.status} ({d.rule}): {d.detail}")
+        result = read(PromotionReport, PROJECT_ROOT / "reports/promotion.json")
+        print("\n".join(result.lines()))
         print(f"champions {result.champions}; routing version {result.routing_version} live")
         try:  # where to look: the pipeline run's parent run in MLflow (its children are the stage runs)
             from pipeline import tracking  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously

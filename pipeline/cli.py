@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from pipeline import tracking, training
 from pipeline.config import ParamsError, load_params
+from pipeline.contracts import ContractError
 from pipeline.data.sources import SourceError
 from pipeline.learning import WAYS
 from pipeline.promotion import PromotionError
@@ -96,8 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if tracks(module, args):  # the entry point starts the tracking server; library calls only connect to it
             mlflow_server.ensure(params.mlflow)
         return int(module.main(args, params) or 0)
-    # a service, an input, the registry, a version or a routing table refused: one line naming it, never a traceback
-    except (ServiceError, SourceError, PromotionError, PromptError, RegistryError, VersionError, RoutingError) as exc:
+    # a service, an input, the registry, a version, a routing table or a stage's file refused: one line naming it
+    except (ServiceError, SourceError, PromotionError, PromptError, RegistryError, VersionError, RoutingError,
+            ContractError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:

@@ -9,11 +9,28 @@ reader does not know yet; what the gate and the report read is typed.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 Version = Annotated[str, BeforeValidator(str)]  # MLflow hands versions as str, older summaries wrote ints
+M = TypeVar("M", bound=BaseModel)
+
+
+class ContractError(ValueError):
+    """A stage's file that does not match its contract (hand-edited, cut short, another release's)."""
+
+
+def read(model: type[M], path: str | Path) -> M:
+    """``path`` parsed as ``model``; a file that does not parse raises :class:`ContractError` naming the file, the key and
+    the rule, in one line."""
+    try:
+        return model.model_validate_json(Path(path).read_text())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the file"
+        raise ContractError(f"{path}: {where}: {first['msg']} (not a {model.__name__}; {exc.error_count()} error(s))") from None
 
 
 class Status(StrEnum):

@@ -104,3 +104,17 @@ def test_report_summary_prints_the_cycles_decisions_and_test_figures_from_their_
     assert any("principal_investigator after (v2), the role level: official accuracy 0.900" in line and "AUC 0.9" in line
                for line in out)
     assert any("principal_investigator after vs before, exact McNemar on 10 yes/no questions: b=3 c=0" in line for line in out)
+
+
+def test_a_stage_file_that_breaks_its_contract_is_refused_in_one_line_naming_file_and_key(project,
+                                                                                        capsys: pytest.CaptureFixture) -> None:
+    """A hand-edited or cut-short reports file: `report --summary` (and promote, the report, the DAG, which read it the
+    same way) says which file, which key and which rule, in one line; no traceback."""
+    (project / "reports").mkdir()
+    (project / "reports/promotion.json").write_text('{"promoted": [], "decisions": {"pi": {"candidate": "2"}}}')
+    assert cli.main(["report", "--summary"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: reports/promotion.json: decisions.pi.status: Field required (not a PromotionReport; 3 error(s))"]
+    (project / "reports/promotion.json").write_text('{"promoted": [], "decisions": {}')  # cut short
+    assert cli.main(["report", "--summary"]) == 1
+    assert capsys.readouterr().err.startswith("error: reports/promotion.json: the file: Invalid JSON")

@@ -21,7 +21,7 @@ from typing import Any
 
 from mlflow import active_run, log_artifact, log_dict, log_metric
 
-from pipeline import metrics_files, registry, tracking
+from pipeline import contracts, metrics_files, registry, tracking
 from pipeline.config import EvaluateParams, MlflowParams, Params, PromoteParams, ServingParams
 from pipeline.contracts import Artifact, Evaluation, EvaluationSummary, Level, PromotionDecision, PromotionReport, Status
 from pipeline.evaluation.gate import INSUFFICIENT, Decision, decide, family_p_values
@@ -163,7 +163,7 @@ def promote_all(evaluate: EvaluateParams, promote: PromoteParams, serving: Servi
     """Decide every evaluated candidate, each by its role's gate values (``gates``: role -> ``promote`` with the role's
     own, ``Params.gate``); the Holm family spans the whole cycle."""
     reconcile(serving, mlflow)
-    summary = EvaluationSummary.model_validate_json(Path(evaluate.out_dir, "summary.json").read_text())
+    summary = contracts.read(EvaluationSummary, Path(evaluate.out_dir, "summary.json"))
     decisions: dict[str, PromotionDecision] = {}
     failure: PromotionError | None = None
     adjusted, family = family_p_values({key: entry.difference.p_value for key, entry in summary.roles.items()}, promote)
@@ -261,7 +261,7 @@ def _answer(params: Params, key: str, d: PromotionDecision, line: Line, cand: An
 
 def _awaiting(key: str, answered: Status) -> tuple[PromotionReport, PromotionDecision]:
     """The cycle's report and ``key``'s decision, which must await approval (or carry this very answer already)."""
-    result = PromotionReport.model_validate_json(METRICS_FILE.read_text()) if METRICS_FILE.exists() else None
+    result = contracts.read(PromotionReport, METRICS_FILE) if METRICS_FILE.exists() else None
     d = result.decisions.get(key) if result else None
     if result is None or d is None or d.status not in (Status.AWAITING_APPROVAL, answered):
         waiting = sorted(k for k, v in (result.decisions if result else {}).items() if v.status == Status.AWAITING_APPROVAL)
@@ -285,7 +285,7 @@ def approval_request(key: str) -> str | None:
     """What a person is shown before approving ``key`` (Markdown: the Airflow approval task's body): the candidate
     against its champion, the paired difference with its interval and n, the exact tests, the AUC, the gate's rule and
     the evaluation run. None when ``key`` is not awaiting approval."""
-    result = PromotionReport.model_validate_json(METRICS_FILE.read_text()) if METRICS_FILE.exists() else None
+    result = contracts.read(PromotionReport, METRICS_FILE) if METRICS_FILE.exists() else None
     d = result.decisions.get(key) if result else None
     if d is None or d.status != Status.AWAITING_APPROVAL:
         return None

@@ -53,7 +53,7 @@ def _previous_champion(role: str) -> str | None:
     """The version this cycle's promotion replaced for ``role`` (None: no promotion this cycle)."""
     if not PROMOTION_FILE.exists():
         return None
-    return PromotionReport.model_validate_json(PROMOTION_FILE.read_text()).replaced(role)
+    return contracts.read(PromotionReport, PROMOTION_FILE).replaced(role)
 
 
 # whole Params: the role's requests read agents, reward, data, pi, serving, evaluate and report
@@ -300,9 +300,9 @@ def TRACKING(args: argparse.Namespace) -> bool:  # the CLI's per-module switch (
 
 def summary(out_dir: str) -> list[str]:
     """The gate's decisions, then the test split's figures, read through their contracts; a file not written is skipped."""
-    lines = PromotionReport.model_validate_json(PROMOTION_FILE.read_text()).lines() if PROMOTION_FILE.exists() else []
+    lines = contracts.read(PromotionReport, PROMOTION_FILE).lines() if PROMOTION_FILE.exists() else []
     if METRICS_FILE.exists():
-        lines += TestReport.model_validate_json(METRICS_FILE.read_text()).lines(out_dir)
+        lines += contracts.read(TestReport, METRICS_FILE).lines(out_dir)
     return lines
 
 
