@@ -243,12 +243,8 @@ def run(params: Params, prompts: Prompts) -> TestReport:
     rows = next(iter(role_records.values())) if params.report.predictions == "role_level" and role_records else None
     predictions, truth, official = _official(traces, records, rows)
     pmids = list(truth)
-    with atomic_dir(params.report.out_dir) as tmp:
-        (tmp / "predictions.json").write_text(json.dumps(predictions, indent=1))
-        (tmp / "ground_truth.json").write_text(json.dumps(truth, indent=1))
-        (tmp / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        for role, rows in role_records.items():
-            (tmp / f"{role}-records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write(params.report.out_dir, {"predictions.json": predictions, "ground_truth.json": truth},
+           {"records.jsonl": records, **{f"{role}-records.jsonl": rows for role, rows in role_records.items()}})
     live = routing.active(params.serving)
     figures = served.after.model_dump(exclude_unset=True)  # the society's headline figures, at the top as before
     result = TestReport.model_validate({
@@ -258,6 +254,15 @@ def run(params: Params, prompts: Prompts) -> TestReport:
     _log(params.report.out_dir, result)
     print("\n".join(f"report: {line}" for line in result.lines(params.report.out_dir)))
     return result
+
+
+def _write(out_dir: str, docs: dict[str, dict[str, str]], rows: dict[str, list[dict[str, Any]]]) -> None:
+    """``out_dir`` replaced whole: PubMedQA's files and each answer's record (a failed report leaves the last one)."""
+    with atomic_dir(out_dir) as tmp:
+        for name, doc in docs.items():
+            (tmp / name).write_text(json.dumps(doc, indent=1))
+        for name, records in rows.items():
+            (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def _official(traces: list[Trace], records: list[dict[str, Any]],
