@@ -252,7 +252,7 @@ def run(params: Params, prompts: Prompts) -> TestReport:
         "questions": len(pmids), "setting": params.data.setting, "routing_version": live["version"] if live else None,
         "predictions": params.report.predictions, "official": official, "society": served, "role_level": role_results})
     _log(params.report.out_dir, result)
-    print("\n".join(f"report: {line}" for line in result.lines(params.report.out_dir)))
+    print("\n".join(result.lines(params.report.out_dir)))
     return result
 
 
