@@ -26,7 +26,9 @@ def read(model: type[M], path: str | Path) -> M:
     """``path`` parsed as ``model``; a file that does not parse raises :class:`ContractError` naming the file, the key and
     the rule, in one line."""
     try:
-        return model.model_validate_json(Path(path).read_text())
+        return model.model_validate_json(Path(path).read_bytes())
+    except OSError as exc:  # a folder in its place, no permission
+        raise ContractError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "the file"

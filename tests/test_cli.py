@@ -118,3 +118,10 @@ def test_a_stage_file_that_breaks_its_contract_is_refused_in_one_line_naming_fil
     (project / "reports/promotion.json").write_text('{"promoted": [], "decisions": {}')  # cut short
     assert cli.main(["report", "--summary"]) == 1
     assert capsys.readouterr().err.startswith("error: reports/promotion.json: the file: Invalid JSON")
+    (project / "reports/promotion.json").write_bytes(b'{"promoted": ["\xff"]}')  # not UTF-8
+    assert cli.main(["report", "--summary"]) == 1
+    assert capsys.readouterr().err.startswith("error: reports/promotion.json: the file: Invalid JSON: invalid unicode")
+    (project / "reports/promotion.json").unlink()
+    (project / "reports/promotion.json").mkdir()
+    assert cli.main(["report", "--summary"]) == 1
+    assert capsys.readouterr().err.strip() == "error: reports/promotion.json: cannot be read: Is a directory"
