@@ -33,6 +33,8 @@ from typing import Any
 
 from report import publish
 
+from pipeline.contracts import TestReport, read
+
 ROOT = Path(__file__).resolve().parents[1]
 HIT = re.compile(r"Prefix cache hit rate: ([0-9.]+)%")
 REPORTS = ("reports/test.json", "reports/test", "reports/metrics/report.json")  # what `pipeline report` rewrites
@@ -69,14 +71,14 @@ def run_arm(label: str, overrides: list[str], args: argparse.Namespace) -> dict[
     pipeline(env, "services", "up", "serving")
     up = time.perf_counter() - t0
     pipeline(env, "report")
-    society = json.loads((ROOT / "reports/test.json").read_text())["society"]
-    after = society["after"]
+    society = read(TestReport, ROOT / "reports/test.json").society
+    after = society.after
+    assert after.failures and after.yes_no  # the report's society figures carry them
     log = (ROOT / ".services/vllm-base.log").read_text(errors="replace")
     hits = HIT.findall(log)
-    row = {"arm": label, "overrides": overrides, "up_s": up, "seconds": society["cost"]["seconds"],
-           "questions": society["questions"], "failed": after["failures"]["n"], "yes_no": after["yes_no"]["accuracy"],
-           "reward": after["reward"]["mean"], "tokens": after["tokens"]["mean"],
-           "prefix_hit_pct": float(hits[-1]) if hits else None}
+    row = {"arm": label, "overrides": overrides, "up_s": up, "seconds": society.cost.seconds,
+           "questions": society.questions, "failed": after.failures.n, "yes_no": after.yes_no.accuracy,
+           "reward": after.reward.mean, "tokens": after.mean("tokens"), "prefix_hit_pct": float(hits[-1]) if hits else None}
     print(json.dumps(row), flush=True)
     return row
 
