@@ -297,8 +297,7 @@ def agent_retraining() -> None:
         from pipeline.contracts import PromotionReport, read  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
 
         result = read(PromotionReport, PROJECT_ROOT / "reports/promotion.json")
-        print("\n".join(result.lines()))
-        print(f"champions {result.champions}; routing version {result.routing_version} live")
+        print("\n".join(result.lines()))  # each decision, the champions, the live routing version
         try:  # where to look: the pipeline run's parent run in MLflow (its children are the stage runs)
             from pipeline import tracking  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously
             from pipeline.config import load_params  # noqa: PLC0415 - task-only: Airflow re-parses this file continuously

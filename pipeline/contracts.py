@@ -267,8 +267,9 @@ class PromotionReport(_Open):
         return d.champion_before if d is not None and d.status == Status.PROMOTED and d.champion_before else None
 
     def lines(self) -> list[str]:
-        """What a person reads at the end of a cycle: one line a decision."""
-        return [f"promotion: {key} v{d.candidate}: {d.status} ({d.rule}): {d.detail}" for key, d in self.decisions.items()]
+        """What a person reads at the end of a cycle: one line a decision, then the champions and the live routing."""
+        return [*(f"promotion: {key} v{d.candidate}: {d.status} ({d.rule}): {d.detail}" for key, d in self.decisions.items()),
+                f"champions: {dict(self.champions)}; routing version live: v{self.routing_version}"]
 
 
 def _figures(m: Metrics) -> str:

@@ -26,15 +26,7 @@ if [ "$status" = FINISHED ] && ! timed "services up serving" python -m pipeline 
 python -m pipeline run close --status "$status" > /dev/null
 [ "$status" = FINISHED ] && timed "dvc push" dvc push -q
 
-if [ -f reports/promotion.json ]; then
-  python - <<'PY'
-import json
-r = json.load(open("reports/promotion.json"))
-for role, d in r["decisions"].items():
-    print(f"promotion: {role} v{d['candidate']}: {d['status']} ({d['rule']}): {d['detail']}")
-print(f"champions: {r['champions']}; routing version live: v{r['routing_version']}")
-PY
-fi
+python -m pipeline report --summary || true  # the gate's decisions, the champions, the test split's figures
 echo "stage wall times (MLflow stage runs of this pipeline run; stages DVC skipped are not listed):"
 python -m pipeline run times || true
 URI="${MLFLOW_TRACKING_URI:-$(python -c 'from pipeline.config import load_params; from pipeline.services.mlflow_server import tracking_uri; print(tracking_uri(load_params().mlflow))')}"

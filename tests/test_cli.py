@@ -99,6 +99,8 @@ def test_report_summary_prints_the_cycles_decisions_and_test_figures_from_their_
     assert cli.main(["report", "--summary"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "promotion: principal_investigator v2: promoted (significant): p=0.01 < 0.05"
+    assert out[1] == "champions: {}; routing version live: vNone"
+    out = out[1:]
     assert "the society as served after: official accuracy 0.600" in out[1] and "failed 1/10" in out[1]
     assert "the society as served before (v1)" in out[2] and "yes/no 0.500" in out[2] and "(n=10" in out[2]
     assert any("principal_investigator after (v2), the role level: official accuracy 0.900" in line and "AUC 0.9" in line

@@ -111,7 +111,7 @@ def test_airflow_dag_runs_stages_and_versions_outputs(clone: Path, mlflow_server
     assert len(list((clone / "data/rollouts").glob("shard-*.jsonl"))) == 2  # one file per mapped shard task
     assert (clone / "models/sft/junior_researcher/adapter/adapter_config.json").exists()
     promotion = json.loads((clone / "reports/promotion.json").read_text())
-    assert "champions {" in proc.stdout + proc.stderr  # the gate's decision is in the task log
+    assert "champions: {" in proc.stdout + proc.stderr  # the gate's decision is in the task log
     # `report` runs (and is versioned) only on the promoted branch; "not promoted" skips it cleanly
     stages = [] if promotion["promoted"] else [s for s in yaml.safe_load((clone / "dvc.yaml").read_text())["stages"] if s != "report"]
     _assert_lock_is_the_runs(clone, stages, _env(mlflow_server, ""))
