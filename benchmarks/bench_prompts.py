@@ -9,7 +9,8 @@ and ``promote``, timing each; without, it reads what the last run left:
 dev metric before/after, calls, wall time), ``data/evaluation/summary.json`` (the gate's evidence for
 ``principal_investigator@prompt`` on every validation question) and ``reports/promotion.json`` (the decision). The
 weight-training figures beside them come from docs/benchmarks-improvement.json (``make learn``, same setting). Tables
-to ``--out``, every figure to the JSON beside it; each with its n and an exact interval or test.
+to ``--out``, every figure to the JSON beside it; each with its n and an exact interval or test. The stages' files are
+read through their contracts (``pipeline.contracts``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench_improvement import Cycle
 from report import write_report
 
+from pipeline.contracts import Evaluation, EvaluationSummary, Metrics, PromotionReport, read
 from pipeline.evaluation.role_level import clopper_pearson
 from pipeline.io import write_json
 
@@ -61,14 +64,42 @@ def _r(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def _acc(m: dict[str, Any]) -> str:
-    y = m["yes_no"]
-    return f"{y['accuracy']:.3f} [{y['ci_low']:.3f}, {y['ci_high']:.3f}] (n={y['n']})"
+def _acc(m: Metrics) -> str:
+    assert m.yes_no  # role_level.metrics sets it
+    return f"{m.yes_no.accuracy:.3f} [{m.yes_no.ci_low:.3f}, {m.yes_no.ci_high:.3f}] (n={m.yes_no.n})"
 
 
-def _auc(m: dict[str, Any]) -> str:
-    a = m["auc"]
-    return f"{a['value']:.3f} [{a['ci_low']:.3f}, {a['ci_high']:.3f}]" if a.get("value") is not None else "-"
+def _auc(m: Metrics) -> str:
+    return str(m.auc) if m.auc is not None and m.auc.value is not None else "-"
+
+
+def gate_lines(entry: Evaluation) -> list[str]:
+    """The gate's evidence for the prompt candidate: both prompts' figures and the paired tests."""
+    champ, cand, diff = entry.champion.metrics, entry.candidate.metrics, entry.difference
+    assert champ.yes_no and cand.yes_no and champ.official and cand.official  # role_level.metrics sets them
+    mc = diff.decision
+    return [f"| | prompt v{entry.champion.version} (rendered) | prompt v{entry.candidate.version} (candidate) |",
+            "|---|---|---|",
+            f"| yes/no accuracy (exact CI) | {_acc(champ)} | {_acc(cand)} |",
+            f"| AUC of P(GO) (bootstrap CI) | {_auc(champ)} | {_auc(cand)} |",
+            f"| GO share on yes/no | {champ.yes_no.go_share:.3f} | {cand.yes_no.go_share:.3f} |",
+            f"| official accuracy / macro-F1 (n={champ.questions}) | {champ.official.accuracy:.3f} / "
+            f"{champ.official.macro_f1:.3f} | {cand.official.accuracy:.3f} / {cand.official.macro_f1:.3f} |",
+            "", f"Paired reward difference {diff.mean:+.3f} [{diff.ci_low:+.3f}, {diff.ci_high:+.3f}] (n={diff.n}), "
+            f"sign-flip p = {diff.p_value:.4f}; decisions, exact McNemar: "
+            + (f"b={mc.b} c={mc.c} p = {mc.p_value:.4f} (n={mc.n})." if mc else "none (no yes/no question).")]
+
+
+def weight_lines(weights: Cycle) -> list[str]:
+    """``make learn``'s gate beside the prompt's (docs/benchmarks-improvement.json)."""
+    g = weights.gate[PI]
+    wc, wk = g.champion.metrics, g.candidate.metrics
+    steps = (weights.train_pi or {}).get("steps")
+    return ["", f"## Next to weight training (`make learn`, {weights.setting}, docs/benchmarks-improvement.md)", "",
+            "| | base PI | PI LoRA trained on the gold decision |", "|---|---|---|",
+            f"| validation yes/no accuracy | {_acc(wc)} | {_acc(wk)} |",
+            f"| validation AUC of P(GO) | {_auc(wc)} | {_auc(wk)} |",
+            f"| cost | - | train_pi {weights.times_s.get(f'train_pi@{PI}', 0) / 60:.1f} min ({steps} steps) |"]
 
 
 def main() -> int:
@@ -77,14 +108,15 @@ def main() -> int:
     ap.add_argument("--out", default="docs/benchmarks-prompts.md")
     args = ap.parse_args()
     times = run() if args.run else {}
-    opt, summary = _read("reports/train_prompt/principal_investigator.json"), _read("data/evaluation/summary.json")
-    promo = _read("reports/promotion.json")
-    weights = _read("docs/benchmarks-improvement.json")
+    opt = _read("reports/train_prompt/principal_investigator.json")
+    summary = read(EvaluationSummary, "data/evaluation/summary.json") if Path("data/evaluation/summary.json").exists() else None
+    promo = read(PromotionReport, "reports/promotion.json") if Path("reports/promotion.json").exists() else None
+    weights = read(Cycle, "docs/benchmarks-improvement.json") if Path("docs/benchmarks-improvement.json").exists() else None
     if not opt:
         print("error: reports/train_prompt/principal_investigator.json missing: run with --run", file=sys.stderr)
         return 1
-    entry = (summary or {}).get("roles", {}).get(KEY)
-    decision = (promo or {}).get("decisions", {}).get(KEY)
+    entry = summary.roles.get(KEY) if summary else None
+    decision = promo.decisions.get(KEY) if promo else None
     dev = opt.get("dev") or {}
     lines = [f"# Prompt optimization on CPU: the PI's prompt ({opt.get('setting')})", "",
              f"Generated {datetime.now(UTC).isoformat(timespec='seconds')} by `benchmarks/bench_prompts.py"
@@ -110,40 +142,20 @@ def main() -> int:
               for c in opt.get("candidates", [])]
     lines += ["", "## The gate (validation split, every question; champion weights under both prompts)", ""]
     if entry:
-        champ, cand, diff = entry["champion"]["metrics"], entry["candidate"]["metrics"], entry["difference"]
-        mc = diff.get("decision") or {}
-        lines += [f"| | prompt v{entry['champion']['version']} (rendered) | prompt v{entry['candidate']['version']} "
-                  "(candidate) |", "|---|---|---|",
-                  f"| yes/no accuracy (exact CI) | {_acc(champ)} | {_acc(cand)} |",
-                  f"| AUC of P(GO) (bootstrap CI) | {_auc(champ)} | {_auc(cand)} |",
-                  f"| GO share on yes/no | {champ['yes_no']['go_share']:.3f} | {cand['yes_no']['go_share']:.3f} |",
-                  f"| official accuracy / macro-F1 (n={champ['questions']}) | {champ['official']['accuracy']:.3f} / "
-                  f"{champ['official']['macro_f1']:.3f} | {cand['official']['accuracy']:.3f} / "
-                  f"{cand['official']['macro_f1']:.3f} |",
-                  "", f"Paired reward difference {diff['mean']:+.3f} [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}] "
-                  f"(n={diff['n']}), "
-                  f"sign-flip p = {diff['p_value']:.4f}; decisions, exact McNemar: b={mc.get('b')} c={mc.get('c')} "
-                  f"p = {mc.get('p_value', float('nan')):.4f} (n={mc.get('n')})."]
+        lines += gate_lines(entry)
     else:
         lines.append("Not evaluated: the optimizer registered no candidate this run.")
     if decision:
-        lines += ["", f"Decision: **{decision['status']}** ({decision['rule']}): {decision['detail']}"]
+        lines += ["", f"Decision: **{decision.status}** ({decision.rule}): {decision.detail}"]
     if weights:
-        g = weights["gate"][PI]
-        wc, wk = g["champion"]["metrics"], g["candidate"]["metrics"]
-        lines += ["", f"## Next to weight training (`make learn`, {weights['setting']}, docs/benchmarks-improvement.md)", "",
-                  "| | base PI | PI LoRA trained on the gold decision |", "|---|---|---|",
-                  f"| validation yes/no accuracy | {_acc(wc)} | {_acc(wk)} |",
-                  f"| validation AUC of P(GO) | {_auc(wc)} | {_auc(wk)} |",
-                  f"| cost | - | train_pi {weights['times_s'].get('train-pi', 0) / 60:.1f} min "
-                  f"({weights['train_pi'].get('steps')} steps) |"]
+        lines += weight_lines(weights)
     times = times or (_read(str(Path(args.out).with_suffix(".json"))) or {}).get("times_s") or {}
     if times:
         lines += ["", "Step wall times (s): " + ", ".join(f"{k} {v}" for k, v in times.items())]
     write_report(args.out, [*lines, ""])
-    write_json(Path(args.out).with_suffix(".json"), {"optimizer": opt, "gate": entry and {k: v for k, v in entry.items()
-                                                                                           if k != "records"},
-                                                      "decision": decision, "times_s": times})
+    gate = entry.model_dump(mode="json", exclude={"records"}) if entry else None
+    write_json(Path(args.out).with_suffix(".json"), {"optimizer": opt, "times_s": times, "gate": gate,
+                                                      "decision": decision.model_dump(mode="json") if decision else None})
     print("\n".join(lines))
     return 0
 
