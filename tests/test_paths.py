@@ -91,7 +91,7 @@ def test_materialize_s3_source_refuses_keys_outside_its_prefix_folder(s3, tmp_pa
     assert not (tmp_path / "escape.txt").exists() and not (tmp_path.parent / "escape.txt").exists()
 
 
-def test_a_silent_s3_endpoint_fails_after_the_configured_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_silent_s3_endpoint_fails_after_the_configured_attempts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """An adapter store that accepts connections and never answers: the sidecar's pass ends in a read timeout after
     ``attempts`` requests, not botocore's defaults (60 s reads, retried 4 more times)."""
     import socket
@@ -117,7 +117,7 @@ def test_a_silent_s3_endpoint_fails_after_the_configured_attempts(monkeypatch: p
         monkeypatch.setenv(key, value)
     try:
         with pytest.raises(ReadTimeoutError):
-            adapter_store.complete("s3://models/adapters", S3ClientParams(connect_timeout_s=1, read_timeout_s=0.5, attempts=2))
+            adapter_store.sync("s3://models/adapters", tmp_path, S3ClientParams(connect_timeout_s=1, read_timeout_s=0.5, attempts=2))
         assert len(accepted) == 2  # one connection a request: the first and one retry
     finally:
         listener.close()

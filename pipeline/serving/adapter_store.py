@@ -64,12 +64,8 @@ def publish(folder: str | Path, store: str, name: str, client: S3ClientParams) -
     return f"s3://{bucket}/{base}"
 
 
-def complete(store: str, client: S3ClientParams) -> list[str]:
-    """Adapter names under ``store`` whose upload finished."""
-    return _complete(_client(client), *_split(store))
-
-
-def _complete(s3: Any, bucket: str, prefix: str) -> list[str]:
+def complete(s3: Any, bucket: str, prefix: str) -> list[str]:
+    """Adapter names under ``s3://bucket/prefix`` whose upload finished (``s3``: a boto3 client)."""
     names = set()
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/" if prefix else ""):
         for obj in page.get("Contents", []):
@@ -89,7 +85,7 @@ def sync(store: str, dest: str | Path, client: S3ClientParams) -> list[str]:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
-    for name in _complete(s3, bucket, prefix):  # one client a pass
+    for name in complete(s3, bucket, prefix):
         final = inside(dest, check_name(name))
         if (final / "adapter_config.json").exists():
             continue

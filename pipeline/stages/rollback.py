@@ -68,12 +68,10 @@ def check(args: argparse.Namespace, params: Params) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    template = _template(args, params.prompt)
-    try:
-        check(args, params)
+    try:  # the CLI ran check(args, params) before starting anything
         stack.ensure(params.serving, params.mlflow)
         tracking.setup(params.mlflow)
-        line = Line(args.role, template if args.prompt is not None else None)
+        line = Line(args.role, _template(args, params.prompt) if args.prompt is not None else None)
         was, now, number = rollback(params.serving, params.mlflow, line)
     except PromotionError as exc:
         print(f"error: rollback failed, champion alias and live routing unchanged: {exc}", file=sys.stderr)
