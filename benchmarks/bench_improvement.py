@@ -34,6 +34,7 @@ from pipeline.contracts import (
     RoleLevelFigures,
     SocietyFigures,
     TestReport,
+    read,
 )
 
 PI = "principal_investigator"
@@ -56,11 +57,12 @@ class Cycle(BaseModel):
     society: SocietyFigures | None
 
 
-def _read(path: str, model: type[BaseModel] | None = None) -> Any:
+def read_if_present(path: str, model: type[BaseModel] | None = None) -> Any:
+    """``path`` parsed as ``model`` (its contract; plain JSON without one), or None when the run did not write it."""
     p = Path(path)
     if not p.exists():
         return None
-    return model.model_validate_json(p.read_text()) if model else json.loads(p.read_text())
+    return read(model, p) if model else json.loads(p.read_text())
 
 
 def _fmt(m: Metrics) -> list[str]:
@@ -76,11 +78,11 @@ def gather() -> Cycle:
         for line in Path("reports/learn-times.tsv").read_text().splitlines():
             name, _, seconds = line.rpartition("\t")
             times[name] = int(seconds)
-    summary: EvaluationSummary | None = _read("data/evaluation/summary.json", EvaluationSummary)
-    promotion: PromotionReport | None = _read("reports/promotion.json", PromotionReport)
-    test: TestReport | None = _read("reports/test.json", TestReport)
+    summary: EvaluationSummary | None = read_if_present("data/evaluation/summary.json", EvaluationSummary)
+    promotion: PromotionReport | None = read_if_present("reports/promotion.json", PromotionReport)
+    test: TestReport | None = read_if_present("reports/test.json", TestReport)
     return Cycle(date=datetime.now(UTC).isoformat(timespec="seconds"), params=os.environ.get("PARAMS", "params/learn.yaml"),
-                 times_s=times, train_pi=_read("reports/train_pi/principal_investigator.json"),
+                 times_s=times, train_pi=read_if_present("reports/train_pi/principal_investigator.json"),
                  gate={k: e for k, e in (summary.roles if summary else {}).items() if e.role == PI},
                  decisions={k: d for k, d in (promotion.decisions if promotion else {}).items() if (d.role or k) == PI},
                  setting=test.setting if test else None, test=test.role_level.get(PI) if test else None,

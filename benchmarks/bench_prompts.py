@@ -16,19 +16,17 @@ read through their contracts (``pipeline.contracts``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
-from bench_improvement import Cycle
+from bench_improvement import Cycle, read_if_present
 from report import write_report
 
-from pipeline.contracts import Evaluation, EvaluationSummary, Metrics, PromotionReport, read
+from pipeline.contracts import Evaluation, EvaluationSummary, Metrics, PromotionReport
 from pipeline.evaluation.role_level import clopper_pearson
 from pipeline.io import write_json
 
@@ -42,11 +40,6 @@ STEPS = [["dvc", "repro", "validate", "materialize_model", "build_index"],
          [sys.executable, "-m", "pipeline", "services", "up", "serving"],
          [sys.executable, "-m", "pipeline", "train-prompt"], [sys.executable, "-m", "pipeline", "evaluate"],
          [sys.executable, "-m", "pipeline", "promote"]]
-
-
-def _read(path: str) -> Any:
-    p = Path(path)
-    return json.loads(p.read_text()) if p.exists() else None
 
 
 def run() -> dict[str, float]:
@@ -108,10 +101,10 @@ def main() -> int:
     ap.add_argument("--out", default="docs/benchmarks-prompts.md")
     args = ap.parse_args()
     times = run() if args.run else {}
-    opt = _read("reports/train_prompt/principal_investigator.json")
-    summary = read(EvaluationSummary, "data/evaluation/summary.json") if Path("data/evaluation/summary.json").exists() else None
-    promo = read(PromotionReport, "reports/promotion.json") if Path("reports/promotion.json").exists() else None
-    weights = read(Cycle, "docs/benchmarks-improvement.json") if Path("docs/benchmarks-improvement.json").exists() else None
+    opt = read_if_present("reports/train_prompt/principal_investigator.json")
+    summary: EvaluationSummary | None = read_if_present("data/evaluation/summary.json", EvaluationSummary)
+    promo: PromotionReport | None = read_if_present("reports/promotion.json", PromotionReport)
+    weights: Cycle | None = read_if_present("docs/benchmarks-improvement.json", Cycle)
     if not opt:
         print("error: reports/train_prompt/principal_investigator.json missing: run with --run", file=sys.stderr)
         return 1
@@ -149,7 +142,7 @@ def main() -> int:
         lines += ["", f"Decision: **{decision.status}** ({decision.rule}): {decision.detail}"]
     if weights:
         lines += weight_lines(weights)
-    times = times or (_read(str(Path(args.out).with_suffix(".json"))) or {}).get("times_s") or {}
+    times = times or (read_if_present(str(Path(args.out).with_suffix(".json"))) or {}).get("times_s") or {}
     if times:
         lines += ["", "Step wall times (s): " + ", ".join(f"{k} {v}" for k, v in times.items())]
     write_report(args.out, [*lines, ""])

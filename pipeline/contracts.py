@@ -373,9 +373,8 @@ class TestReport(_Open):
                        f"p={e.mcnemar.p_value:.3g}")
         out.append(f"test: the society cost {s.cost.seconds:.0f} s for {s.questions} questions x {s.cost.societies}")
         for role, x in self.role_level.items():
-            for which, m in (("after", x.after), ("before", x.before)):
+            for which, m, version in (("after", x.after, x.champion), ("before", x.before, x.previous_champion)):
                 if m is not None:
-                    version = x.champion if which == "after" else x.previous_champion
                     out.append(f"test ({self.setting}): {role} {which} (v{version}), the role level: "
                                f"{_figures(m)}; AUC {m.auc}")
             if x.mcnemar is not None:
