@@ -232,6 +232,14 @@ def _hostile(project: Path, kind: str) -> Path:
         data[victim]["CONTEXTS"] = ["x" * 7000]
     elif kind == "perhaps":
         data[victim]["final_decision"] = "perhaps"
+    elif kind == "no_question":  # a missing cell reaches the checks as pandas' NaN, not as None
+        del data[victim]["QUESTION"]
+    elif kind == "no_label":
+        del data[victim]["final_decision"]
+    elif kind in ("number_contexts", "object_contexts"):  # a shape no row of the table can hold
+        data[victim]["CONTEXTS"] = 7 if kind == "number_contexts" else {"background": "x"}
+    elif kind == "number_question":
+        data[victim]["QUESTION"] = 12
     elif kind in ("nan_year", "inf_year"):
         data[victim]["YEAR"] = float("nan") if kind == "nan_year" else float("inf")
     path.write_text(json.dumps(data))  # Python writes NaN / Infinity, as a careless exporter does
@@ -242,6 +250,11 @@ def _hostile(project: Path, kind: str) -> Path:
                                         ("huge_context", "contexts: 7000 characters > validate.context_chars.max"),
                                         ("perhaps", "final_decision 'perhaps': must be one of"),
                                         ("nan_year", "year 'nan'"), ("inf_year", "year 'inf'"),
+                                        ("no_question", "question: missing"),
+                                        ("no_label", "final_decision missing: must be one of"),
+                                        ("number_contexts", "contexts: 7: must be a list of strings"),
+                                        ("object_contexts", "contexts: {'background': 'x'}: must be a list of strings"),
+                                        ("number_question", "question: 12: must be a string"),
                                         ("duplicate", "a PMID has one answer"), ("deep_json", "nested too deeply"),
                                         ("three_problems", "3 problem(s), nothing stored changed")])
 def test_a_hostile_source_ends_in_one_line_and_changes_nothing_stored(project: Path, tmp_path_factory, kind: str,

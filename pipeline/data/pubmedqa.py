@@ -30,20 +30,34 @@ def _pairs_keep_duplicates(pairs: list[tuple[str, Any]]) -> Any:
     return pairs
 
 
-def _as_list(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
+def _as_list(value: Any, name: str) -> list[str] | None:
+    if value is None or isinstance(value, str):
+        return None if value is None else [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name}: {_shown(value)}: must be a list of strings")
+    return list(value)
+
+
+def _text_or_none(value: Any, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name}: {_shown(value)}: must be a string")
+    return value
 
 
 def _str_or_none(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+def _shown(value: Any) -> str:
+    """A value as a one-line message shows it: absent (None, or pandas' NaN for a missing cell) is 'missing'."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "missing"
+    return repr(value[:20]) if isinstance(value, str) else repr(value)[:20]
+
+
 def normalise_record(pmid: str, rec: Mapping[str, Any]) -> dict[str, Any]:
-    """One row of the task table from either layout."""
+    """One row of the task table from either layout; a field of the wrong type (a number for the question, an object for
+    the contexts) raises ValueError naming it: a missing or bad value within its type is left to the checks."""
     ctx = rec.get("context")
     if isinstance(ctx, Mapping):  # Hugging Face layout
         contexts, labels, meshes = ctx.get("contexts"), ctx.get("labels"), ctx.get("meshes")
@@ -51,12 +65,12 @@ def normalise_record(pmid: str, rec: Mapping[str, Any]) -> dict[str, Any]:
         contexts, labels, meshes = rec.get("CONTEXTS"), rec.get("LABELS"), rec.get("MESHES")
     return {
         "id": str(pmid),
-        "question": _str_or_none(rec.get("QUESTION", rec.get("question"))),
-        "contexts": _as_list(contexts),
-        "labels": _as_list(labels),
-        "meshes": _as_list(meshes),
-        "long_answer": _str_or_none(rec.get("LONG_ANSWER", rec.get("long_answer"))),
-        "final_decision": _str_or_none(rec.get("final_decision")),
+        "question": _text_or_none(rec.get("QUESTION", rec.get("question")), "question"),
+        "contexts": _as_list(contexts, "contexts"),
+        "labels": _as_list(labels, "labels"),
+        "meshes": _as_list(meshes, "meshes"),
+        "long_answer": _text_or_none(rec.get("LONG_ANSWER", rec.get("long_answer")), "long_answer"),
+        "final_decision": _text_or_none(rec.get("final_decision"), "final_decision"),
         "year": _str_or_none(rec.get("YEAR", rec.get("year"))),
     }
 
@@ -107,11 +121,20 @@ def load_tasks(source: str, hf_split: str = "train", allow: SourceAllowParams | 
             check_allowed(source, allow)
         rows = _load_hf(source[len("hf://"):], hf_split)
     else:
-        raw = read_bytes(source, allow=allow, sha256=sha256)
-        rows = [normalise_record(pmid, rec) for pmid, rec in _records_from_json(raw, source)]
+        rows = _normalised(_records_from_json(read_bytes(source, allow=allow, sha256=sha256), source), source)
     if not rows:
         raise SourceError(f"{source}: no records")
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _normalised(records: Iterable[tuple[str, Mapping[str, Any]]], origin: str) -> list[dict[str, Any]]:
+    rows = []
+    for n, (pmid, rec) in enumerate(records):
+        try:
+            rows.append(normalise_record(pmid, rec))
+        except ValueError as exc:
+            raise SourceError(f"{origin}: row {n} (id {pmid}): {exc}") from None
+    return rows
 
 
 def _load_hf(spec: str, split: str) -> list[dict[str, Any]]:
@@ -120,7 +143,7 @@ def _load_hf(spec: str, split: str) -> list[dict[str, Any]]:
     spec, _, revision = spec.partition("@")  # hf://<id>[:<config>][@<revision>]: pin a commit for reproducible ingests
     name, _, config = spec.partition(":")
     ds = datasets.load_dataset(name, config or None, split=split, revision=revision or None)
-    return [normalise_record(str(r["pubid"]), r) for r in ds]
+    return _normalised(((str(r["pubid"]), r) for r in ds), f"hf://{spec}")
 
 
 def load_test_ids(uri: str, allow: SourceAllowParams | None = None) -> dict[str, str]:
@@ -169,12 +192,12 @@ def _row_problems(row: Any, validate: ValidateParams) -> list[str]:
     if validate.quarantine:
         return found
     if row.final_decision not in validate.labels:
-        found.append(f"final_decision {str(row.final_decision)[:20]!r}: must be one of {validate.labels}")
-    if not (row.question or "").strip():
-        found.append("question: empty")
+        found.append(f"final_decision {_shown(row.final_decision)}: must be one of {validate.labels}")
+    if not isinstance(row.question, str) or not row.question.strip():
+        found.append(f"question: {'empty' if isinstance(row.question, str) else 'missing'}")
     elif len(row.question) > caps["question"]:
         found.append(f"question: {len(row.question)} characters > validate.question_chars.max {caps['question']}")
-    if (size := sum(len(c) for c in row.contexts or [])) > caps["contexts"]:
+    if (size := sum(len(c) for c in (row.contexts if isinstance(row.contexts, list) else []))) > caps["contexts"]:
         found.append(f"contexts: {size} characters > validate.context_chars.max {caps['contexts']}")
     return found
 
