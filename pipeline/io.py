@@ -78,8 +78,12 @@ def read_rows(path: str | Path, minimum: int, noun: str, why: str, required: tup
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no {noun}s; run the datasets stage first")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: byte {exc.start}: not UTF-8 ({exc.reason})") from None
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

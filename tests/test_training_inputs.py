@@ -107,14 +107,16 @@ def test_sft_eval_slice_holds_out_whole_tasks() -> None:
     ("not json", "each SFT example row must be one JSON object (Expecting value)"),
     ("[1, 2]", "each SFT example row must be one JSON object (found a list)"),
     ('{"prompt": [], "rollout_id": "1-0"}', "each SFT example row needs task_id, prompt, completion (missing: task_id, completion)"),
+    (b'{"prompt": "\xff"}', "byte 82: not UTF-8 (invalid start byte)"),
 ])
 def test_a_bad_training_row_fails_in_one_line_naming_file_line_and_rule(project: Path, capsys: pytest.CaptureFixture,
                                                                         line: str, rule: str) -> None:
     path = project / "data/datasets/sft/junior_researcher/train.jsonl"
     _write(path, [{"prompt": [], "completion": [], "task_id": "1", "rollout_id": "1-0"}])
-    path.write_text(path.read_text() + line + "\n")
+    path.write_bytes(path.read_bytes() + (line if isinstance(line, bytes) else line.encode()) + b"\n")
     args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, role=None)
     assert train_sft.main(args, load_params()) == 1
     err = capsys.readouterr().err
-    assert err == f"error: data/datasets/sft/junior_researcher/train.jsonl:2: {rule}\n"
+    where = "" if isinstance(line, bytes) else ":2"  # undecodable: the byte, in the whole file
+    assert err == f"error: data/datasets/sft/junior_researcher/train.jsonl{where}: {rule}\n"
     assert not (project / "reports/train_sft/junior_researcher.json").exists()

@@ -46,16 +46,20 @@ class Drops:
 
 
 def read_traces(paths: Iterable[Path], drops: Drops) -> list[Trace]:
-    """Every valid trace line; a truncated or invalid line is counted, not fatal."""
+    """Every valid trace line; a truncated, invalid or undecodable line is counted, not fatal."""
     traces: list[Trace] = []
     for path in paths:
-        for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        for n, line in enumerate(Path(path).read_bytes().splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 traces.append(Trace.model_validate(json.loads(line)))
+            except UnicodeDecodeError as exc:
+                drops.add("not_utf8", f"{path}:{n}: byte {exc.start}: {exc.reason}")
             except json.JSONDecodeError as exc:
                 drops.add("truncated_line", f"{path}:{n}: {exc.msg}")
+            except RecursionError:
+                drops.add("invalid_trace", f"{path}:{n}: JSON nested too deeply")
             except ValidationError as exc:
                 first = exc.errors()[0]
                 drops.add("invalid_trace", f"{path}:{n}: {'.'.join(map(str, first['loc']))}: {first['msg']}")
