@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 
@@ -64,6 +65,16 @@ def test_rollback_of_an_unknown_role_and_the_file_only_commands_start_no_service
     assert capsys.readouterr().err.strip().splitlines() == [f"error: unknown role 'judgee'; trainable roles are {roles}"]
     assert cli.main(["run", "outputs"]) == 0 and "registry" in capsys.readouterr().out
     assert cli.main(["report", "--summary"]) == 0 and capsys.readouterr().out.strip() == ""  # no cycle yet: nothing to say
+    # `route new` with a typo, on stderr where a script piping `route status` does not read it; `route status` reads files
+    import shutil
+
+    from tests.conftest import ROOT
+
+    shutil.copytree(ROOT / "serving/routing", project / "serving/routing", dirs_exist_ok=True)
+    assert cli.main(["route", "new", "--set", "judgee=base"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("error: --set judgee=...: neither a role") and out.err.count("\n") == 1
+    assert cli.main(["route", "status"]) == 0 and json.loads(capsys.readouterr().out)["versions"] == [1]
     assert not (project / ".mlflow").exists()
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0

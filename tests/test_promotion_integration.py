@@ -827,15 +827,15 @@ def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_b
     # route new / route apply: what cannot be served is refused before it is written or made live
     before = routing.versions(params.serving)
     missing = _cli(promo, "route", "new", "--prompt", f"{pi}=999")
-    assert missing.returncode == 1 and "not in the Prompt Registry" in missing.stdout, missing.stdout
+    assert missing.returncode == 1 and "not in the Prompt Registry" in missing.stderr, missing.stderr
     nobody = _cli(promo, "route", "new", "--set", "no_such_role=llm")
-    assert nobody.returncode == 1 and "neither a role" in nobody.stdout, nobody.stdout
+    assert nobody.returncode == 1 and "neither a role" in nobody.stderr, nobody.stderr
     assert routing.versions(params.serving) == before
     hand = routing.generated_dir(params.serving) / f"v{before[-1] + 1}.yaml"
     hand.write_text(yaml.safe_dump({"description": "it: hand-written", "roles": live["roles"], "prompts": {pi: 999}}))
     try:
         applied = _cli(promo, "route", "apply", "--version", str(before[-1] + 1))
-        assert applied.returncode == 1 and "not in the Prompt Registry" in applied.stdout, applied.stdout
+        assert applied.returncode == 1 and "not in the Prompt Registry" in applied.stderr, applied.stderr
         assert _live(promo)["version"] == number
     finally:
         hand.unlink()

@@ -381,10 +381,10 @@ def test_route_new_refuses_a_bad_name_and_writes_nothing(params, change: str, ca
 
     before = sorted(p.name for p in routing.generated_dir(params.serving).glob("*")) if routing.generated_dir(
         params.serving).exists() else []
-    args = argparse.Namespace(action="new", set=[change], description="hostile", version=None)
-    assert routing.main(args, params) == 1
-    out = capsys.readouterr().out
-    assert out.startswith("error: ") and out.count("\n") == 1, out
+    args = argparse.Namespace(action="new", set=[change], prompt=[], description="hostile", version=None)
+    with pytest.raises(routing.RoutingError) as refused:  # the CLI's one line on stderr (tests/test_cli.py)
+        routing.check(args, params)  # what the CLI calls before it starts any service
+    assert "\n" not in str(refused.value)
     after = sorted(p.name for p in routing.generated_dir(params.serving).glob("*")) if routing.generated_dir(
         params.serving).exists() else []
     assert after == before and routing.versions(params.serving) == [1]

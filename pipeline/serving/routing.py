@@ -412,10 +412,11 @@ def _pairs(items: list[str], flag: str, rule: str, valid: Any = lambda _: True) 
     return pairs
 
 
-# whole Params: serving, promote's policy roles and mlflow (routed prompts are looked up in the Prompt Registry)
-def _new(serving: ServingParams, params: Params, sets: list[str], prompt_items: list[str], description: str) -> int:
-    """``route new``: the live table with ``--set ROLE=DEPLOYMENT|POLICY=URI`` and ``--prompt TEMPLATE=VERSION`` applied,
-    written as the next version (not applied)."""
+# whole Params: serving and promote's policy roles
+def _planned(params: Params, sets: list[str], prompt_items: list[str]) -> tuple[dict[str, Any], ...]:
+    """``route new``'s table, checked and not written: the live one with ``--set ROLE=DEPLOYMENT|POLICY=URI`` and
+    ``--prompt TEMPLATE=VERSION`` applied; returns the live table, the roles, the policies and the routed prompts."""
+    serving = params.serving
     live = active(serving) or load_version(serving, (versions(serving) or [1])[-1])
     changes = _pairs(sets, "--set", "must be ROLE=DEPLOYMENT or POLICY=URI")
     policy_roles = [n for n, kind in params.promote.roles.items() if kind == "policy"]
@@ -425,28 +426,37 @@ def _new(serving: ServingParams, params: Params, sets: list[str], prompt_items: 
     policies = {**live.get("policies", {}), **{k: v for k, v in changes.items() if k not in serving.roles}}
     numbers = _pairs(prompt_items, "--prompt", "must be TEMPLATE=VERSION (a registered version number)", str.isdigit)
     routed = {**(live.get("prompts") or {}), **{t: int(n) for t, n in numbers.items()}}
-    if routed:
-        tracking.setup(params.mlflow)  # each routed prompt is looked up and pinned by its text's digest
-    return write_version(serving, roles, description, policies, routed, pins_kept(live, routed))
+    check_table(serving, roles, policies, routed)
+    return live, roles, policies, routed
+
+
+def TRACKING(args: argparse.Namespace) -> bool:  # the CLI's per-module switch (cli.tracks): status reads files only
+    return bool(args.action != "status")
+
+
+def check(args: argparse.Namespace, params: Params) -> None:
+    """``route new``'s arguments and table, refused before any service starts (the CLI calls this first)."""
+    if args.action == "new":
+        _planned(params, args.set, args.prompt)
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
+    """A refusal raises RoutingError, which the CLI prints as one line on stderr (exit 1)."""
     serving = params.serving
-    try:
-        if args.action == "apply":
-            version = args.version or (versions(serving) or [0])[-1]
-            table = apply(serving, params.mlflow, version)
-            print(f"routing version {version} live and verified: {json.dumps(table['roles'])}")
-        elif args.action == "rollback":
-            table = rollback(serving, params.mlflow)
-            print(f"rolled back to routing version {table['version']}: {json.dumps(table['roles'])}")
-        elif args.action == "new":
-            number = _new(serving, params, args.set, getattr(args, "prompt", []), args.description)
-            print(f"wrote {version_path(serving, number)}; apply with `python -m pipeline route apply --version {number}`")
-        else:
-            state = {"active": active(serving), "versions": versions(serving), "history": history(serving)[-5:]}
-            print(json.dumps(state, indent=1))
-    except RoutingError as exc:
-        print(f"error: {exc}")
-        return 1
+    if args.action == "apply":
+        version = args.version or (versions(serving) or [0])[-1]
+        table = apply(serving, params.mlflow, version)
+        print(f"routing version {version} live and verified: {json.dumps(table['roles'])}")
+    elif args.action == "rollback":
+        table = rollback(serving, params.mlflow)
+        print(f"rolled back to routing version {table['version']}: {json.dumps(table['roles'])}")
+    elif args.action == "new":
+        live, roles, policies, routed = _planned(params, args.set, args.prompt)
+        if routed:
+            tracking.setup(params.mlflow)  # each routed prompt is looked up and pinned by its text's digest
+        number = write_version(serving, roles, args.description, policies, routed, pins_kept(live, routed))
+        print(f"wrote {version_path(serving, number)}; apply with `python -m pipeline route apply --version {number}`")
+    else:
+        print(json.dumps({"active": active(serving), "versions": versions(serving), "history": history(serving)[-5:]},
+                         indent=1))
     return 0
