@@ -63,6 +63,8 @@ def test_rollback_of_an_unknown_role_and_the_file_only_commands_start_no_service
 
     roles = list(load_params("params.yaml").promote.roles)
     assert capsys.readouterr().err.strip().splitlines() == [f"error: unknown role 'judgee'; trainable roles are {roles}"]
+    assert cli.main(["register-aa", "judgee"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: 'judgee' is not a trainable role (promote.roles: {sorted(roles)})"]
     assert cli.main(["run", "outputs"]) == 0 and "registry" in capsys.readouterr().out
     assert cli.main(["report", "--summary"]) == 0 and capsys.readouterr().out.strip() == ""  # no cycle yet: nothing to say
     # `route new` with a typo, on stderr where a script piping `route status` does not read it; `route status` reads files

@@ -10,6 +10,7 @@ import argparse
 
 from pipeline import registry, tracking
 from pipeline.config import Params
+from pipeline.promotion import PromotionError
 from pipeline.serving import stack
 
 
@@ -17,10 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("role", help="a registered role of promote.roles (e.g. principal_investigator)")
 
 
-def main(args: argparse.Namespace, params: Params) -> int:
+def check(args: argparse.Namespace, params: Params) -> None:
+    """An unknown role, refused before any service starts (the CLI calls this first)."""
     if args.role not in params.promote.roles:
-        print(f"error: {args.role!r} is not a trainable role (promote.roles: {sorted(params.promote.roles)})")
-        return 2
+        raise PromotionError(f"{args.role!r} is not a trainable role (promote.roles: {sorted(params.promote.roles)})")
+
+
+def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)
     with tracking.stage_run("register_aa", params.mlflow):
         version = registry.register_aa(params, args.role)
