@@ -21,6 +21,7 @@ from pipeline.learning import WAYS
 from pipeline.promotion import PromotionError
 from pipeline.prompt_registry import PromptError
 from pipeline.registry import RegistryError
+from pipeline.runs import RunError
 from pipeline.services import mlflow_server
 from pipeline.services.process import ServiceError
 from pipeline.serving.routing import RoutingError
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.main(args, params) or 0)
     # a service, an input, the registry, a version, a routing table or a stage's file refused: one line naming it
     except (ServiceError, SourceError, PromotionError, PromptError, RegistryError, VersionError, RoutingError,
-            ContractError) as exc:
+            ContractError, RunError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:

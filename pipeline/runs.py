@@ -36,8 +36,26 @@ from pipeline.io import write_text
 RUNS_DIR = Path(".runs")
 
 
+class RunError(ValueError):
+    """An action that cannot name its pipeline run, refused in one line before any service starts."""
+
+
 def TRACKING(args: argparse.Namespace) -> bool:  # the CLI's per-module switch (cli.tracks), here per action
-    return args.action != "outputs"
+    return args.action in ("open", "close", "fail", "times")  # the rest run DVC, or read params; each stage starts its own
+
+
+def check(args: argparse.Namespace, params: Params) -> None:
+    """The run an action acts on, refused before any service starts (the CLI calls this first): ``close``, ``fail`` and
+    ``times`` name one (``--run-id`` or ``$PIPELINE_RUN_ID``, else they would open and end a new one); ``repro`` and
+    ``status`` need its effective params (``open --write-params``)."""
+    key = args.run_id or os.environ.get(tracking.RUN_ID_ENV)
+    if args.action == "fail" and not args.task:
+        raise RunError("`run fail` needs --task")
+    if args.action in ("close", "fail", "times", "repro", "status") and not key:
+        raise RunError(f"`run {args.action}`: which run? --run-id or ${tracking.RUN_ID_ENV} (what `run open` printed)")
+    if args.action in ("repro", "status") and not (path := effective_file(str(key))).exists():
+        raise RunError(f"{path}: no run {key} is open with its params; `python -m pipeline run open --write-params` "
+                       "first and export the PIPELINE_RUN_ID it prints")
 
 
 def effective_file(run_key: str) -> Path:
@@ -125,15 +143,6 @@ def dvc_status(effective: Path, stages: list[str]) -> int:
         return subprocess.run([sys.executable, "-m", "dvc", "status", *stages], check=False).returncode
 
 
-def _opened(run_key: str) -> Path | None:
-    """The open run's effective params, or None after one line saying that no run ``run_key`` was opened."""
-    if (path := effective_file(run_key)).exists():
-        return path
-    print(f"error: {path}: no run {run_key} is open with its params; `python -m pipeline run open --write-params` "
-          "first and export the PIPELINE_RUN_ID it prints", file=sys.stderr)
-    return None
-
-
 def commit_lock(effective: Path, stages: list[str], live_file: str | None = None) -> None:
     """``dvc commit --force STAGES`` with the run's inputs standing in (``run_inputs``)."""
     with run_inputs(effective, live_file):
@@ -198,9 +207,8 @@ def main(args: argparse.Namespace, params: Params) -> int:
     run_key = tracking.pipeline_run_id()
     with_params = {"repro": lambda e: repro(e, args.stages, args.single_item, params.serving.live_file, args.settle),
                    "status": lambda e: dvc_status(e, args.stages)}
-    if args.action in with_params:
-        effective = _opened(run_key)
-        return 2 if effective is None else with_params[args.action](effective)
+    if args.action in with_params:  # check() found the run's effective params
+        return with_params[args.action](effective_file(run_key))
     if args.action == "commit-lock":
         effective = Path(args.params_path) if args.params_path else effective_file(run_key)
         commit_lock(effective, args.stages, params.serving.live_file)
@@ -214,9 +222,6 @@ def main(args: argparse.Namespace, params: Params) -> int:
             print(f"  {stage:<18} {seconds / 60:5.1f} min")
         return 0
     if args.action == "fail":
-        if not args.task:
-            print("error: `run fail` needs --task", file=sys.stderr)
-            return 2
         tracking.record_failure(params.mlflow, args.task, args.error, args.try_number)
     print(f"{run_key} {mlflow_run} {tracking.experiment_id(params.mlflow)}")
     return 0

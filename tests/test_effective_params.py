@@ -128,22 +128,24 @@ def test_a_profile_cycle_through_dvc_is_recorded_and_run_again_reproduces_nothin
 def test_repro_without_an_open_run_is_one_line_naming_the_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """`run repro` before `run open --write-params` (a hand-typed cycle step): the run's effective params are missing,
-    so the user gets the file and the command that writes it, not a traceback, and params.yaml is not touched."""
-    import argparse  # noqa: PLC0415
-
-    from pipeline import tracking  # noqa: PLC0415
+    so the user gets the file and the command that writes it, not a traceback, and params.yaml is not touched; an action
+    that names no run is refused too. Either before any service starts."""
+    from pipeline import cli, tracking  # noqa: PLC0415
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(tracking.RUN_ID_ENV, "never-opened")  # what `run open` prints for the shell to export
     (tmp_path / "params.yaml").write_text("pi: {}\n")
-    parser = argparse.ArgumentParser()
-    runs.add_arguments(parser)
-    params = load_params(ROOT / "params.yaml", environ={})
+    at = ["--params", str(ROOT / "params.yaml")]
     for action in ("repro", "status"):
-        args = parser.parse_args([action, "--stages", "train"])
-        args.params_path = None
-        assert runs.main(args, params) == 2
+        assert cli.main([*at, "run", action, "--stages", "train"]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [err[0]] and err[0].startswith("error: .runs/never-opened/params.yaml: no run never-opened is open")
         assert "run open --write-params" in err[0]
+    assert not (tmp_path / ".mlflow").exists()  # refused before any service started
+    monkeypatch.delenv(tracking.RUN_ID_ENV)
+    for action in ("close", "times", "repro"):  # no run named: it would open and close a new one
+        assert cli.main([*at, "run", action]) == 1
+        assert capsys.readouterr().err == f"error: `run {action}`: which run? --run-id or $PIPELINE_RUN_ID (what `run open` printed)\n"
+    assert cli.main([*at, "run", "fail", "--run-id", "x"]) == 1 and capsys.readouterr().err == "error: `run fail` needs --task\n"
+    assert not (tmp_path / ".mlflow").exists()
     assert (tmp_path / "params.yaml").read_text() == "pi: {}\n" and not (tmp_path / ".runs/stood-in").exists()
