@@ -49,9 +49,10 @@ def test_a_trainers_unknown_role_is_refused_before_any_service_starts(project, m
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there
 
 
-def test_rollback_of_an_unknown_role_and_the_file_only_commands_start_no_service(project, monkeypatch: pytest.MonkeyPatch,
-                                                                                 capsys: pytest.CaptureFixture) -> None:
-    """`rollback <typo>` refuses in one line before MLflow starts; `run outputs` and `report --summary` read files only."""
+def test_a_refused_argument_or_a_file_only_command_starts_no_service(project, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """A typo in `rollback`, `register-aa`, `promote --approve` or `route new` is refused in one line on stderr before
+    MLflow or a worker starts; `run outputs`, `report --summary` and `route status` read files only."""
     import socket
 
     from pipeline.services.process import free_port
@@ -65,6 +66,9 @@ def test_rollback_of_an_unknown_role_and_the_file_only_commands_start_no_service
     assert capsys.readouterr().err.strip().splitlines() == [f"error: unknown role 'judgee'; trainable roles are {roles}"]
     assert cli.main(["register-aa", "judgee"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [f"error: 'judgee' is not a trainable role (promote.roles: {sorted(roles)})"]
+    assert cli.main(["promote", "--approve", "judgee"]) == 1  # a typo costs no vLLM worker's start
+    assert capsys.readouterr().err == ("error: judgee is not awaiting approval in reports/promotion.json (its decision: none; "
+                                       "awaiting: nothing)\n")
     assert cli.main(["run", "outputs"]) == 0 and "registry" in capsys.readouterr().out
     assert cli.main(["report", "--summary"]) == 0 and capsys.readouterr().out.strip() == ""  # no cycle yet: nothing to say
     # `route new` with a typo, on stderr where a script piping `route status` does not read it; `route status` reads files

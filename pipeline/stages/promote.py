@@ -323,6 +323,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--why", default="", help="the answer's reason (recorded on the version and in the journal)")
 
 
+def check(args: argparse.Namespace, params: Params) -> None:
+    """An answer to a candidate that is not awaiting one, refused from the cycle's report before the serving stack and
+    MLflow start (the CLI calls this first)."""
+    if key := args.approve or args.reject:
+        _awaiting(key, Status.PROMOTED if args.approve else Status.NOT_APPROVED)
+
+
 def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)  # reconciles a switch a crash interrupted before anything else
     if args.approve or args.reject:
