@@ -80,6 +80,8 @@ def test_a_refused_argument_or_a_file_only_command_starts_no_service(project, mo
     assert cli.main(["route", "new", "--set", "judgee=base"]) == 1
     out = capsys.readouterr()
     assert out.out == "" and out.err.startswith("error: --set judgee=...: neither a role") and out.err.count("\n") == 1
+    assert cli.main(["route", "apply", "--version", "0"]) == 1  # not "the newest"
+    assert capsys.readouterr().err == "error: routing version 0 does not exist (have [1])\n"
     assert cli.main(["route", "status"]) == 0 and json.loads(capsys.readouterr().out)["versions"] == [1]
     assert not (project / ".mlflow").exists()
     with socket.socket() as s:

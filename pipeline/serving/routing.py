@@ -435,16 +435,19 @@ def TRACKING(args: argparse.Namespace) -> bool:  # the CLI's per-module switch (
 
 
 def check(args: argparse.Namespace, params: Params) -> None:
-    """``route new``'s arguments and table, refused before any service starts (the CLI calls this first)."""
+    """``route new``'s arguments and table, and a version ``apply`` does not have, refused before any service starts (the
+    CLI calls this first)."""
     if args.action == "new":
         _planned(params, args.set, args.prompt)
+    if args.action == "apply" and args.version is not None and args.version not in (have := versions(params.serving)):
+        raise RoutingError(f"routing version {args.version} does not exist (have {have})")
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
     """A refusal raises RoutingError, which the CLI prints as one line on stderr (exit 1)."""
     serving = params.serving
     if args.action == "apply":
-        version = args.version or (versions(serving) or [0])[-1]
+        version = (versions(serving) or [0])[-1] if args.version is None else args.version
         table = apply(serving, params.mlflow, version)
         print(f"routing version {version} live and verified: {json.dumps(table['roles'])}")
     elif args.action == "rollback":
