@@ -60,9 +60,15 @@ def problems(completed: list[Any], trace_dir: str | None = None) -> list[str]:
     return out
 
 
+def count(text: str) -> int:
+    if (n := int(text)) < 1:  # argparse's one-line refusal, before the stack starts
+        raise argparse.ArgumentTypeError(f"{n}: must be 1 or more")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tasks", type=int, default=2, help="train tasks to roll out")
-    parser.add_argument("-n", type=int, default=1, help="rollouts per task")
+    parser.add_argument("--tasks", type=count, default=2, help="train tasks to roll out")
+    parser.add_argument("-n", type=count, default=1, help="rollouts per task")
     parser.add_argument("--trace-dir", default=".services/agl/traces", help="where this smoke run's rollouts are persisted "
                         "(not ppo.agl.trace_dir, train_ppo's DVC output)")
 
