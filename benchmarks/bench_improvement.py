@@ -34,6 +34,7 @@ from pipeline.contracts import (
     RoleLevelFigures,
     SocietyFigures,
     TestReport,
+    TrainerReport,
     read,
 )
 
@@ -49,7 +50,7 @@ class Cycle(BaseModel):
     date: str
     params: str
     times_s: dict[str, int]
-    train_pi: dict[str, Any] | None  # the trainer's report (its DVC metrics file's source)
+    train_pi: TrainerReport | None  # the trainer's report (its DVC metrics file's source)
     gate: dict[str, Evaluation]
     decisions: dict[str, PromotionDecision]
     setting: str | None
@@ -82,7 +83,7 @@ def gather() -> Cycle:
     promotion: PromotionReport | None = read_if_present("reports/promotion.json", PromotionReport)
     test: TestReport | None = read_if_present("reports/test.json", TestReport)
     return Cycle(date=datetime.now(UTC).isoformat(timespec="seconds"), params=os.environ.get("PARAMS", "params/learn.yaml"),
-                 times_s=times, train_pi=read_if_present("reports/train_pi/principal_investigator.json"),
+                 times_s=times, train_pi=read_if_present("reports/train_pi/principal_investigator.json", TrainerReport),
                  gate={k: e for k, e in (summary.roles if summary else {}).items() if e.role == PI},
                  decisions={k: d for k, d in (promotion.decisions if promotion else {}).items() if (d.role or k) == PI},
                  setting=test.setting if test else None, test=test.role_level.get(PI) if test else None,
@@ -138,15 +139,15 @@ def lines(doc: Cycle) -> list[str]:
         out += ["## Wall time", "", "| step | seconds |", "|---|---|", *(f"| {k} | {v} |" for k, v in t.items()), ""]
         if "total" in t:
             out += [f"**Total: {t['total'] / 60:.1f} min** (budget 60 min).", ""]
-    tr = doc.train_pi
-    if tr:
+    if doc.train_pi:
+        tr = doc.train_pi.model_extra or {}  # the SFT figures train_pi adds to the signal every trainer reports
         out += ["## The trainer (`train_pi`, SFT on the gold decision)", "",
                 "| steps | train rows | held-out rows | loss on its own rows (before → after) | held-out loss | signal |",
                 "|---|---|---|---|---|---|",
                 f"| {tr.get('steps')} | {tr.get('train_rows')} | {tr.get('eval_rows')} | "
                 f"{tr.get('fit_loss_before', float('nan')):.3f} → {tr.get('fit_loss_after', float('nan')):.3f} | "
                 f"{tr.get('eval_loss_before', float('nan')):.3f} → {tr.get('eval_loss', float('nan')):.3f} | "
-                f"{'no_signal: ' + str(tr.get('no_signal_reason')) if tr.get('no_signal') else 'learned'} |", ""]
+                f"{'no_signal: ' + str(doc.train_pi.no_signal_reason) if doc.train_pi.no_signal else 'learned'} |", ""]
     if doc.gate:
         out += ["## The gate: every validation question, paired with the champion", "",
                 "| candidate | questions | official acc. | macro-F1 | yes/no n | yes/no acc. [95% CP] | majority | GO share | "

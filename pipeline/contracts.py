@@ -12,7 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 Version = Annotated[str, BeforeValidator(str)]  # MLflow hands versions as str, older summaries wrote ints
 M = TypeVar("M", bound=BaseModel)
@@ -340,6 +340,20 @@ class RoleLevelFigures(_Open):
     seconds: dict[str, float]
     mcnemar_p: float | None = None  # exact McNemar, after better than before on the yes/no questions
     mcnemar: McNemar | None = None
+
+
+class TrainerReport(_Open):
+    """What every training stage writes (``reports/train_<kind>/<role>.json``, its DVC metrics file's source): whether its
+    data carried signal, and why not; each kind's own figures beside it, read by the kind's own module."""
+
+    no_signal: bool = False
+    no_signal_reason: str | None = None
+
+    @model_validator(mode="after")
+    def _says_why(self) -> TrainerReport:
+        if self.no_signal and not self.no_signal_reason:
+            raise ValueError("no_signal without its no_signal_reason: a trainer says why it registers nothing")
+        return self
 
 
 class TestReport(_Open):

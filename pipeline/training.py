@@ -9,15 +9,15 @@ module runs them in that order for every stage, with the same MLflow run, report
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import envs, metrics_files, timing, tracking
+from pipeline import contracts, envs, metrics_files, timing, tracking
 from pipeline.config import Params
+from pipeline.contracts import TrainerReport
 from pipeline.io import write_json
 from pipeline.learning import Learning
 
@@ -95,7 +95,8 @@ def main(t: Trainer, args: argparse.Namespace, params: Params) -> int:
         rc = envs.run_in_model_plane(argv) if t.in_model_plane else _train(t)
         if rc != 0:
             return rc
-        metrics = json.loads(t.report.read_text())
+        report = contracts.read(TrainerReport, t.report)  # a report that breaks its contract: one line (the CLI's)
+        metrics = report.model_dump()
         try:
             with timing.phase(timing.Phase.REGISTRY):
                 version = t.register(metrics, mlflow.get_run(run.info.run_id))
@@ -104,7 +105,7 @@ def main(t: Trainer, args: argparse.Namespace, params: Params) -> int:
             print(f"error: {t.stage}: not registered: {exc}", file=sys.stderr)
             return 1
         if version is None:
-            print(f"{t.stage}: no_signal, nothing registered: {metrics.get('no_signal_reason')}")
+            print(f"{t.stage}: no_signal, nothing registered: {report.no_signal_reason}")
         else:
             where = t.uri(version) if t.uri else f"models:/{t.role}/{version.version}"
             print(f"registered {t.role} version {version.version} ({where})")

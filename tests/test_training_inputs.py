@@ -120,3 +120,18 @@ def test_a_bad_training_row_fails_in_one_line_naming_file_line_and_rule(project:
     where = "" if isinstance(line, bytes) else ":2"  # undecodable: the byte, in the whole file
     assert err == f"error: data/datasets/sft/junior_researcher/train.jsonl{where}: {rule}\n"
     assert not (project / "reports/train_sft/junior_researcher.json").exists()
+
+
+def test_a_trainer_report_that_registers_nothing_must_say_why(tmp_path: Path) -> None:
+    """Every trainer's report is a `TrainerReport` (training.main reads it so before registering): `no_signal` without its
+    reason is refused in one line; a kind's own figures travel beside the signal."""
+    from pipeline.contracts import ContractError, TrainerReport, read
+
+    path = tmp_path / "principal_investigator.json"
+    path.write_text('{"no_signal": true, "steps": 3}')
+    with pytest.raises(ContractError) as refused:
+        read(TrainerReport, path)
+    assert str(refused.value) == (f"{path}: the file: Value error, no_signal without its no_signal_reason: a trainer says why "
+                                  "it registers nothing (not a TrainerReport; 1 error(s))")
+    path.write_text('{"no_signal": false, "steps": 3}')
+    assert read(TrainerReport, path).model_extra == {"steps": 3}

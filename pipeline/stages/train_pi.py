@@ -254,7 +254,7 @@ def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
     return training.Trainer(
         stage=f.stage, command=Learning.PI.command, role=role, report=f.report, inputs=inputs,
         no_signal=lambda reason: _no_signal(params, role, reason, no_mlflow), train=train,
-        register=lambda metrics, run: log_and_register(params, role, data, run),
+        register=lambda metrics, run: log_and_register(params, role, data, metrics, run),
         summary=summary,
         tags={"data.setting": params.data.setting})
 
@@ -265,7 +265,7 @@ def main(args: argparse.Namespace, params: Params) -> int:
 
 
 # whole Params: registry.register_adapter takes it (the role's baseline reads five sections)
-def log_and_register(params: Params, role: str, data: list[dict[str, Any]], run: Any) -> Any:
+def log_and_register(params: Params, role: str, data: list[dict[str, Any]], metrics: dict[str, Any], run: Any) -> Any:
     """Control plane, in the stage's MLflow run: curves, config and metrics logged; the adapter registered as the PI's
     challenger with its lineage and setting, or nothing (tagged no_signal) when its loss did not fall."""
 
@@ -273,7 +273,6 @@ def log_and_register(params: Params, role: str, data: list[dict[str, Any]], run:
 
     pi, f = params.pi.at(role), training.files(Learning.PI, role)
     cfg, (loss_csv, eval_csv, loss_png) = pi.sft, train_sft.curves(f)
-    metrics = json.loads(f.report.read_text())
     history = json.loads((Path(cfg.out_dir) / "log_history.json").read_text())
     train_sft._log_curves(history, metrics.get("eval_loss_before"), (loss_csv, eval_csv, loss_png),
                           f"{cfg.role} SFT on the gold decision ({params.data.setting})")
