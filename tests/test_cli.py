@@ -149,3 +149,11 @@ def test_a_stage_file_that_breaks_its_contract_is_refused_in_one_line_naming_fil
     (project / "reports/promotion.json").mkdir()
     assert cli.main(["report", "--summary"]) == 1
     assert capsys.readouterr().err.strip() == "error: reports/promotion.json: cannot be read: Is a directory"
+
+
+def test_a_stage_run_before_its_input_exists_names_the_file_and_the_stage_that_writes_it(project,
+                                                                                         capsys: pytest.CaptureFixture) -> None:
+    """`build-index` or `train-pi` typed before `validate` ran: one line, not pyarrow's traceback or its bare path."""
+    for command in ("build-index", "train-pi"):
+        assert cli.main([command, "--no-mlflow"]) == 1
+        assert capsys.readouterr().err == "error: data/validated/train.parquet: missing; run `python -m pipeline validate` first\n"

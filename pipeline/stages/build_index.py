@@ -7,14 +7,14 @@ each task hands the society its own abstract instead (``agents.context_chars``).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
-
-import pandas as pd
 
 from pipeline import metrics_files, tracking
 from pipeline.agents.gene_ontology import build_gene_table, resolve
 from pipeline.agents.tools import build_index
 from pipeline.config import KnowledgeParams, Params
+from pipeline.data.splits import read_split
 from pipeline.io import write_json
 
 METRICS_FILE = Path("reports/index.json")
@@ -29,7 +29,7 @@ def fetch_knowledge(knowledge: KnowledgeParams) -> tuple[Path, Path] | None:
 
 
 def run(params: Params) -> dict[str, int]:
-    frames = [pd.read_parquet(Path(params.validate_.out_dir) / f"{s}.parquet") for s in ("train",)]
+    frames = [read_split(params.validate_, "train")]
     dbs = fetch_knowledge(params.agents.knowledge)
     stats = build_index(frames, Path(params.rollouts.index_dir), build_gene_table(*dbs) if dbs else None)
     write_json(METRICS_FILE, stats)
@@ -46,13 +46,17 @@ def main(args: argparse.Namespace, params: Params) -> int:
     if args.fetch_only:
         print(f"build-index: knowledge files {fetch_knowledge(params.agents.knowledge)}")
         return 0
-    if args.no_mlflow:
-        stats = run(params)
-    else:
-        with tracking.stage_run("build_index", params.mlflow):
-            import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow, --fetch-only)
-
+    try:
+        if args.no_mlflow:
             stats = run(params)
-            mlflow.log_metrics({k: float(v) for k, v in stats.items()})
+        else:
+            with tracking.stage_run("build_index", params.mlflow):
+                import mlflow  # noqa: PLC0415 - 1.2 s import, only the MLflow path needs it (not --no-mlflow, --fetch-only)
+
+                stats = run(params)
+                mlflow.log_metrics({k: float(v) for k, v in stats.items()})
+    except FileNotFoundError as exc:  # its split not validated yet: one line naming it
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"build-index: {stats} -> {params.rollouts.index_dir}/")
     return 0
