@@ -963,3 +963,32 @@ def test_every_vllm_worker_in_compose_and_k8s_requires_the_key_on_every_path(tmp
     refused = subprocess.run([sys.executable, "-S", "-c", "import vllm_guard; vllm_guard.KeyOnEveryPath(lambda *a: None)"],
                              env={"PYTHONPATH": str(alone)}, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "VLLM_API_KEY is not set" in refused.stderr
+
+
+def test_prod_dag_run_refuses_bad_params_and_a_stack_that_is_down_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`make prod-run CONF=...` with a typo in the JSON, or before `make prod-stack`: one line each, no traceback; and
+    `prod buckets` with no S3 keys says so."""
+    from infra.local import prod_stack
+    from pipeline import cli
+    from pipeline.services.process import free_port
+
+    for conf, why in (("{tasks: 1}", "not JSON (Expecting property name enclosed in double quotes, column 2)"),
+                      ("[1]", "must be a JSON object of the DAG's Params, not a list")):
+        with pytest.raises(SystemExit):
+            prod_stack.main(["dag-run", "--conf", conf])
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: argument --conf: {why}")
+    port = free_port()
+    monkeypatch.setenv("PIPELINE__PROD_STACK__HOME", str(tmp_path / "prod"))
+    monkeypatch.setenv("PIPELINE__PROD_STACK__AIRFLOW_PORT", str(port))
+    assert prod_stack.main(["dag-run", "--conf", '{"tasks": 1}']) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: Airflow's API at http://127.0.0.1:{port}: ") and err.count("\n") == 1, err
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert cli.main(["prod", "buckets"]) == 1
+    assert capsys.readouterr().err == f"error: buckets at http://127.0.0.1:{port}: Unable to locate credentials\n"

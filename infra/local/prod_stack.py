@@ -718,6 +718,17 @@ def misplaced(task_instances: list[dict[str, Any]]) -> list[str]:
 
 # --- CLI ----------------------------------------------------------------------------------------
 
+def conf_object(text: str) -> dict[str, Any]:
+    """``--conf``: a JSON object, refused by argparse in one line otherwise."""
+    try:
+        conf = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}, column {exc.colno})") from None
+    if not isinstance(conf, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of the DAG's Params, not a {type(conf).__name__}")
+    return conf
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infra/local/prod_stack.py", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--params", default=None, help="params file (default: $PIPELINE_PARAMS or params.yaml)")
@@ -726,7 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="which of the stack's services run")
     sub.add_parser("down", help="stop the stack (its data stays in prod_stack.home) and drop the S3 DVC remote")
     run = sub.add_parser("dag-run", help="one DAG run through Airflow's REST API; prints where each task ran")
-    run.add_argument("--conf", default="{}", help="the run's Params as JSON, e.g. '{\"tasks\": 1, \"eval_limit\": 1}'")
+    run.add_argument("--conf", default={}, type=conf_object,
+                     help="the run's Params as JSON, e.g. '{\"tasks\": 1, \"eval_limit\": 1}'")
     run.add_argument("--timeout-s", type=float, default=3600.0)
     s3 = sub.add_parser("s3-server", help="the stack's S3 service process itself (what `up` starts; keys from the environment)")
     s3.add_argument("host")
@@ -749,6 +761,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServiceError as exc:  # a service that cannot be started or must not be used: say why, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except httpx.HTTPError as exc:  # dag-run against a stack that is down, or an API that refused
+        print(f"error: Airflow's API at {airflow_url(prod_stack)}: {exc} (is the stack up? `make prod-stack`)",
+              file=sys.stderr)
+        return 1
 
 
 def run_action(args: argparse.Namespace, prod_stack: ProdStackParams) -> int:
@@ -770,7 +786,7 @@ def run_action(args: argparse.Namespace, prod_stack: ProdStackParams) -> int:
         for name, running in status(prod_stack).items():
             print(f"{name:<24} {'up' if running else 'down'}  (compose service: {COMPOSE[name]})")
         return 0
-    result = dag_run(prod_stack, json.loads(args.conf), timeout_s=args.timeout_s)
+    result = dag_run(prod_stack, args.conf, timeout_s=args.timeout_s)
     wrong = misplaced(result["task_instances"])
     for line in wrong:
         print(f"misplaced: {line}", file=sys.stderr)

@@ -40,7 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     if args.action == "buckets":
-        created = buckets.ensure(params.prod_stack.buckets, params.prod_stack.s3)
+        from botocore.exceptions import BotoCoreError, ClientError  # noqa: PLC0415 - only this step talks to S3
+
+        try:
+            created = buckets.ensure(params.prod_stack.buckets, params.prod_stack.s3)
+        except (BotoCoreError, ClientError) as exc:  # no keys, no endpoint, refused: one line, as every deploy step says
+            print(f"error: buckets at {os.environ.get('AWS_ENDPOINT_URL') or 'AWS S3'}: {exc}", file=sys.stderr)
+            return 1
         print(f"buckets: created {', '.join(created) or 'none'}; present {', '.join(params.prod_stack.buckets)}")
         return 0
     if args.action == "mlflow-users":
