@@ -157,3 +157,19 @@ def test_a_stage_run_before_its_input_exists_names_the_file_and_the_stage_that_w
     for command in ("build-index", "train-pi"):
         assert cli.main([command, "--no-mlflow"]) == 1
         assert capsys.readouterr().err == "error: data/validated/train.parquet: missing; run `python -m pipeline validate` first\n"
+
+
+def test_a_hand_load_or_unload_of_an_adapter_that_cannot_happen_is_one_line(project, monkeypatch: pytest.MonkeyPatch,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """`serve load-lora` of a folder that is not an adapter, `serve unload-lora` on a worker that is down: one line naming
+    the worker, no traceback."""
+    from pipeline.services.process import free_port
+
+    port = free_port()
+    monkeypatch.setenv("PIPELINE__SERVING__WORKERS", f'[{{name: base, model: models/base, port: {port}, dtype: float32}}]')
+    assert cli.main(["serve", "load-lora", "--worker", "base", "--name", "x", "--path", "nowhere"]) == 1
+    assert capsys.readouterr().err == (f"error: base (http://127.0.0.1:{port}): nowhere: not a PEFT adapter folder "
+                                       "(no adapter_config.json)\n")
+    assert cli.main(["serve", "unload-lora", "--worker", "base", "--name", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: base (http://127.0.0.1:{port}): ") and err.count("\n") == 1, err

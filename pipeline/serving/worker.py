@@ -14,6 +14,7 @@ import json
 import os
 import re
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -379,9 +380,13 @@ def _lora(workers: list[WorkerParams], action: str, name: str | None, path: str 
     """``load-lora`` / ``unload-lora`` on one worker, by hand."""
     if len(workers) != 1 or not name or (action == "load-lora" and not path):
         raise SystemExit(f"error: {action} needs --worker, --name" + (" and --path" if action == "load-lora" else ""))
-    if action == "load-lora":
-        load_lora(workers[0], name, str(path))
-    else:
-        unload_lora(workers[0], name)
+    try:
+        if action == "load-lora":
+            load_lora(workers[0], name, str(path))
+        else:
+            unload_lora(workers[0], name)
+    except (FileNotFoundError, ValueError, httpx.TransportError) as exc:  # no such folder, a bad one, a worker that is down
+        print(f"error: {workers[0].name} ({base_url(workers[0])}): {exc}", file=sys.stderr)
+        return 1
     print(f"{workers[0].name}: {action} {name} ok; serving {models(workers[0])}")
     return 0
