@@ -173,3 +173,14 @@ def test_a_hand_load_or_unload_of_an_adapter_that_cannot_happen_is_one_line(proj
     assert cli.main(["serve", "unload-lora", "--worker", "base", "--name", "x"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: base (http://127.0.0.1:{port}): ") and err.count("\n") == 1, err
+
+
+def test_a_model_source_that_cannot_be_materialised_is_one_line(project, monkeypatch: pytest.MonkeyPatch,
+                                                                capfd: pytest.CaptureFixture) -> None:
+    """A typo in models.base.source, or an s3:// source on the CPU model plane (no boto3 there): the model plane's one
+    line, not its traceback, and no models/ folder half-written."""
+    monkeypatch.setenv("PIPELINE__MODELS__BASE__SOURCE", str(project / "nowhere"))
+    assert cli.main(["materialize-model", "--no-mlflow", "--which", "base"]) == 1
+    assert capfd.readouterr().err.strip().splitlines() == [
+        f"error: models.base.source: {project / 'nowhere'} is not a folder (use gguf:, hf:// or s3://)"]
+    assert not (project / "models").exists()

@@ -91,7 +91,11 @@ def _load_gguf(path: Path, dtype: Any) -> tuple[Any, Any]:
 
 
 def _download_s3(uri: str, dest: Path, client: S3ClientParams) -> Path:
-    import boto3  # noqa: PLC0415 - only s3:// sources need it (production images ship it; the CPU model plane has none)
+    try:
+        import boto3  # noqa: PLC0415 - only s3:// sources need it (production images ship it; the CPU model plane has none)
+    except ImportError:
+        raise RuntimeError(f"{uri}: s3:// model sources need boto3, which only the GPU image's model plane has; here, copy "
+                           "the folder locally and name it in models.base.source") from None
 
     bucket, _, prefix = uri[len("s3://"):].partition("/")
     s3 = boto3.client("s3", config=client.botocore())
@@ -174,7 +178,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, params: Params) -> int:
     if args.in_model_plane:  # said by the control plane that spawned us, never guessed from what imports
-        result = run(params, args.which)
+        try:
+            result = run(params, args.which)
+        except (OSError, ValueError, RuntimeError) as exc:  # no such folder, package or hub, not a model: one line
+            why, source = str(exc).strip().splitlines()[0], params.models.base.source
+            print(f"error: {why if source in why else f'{source}: {why}'}", file=sys.stderr)
+            return 1
         write_json(METRICS_FILE, result)
         metrics_files.write("materialize_model", result)
         print(json.dumps(result, indent=1))
