@@ -57,7 +57,7 @@ def test_a_stage_is_the_control_plane_even_where_torch_imports(stage: str, proje
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # "torch imports here", as on a GPU worker
     calls: list[list[str]] = []
     monkeypatch.setattr("pipeline.envs.run_in_model_plane", lambda argv: calls.append(list(argv)) or 7)
-    args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, which="base", role=None)
+    args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, which="base", role="junior_researcher")
     if stage == "train_sft":
         rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}],
                  "task_id": str(i), "rollout_id": f"{i}-0"}

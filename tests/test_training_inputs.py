@@ -18,7 +18,7 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 
 def test_train_sft_fails_on_missing_data_and_reports_no_signal_without_rows(project: Path, capsys: pytest.CaptureFixture) -> None:
-    args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, role=None)
+    args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, role="junior_researcher")
     assert train_sft.main(args, load_params()) == 1
     assert "data/datasets/sft/junior_researcher/train.jsonl: no SFT examples; run the datasets stage first" in capsys.readouterr().err
     _write(project / "data/datasets/sft/junior_researcher/train.jsonl", [{"prompt": [], "completion": [], "task_id": "1", "rollout_id": "1-0"}])
@@ -36,17 +36,17 @@ def _decision(reward: float, actions: int = 3) -> dict:
 
 def test_train_bandit_fails_on_too_few_decisions_and_reports_no_signal(project: Path, capsys: pytest.CaptureFixture) -> None:
     _write(project / "data/datasets/bandit/train.jsonl", [{"chosen": 0}])
-    assert train_bandit.main(argparse.Namespace(no_mlflow=True, role=None), load_params()) == 1
+    assert train_bandit.main(argparse.Namespace(no_mlflow=True, role="supervisor"), load_params()) == 1
     assert ("train.jsonl:1: each logged decision row needs context, actions, chosen, propensity, reward, logging_pmf "
             "(missing: context, actions, propensity, reward, logging_pmf)") in capsys.readouterr().err
     _write(project / "data/datasets/bandit/train.jsonl", [_decision(0.4)])
-    assert train_bandit.main(argparse.Namespace(no_mlflow=True, role=None), load_params()) == 1
+    assert train_bandit.main(argparse.Namespace(no_mlflow=True, role="supervisor"), load_params()) == 1
     assert "1 logged decision row(s); the bandit needs at least 2" in capsys.readouterr().err
     assert not (project / "models/bandit").exists()
     assert "offered one action" in train_bandit.no_signal_reason([_decision(0.3, 1), _decision(0.7, 1)])
     assert train_bandit.no_signal_reason([_decision(0.3), _decision(0.7)]) is None
     _write(project / "data/datasets/bandit/train.jsonl", [_decision(0.4) for _ in range(4)])
-    assert train_bandit.main(argparse.Namespace(no_mlflow=True, role=None), load_params()) == 0
+    assert train_bandit.main(argparse.Namespace(no_mlflow=True, role="supervisor"), load_params()) == 0
     assert "all 4 logged rewards are equal" in capsys.readouterr().out
     assert json.loads((project / "reports/train_bandit/supervisor.json").read_text())["no_signal"]
     assert not (project / "models/bandit/policy.vw").exists()
@@ -80,7 +80,7 @@ def test_trainers_without_signal_register_nothing(project: Path, mlflow_server: 
         assert train_ppo.log_and_register(params, "senior_researcher", metrics, run) is None
     assert mlflow.get_run(run.info.run_id).data.tags["no_signal"] == "true"
     _write(project / "data/datasets/sft/junior_researcher/train.jsonl", [])
-    args = argparse.Namespace(no_mlflow=False, in_model_plane=False, params_path=None, role=None)
+    args = argparse.Namespace(no_mlflow=False, in_model_plane=False, params_path=None, role="junior_researcher")
     assert train_sft.main(args, params) == 0
     assert {name: count(name) for name in before} == before
 
@@ -114,7 +114,7 @@ def test_a_bad_training_row_fails_in_one_line_naming_file_line_and_rule(project:
     path = project / "data/datasets/sft/junior_researcher/train.jsonl"
     _write(path, [{"prompt": [], "completion": [], "task_id": "1", "rollout_id": "1-0"}])
     path.write_bytes(path.read_bytes() + (line if isinstance(line, bytes) else line.encode()) + b"\n")
-    args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, role=None)
+    args = argparse.Namespace(no_mlflow=True, in_model_plane=False, params_path=None, role="junior_researcher")
     assert train_sft.main(args, load_params()) == 1
     err = capsys.readouterr().err
     where = "" if isinstance(line, bytes) else ":2"  # undecodable: the byte, in the whole file

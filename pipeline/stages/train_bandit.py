@@ -225,5 +225,4 @@ def trainer(params: Params, role: str, no_mlflow: bool) -> training.Trainer:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    args.role = training.pick_role(params, Learning.BANDIT, args.role)
     return training.main(trainer(params, args.role, args.no_mlflow), args, params)

@@ -201,7 +201,6 @@ def trainer(params: Params, role: str, backend: str, why: str | None) -> trainin
 def main(args: argparse.Namespace, params: Params) -> int:
     """Control plane (what the DAG and dvc.yaml run, on any worker): the backend, then the shared trainer sequence.
     ``--in-model-plane`` (said by the control plane, never guessed from what imports) trains with TRL."""
-    args.role = training.pick_role(params, Learning.PPO, args.role)
     if args.in_model_plane:
         backend, why = pick_backend(params.ppo.at(args.role))
         if backend == "verl":

@@ -144,7 +144,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
-    args.role = training.pick_role(params, Learning.PROMPT, args.role)
     return training.main(trainer(params, args.role), args, params)
 
 
