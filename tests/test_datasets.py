@@ -55,7 +55,8 @@ def traced(project: Path) -> Path:
              json.dumps(trace("3", 0, None, status="failed", decision=False)),      # failed, no decision span
              '{"run_id": "run-a", "rollout_id": "3-1", "spa']                       # truncated by a crash
     # a disk or copy that garbled bytes: the line is counted, the rest of the shard still read
-    shard.write_bytes(("\n".join(lines) + "\n").encode() + b'{"run_id": "\xff"}\n')
+    nan = json.dumps(trace("4", 0, float("nan")))  # Python writes NaN, as a careless judge's or a hand's edit would
+    shard.write_bytes(("\n".join([*lines, nan]) + "\n").encode() + b'{"run_id": "\xff"}\n')
     set_param(project, "datasets.sft.min_reward", 0.5)
     return project
 
@@ -79,7 +80,8 @@ def test_adapters_pick_first_attempt_junior_calls_of_top_rollouts(traced: Path) 
     assert [r["rejected"] for r in alone["sets"]["sft"] if r["task_id"] == "2"] == [None, None]  # one rollout: no pair
     drops = built["drops"].counts
     assert drops["truncated_line"] == 1 and drops["sft.not_top_of_group"] == 1 and drops["sft.below_min_reward"] == 1
-    assert built["drops"].examples["not_utf8"] == ["data/rollouts/shard-00000.jsonl:6: byte 12: invalid start byte"]
+    assert built["drops"].examples["not_utf8"] == ["data/rollouts/shard-00000.jsonl:7: byte 12: invalid start byte"]
+    assert built["drops"].examples["invalid_trace"] == ["data/rollouts/shard-00000.jsonl:6: reward: Input should be a finite number"]
     assert drops["sft.rollout_failed"] == 1 and drops["bandit.no_decision_span"] == 1
     assert any("shard-00000.jsonl:5" in e for e in built["drops"].examples["truncated_line"])
     rl = built["sets"]["rl"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, FiniteFloat
 
 SpanKind = Literal["llm", "tool", "reward", "decision"]
 
@@ -33,8 +33,8 @@ class Trace(BaseModel):
     decision: str | None = None
     rationale: str | None = None
     protocol: dict[str, Any] | None = None
-    reward: float | None = None
-    rewards: dict[str, float] = Field(default_factory=dict)
+    reward: FiniteFloat | None = None  # NaN (a hand edit, a broken judge) sorts unpredictably, inf above every reward
+    rewards: dict[str, FiniteFloat] = Field(default_factory=dict)
     turns: int = 0
     tokens: int = 0
     latency_s: float = 0.0
