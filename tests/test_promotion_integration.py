@@ -816,7 +816,7 @@ def test_a_routed_prompt_is_pinned_by_its_digest_and_route_refuses_what_cannot_b
         with pytest.raises(prompt_registry.PromptError, match="pinned"):
             prompt_registry.sync(params.mlflow, _live(promo))
         applied = _cli(promo, "route", "apply", "--version", str(number))
-        assert applied.returncode == 1 and "prompt text changed since it was pinned" in applied.stdout, applied.stdout
+        assert applied.returncode == 1 and "prompt text changed since it was pinned" in applied.stderr, applied.stderr
         ro = _cli(promo, "rollouts", PIPELINE__ROLLOUTS__LIMIT="1")  # a stage that renders it stops in one line
         assert ro.returncode == 1 and "Traceback" not in ro.stderr, ro.stdout[-2000:] + ro.stderr
         assert "when the promotion journal made it champion" in ro.stderr, ro.stderr  # every stage's check, before anything renders
