@@ -72,6 +72,8 @@ def test_a_refused_argument_or_a_file_only_command_starts_no_service(project, mo
     with pytest.raises(SystemExit):  # argparse's refusal (exit 2), before the serving stack the smoke run needs
         cli.main(["agl-collect", "--tasks", "0"])
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: argument --tasks: 0: must be 1 or more")
+    assert cli.main(["promote", "--approve", ""]) == 1  # `--approve "$KEY"` with KEY unset: an answer, not the whole gate
+    assert capsys.readouterr().err.startswith("error: '' is not awaiting approval in reports/promotion.json")
     assert cli.main(["run", "outputs"]) == 0 and "registry" in capsys.readouterr().out
     assert cli.main(["report", "--summary"]) == 0 and capsys.readouterr().out.strip() == ""  # no cycle yet: nothing to say
     # `route new` with a typo, on stderr where a script piping `route status` does not read it; `route status` reads files

@@ -265,7 +265,7 @@ def _awaiting(key: str, answered: Status) -> tuple[PromotionReport, PromotionDec
     d = result.decisions.get(key) if result else None
     if result is None or d is None or d.status not in (Status.AWAITING_APPROVAL, answered):
         waiting = sorted(k for k, v in (result.decisions if result else {}).items() if v.status == Status.AWAITING_APPROVAL)
-        raise PromotionError(f"{key} is not awaiting approval in {METRICS_FILE} (its decision: "
+        raise PromotionError(f"{key or repr(key)} is not awaiting approval in {METRICS_FILE} (its decision: "
                              f"{d.status if d else 'none'}; awaiting: {waiting or 'nothing'})")
     return result, d
 
@@ -326,17 +326,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, params: Params) -> None:
     """An answer to a candidate that is not awaiting one, refused from the cycle's report before the serving stack and
     MLflow start (the CLI calls this first)."""
-    if key := args.approve or args.reject:
-        _awaiting(key, Status.PROMOTED if args.approve else Status.NOT_APPROVED)
+    if (key := _answered(args)) is not None:
+        _awaiting(key, Status.PROMOTED if args.approve is not None else Status.NOT_APPROVED)
+
+
+def _answered(args: argparse.Namespace) -> str | None:
+    """The key a person answers (``--approve KEY`` / ``--reject KEY``); an empty one is still an answer, never a run of
+    the whole gate (``--approve "$KEY"`` with KEY unset)."""
+    return args.approve if args.approve is not None else args.reject
 
 
 def main(args: argparse.Namespace, params: Params) -> int:
     stack.ensure(params.serving, params.mlflow)  # reconciles a switch a crash interrupted before anything else
-    if args.approve or args.reject:
+    if (key := _answered(args)) is not None:
+        approve = args.approve is not None
         try:
             with tracking.stage_run("promote", params.mlflow):
-                settle(params, args.approve or args.reject, bool(args.approve), args.by,
-                       args.why or ("approved" if args.approve else "rejected"))
+                settle(params, key, approve, args.by, args.why or ("approved" if approve else "rejected"))
         except PromotionError as exc:
             print(f"error: {exc}; champion alias and live routing unchanged", file=sys.stderr)
             return 1
