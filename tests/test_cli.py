@@ -186,3 +186,32 @@ def test_a_model_source_that_cannot_be_materialised_is_one_line(project, monkeyp
     assert capfd.readouterr().err.strip().splitlines() == [
         f"error: models.base.source: {project / 'nowhere'} is not a folder (use gguf:, hf:// or s3://)"]
     assert not (project / "models").exists()
+
+
+def test_proxy_status_does_not_call_another_checkouts_proxy_up(project, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """Something answering on serving.proxy.port that this checkout did not start (another checkout's proxy) is not
+    reported as this checkout's proxy being up: `proxy up` would refuse it."""
+    import http.server
+    import threading
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        monkeypatch.setenv("PIPELINE__SERVING__PROXY__PORT", str(port))
+        assert cli.main(["proxy", "status"]) == 0
+        assert capsys.readouterr().out == (f"proxy: down; http://127.0.0.1:{port} answers, but from a proxy this checkout "
+                                           "did not start (`up` refuses it)\n")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert cli.main(["proxy", "status"]) == 0 and capsys.readouterr().out == f"proxy: down at http://127.0.0.1:{port}\n"

@@ -156,6 +156,10 @@ def main(args: argparse.Namespace, params: Params) -> int:
         print(f"proxy: {up(serving, args.host)}/v1  key file {key}")
     elif args.action == "down":
         print(f"proxy: {'stopped' if down(serving) else 'not running'}")
+    elif not http_ok(base_url(serving) + "/health/liveliness"):
+        print(f"proxy: down at {base_url(serving)}")
+    elif serving.proxy.host in ("127.0.0.1", "localhost") and Service("proxy", Path(serving.home).resolve()).pid() is None:
+        print(f"proxy: down; {base_url(serving)} answers, but from a proxy this checkout did not start (`up` refuses it)")
     else:
-        print(f"proxy: {'up' if http_ok(base_url(serving) + '/health/liveliness') else 'down'} at {base_url(serving)}")
+        print(f"proxy: up at {base_url(serving)}")
     return 0
