@@ -188,10 +188,10 @@ def test_a_model_source_that_cannot_be_materialised_is_one_line(project, monkeyp
     assert not (project / "models").exists()
 
 
-def test_proxy_status_does_not_call_another_checkouts_proxy_up(project, monkeypatch: pytest.MonkeyPatch,
+def test_status_does_not_call_another_checkouts_proxy_or_worker_ours(project, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture) -> None:
-    """Something answering on serving.proxy.port that this checkout did not start (another checkout's proxy) is not
-    reported as this checkout's proxy being up: `proxy up` would refuse it."""
+    """Something answering on serving.proxy.port, or a worker's port, that this checkout did not start (another checkout's)
+    is not reported as this checkout's proxy being up, and `serve status` says it was not started here: `up` refuses both."""
     import http.server
     import threading
 
@@ -199,6 +199,7 @@ def test_proxy_status_does_not_call_another_checkouts_proxy_up(project, monkeypa
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
             self.send_response(200)
             self.end_headers()
+            self.wfile.write(b'{"data": [{"id": "theirs"}]}')
 
         def log_message(self, *args: object) -> None:
             pass
@@ -211,6 +212,10 @@ def test_proxy_status_does_not_call_another_checkouts_proxy_up(project, monkeypa
         assert cli.main(["proxy", "status"]) == 0
         assert capsys.readouterr().out == (f"proxy: down; http://127.0.0.1:{port} answers, but from a proxy this checkout "
                                            "did not start (`up` refuses it)\n")
+        monkeypatch.setenv("PIPELINE__SERVING__WORKERS", f"[{{name: base, model: models/base, port: {port}}}]")
+        assert cli.main(["serve", "status"]) == 0  # the same for a worker
+        assert json.loads(capsys.readouterr().out) == {"worker": "base", "url": f"http://127.0.0.1:{port}", "healthy": True,
+                                                      "started_here": False, "models": ["theirs"]}
     finally:
         server.shutdown()
         server.server_close()

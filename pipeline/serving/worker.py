@@ -360,7 +360,9 @@ def main(args: argparse.Namespace, params: Params) -> int:
             print(f"{worker.name}: {'stopped' if down(params.serving, worker) else 'not running'}")
         else:
             healthy = http_ok(f"{base_url(worker)}/health")
-            print(json.dumps({"worker": worker.name, "url": base_url(worker), "healthy": healthy,
+            # a loopback port answered by a worker this checkout did not start (another checkout's): `up` refuses it
+            ours = service(params.serving, worker).pid() is not None if is_local(worker) else None
+            print(json.dumps({"worker": worker.name, "url": base_url(worker), "healthy": healthy, "started_here": ours,
                               "models": models(worker) if healthy else []}))
     return 0
 
